@@ -1,0 +1,19 @@
+"""lightning_pipe: pipeline-parallel training (GPipe, 1F1B) as a PyTorch Lightning strategy."""
+
+from lightning_pipe.module import PipelineMixin
+from lightning_pipe.runtime.engine import PipelineEngine
+from lightning_pipe.runtime.p2p import PipelineAbortedError
+from lightning_pipe.simulate import SimResult, simulate, unit_costs
+from lightning_pipe.strategy import PipelineStrategy
+from lightning_pipe.topology import Topology
+
+__all__ = [
+    "PipelineAbortedError",
+    "PipelineEngine",
+    "PipelineMixin",
+    "PipelineStrategy",
+    "SimResult",
+    "Topology",
+    "simulate",
+    "unit_costs",
+]

@@ -1,0 +1,105 @@
+"""PipelineMixin: the LightningModule side of pipeline training (blocks, loss, steps)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch import Tensor, nn
+
+from lightning_pipe.runtime.engine import PipelineEngine
+
+
+class PipelineMixin:
+    """Mix into a LightningModule whose model is a chain of blocks to train it as a pipeline.
+
+    Define :meth:`pipeline_blocks` and :meth:`pipeline_loss`, set ``self.automatic_optimization
+    = False`` and call :meth:`pipeline_step` from ``training_step``. Each block is called with
+    the previous block's output: a Tensor as one argument, a tuple unpacked into positional
+    arguments. Blocks must return a Tensor or a tuple of Tensors.
+
+    Example::
+
+        class GPT(PipelineMixin, L.LightningModule):
+            def pipeline_blocks(self):
+                return [self.embed, *self.blocks, self.head]
+
+            def pipeline_loss(self, output, batch):
+                return F.cross_entropy(output.flatten(0, 1), batch[1].flatten())
+
+            def training_step(self, batch, batch_idx):
+                loss = self.pipeline_step(batch)
+                self.log("train_loss", loss, prog_bar=True)
+    """
+
+    _pipeline_engine: Optional[PipelineEngine] = None
+    _pipeline_epoch: int = 0
+
+    def pipeline_blocks(self) -> list[nn.Module]:
+        """The model as an ordered chain of blocks (e.g. embedding, transformer blocks, head)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement pipeline_blocks() to be pipelined")
+
+    def pipeline_loss(self, output: Any, batch: Any) -> Tensor:
+        """Mean-reduced loss of one microbatch, computed on the last stage from the chain's output."""
+        raise NotImplementedError(f"{type(self).__name__} must implement pipeline_loss(output, batch)")
+
+    def pipeline_inputs(self, batch: Any) -> Any:
+        """What stage 0 feeds the first block: by default the batch itself, or its first item."""
+        return batch[0] if isinstance(batch, (tuple, list)) else batch
+
+    @property
+    def pipeline_engine(self) -> PipelineEngine:
+        """This rank's engine; set by :class:`~lightning_pipe.PipelineStrategy` during setup."""
+        if self._pipeline_engine is None:
+            raise RuntimeError(
+                "pipeline_step()/pipeline_forward() need the model to be set up by "
+                "Trainer(strategy=PipelineStrategy(...)) (or strategy='pipeline')"
+            )
+        return self._pipeline_engine
+
+    def pipeline_step(self, batch: Any) -> Tensor:
+        """Train on ``batch``: run the schedule, the replica all-reduce and the optimizer step.
+
+        Also steps LR schedulers (interval "step" after each optimizer step, interval "epoch"
+        at the first step of each new epoch), since manual optimization leaves that to us.
+
+        Returns:
+            The mean loss of this batch (this pipeline's shard) on every stage of the pipeline.
+        """
+        optimizer = self.optimizers()
+        if isinstance(optimizer, list):
+            raise ValueError(f"pipeline training supports one optimizer, configure_optimizers returned {len(optimizer)}")
+        self._step_epoch_schedulers()
+        return self.pipeline_engine.train_step(batch, lambda: self._pipeline_optimizer_step(optimizer))
+
+    def pipeline_forward(self, batch: Any, with_loss: bool = False) -> Any:
+        """Forward-only pass through the pipeline (validation, test, predict).
+
+        Returns:
+            The chain's output for the whole batch, or with ``with_loss=True`` the batch's mean
+            :meth:`pipeline_loss`, on every stage of the pipeline.
+        """
+        return self.pipeline_engine.forward(batch, with_loss=with_loss)
+
+    def _pipeline_optimizer_step(self, optimizer: Any) -> None:
+        optimizer.step()
+        step = self.trainer.global_step
+        for config in self.trainer.lr_scheduler_configs:
+            if config.interval == "step" and step % config.frequency == 0:
+                self._step_scheduler(config)
+
+    def _step_epoch_schedulers(self) -> None:
+        epoch = self.trainer.current_epoch
+        if epoch == self._pipeline_epoch:
+            return
+        self._pipeline_epoch = epoch
+        for config in self.trainer.lr_scheduler_configs:
+            if config.interval == "epoch" and epoch % config.frequency == 0:
+                self._step_scheduler(config)
+
+    def _step_scheduler(self, config: Any) -> None:
+        if config.reduce_on_plateau:
+            metric = self.trainer.callback_metrics.get(config.monitor)
+            if metric is not None:
+                config.scheduler.step(metric)
+            return
+        config.scheduler.step()

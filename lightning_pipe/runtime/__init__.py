@@ -1,0 +1,1 @@
+"""Runtime: the engine, the executor, point-to-point transfers and microbatching."""

@@ -1,0 +1,191 @@
+"""Runs one rank's action list with real tensors: a dispatch table from action kind to handler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_pipe.runtime import p2p
+from lightning_pipe.runtime.stage import Stage, Tensors, as_tuple
+from lightning_pipe.schedules.actions import Action, Kind
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a rank sits in its pipeline: stage index, depth and neighbouring global ranks."""
+
+    stage: int
+    depth: int
+    prev_rank: Optional[int]
+    next_rank: Optional[int]
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this rank reads the data batch."""
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this rank computes the loss."""
+        return self.stage == self.depth - 1
+
+
+@dataclass
+class Hooks:
+    """What the executor calls back into: user code and the engine's whole-batch actions."""
+
+    inputs: Callable[[Any], Any]
+    loss: Callable[[Any, Any], Tensor]
+    all_reduce: Callable[[], None] = lambda: None
+    optimizer_step: Callable[[], None] = lambda: None
+
+
+@dataclass
+class StepState:
+    """Everything one step keeps between actions, keyed by microbatch."""
+
+    microbatches: list[Any]
+    shares: list[float]
+    train: bool = True
+    inputs: dict[int, Tensors] = field(default_factory=dict)
+    outputs: dict[int, Tensors] = field(default_factory=dict)
+    losses: dict[int, Tensor] = field(default_factory=dict)
+    grads: dict[int, Tensors] = field(default_factory=dict)
+    input_grads: dict[int, Tensors] = field(default_factory=dict)
+    results: dict[int, Any] = field(default_factory=dict)
+    loss_sum: float = 0.0
+    pending: list[tuple[dist.Work, Tensors]] = field(default_factory=list)
+    live: int = 0
+    peak_stash: int = 0
+
+    def stash(self, delta: int) -> None:
+        """Count microbatches whose activations are held for a backward."""
+        self.live += delta
+        self.peak_stash = max(self.peak_stash, self.live)
+
+
+def _unwrap(values: Tensors) -> Any:
+    return values[0] if len(values) == 1 else values
+
+
+class Executor:
+    """Execute a rank's actions; never decides what runs next, only how each kind runs.
+
+    Args:
+        stage: the blocks this rank owns.
+        position: the rank's place in its pipeline.
+        device: where received tensors are allocated.
+        hooks: user inputs/loss and the engine's all-reduce and optimizer step.
+        abort_timeout: how long to wait for abort notices to reach neighbours on failure.
+    """
+
+    def __init__(self, stage: Stage, position: Position, device: torch.device, hooks: Hooks, abort_timeout: float = 10.0) -> None:
+        self.stage, self.position, self.device, self.hooks = stage, position, device, hooks
+        self.abort_timeout = abort_timeout
+        self._handlers: dict[Kind, Callable[[Action, StepState], None]] = {
+            Kind.FORWARD: self._forward,
+            Kind.BACKWARD: self._backward,
+            Kind.SEND_ACT: self._send_act,
+            Kind.RECV_ACT: self._recv_act,
+            Kind.SEND_GRAD: self._send_grad,
+            Kind.RECV_GRAD: self._recv_grad,
+            Kind.ALL_REDUCE: lambda a, st: self.hooks.all_reduce(),
+            Kind.OPTIMIZER_STEP: lambda a, st: self.hooks.optimizer_step(),
+        }
+
+    def run(self, actions: list[Action], state: StepState) -> StepState:
+        """Run ``actions`` in order; on any error tell both neighbours, then re-raise."""
+        try:
+            for action in actions:
+                self._handlers[action.kind](action, state)
+            self._wait(state)
+        except BaseException as err:  # noqa: BLE001 - neighbours must hear of every failure
+            self._abort(err)
+            raise
+        return state
+
+    # -- compute ---------------------------------------------------------------------------
+    def _forward(self, a: Action, st: StepState) -> None:
+        k = a.microbatch
+        mb = st.microbatches[k]
+        inputs = as_tuple(self.hooks.inputs(mb), "pipeline_inputs") if self.position.is_first else st.inputs.pop(k)
+        if st.train:
+            st.inputs[k] = inputs
+        outputs = self.stage(inputs)
+        st.stash(int(st.train))
+        if not self.position.is_last:
+            st.outputs[k] = outputs
+        elif st.train:
+            loss = self._loss(outputs, mb) * st.shares[k]
+            st.loss_sum += float(loss.detach())
+            st.losses[k] = loss
+        else:
+            st.results[k] = _unwrap(outputs)
+
+    def _loss(self, outputs: Tensors, mb: Any) -> Tensor:
+        loss = self.hooks.loss(_unwrap(outputs), mb)
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise TypeError(f"pipeline_loss must return a scalar Tensor, got {type(loss).__name__}")
+        return loss.reshape(())
+
+    def _backward(self, a: Action, st: StepState) -> None:
+        k = a.microbatch
+        if self.position.is_last:
+            pairs = [(st.losses.pop(k), None)]
+        else:
+            floats = [o for o in st.outputs.pop(k) if o.is_floating_point()]
+            pairs = list(zip(floats, st.grads.pop(k)))
+        pairs = [(root, grad) for root, grad in pairs if root.requires_grad]
+        if pairs:
+            torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
+        inputs = st.inputs.pop(k)
+        if not self.position.is_first:
+            st.input_grads[k] = tuple(
+                x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs if x.is_floating_point()
+            )
+        st.stash(-1)
+
+    # -- communication ---------------------------------------------------------------------
+    def _send(self, tensors: Tensors, dst: int, st: StepState) -> None:
+        st.pending += [(w, tensors) for w in p2p.send_tensors(tensors, dst, self.device)]
+
+    def _send_act(self, a: Action, st: StepState) -> None:
+        outputs = st.outputs[a.microbatch] if st.train else st.outputs.pop(a.microbatch)
+        self._send(outputs, self.position.next_rank, st)
+
+    def _send_grad(self, a: Action, st: StepState) -> None:
+        self._send(st.input_grads.pop(a.microbatch), self.position.prev_rank, st)
+
+    def _recv_act(self, a: Action, st: StepState) -> None:
+        received = p2p.recv_tensors(self.position.prev_rank, self.device)
+        grad = st.train and torch.is_grad_enabled()
+        st.inputs[a.microbatch] = tuple(t.requires_grad_(grad and t.is_floating_point()) for t in received)
+
+    def _recv_grad(self, a: Action, st: StepState) -> None:
+        st.grads[a.microbatch] = p2p.recv_tensors(self.position.next_rank, self.device)
+
+    def _wait(self, st: StepState) -> None:
+        for work, _ in st.pending:
+            work.wait()
+        st.pending.clear()
+
+    # -- failure ---------------------------------------------------------------------------
+    def _abort(self, err: BaseException) -> None:
+        source = getattr(err, "source_rank", None)
+        if isinstance(err, p2p.PipelineAbortedError):
+            message = str(err)
+        else:
+            message = f"stage {self.position.stage} (rank {dist.get_rank()}) failed: {type(err).__name__}: {err}"
+        for peer in (self.position.prev_rank, self.position.next_rank):
+            if peer is None or peer == source:
+                continue
+            try:
+                for work in p2p.send_abort(message, peer, self.device):
+                    work.wait(timedelta(seconds=self.abort_timeout))
+            except Exception:  # noqa: BLE001 - the peer may already be gone; the original error matters
+                pass

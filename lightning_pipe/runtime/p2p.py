@@ -1,0 +1,93 @@
+"""Point-to-point transfer of tensor tuples between stages, with shape headers and abort notices."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+HEADER_LEN = 64
+_OK, _ABORT = 1, 2
+_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+]  # fmt: skip
+_DTYPE_INDEX = {dt: i for i, dt in enumerate(_DTYPES)}
+
+
+class PipelineAbortedError(RuntimeError):
+    """Raised on a rank when another stage of its pipeline failed; carries that stage's error.
+
+    Args:
+        message: the failing stage's error, as text.
+        source_rank: the neighbour the notice came from (it needs no notice back).
+    """
+
+    def __init__(self, message: str, source_rank: int) -> None:
+        super().__init__(message)
+        self.source_rank = source_rank
+
+
+def encode_header(tensors: Sequence[Tensor]) -> Tensor:
+    """Fixed-size int64 header: status, count, then (dtype, ndim, *shape) per tensor."""
+    fields = [_OK, len(tensors)]
+    for t in tensors:
+        if t.dtype not in _DTYPE_INDEX:
+            raise TypeError(f"cannot send a tensor of dtype {t.dtype} between pipeline stages")
+        fields += [_DTYPE_INDEX[t.dtype], t.dim(), *t.shape]
+    if len(fields) > HEADER_LEN:
+        raise ValueError(f"a stage output with {len(tensors)} tensors and these shapes does not fit the {HEADER_LEN}-field header")
+    return torch.tensor(fields + [0] * (HEADER_LEN - len(fields)), dtype=torch.int64)
+
+
+def decode_header(header: Tensor) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    """Inverse of :func:`encode_header` for an OK header: (dtype, shape) of each tensor."""
+    fields = header.tolist()
+    specs, pos = [], 2
+    for _ in range(fields[1]):
+        dtype, ndim = _DTYPES[fields[pos]], fields[pos + 1]
+        specs.append((dtype, tuple(fields[pos + 2 : pos + 2 + ndim])))
+        pos += 2 + ndim
+    return specs
+
+
+def _wire(t: Tensor) -> Tensor:
+    """Gloo has no bool: move bools as bytes of the same size."""
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
+
+
+def send_tensors(tensors: Sequence[Tensor], dst: int, device: torch.device) -> list[dist.Work]:
+    """Post non-blocking sends of a header and each tensor to global rank ``dst``."""
+    tensors = [t.detach().contiguous() for t in tensors]
+    header = encode_header(tensors).to(device)
+    return [dist.isend(header, dst)] + [dist.isend(_wire(t), dst) for t in tensors]
+
+
+def recv_tensors(src: int, device: torch.device) -> tuple[Tensor, ...]:
+    """Receive a tuple sent by :func:`send_tensors`; raise if ``src`` sent an abort instead."""
+    header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
+    dist.irecv(header, src).wait()
+    if int(header[0]) == _ABORT:
+        raise PipelineAbortedError(_recv_message(int(header[1]), src, device), src)
+    out = []
+    for dtype, shape in decode_header(header.cpu()):
+        buf = torch.empty(shape, dtype=dtype, device=device)
+        dist.irecv(_wire(buf), src).wait()
+        out.append(buf)
+    return tuple(out)
+
+
+def _recv_message(length: int, src: int, device: torch.device) -> str:
+    buf = torch.empty(length, dtype=torch.uint8, device=device)
+    dist.irecv(buf, src).wait()
+    return bytes(buf.cpu().tolist()).decode("utf-8", errors="replace")
+
+
+def send_abort(message: str, dst: int, device: torch.device) -> list[dist.Work]:
+    """Tell rank ``dst`` that this pipeline failed, in place of the next tensor tuple it awaits."""
+    data = torch.tensor(list(message.encode("utf-8")), dtype=torch.uint8, device=device)
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
+    header[0], header[1] = _ABORT, data.numel()
+    return [dist.isend(header, dst), dist.isend(data, dst)]

@@ -1,0 +1,22 @@
+"""Schedules as data: actions, generators, lowering passes and verification."""
+
+from lightning_pipe.schedules.actions import Action, Kind, format_actions, parse_actions
+from lightning_pipe.schedules.generators import TRAINING_SCHEDULES, forward_only, gpipe, one_f_one_b
+from lightning_pipe.schedules.passes import Schedule, build_inference, build_schedule, resolve
+from lightning_pipe.schedules.verify import verify
+
+__all__ = [
+    "Action",
+    "Kind",
+    "Schedule",
+    "TRAINING_SCHEDULES",
+    "build_inference",
+    "build_schedule",
+    "format_actions",
+    "forward_only",
+    "gpipe",
+    "one_f_one_b",
+    "parse_actions",
+    "resolve",
+    "verify",
+]

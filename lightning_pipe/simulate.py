@@ -1,0 +1,117 @@
+"""Pure simulator: runs per-rank action lists over a cost model and reports time, bubble and stash."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional, Union
+
+from lightning_pipe.schedules.actions import COMPUTE_KINDS, Action, Kind, format_actions
+
+CostModel = Union[Mapping[Kind, float], Callable[[Action], float]]
+
+# A receive can start once the matching send on the neighbouring stage has completed.
+_SENDER: dict[Kind, tuple[Kind, int]] = {Kind.RECV_ACT: (Kind.SEND_ACT, -1), Kind.RECV_GRAD: (Kind.SEND_GRAD, +1)}
+# Actions that take a microbatch into / out of the stage's activation stash.
+STASH_IN: frozenset[Kind] = frozenset({Kind.FORWARD})
+STASH_OUT: frozenset[Kind] = frozenset({Kind.BACKWARD})
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run: deadlock, missing or duplicated work, wrong order."""
+
+
+@dataclass(frozen=True)
+class Interval:
+    """One action as it ran (or would run): on which rank, from when to when."""
+
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass
+class SimResult:
+    """What the simulator found for one pipeline."""
+
+    makespan: float
+    busy: list[float]
+    peak_stash: list[int]
+    timeline: list[Interval] = field(default_factory=list)
+
+    @property
+    def bubble(self) -> list[float]:
+        """Idle fraction of each rank: 1 - busy / makespan."""
+        return [1.0 - b / self.makespan if self.makespan else 0.0 for b in self.busy]
+
+    @property
+    def total_bubble(self) -> float:
+        """Idle fraction over all ranks together."""
+        return 1.0 - sum(self.busy) / (len(self.busy) * self.makespan) if self.makespan else 0.0
+
+
+def unit_costs(forward: float = 1.0, backward: float = 1.0) -> dict[Kind, float]:
+    """Cost model charging only compute; communication and the flush are free."""
+    return {Kind.FORWARD: forward, Kind.BACKWARD: backward}
+
+
+def _cost_fn(costs: CostModel) -> Callable[[Action], float]:
+    if callable(costs):
+        return costs
+    return lambda a: float(costs.get(a.kind, 0.0))
+
+
+def grid(schedule: list[list[Action]]) -> str:
+    """Rank-by-step text of a schedule, printed in errors."""
+    return "\n".join(f"  rank {r}: {format_actions(acts)}" for r, acts in enumerate(schedule))
+
+
+def _dependency(action: Action) -> Optional[Action]:
+    if action.kind not in _SENDER:
+        return None
+    kind, offset = _SENDER[action.kind]
+    return Action(action.stage + offset, kind, action.microbatch)
+
+
+def _peak_stash(actions: list[Action]) -> int:
+    live, peak = 0, 0
+    for a in actions:
+        live += (a.kind in STASH_IN) - (a.kind in STASH_OUT)
+        peak = max(peak, live)
+    return peak
+
+
+def _advance(rank: int, actions: list[Action], ptr: int, clock: float, done: dict, cost, out: list) -> tuple[int, float]:
+    """Run rank's actions from ``ptr`` until one waits on a send not yet simulated."""
+    while ptr < len(actions):
+        action = actions[ptr]
+        dep = _dependency(action)
+        if dep is not None and dep not in done:
+            break
+        start = max(clock, done.get(dep, 0.0)) if dep is not None else clock
+        clock = start + cost(action)
+        done[action] = clock
+        out.append(Interval(rank, action, start, clock))
+        ptr += 1
+    return ptr, clock
+
+
+def simulate(schedule: list[list[Action]], costs: CostModel) -> SimResult:
+    """Simulate one pipeline; rank ``r`` runs ``schedule[r]`` in order, sends never block.
+
+    Raises:
+        ScheduleError: if the ranks deadlock (a receive whose send never comes).
+    """
+    cost = _cost_fn(costs)
+    ptrs, clocks = [0] * len(schedule), [0.0] * len(schedule)
+    done: dict[Action, float] = {}
+    timeline: list[Interval] = []
+    while any(p < len(a) for p, a in zip(ptrs, schedule)):
+        before = list(ptrs)
+        for r, actions in enumerate(schedule):
+            ptrs[r], clocks[r] = _advance(r, actions, ptrs[r], clocks[r], done, cost, timeline)
+        if ptrs == before:
+            stuck = {r: str(schedule[r][p]) for r, p in enumerate(ptrs) if p < len(schedule[r])}
+            raise ScheduleError(f"deadlock: ranks wait at {stuck}\n{grid(schedule)}")
+    busy = [sum(i.end - i.start for i in timeline if i.rank == r and i.action.kind in COMPUTE_KINDS) for r in range(len(schedule))]
+    return SimResult(max(clocks, default=0.0), busy, [_peak_stash(a) for a in schedule], timeline)

@@ -1,0 +1,115 @@
+"""Small chain models shared by the tests, and a single-process reference trainer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_pipe import PipelineMixin
+
+IN, HIDDEN, CLASSES = 6, 16, 5
+
+
+class Embed(nn.Module):
+    """First block: projects inputs and derives a bool mask that travels down the chain."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(IN, HIDDEN)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return torch.tanh(self.proj(x)), x[:, 0] > -1.0
+
+
+class Residual(nn.Module):
+    """Middle block: takes (h, mask), returns (h', mask); the mask passes without gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(HIDDEN, HIDDEN)
+        self.norm = nn.LayerNorm(HIDDEN)
+
+    def forward(self, h: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        return h + torch.tanh(self.fc(self.norm(h))) * mask.unsqueeze(-1).to(h.dtype), mask
+
+
+class Head(nn.Module):
+    """Last block: logits from (h, mask)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, h: Tensor, mask: Tensor) -> Tensor:
+        return self.out(h)
+
+
+class ToyChain(PipelineMixin, L.LightningModule):
+    """Embed, ``depth`` residual blocks, head; classification loss; Adam."""
+
+    def __init__(self, depth: int = 4, lr: float = 1e-2) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.embed = Embed()
+        self.blocks = nn.ModuleList(Residual() for _ in range(depth))
+        self.head = Head()
+        self.lr = lr
+
+    def pipeline_blocks(self) -> list[nn.Module]:
+        return [self.embed, *self.blocks, self.head]
+
+    def pipeline_loss(self, output: Tensor, batch: Any) -> Tensor:
+        return F.cross_entropy(output.float(), batch[1])
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Any = x
+        for block in self.pipeline_blocks():
+            out = block(*out) if isinstance(out, tuple) else block(out)
+        return out
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        loss = self.pipeline_step(batch)
+        self.log("train_loss", loss, prog_bar=True)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.pipeline_forward(batch, with_loss=True), sync_dist=True)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return self.pipeline_forward(batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+def make_data(n: int, seed: int = 0) -> tuple[Tensor, Tensor]:
+    """Inputs and labels of a random classification problem."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, IN, generator=g), torch.randint(0, CLASSES, (n,), generator=g)
+
+
+def reference_grads(model: ToyChain, batch: tuple[Tensor, Tensor]) -> dict[str, Tensor]:
+    """Gradients of the plain (unpipelined) model on the whole batch."""
+    model.zero_grad()
+    model.pipeline_loss(model(batch[0]), batch).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def reference_train(model: ToyChain, batches: list[tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
+    """Parameters of the plain model after one Adam step per batch."""
+    opt = model.configure_optimizers()
+    for batch in batches:
+        opt.zero_grad()
+        model.pipeline_loss(model(batch[0]), batch).backward()
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_close_dicts(got: dict[str, Tensor], want: dict[str, Tensor], rtol: float, atol: float = 1e-7) -> None:
+    """Every key of ``want`` is in ``got`` with a close value."""
+    assert sorted(got) == sorted(want), f"keys differ: {sorted(set(got) ^ set(want))}"
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
