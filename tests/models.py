@@ -98,13 +98,21 @@ def reference_grads(model: ToyChain, batch: tuple[Tensor, Tensor]) -> dict[str, 
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def reference_train(model: ToyChain, batches: list[tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
-    """Parameters of the plain model after one Adam step per batch."""
-    opt = model.configure_optimizers()
+def reference_train(
+    model: ToyChain, batches: list[tuple[Tensor, Tensor]], losses: list[float] | None = None, step_lr: bool = False
+) -> dict[str, Tensor]:
+    """Parameters of the plain model after one Adam step per batch (optionally StepLR(2, 0.5) per step)."""
+    opt = torch.optim.Adam(model.parameters(), lr=model.lr)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if step_lr else None
     for batch in batches:
         opt.zero_grad()
-        model.pipeline_loss(model(batch[0]), batch).backward()
+        loss = model.pipeline_loss(model(batch[0]), batch)
+        loss.backward()
         opt.step()
+        if sched is not None:
+            sched.step()
+        if losses is not None:
+            losses.append(float(loss))
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 

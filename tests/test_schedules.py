@@ -1,0 +1,84 @@
+"""Pure tests of the schedule IR, generators, verifier and simulator (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_pipe.schedules import Action, Kind, build_inference, build_schedule, format_actions, parse_actions, verify
+from lightning_pipe.simulate import ScheduleError, simulate, unit_costs
+
+DEPTHS = range(1, 9)
+MICROBATCHES = range(1, 17)
+
+
+def test_text_form_round_trips() -> None:
+    program = build_schedule("1f1b", 3, 4)
+    for actions in program:
+        assert parse_actions(format_actions(actions)) == actions
+    assert str(Action(1, Kind.FORWARD, 3)) == "1F3"
+    assert Action.parse("12SB7") == Action(12, Kind.SEND_GRAD, 7)
+    assert Action.parse("2OPT") == Action(2, Kind.OPTIMIZER_STEP)
+    with pytest.raises(ValueError, match="not an action"):
+        Action.parse("1X3")
+
+
+def test_golden_two_stage_schedules() -> None:
+    # The diagrams in generators.py, written out (compute actions only).
+    def compute(name: str) -> list[str]:
+        return [
+            " ".join(str(a) for a in acts if a.kind in (Kind.FORWARD, Kind.BACKWARD))
+            for acts in build_schedule(name, 2, 3)
+        ]
+
+    assert compute("gpipe") == ["0F0 0F1 0F2 0B0 0B1 0B2", "1F0 1F1 1F2 1B0 1B1 1B2"]
+    assert compute("1f1b") == ["0F0 0F1 0B0 0F2 0B1 0B2", "1F0 1B0 1F1 1B1 1F2 1B2"]
+    assert format_actions(build_schedule("1f1b", 2, 1)[1]) == "1RF0 1F0 1B0 1SB0 1AR 1OPT"
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_schedules_are_valid_and_match_seed_bubble(name: str) -> None:
+    for d in DEPTHS:
+        for m in MICROBATCHES:
+            program = build_schedule(name, d, m)
+            verify(program, m)  # each F and B once, F before B, no deadlock
+            result = simulate(program, unit_costs())
+            bubble = (d - 1) / (m + d - 1)  # seed 003: 1 - 2mn / (2n(m+n-1))
+            assert result.makespan == pytest.approx(2 * (m + d - 1))
+            assert result.bubble == pytest.approx([bubble] * d)
+            if name == "gpipe":
+                assert result.peak_stash == [m] * d
+            else:
+                assert all(p <= d - s for s, p in enumerate(result.peak_stash))
+                assert result.peak_stash == [min(d - s, m) for s in range(d)]
+
+
+def test_inference_schedule_runs_forwards_only() -> None:
+    for d in DEPTHS:
+        program = build_inference(d, 5)
+        verify(program, 5, train=False)
+        assert simulate(program, unit_costs()).makespan == 5 + d - 1
+
+
+def test_unknown_schedule_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'zigzag'"):
+        build_schedule("zigzag", 2, 2)
+
+
+def test_verifier_catches_deadlock_and_bad_order() -> None:
+    program = build_schedule("gpipe", 2, 2)
+    # Stage 1 waits for gradients of microbatch 1 before microbatch 0 ever arrives: deadlock.
+    swapped = [program[0], parse_actions("1RB0 1RF0 1F0 1B0 1SB0 1RF1 1F1 1B1 1SB1 1AR 1OPT")]
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate(swapped, unit_costs())
+    backward_first = [parse_actions("0B0 0F0")]
+    with pytest.raises(ScheduleError, match="B before F"):
+        verify(backward_first, 1)
+    with pytest.raises(ScheduleError, match="1 runs FORWARD of microbatch 1 0 times"):
+        verify([program[0], [a for a in program[1] if str(a) != "1F1"]], 2)
+
+
+def test_simulator_uses_cost_model() -> None:
+    costs = {Kind.FORWARD: 1.0, Kind.BACKWARD: 2.0}
+    result = simulate(build_schedule("gpipe", 4, 8), costs)
+    assert result.makespan == pytest.approx(3 * (8 + 4 - 1))
+    assert result.total_bubble == pytest.approx(3 / 11)
