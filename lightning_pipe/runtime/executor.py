@@ -180,7 +180,8 @@ class Executor:
         if isinstance(err, p2p.PipelineAbortedError):
             message = str(err)
         else:
-            message = f"stage {self.position.stage} (rank {dist.get_rank()}) failed: {type(err).__name__}: {err}"
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            message = f"stage {self.position.stage} (rank {rank}) failed: {type(err).__name__}: {err}"
         for peer in (self.position.prev_rank, self.position.next_rank):
             if peer is None or peer == source:
                 continue

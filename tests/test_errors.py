@@ -1,0 +1,118 @@
+"""Misuse raises clear errors before any process can hang; a failing rank takes every rank down."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe import PipelineEngine, PipelineStrategy, Topology
+from tests.distributed import run_workers
+from tests.launch import SCRIPTS, launch
+from tests.models import ToyChain, make_data
+
+
+def test_unknown_schedule() -> None:
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'pipedream-9'"):
+        PipelineStrategy(schedule="pipedream-9")
+
+
+def test_more_stages_than_blocks() -> None:
+    with pytest.raises(ValueError, match="cannot split 6 pipeline blocks over pipeline_depth=8"):
+        PipelineEngine(ToyChain(depth=4), Topology(8, 8), rank=0)
+
+
+def test_module_without_pipeline_blocks() -> None:
+    with pytest.raises(TypeError, match="has no pipeline_blocks"):
+        PipelineEngine(nn.Linear(2, 2), Topology(1, 1), rank=0)
+
+
+def test_batch_smaller_than_microbatches() -> None:
+    engine = PipelineEngine(ToyChain(), Topology(1, 1), rank=0, microbatches=4)
+    with pytest.raises(ValueError, match="batch of 3 samples cannot be split into microbatches=4"):
+        engine.train_step(make_data(3), lambda: None)
+
+
+def test_uneven_batch_is_split_and_weighted() -> None:
+    # 7 samples over 3 microbatches: sizes 3, 2, 2, each loss weighted by its share.
+    torch.manual_seed(0)
+    model = ToyChain()
+    engine = PipelineEngine(model, Topology(1, 1), rank=0, microbatches=3)
+    batch = make_data(7)
+    loss = engine.train_step(batch, lambda: None)
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    torch.manual_seed(0)
+    ref = ToyChain()
+    want_loss = ref.pipeline_loss(ref(batch[0]), batch)
+    want_loss.backward()
+    assert float(loss) == pytest.approx(float(want_loss.detach()), rel=1e-6)
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, rtol=1e-5, atol=1e-7)
+
+
+class _Dict(nn.Module):
+    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> dict:
+        return {"h": h}
+
+
+def test_block_returning_non_tensor() -> None:
+    model = ToyChain()
+    model.blocks[1] = _Dict()
+    engine = PipelineEngine(model, Topology(1, 1), rank=0, microbatches=2)
+    with pytest.raises(TypeError, match=r"pipeline block 2 \(_Dict\) returned dict"):
+        engine.train_step(make_data(4), lambda: None)
+
+
+@pytest.mark.parametrize("case,devices,message", [
+    ("auto_opt", 1, "needs manual optimization"),
+    ("no_blocks", 1, "has no pipeline_blocks"),
+    ("indivisible", 3, "world size 3 is not divisible by pipeline_depth=2"),
+])  # fmt: skip
+def test_trainer_refuses_misuse(case: str, devices: int, message: str) -> None:
+    proc = launch([str(SCRIPTS / "misuse.py"), case, str(devices)], timeout=120, check=False)
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr[-3000:]
+
+
+class _FailingBlock(nn.Module):
+    def __init__(self, at_call: int) -> None:
+        super().__init__()
+        self.at_call, self.calls = at_call, 0
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.calls += 1
+        if self.calls == self.at_call:
+            raise RuntimeError("boom on stage 2")
+        return h, mask
+
+
+def _fail_mid_step(rank: int, world: int, depth: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    topo = Topology(world, depth)
+    mesh = init_device_mesh("cpu", (topo.width, depth), mesh_dim_names=("dp", "pp"))
+    model = ToyChain(depth=3)
+    model.blocks.insert(2, _FailingBlock(at_call=7 if topo.replica_of(rank) == 0 else 0))
+    engine = PipelineEngine(model, topo, rank, "1f1b", 4, [2, 1, 2, 1][:depth] if depth == 4 else "uniform", mesh=mesh)
+    for step in range(3):  # fails in step 2, microbatch 2
+        engine.train_step(make_data(8, seed=step), lambda: None)
+
+
+@pytest.mark.parametrize("width,depth", [(1, 4), (2, 2)])
+def test_rank_failing_mid_step_stops_every_rank(width: int, depth: int) -> None:
+    start = time.monotonic()
+    out = run_workers(_fail_mid_step, width * depth, depth, timeout=90, pg_timeout=20)
+    assert time.monotonic() - start < 60
+    assert all(status == "error" for status, _ in out), out
+    pipeline0 = [msg for status, msg in out[:depth]]
+    assert all("boom on stage 2" in msg for msg in pipeline0), pipeline0
+
+
+def test_trainer_rank_failing_mid_step_exits_all(tmp_path) -> None:
+    start = time.monotonic()
+    proc = launch([str(SCRIPTS / "misuse.py"), "mid_step", "2"], timeout=120, check=False)
+    assert proc.returncode != 0
+    assert "boom in block" in proc.stderr
+    assert time.monotonic() - start < 100
