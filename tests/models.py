@@ -112,7 +112,7 @@ def reference_train(
         if sched is not None:
             sched.step()
         if losses is not None:
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 

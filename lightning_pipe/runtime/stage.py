@@ -37,15 +37,12 @@ class Stage:
         self.blocks = list(blocks)
         self.first_index = first_index
         self.recompute = recompute
+        unique = {id(p): p for block in self.blocks for p in block.parameters() if p.requires_grad}
+        self._params = list(unique.values())
 
     def parameters(self) -> list[nn.Parameter]:
         """Trainable parameters of this stage, without duplicates."""
-        seen: dict[int, nn.Parameter] = {}
-        for block in self.blocks:
-            for p in block.parameters():
-                if p.requires_grad:
-                    seen.setdefault(id(p), p)
-        return list(seen.values())
+        return self._params
 
     def _run(self, *inputs: Tensor) -> Tensors:
         x: Tensors = inputs
