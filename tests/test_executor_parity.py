@@ -62,3 +62,31 @@ def test_executor_matches_single_process(width: int, depth: int) -> None:
         assert peaks == [M if combo[0] == "gpipe" else min(depth - s, M) for s in range(depth)]
         losses = [out[r][1][combo][2] for r in range(depth)]
         assert all(l == losses[0] for l in losses), "every stage must return the same loss"
+
+
+SIZES = [8, 7, 5, 3]  # the last batches are partial: uneven microbatches, new shapes every step
+
+
+def _varying_worker(rank: int, world: int) -> list[dict]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    topo = Topology(world, world)
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "pp"))
+    torch.manual_seed(0)
+    model = ToyChain()
+    engine = PipelineEngine(model, topo, rank, "1f1b", 3, "uniform", mesh=mesh)
+    grads = []
+    for step, size in enumerate(SIZES):
+        engine.train_step(make_data(size, seed=step), lambda: None)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    return grads
+
+
+def test_shapes_change_between_steps() -> None:
+    out = run_workers(_varying_worker, 2, timeout=120)
+    assert all(status == "ok" for status, _ in out), out
+    torch.manual_seed(0)
+    reference = ToyChain()
+    for step, size in enumerate(SIZES):
+        got = {**out[0][1][step], **out[1][1][step]}
+        assert_close_dicts(got, reference_grads(reference, make_data(size, seed=step)), rtol=1e-5)
