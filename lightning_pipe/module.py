@@ -33,6 +33,7 @@ class PipelineMixin:
 
     _pipeline_engine: Optional[PipelineEngine] = None
     _pipeline_epoch: int = 0
+    _pipeline_updates: int = 0
 
     def pipeline_blocks(self) -> list[nn.Module]:
         """The model as an ordered chain of blocks (e.g. embedding, transformer blocks, head)."""
@@ -61,15 +62,22 @@ class PipelineMixin:
 
         Also steps LR schedulers (interval "step" after each optimizer step, interval "epoch"
         at the first step of each new epoch), since manual optimization leaves that to us.
+        Lightning counts one optimizer step per call, so ``trainer.global_step`` and
+        ``max_steps`` mean training steps for every schedule.
 
         Returns:
             The mean loss of this batch (this pipeline's shard) on every stage of the pipeline.
+            With ``schedule="2bw"`` it is still this batch's loss, computed on the 1-stale
+            weights the batch ran on; this batch's update is applied during the next call
+            (or at the next drain: before validation, checkpoints and the end of fit).
         """
         optimizer = self.optimizers()
         if isinstance(optimizer, list):
             raise ValueError(f"pipeline training supports one optimizer, configure_optimizers returned {len(optimizer)}")
         self._step_epoch_schedulers()
-        return self.pipeline_engine.train_step(batch, lambda: self._pipeline_optimizer_step(optimizer))
+        loss = self.pipeline_engine.train_step(batch, optimizer.optimizer, self._step_interval_schedulers)
+        optimizer.step()  # lets Lightning count the step; PipelineStrategy.optimizer_step does not step again
+        return loss
 
     def pipeline_forward(self, batch: Any, with_loss: bool = False) -> Any:
         """Forward-only pass through the pipeline (validation, test, predict).
@@ -80,11 +88,10 @@ class PipelineMixin:
         """
         return self.pipeline_engine.forward(batch, with_loss=with_loss)
 
-    def _pipeline_optimizer_step(self, optimizer: Any) -> None:
-        optimizer.step()
-        step = self.trainer.global_step
+    def _step_interval_schedulers(self) -> None:
+        self._pipeline_updates += 1
         for config in self.trainer.lr_scheduler_configs:
-            if config.interval == "step" and step % config.frequency == 0:
+            if config.interval == "step" and self._pipeline_updates % config.frequency == 0:
                 self._step_scheduler(config)
 
     def _step_epoch_schedulers(self) -> None:

@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from lightning_pipe.partition import PartitionSpec
 from lightning_pipe.runtime.engine import PipelineEngine, Recompute, pipeline_blocks_of
-from lightning_pipe.schedules import resolve
+from lightning_pipe.schedules import check_name
 from lightning_pipe.topology import Topology
 
 
@@ -30,12 +30,16 @@ class PipelineStrategy(DDPStrategy):
     replicated ``w = world_size / d`` times; replicas of a stage average their gradients.
 
     Args:
-        schedule: "gpipe" or "1f1b" (PipeDream-Flush).
+        schedule: "gpipe", "1f1b" (PipeDream-Flush) or "2bw" (PipeDream-2BW: two weight
+            versions, 1-stale updates, no flush between steps; needs ``microbatches >= d``).
         pipeline_depth: number of stages ``d``; default: all devices form one pipeline.
         microbatches: microbatches ``m`` each batch is split into (unevenly if needed).
         partition: "balanced" (by ``pipeline_block_costs()`` or parameter count), "uniform",
             or an explicit list of blocks per stage.
         recompute: activation recomputation (torch.utils.checkpoint), for all or per stage.
+        gradient_clip_val: clip gradients to this global norm, computed over all stages
+            (Lightning's own ``Trainer(gradient_clip_val=...)`` is not available with manual
+            optimization). Steps with a non-finite gradient are always skipped, on every rank.
         timeout: timeout of every collective and transfer; a stuck rank fails after it.
         process_group_backend: "gloo" or "nccl"; default from the device.
         start_method: Lightning launcher start method; "popen" (default) re-runs the script.
@@ -50,6 +54,7 @@ class PipelineStrategy(DDPStrategy):
         microbatches: int = 1,
         partition: PartitionSpec = "balanced",
         recompute: Recompute = False,
+        gradient_clip_val: Optional[float] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         process_group_backend: Optional[str] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -59,7 +64,7 @@ class PipelineStrategy(DDPStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
     ) -> None:
-        resolve(schedule)
+        check_name(schedule)
         if microbatches < 1:
             raise ValueError(f"microbatches must be >= 1, got {microbatches}")
         if pipeline_depth is not None and pipeline_depth < 1:
@@ -75,7 +80,7 @@ class PipelineStrategy(DDPStrategy):
             start_method=start_method,
         )
         self.schedule, self.pipeline_depth, self.microbatches = schedule, pipeline_depth, microbatches
-        self.partition, self.recompute = partition, recompute
+        self.partition, self.recompute, self.gradient_clip_val = partition, recompute, gradient_clip_val
         self._topology: Optional[Topology] = None
         self._mesh: Any = None
 
@@ -125,6 +130,7 @@ class PipelineStrategy(DDPStrategy):
         return PipelineEngine(
             module, self.topology, self.global_rank, schedule=self.schedule, microbatches=self.microbatches,
             partition=self.partition, recompute=self.recompute, device=self.root_device, mesh=self._mesh,
+            gradient_clip_val=self.gradient_clip_val,
         )  # fmt: skip
 
     @override
@@ -148,6 +154,38 @@ class PipelineStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Only let Lightning count the step: the engine already ran (or, under 2BW, scheduled)
+        the real update inside ``pipeline_step``, where its place in the schedule is known."""
+        return closure()
+
+    def _drain(self) -> None:
+        module = self.lightning_module
+        if module is not None and getattr(module, "_pipeline_engine", None) is not None:
+            module._pipeline_engine.drain()
+
+    @override
+    def on_validation_start(self) -> None:
+        """2BW: apply outstanding updates so validation sees consistent weights."""
+        self._drain()
+
+    @override
+    def on_test_start(self) -> None:
+        """2BW: apply outstanding updates before testing."""
+        self._drain()
+
+    @override
+    def on_predict_start(self) -> None:
+        """2BW: apply outstanding updates before predicting."""
+        self._drain()
+
+    @override
+    def on_train_end(self) -> None:
+        """2BW: apply the last batch's update at the end of fit."""
+        self._drain()
+        super().on_train_end()
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

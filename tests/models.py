@@ -121,3 +121,8 @@ def assert_close_dicts(got: dict[str, Tensor], want: dict[str, Tensor], rtol: fl
     assert sorted(got) == sorted(want), f"keys differ: {sorted(set(got) ^ set(want))}"
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def frozen(engine: Any) -> torch.optim.Optimizer:
+    """An optimizer that leaves the stage's weights unchanged, for tests that read gradients."""
+    return torch.optim.SGD(engine.stage.parameters(), lr=0.0)

@@ -10,6 +10,7 @@ from torch import nn
 
 from lightning_pipe import PipelineEngine, PipelineStrategy, Topology
 from tests.distributed import run_workers
+from tests.models import frozen as _frozen
 from tests.launch import SCRIPTS, launch
 from tests.models import ToyChain, make_data
 
@@ -32,7 +33,7 @@ def test_module_without_pipeline_blocks() -> None:
 def test_batch_smaller_than_microbatches() -> None:
     engine = PipelineEngine(ToyChain(), Topology(1, 1), rank=0, microbatches=4)
     with pytest.raises(ValueError, match="batch of 3 samples cannot be split into microbatches=4"):
-        engine.train_step(make_data(3), lambda: None)
+        engine.train_step(make_data(3), _frozen(engine))
 
 
 def test_uneven_batch_is_split_and_weighted() -> None:
@@ -41,7 +42,7 @@ def test_uneven_batch_is_split_and_weighted() -> None:
     model = ToyChain()
     engine = PipelineEngine(model, Topology(1, 1), rank=0, microbatches=3)
     batch = make_data(7)
-    loss = engine.train_step(batch, lambda: None)
+    loss = engine.train_step(batch, _frozen(engine))
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
     torch.manual_seed(0)
     ref = ToyChain()
@@ -62,7 +63,7 @@ def test_block_returning_non_tensor() -> None:
     model.blocks[1] = _Dict()
     engine = PipelineEngine(model, Topology(1, 1), rank=0, microbatches=2)
     with pytest.raises(TypeError, match=r"pipeline block 2 \(_Dict\) returned dict"):
-        engine.train_step(make_data(4), lambda: None)
+        engine.train_step(make_data(4), _frozen(engine))
 
 
 @pytest.mark.parametrize("case,devices,message", [
@@ -97,7 +98,7 @@ def _fail_mid_step(rank: int, world: int, depth: int) -> None:
     model.blocks.insert(2, _FailingBlock(at_call=7 if topo.replica_of(rank) == 0 else 0))
     engine = PipelineEngine(model, topo, rank, "1f1b", 4, [2, 1, 2, 1][:depth] if depth == 4 else "uniform", mesh=mesh)
     for step in range(3):  # fails in step 2, microbatch 2
-        engine.train_step(make_data(8, seed=step), lambda: None)
+        engine.train_step(make_data(8, seed=step), _frozen(engine))
 
 
 @pytest.mark.parametrize("width,depth", [(1, 4), (2, 2)])

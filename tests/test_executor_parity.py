@@ -7,6 +7,7 @@ import torch
 
 from lightning_pipe import PipelineEngine, Topology
 from tests.distributed import run_workers
+from tests.models import frozen as _frozen
 from tests.models import ToyChain, assert_close_dicts, make_data, reference_grads, reference_train
 
 BATCH, M, STEPS = 16, 4, 5
@@ -33,7 +34,7 @@ def _worker(rank: int, world: int, depth: int) -> dict:
         for step in range(STEPS):
             batch = _shard(make_data(BATCH, seed=step), replica, topo.width)
             opt.zero_grad()
-            losses.append(float(engine.train_step(batch, opt.step)))
+            losses.append(float(engine.train_step(batch, opt)))
             if step == 0:
                 grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -77,7 +78,7 @@ def _varying_worker(rank: int, world: int) -> list[dict]:
     engine = PipelineEngine(model, topo, rank, "1f1b", 3, "uniform", mesh=mesh)
     grads = []
     for step, size in enumerate(SIZES):
-        engine.train_step(make_data(size, seed=step), lambda: None)
+        engine.train_step(make_data(size, seed=step), _frozen(engine))
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     return grads
 

@@ -2,18 +2,32 @@
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.optim import Optimizer
 
 from lightning_pipe.partition import PartitionSpec, block_cost, partition_sizes, stage_ranges
 from lightning_pipe.runtime.executor import Executor, Hooks, Position, StepState
 from lightning_pipe.runtime.microbatch import split_batch
 from lightning_pipe.runtime.stage import Stage
-from lightning_pipe.schedules import Action, build_inference, build_schedule, resolve, verify
+from lightning_pipe.runtime.versions import WeightVersions
+from lightning_pipe.schedules import (
+    Action,
+    build_inference,
+    build_schedule,
+    check_name,
+    two_bw,
+    two_bw_drain,
+    two_bw_run,
+    two_bw_window,
+    verify,
+)
 from lightning_pipe.topology import Topology
 
 Recompute = Union[bool, Sequence[bool]]
@@ -75,12 +89,13 @@ class PipelineEngine:
         module: the user's model; it must define ``pipeline_blocks`` and ``pipeline_loss``.
         topology: the ``(w, d)`` layout.
         rank: this process's global rank.
-        schedule: name of the training schedule ("gpipe", "1f1b").
-        microbatches: microbatches ``m`` per batch.
+        schedule: "gpipe", "1f1b" or "2bw".
+        microbatches: microbatches ``m`` per batch (2BW needs ``m >= d``).
         partition: "balanced", "uniform" or an explicit list of blocks per stage.
         recompute: activation recomputation, for all stages or per stage.
         device: device of this rank's stage.
         mesh: DeviceMesh with "dp" and "pp" dimensions; ``None`` only when running one process.
+        gradient_clip_val: clip the gradient to this global norm (over all stages) before a step.
     """
 
     def __init__(
@@ -94,20 +109,37 @@ class PipelineEngine:
         recompute: Recompute = False,
         device: Optional[torch.device] = None,
         mesh: Any = None,
+        gradient_clip_val: Optional[float] = None,
     ) -> None:
-        resolve(schedule)
+        check_name(schedule)
         if microbatches < 1:
             raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+        if schedule == "2bw":
+            two_bw.check_microbatches(topology.depth, microbatches)
         self.module, self.topology, self.rank = module, topology, rank
         self.schedule, self.microbatches = schedule, microbatches
+        self.gradient_clip_val = gradient_clip_val
         self.device = device or torch.device("cpu")
         self.stage_index = topology.stage_of(rank)
         self.stage = self._build_stage(partition, recompute)
         self.position = self._position()
         self.dp_group = mesh.get_group("dp") if mesh is not None else None
         self.pp_group = mesh.get_group("pp") if mesh is not None else None
+        self.versions = WeightVersions(self.stage.parameters(), double=schedule == "2bw")
         self.last_peak_stash = 0
+        self.skipped_steps = 0
         self._programs: dict[tuple[bool, int], list[Action]] = {}
+        self._restart()
+        if schedule == "2bw":
+            verify(two_bw_run(topology.depth, microbatches, 3), 3 * microbatches)
+
+    def _restart(self) -> None:
+        """Forget the stream: the next batch is batch 0 of a fresh warm-up."""
+        self._batches = self._reduced = self._stepped = 0
+        self._state = StepState({}, {})
+        self._norms: deque[tuple[Tensor, Any]] = deque()
+        self._optimizer: Optional[Optimizer] = None
+        self._on_step: Callable[[], None] = lambda: None
 
     # -- setup -----------------------------------------------------------------------------
     def _build_stage(self, partition: PartitionSpec, recompute: Recompute) -> Stage:
@@ -144,7 +176,7 @@ class PipelineEngine:
 
     # -- programs --------------------------------------------------------------------------
     def train_program(self, microbatches: int) -> list[Action]:
-        """This rank's verified training actions for ``microbatches`` microbatches."""
+        """This rank's verified actions for one flushed training step."""
         return self._program(True, microbatches)
 
     def inference_program(self, microbatches: int) -> list[Action]:
@@ -160,26 +192,64 @@ class PipelineEngine:
             self._programs[key] = program[self.stage_index]
         return self._programs[key]
 
-    def _hooks(self, optimizer_step: Callable[[], None]) -> Hooks:
-        return Hooks(self.module.pipeline_inputs, self.module.pipeline_loss, self.all_reduce_gradients, optimizer_step)
+    def _window(self) -> list[Action]:
+        if self.schedule == "2bw":
+            return two_bw_window(self.topology.depth, self.microbatches, self._batches)[self.stage_index]
+        return self.train_program(self.microbatches)
 
-    def _run(self, actions: list[Action], state: StepState, optimizer_step: Callable[[], None]) -> StepState:
-        return Executor(self.stage, self.position, self.device, self._hooks(optimizer_step)).run(actions, state)
+    def _hooks(self) -> Hooks:
+        return Hooks(
+            self.module.pipeline_inputs, self.module.pipeline_loss, self._all_reduce, self._optimizer_step,
+            lambda first: self.versions.weights(first // self.microbatches),
+        )  # fmt: skip
+
+    def _run(self, actions: list[Action], state: StepState) -> StepState:
+        return Executor(self.stage, self.position, self.device, self._hooks()).run(actions, state)
 
     # -- steps -----------------------------------------------------------------------------
-    def train_step(self, batch: Any, optimizer_step: Callable[[], None]) -> Tensor:
-        """Run one flushed training step on ``batch`` and return its mean loss on every stage."""
+    def train_step(self, batch: Any, optimizer: Optimizer, on_step: Optional[Callable[[], None]] = None) -> Tensor:
+        """Run one training step on ``batch`` and return its mean loss on every stage.
+
+        GPipe and 1F1B flush: the batch's gradient is applied before this returns. Under 2BW
+        the returned loss is still this batch's, but its gradient is applied at the end of the
+        next step (or by :meth:`drain`); see ``schedules/two_bw.py``.
+
+        Args:
+            batch: this pipeline's batch (every stage passes the same one).
+            optimizer: the torch optimizer over this stage's parameters.
+            on_step: called after every optimizer step (e.g. to step LR schedulers).
+        """
         microbatches, shares = split_batch(batch, self.microbatches)
-        for p in self.stage.parameters():
-            p.grad = None
-        state = self._run(self.train_program(len(microbatches)), StepState(microbatches, shares), optimizer_step)
-        self.last_peak_stash = state.peak_stash
+        self._optimizer, self._on_step = optimizer, on_step or (lambda: None)
+        if self.schedule != "2bw":
+            self.versions.clear_grads()
+        state = self._state if self.schedule == "2bw" else StepState({}, {})
+        state.add_batch(self._batches * self.microbatches if self.schedule == "2bw" else 0, microbatches, shares)
+        self._run(self._window(), state)
+        self._batches += 1
+        self.last_peak_stash = max(state.peak_stash, self.last_peak_stash if self.schedule == "2bw" else 0)
         return self._from_last_stage(torch.tensor(state.loss_sum, device=self.device))
+
+    def drain(self) -> None:
+        """Finish every in-flight microbatch and apply the outstanding update (2BW); no-op otherwise.
+
+        Lightning calls this before validation, checkpoints and the end of fit, so weights are
+        consistent there. The next training step starts a fresh warm-up from the newest weights.
+        """
+        if self.schedule != "2bw" or self._batches == 0:
+            return
+        program = two_bw_drain(self.topology.depth, self.microbatches, self._batches - 1)[self.stage_index]
+        self._run(program, self._state)
+        self.versions.collapse(self._optimizer, self._batches - 1)
+        self._restart()
 
     def forward(self, batch: Any, with_loss: bool = False) -> Any:
         """Forward-only pass; returns the model output (or mean loss) on every stage of the pipeline."""
+        self.drain()
         microbatches, shares = split_batch(batch, self.microbatches)
-        state = self._run(self.inference_program(len(microbatches)), StepState(microbatches, shares, train=False), lambda: None)
+        state = StepState({}, {}, train=False)
+        state.add_batch(0, microbatches, shares)
+        state = self._run(self.inference_program(len(microbatches)), state)
         if not self.position.is_last:
             return self._from_last_stage(torch.zeros((), device=self.device) if with_loss else None)
         outputs = [state.results[k] for k in range(len(microbatches))]
@@ -188,25 +258,68 @@ class PipelineEngine:
             return self._from_last_stage(torch.stack(losses).sum().float())
         return self._from_last_stage(_concat(outputs))
 
-    # -- collectives -----------------------------------------------------------------------
-    def all_reduce_gradients(self) -> None:
-        """Average the stage's gradients over its ``w`` replicas (missing gradients count as zero)."""
-        params = self.stage.parameters()
+    # -- whole-batch actions ---------------------------------------------------------------
+    def _all_reduce(self) -> None:
+        """AR: average the batch's gradients over the stage's replicas, then start the global
+        (all-stage) squared-norm sum that the batch's optimizer step will read."""
+        params = self.versions.grads_of(self._reduced)
+        self._reduced += 1
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        self._average_over_replicas([p.grad for p in params])
+        local = torch.stack([g.detach().float().pow(2).sum() for g in (p.grad for p in params)]).sum() if params else torch.zeros((), device=self.device)
+        work = None
+        if self.pp_group is not None and self.topology.depth > 1:
+            work = dist.all_reduce(local, group=self.pp_group, async_op=True)
+        self._norms.append((local, work))
+
+    def _average_over_replicas(self, grads: list[Tensor]) -> None:
         if self.dp_group is None or self.topology.width == 1:
             return
         by_dtype: dict[torch.dtype, list[Tensor]] = {}
-        for p in params:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-        for grads in by_dtype.values():
-            flat = _flatten_dense_tensors(grads)
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for group in by_dtype.values():
+            flat = _flatten_dense_tensors(group)
             dist.all_reduce(flat, group=self.dp_group)
             flat /= self.topology.width
-            for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            for g, reduced in zip(group, _unflatten_dense_tensors(flat, group)):
                 g.copy_(reduced)
 
+    def _optimizer_step(self) -> None:
+        """OPT: clip to the global norm, skip on a non-finite gradient (same on every rank), step."""
+        batch = self._stepped
+        self._stepped += 1
+        params = self.versions.begin_step(batch, self._optimizer)
+        squared, work = self._norms.popleft()
+        if work is not None:
+            work.wait()
+        norm = float(squared.sqrt())
+        if math.isfinite(norm):
+            self._clip(params, norm)
+            self._optimizer.step()
+        else:
+            self.skipped_steps += 1
+        self.versions.end_step(batch)
+        self._on_step()
+
+    def _clip(self, params: list[Tensor], norm: float) -> None:
+        if self.gradient_clip_val is None:
+            return
+        coef = self.gradient_clip_val / (norm + 1e-6)  # as torch.nn.utils.clip_grad_norm_
+        if coef < 1.0:
+            for p in params:
+                p.grad.mul_(coef)
+
+    def current_weights(self) -> dict[str, Tensor]:
+        """The newest version of this stage's parameters, by their names in the module."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        slot = self.versions.slot_of(self._stepped - 1) if self._stepped else 0
+        newest = self.versions.slots[slot] or self.versions.slots[0]
+        return {names[id(p0)]: p.detach() for p0, p in zip(self.versions.slots[0], newest)}
+
+    # -- collectives -----------------------------------------------------------------------
     def _from_last_stage(self, value: Any) -> Any:
         if self.pp_group is None or self.topology.depth == 1:
             return value
@@ -219,6 +332,7 @@ class PipelineEngine:
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """The whole model's state dict, keyed by the original names, on every rank of the pipeline."""
+        self.drain()
         local = {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
         if self.pp_group is None or self.topology.depth == 1:
             return local

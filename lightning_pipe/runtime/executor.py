@@ -43,15 +43,17 @@ class Hooks:
     loss: Callable[[Any, Any], Tensor]
     all_reduce: Callable[[], None] = lambda: None
     optimizer_step: Callable[[], None] = lambda: None
+    weights: Callable[[int], Optional[list[Tensor]]] = lambda first_microbatch: None
 
 
 @dataclass
 class StepState:
-    """Everything one step keeps between actions, keyed by microbatch."""
+    """Everything kept between actions, keyed by microbatch (2BW keeps it across steps)."""
 
-    microbatches: list[Any]
-    shares: list[float]
+    microbatches: dict[int, Any]
+    shares: dict[int, float]
     train: bool = True
+    weights: Optional[list[Tensor]] = None
     inputs: dict[int, Tensors] = field(default_factory=dict)
     outputs: dict[int, Tensors] = field(default_factory=dict)
     losses: dict[int, Tensor] = field(default_factory=dict)
@@ -62,6 +64,12 @@ class StepState:
     pending: list[tuple[dist.Work, Tensors]] = field(default_factory=list)
     live: int = 0
     peak_stash: int = 0
+
+    def add_batch(self, first: int, microbatches: list[Any], shares: list[float]) -> None:
+        """Admit a batch whose microbatches are numbered from ``first``."""
+        self.microbatches.update(enumerate(microbatches, start=first))
+        self.shares.update(enumerate(shares, start=first))
+        self.loss_sum = 0.0
 
     def stash(self, delta: int) -> None:
         """Count microbatches whose activations are held for a backward."""
@@ -96,6 +104,7 @@ class Executor:
             Kind.RECV_GRAD: self._recv_grad,
             Kind.ALL_REDUCE: lambda a, st: self.hooks.all_reduce(),
             Kind.OPTIMIZER_STEP: lambda a, st: self.hooks.optimizer_step(),
+            Kind.VERSION: self._version,
         }
 
     def run(self, actions: list[Action], state: StepState) -> StepState:
@@ -116,7 +125,7 @@ class Executor:
         inputs = as_tuple(self.hooks.inputs(mb), "pipeline_inputs") if self.position.is_first else st.inputs.pop(k)
         if st.train:
             st.inputs[k] = inputs
-        outputs = self.stage(inputs)
+        outputs = self.stage(inputs, st.weights)
         st.stash(int(st.train))
         if not self.position.is_last:
             st.outputs[k] = outputs
@@ -126,6 +135,9 @@ class Executor:
             st.losses[k] = loss
         else:
             st.results[k] = _unwrap(outputs)
+
+    def _version(self, a: Action, st: StepState) -> None:
+        st.weights = self.hooks.weights(a.microbatch)
 
     def _loss(self, outputs: Tensors, mb: Any) -> Tensor:
         loss = self.hooks.loss(_unwrap(outputs), mb)
@@ -144,6 +156,8 @@ class Executor:
         if pairs:
             torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
         inputs = st.inputs.pop(k)
+        st.microbatches.pop(k, None)
+        st.shares.pop(k, None)
         if not self.position.is_first:
             st.input_grads[k] = tuple(
                 x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs if x.is_floating_point()

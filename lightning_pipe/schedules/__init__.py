@@ -2,21 +2,36 @@
 
 from lightning_pipe.schedules.actions import Action, Kind, format_actions, parse_actions
 from lightning_pipe.schedules.generators import TRAINING_SCHEDULES, forward_only, gpipe, one_f_one_b
-from lightning_pipe.schedules.passes import Schedule, build_inference, build_schedule, resolve
+from lightning_pipe.schedules.passes import (
+    SCHEDULE_NAMES,
+    Schedule,
+    build_inference,
+    build_schedule,
+    check_name,
+    resolve,
+    two_bw_drain,
+    two_bw_run,
+    two_bw_window,
+)
 from lightning_pipe.schedules.verify import verify
 
 __all__ = [
     "Action",
     "Kind",
+    "SCHEDULE_NAMES",
     "Schedule",
     "TRAINING_SCHEDULES",
     "build_inference",
     "build_schedule",
+    "check_name",
     "format_actions",
     "forward_only",
     "gpipe",
     "one_f_one_b",
     "parse_actions",
     "resolve",
+    "two_bw_drain",
+    "two_bw_run",
+    "two_bw_window",
     "verify",
 ]

@@ -19,6 +19,7 @@ class Kind(str, Enum):
     RECV_GRAD = "RB"
     ALL_REDUCE = "AR"
     OPTIMIZER_STEP = "OPT"
+    VERSION = "V"
 
 
 #: Kinds that do model compute (the simulator charges them a cost).
@@ -38,6 +39,8 @@ class Action:
         stage: pipeline stage index that runs the action.
         kind: what the action does.
         microbatch: microbatch index, or ``None`` for whole-batch actions (all-reduce, step).
+            ``VERSION`` (2BW's weight-version switch) names the first microbatch of the batch
+            whose forwards follow it.
     """
 
     stage: int

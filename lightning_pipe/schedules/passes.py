@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from lightning_pipe.schedules.actions import Action, Kind
+from lightning_pipe.schedules import two_bw
 from lightning_pipe.schedules.generators import TRAINING_SCHEDULES, Generator, forward_only
 
 Schedule = list[list[Action]]
@@ -39,10 +40,21 @@ def add_optimizer(actions: list[Action], stage: int) -> list[Action]:
     return actions + [Action(stage, Kind.ALL_REDUCE), Action(stage, Kind.OPTIMIZER_STEP)]
 
 
+#: Every schedule a user can name: the flushed ones plus PipeDream-2BW.
+SCHEDULE_NAMES = (*TRAINING_SCHEDULES, "2bw")
+
+
+def check_name(name: str) -> None:
+    """Raise a clear error for a schedule name that does not exist."""
+    if name not in SCHEDULE_NAMES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {sorted(SCHEDULE_NAMES)}")
+
+
 def resolve(name: str) -> Generator:
-    """Look up a training schedule generator by name, with a clear error for unknown names."""
+    """Look up a flushed training schedule generator by name."""
+    check_name(name)
     if name not in TRAINING_SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {sorted(TRAINING_SCHEDULES)}")
+        raise ValueError(f"schedule {name!r} is not flushed per batch; build it with two_bw_window()")
     return TRAINING_SCHEDULES[name]
 
 
@@ -57,3 +69,19 @@ def build_schedule(name: str, depth: int, microbatches: int) -> Schedule:
 def build_inference(depth: int, microbatches: int) -> Schedule:
     """Forward-only program of every stage (validation, test, predict)."""
     return [add_communication(forward_only(s, depth, microbatches), depth) for s in range(depth)]
+
+
+def two_bw_window(depth: int, microbatches: int, step: int) -> Schedule:
+    """Full 2BW program of every stage for training step ``step`` (see schedules/two_bw.py)."""
+    return [add_communication(two_bw.window(s, depth, microbatches, step), depth) for s in range(depth)]
+
+
+def two_bw_drain(depth: int, microbatches: int, last_step: int) -> Schedule:
+    """Full 2BW program of every stage that finishes the stream after ``last_step``."""
+    return [add_communication(two_bw.drain(s, depth, microbatches, last_step), depth) for s in range(depth)]
+
+
+def two_bw_run(depth: int, microbatches: int, steps: int) -> Schedule:
+    """``steps`` consecutive 2BW windows and the drain, concatenated per stage (for checks)."""
+    parts = [two_bw_window(depth, microbatches, t) for t in range(steps)] + [two_bw_drain(depth, microbatches, steps - 1)]
+    return [[a for part in parts for a in part[s]] for s in range(depth)]
