@@ -88,6 +88,13 @@ class PipelineMixin:
         """
         return self.pipeline_engine.forward(batch, with_loss=with_loss)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drain a 2BW pipeline first: its in-flight gradients live in ``.grad`` until their
+        deferred step (Lightning clears gradients when evaluation starts)."""
+        if self._pipeline_engine is not None:
+            self._pipeline_engine.drain()
+        super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]
+
     def _step_interval_schedulers(self) -> None:
         self._pipeline_updates += 1
         for config in self.trainer.lr_scheduler_configs:

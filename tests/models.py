@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import lightning as L
@@ -98,22 +99,54 @@ def reference_grads(model: ToyChain, batch: tuple[Tensor, Tensor]) -> dict[str, 
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def make_optimizer(params: Any, kind: str, lr: float) -> torch.optim.Optimizer:
+    """The optimizers the parity tests use: "adam" or "sgd" (SGD with momentum)."""
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    return torch.optim.Adam(params, lr=lr)
+
+
 def reference_train(
-    model: ToyChain, batches: list[tuple[Tensor, Tensor]], losses: list[float] | None = None, step_lr: bool = False
+    model: ToyChain,
+    batches: list[Any],
+    losses: list[float] | None = None,
+    step_lr: bool = False,
+    delay: int = 0,
+    optimizer: str = "adam",
+    clip: float | None = None,
+    history: list[dict[str, Tensor]] | None = None,
 ) -> dict[str, Tensor]:
-    """Parameters of the plain model after one Adam step per batch (optionally StepLR(2, 0.5) per step)."""
-    opt = torch.optim.Adam(model.parameters(), lr=model.lr)
+    """Single-process training written from the seeds' update rules; returns the final weights.
+
+    ``delay=0`` is vanilla minibatch training (GPipe, PipeDream-Flush):
+    ``W(t+1) = W(t) - lr * grad f(W(t))``. ``delay=1`` is PipeDream-2BW (seed 000, section
+    3.1): ``W(t+1) = W(t) - lr * grad f(W(t-1))``, batch t's gradient taken on version
+    ``max(t-1, 0)`` and applied by one optimizer (no shadow state) to the newest weights.
+    Gradients are clipped to the global norm ``clip`` (torch.nn.utils.clip_grad_norm_), and a
+    step whose gradient is not finite is skipped. ``history`` receives ``W(0), W(1), ...``.
+    """
+    opt = make_optimizer(model.parameters(), optimizer, model.lr)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if step_lr else None
-    for batch in batches:
-        opt.zero_grad()
-        loss = model.pipeline_loss(model(batch[0]), batch)
+    versions = [{n: p.detach().clone() for n, p in model.named_parameters()}]  # W(0), W(1), ...
+    probe = copy.deepcopy(model)
+    for t, batch in enumerate(batches):
+        probe.load_state_dict(versions[max(t - delay, 0)], strict=False)
+        probe.zero_grad()
+        loss = probe.pipeline_loss(probe(batch[0]), batch)
         loss.backward()
-        opt.step()
+        for p, q in zip(model.parameters(), probe.parameters()):
+            p.grad = q.grad.clone()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip is not None else float("inf"))
+        if torch.isfinite(norm):
+            opt.step()
         if sched is not None:
             sched.step()
         if losses is not None:
             losses.append(float(loss.detach()))
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+        versions.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    if history is not None:
+        history.extend(versions)
+    return versions[-1]
 
 
 def assert_close_dicts(got: dict[str, Tensor], want: dict[str, Tensor], rtol: float, atol: float = 1e-7) -> None:

@@ -125,6 +125,7 @@ class PipelineEngine:
         self.position = self._position()
         self.dp_group = mesh.get_group("dp") if mesh is not None else None
         self.pp_group = mesh.get_group("pp") if mesh is not None else None
+        self.norm_group = self._pipeline_group() if mesh is not None and topology.depth > 1 else None
         self.versions = WeightVersions(self.stage.parameters(), double=schedule == "2bw")
         self.last_peak_stash = 0
         self.skipped_steps = 0
@@ -169,6 +170,19 @@ class PipelineEngine:
         nxt = self.topology.rank_of(replica, s + 1) if s < d - 1 else None
         return Position(s, d, prev, nxt)
 
+    def _pipeline_group(self) -> Any:
+        """A second group over this pipeline's stages for the gradient-norm sums.
+
+        They run asynchronously, posted at each AR and awaited at the matching OPT, which 2BW
+        places at different points of different stages; on their own group their order can
+        never interleave with the loss broadcasts on the "pp" group.
+        """
+        groups = [
+            dist.new_group([self.topology.rank_of(r, s) for s in range(self.topology.depth)])
+            for r in range(self.topology.width)
+        ]
+        return groups[self.topology.replica_of(self.rank)]
+
     @property
     def last_rank(self) -> int:
         """Global rank of the last stage of this rank's pipeline."""
@@ -203,8 +217,8 @@ class PipelineEngine:
             lambda first: self.versions.weights(first // self.microbatches),
         )  # fmt: skip
 
-    def _run(self, actions: list[Action], state: StepState) -> StepState:
-        return Executor(self.stage, self.position, self.device, self._hooks()).run(actions, state)
+    def _run(self, actions: list[Action], state: StepState, wait: bool = True) -> StepState:
+        return Executor(self.stage, self.position, self.device, self._hooks()).run(actions, state, wait)
 
     # -- steps -----------------------------------------------------------------------------
     def train_step(self, batch: Any, optimizer: Optimizer, on_step: Optional[Callable[[], None]] = None) -> Tensor:
@@ -225,7 +239,7 @@ class PipelineEngine:
             self.versions.clear_grads()
         state = self._state if self.schedule == "2bw" else StepState({}, {})
         state.add_batch(self._batches * self.microbatches if self.schedule == "2bw" else 0, microbatches, shares)
-        self._run(self._window(), state)
+        self._run(self._window(), state, wait=self.schedule != "2bw")
         self._batches += 1
         self.last_peak_stash = max(state.peak_stash, self.last_peak_stash if self.schedule == "2bw" else 0)
         return self._from_last_stage(torch.tensor(state.loss_sum, device=self.device))
@@ -239,7 +253,8 @@ class PipelineEngine:
         if self.schedule != "2bw" or self._batches == 0:
             return
         program = two_bw_drain(self.topology.depth, self.microbatches, self._batches - 1)[self.stage_index]
-        self._run(program, self._state)
+        with torch.inference_mode(False), torch.enable_grad():  # Lightning may call this from evaluation
+            self._run(program, self._state)
         self.versions.collapse(self._optimizer, self._batches - 1)
         self._restart()
 
@@ -270,8 +285,8 @@ class PipelineEngine:
         self._average_over_replicas([p.grad for p in params])
         local = torch.stack([g.detach().float().pow(2).sum() for g in (p.grad for p in params)]).sum() if params else torch.zeros((), device=self.device)
         work = None
-        if self.pp_group is not None and self.topology.depth > 1:
-            work = dist.all_reduce(local, group=self.pp_group, async_op=True)
+        if self.norm_group is not None:
+            work = dist.all_reduce(local, group=self.norm_group, async_op=True)
         self._norms.append((local, work))
 
     def _average_over_replicas(self, grads: list[Tensor]) -> None:

@@ -107,12 +107,22 @@ class Executor:
             Kind.VERSION: self._version,
         }
 
-    def run(self, actions: list[Action], state: StepState) -> StepState:
-        """Run ``actions`` in order; on any error tell both neighbours, then re-raise."""
+    def run(self, actions: list[Action], state: StepState, wait: bool = True) -> StepState:
+        """Run ``actions`` in order; on any error tell both neighbours, then re-raise.
+
+        Args:
+            actions: this rank's program.
+            state: what the program reads and writes.
+            wait: wait for every posted send before returning. 2BW windows pass ``False``:
+                a neighbour receives the last sends of a window only in its next window.
+        """
         try:
             for action in actions:
                 self._handlers[action.kind](action, state)
-            self._wait(state)
+            if wait:
+                self._wait(state)
+            else:
+                state.pending = [(w, t) for w, t in state.pending if not w.is_completed()]
         except BaseException as err:  # noqa: BLE001 - neighbours must hear of every failure
             self._abort(err)
             raise

@@ -1,0 +1,168 @@
+"""PipeDream-2BW: schedule data, version semantics, simulator, and runtime parity with the
+seed's delayed update rule W(t+1) = W(t) - lr * grad f(W(t-1)) written out in the tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_pipe import PipelineEngine, Topology
+from lightning_pipe.schedules import Kind, build_schedule, format_actions, two_bw, two_bw_run, verify
+from lightning_pipe.simulate import simulate, unit_costs
+from tests.distributed import run_workers
+from tests.models import ToyChain, assert_close_dicts, make_data, make_optimizer, reference_train
+
+# -- pure ----------------------------------------------------------------------------------
+
+
+def test_golden_two_stage_windows() -> None:
+    # The diagram in schedules/two_bw.py, written out (compute, version, reduce and step actions).
+    shown = {Kind.FORWARD, Kind.BACKWARD, Kind.VERSION, Kind.ALL_REDUCE, Kind.OPTIMIZER_STEP}
+    program = two_bw_run(2, 2, 2)
+    assert [format_actions([a for a in acts if a.kind in shown]) for acts in program] == [
+        "0V0 0F0 0F1 0B0 0V2 0F2 0B1 0AR 0F3 0B2 0OPT 0B3 0AR 0OPT",
+        "1V0 1F0 1B0 1F1 1B1 1AR 1V2 1F2 1B2 1F3 1B3 1AR 1OPT 1OPT",
+    ]
+
+
+def _replay_versions(actions: list, m: int) -> int:
+    """Replay one stage's actions with the seed's rule, independent of the runtime: batch b runs
+    on slot b % 2; the step for batch b writes version b+1 into that slot. Checks every
+    microbatch k (0-indexed) runs F and B on version max(floor(k/m) - 1, 0) and returns the
+    most versions alive at once."""
+    slot_version: dict[int, int] = {0: 0, 1: 0}
+    forward_slot, steps, seen, peak = 0, 0, {}, 1
+    for a in actions:
+        if a.kind is Kind.VERSION:
+            forward_slot = (a.microbatch // m) % 2
+        elif a.kind is Kind.FORWARD:
+            seen[a.microbatch] = (forward_slot, slot_version[forward_slot])
+            assert slot_version[forward_slot] == max(a.microbatch // m - 1, 0), f"F{a.microbatch} on wrong version"
+        elif a.kind is Kind.BACKWARD:
+            slot, version = seen[a.microbatch]
+            assert slot_version[slot] == version, f"B{a.microbatch} ran on a version changed since its forward"
+        elif a.kind is Kind.OPTIMIZER_STEP:
+            slot_version[steps % 2] = steps + 1
+            steps += 1
+            peak = max(peak, len(set(slot_version.values())))
+    return peak
+
+
+@pytest.mark.parametrize("depth", range(1, 7))
+def test_two_bw_programs_are_valid_and_keep_two_versions(depth: int) -> None:
+    for m in range(depth, 13):
+        for steps in (1, 2, 4):
+            program = two_bw_run(depth, m, steps)
+            verify(program, steps * m)  # each F and B once, F before B, deadlock-free
+            for actions in program:
+                assert _replay_versions(actions, m) <= 2
+                assert sum(a.kind is Kind.OPTIMIZER_STEP for a in actions) == steps
+            assert simulate(program, unit_costs()).peak_stash == [depth - s for s in range(depth)]
+
+
+def test_fewer_microbatches_than_stages_is_refused() -> None:
+    with pytest.raises(ValueError, match="'2bw' needs microbatches >= pipeline_depth"):
+        two_bw.window(0, 4, 3, 0)
+    with pytest.raises(ValueError, match="'2bw' needs microbatches >= pipeline_depth"):
+        PipelineEngine(ToyChain(), Topology(4, 4), rank=0, schedule="2bw", microbatches=2)
+
+
+def test_steady_state_bubble_tends_to_zero() -> None:
+    bubbles = [simulate(two_bw_run(4, 4, n), unit_costs()).total_bubble for n in (1, 4, 16, 64)]
+    assert bubbles == sorted(bubbles, reverse=True)
+    assert bubbles[-1] < 0.02
+
+
+@pytest.mark.parametrize("depth", range(2, 9))
+def test_step_time_against_pipedream_flush(depth: int) -> None:
+    m, n = depth, 40  # m = d, as in seed 000's comparison
+    per_step = (simulate(two_bw_run(depth, m, 2 * n), unit_costs()).makespan - simulate(two_bw_run(depth, m, n), unit_costs()).makespan) / n
+    flush = simulate(build_schedule("1f1b", depth, m), unit_costs()).makespan
+    assert flush / per_step == pytest.approx((m + depth - 1) / m, rel=0.05)
+
+
+# -- runtime parity --------------------------------------------------------------------------
+
+BATCH, M, STEPS = 16, 4, 6
+CASES = {
+    # name: (schedule, optimizer, clip, step whose batch holds a NaN)
+    "2bw-sgd": ("2bw", "sgd", None, None),
+    "2bw-adam": ("2bw", "adam", None, None),
+    "2bw-adam-clip": ("2bw", "adam", 0.05, None),
+    "2bw-adam-nan": ("2bw", "adam", None, 2),
+    "1f1b-adam-clip-nan": ("1f1b", "adam", 0.05, 3),
+}
+
+
+def _batches(nan_step: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    batches = [make_data(BATCH, seed=t) for t in range(STEPS)]
+    if nan_step is not None:
+        batches[nan_step][0][1, 2] = float("nan")
+    return batches
+
+
+def _two_bw_worker(rank: int, world: int, depth: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    topo = Topology(world, depth)
+    mesh = init_device_mesh("cpu", (topo.width, depth), mesh_dim_names=("dp", "pp"))
+    replica, results = topo.replica_of(rank), {}
+    for name, (schedule, kind, clip, nan_step) in CASES.items():
+        torch.manual_seed(0)
+        model = ToyChain()
+        engine = PipelineEngine(model, topo, rank, schedule, M, "uniform", mesh=mesh, gradient_clip_val=clip)
+        opt = make_optimizer(model.parameters(), kind, model.lr)
+        history, losses = [], []
+        for batch in _batches(nan_step):
+            shard = tuple(t.chunk(topo.width)[replica] for t in batch)
+            losses.append(float(engine.train_step(shard, opt)))
+            history.append({k: v.clone() for k, v in engine.current_weights().items()})
+        engine.drain()
+        history.append({k: v.clone() for k, v in engine.current_weights().items()})
+        params = list(engine.stage.parameters())
+        results[name] = {
+            "history": history,
+            "losses": losses,
+            "module": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "peak_versions": engine.versions.peak_live,
+            "state_on_module": sorted(id(p) for p in opt.state) == sorted(id(p) for p in params),
+            "skipped": engine.skipped_steps,
+        }
+    return results
+
+
+def _stage_union(out: list, depth: int, name: str, key: str, index: Any = None) -> dict:
+    merged: dict = {}
+    for rank in range(depth):
+        value = out[rank][1][name][key]
+        merged.update(value if index is None else value[index])
+    return merged
+
+
+@pytest.mark.parametrize("width,depth", [(1, 2), (1, 4), (2, 2)])
+def test_two_bw_follows_the_delayed_update_rule(width: int, depth: int) -> None:
+    out = run_workers(_two_bw_worker, width * depth, depth, timeout=300)
+    assert all(status == "ok" for status, _ in out), [v for s, v in out if s != "ok"]
+    for name, (schedule, kind, clip, nan_step) in CASES.items():
+        delay = 1 if schedule == "2bw" else 0
+        torch.manual_seed(0)
+        history: list = []
+        reference_train(ToyChain(), _batches(nan_step), delay=delay, optimizer=kind, clip=clip, history=history)
+        # After step t the newest weights are W(t) under 2BW (batch t's update comes one step
+        # later) and W(t+1) when flushed; the drain brings both to W(STEPS).
+        for t in range(STEPS + 1):
+            want = history[min(t + 1 - delay, STEPS)] if t < STEPS else history[STEPS]
+            assert_close_dicts(_stage_union(out, depth, name, "history", t), want, rtol=1e-5)
+        assert_close_dicts(_stage_union(out, depth, name, "module", None), history[STEPS], rtol=1e-5)
+        for rank in range(width * depth):
+            result = out[rank][1][name]
+            assert result["peak_versions"] <= (2 if delay else 1)
+            assert result["state_on_module"], "optimizer state must live on the module's parameters, once"
+            assert result["skipped"] == (0 if nan_step is None else 1), "every rank skips the non-finite step"
+    # The test can tell 2BW from 1F1B: the vanilla rule ends far from the delayed one.
+    torch.manual_seed(0)
+    vanilla = reference_train(ToyChain(), _batches(None), optimizer="adam")
+    delayed = _stage_union(out, depth, "2bw-adam", "module", None)
+    assert max(float((vanilla[k] - delayed[k]).abs().max()) for k in vanilla) > 1e-3
