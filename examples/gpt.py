@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -126,7 +127,7 @@ class GPT(PipelineMixin, L.LightningModule):
         n_head: attention heads.
         block_size: context length.
         vocab_size: 256 for bytes.
-        lr: AdamW learning rate (cosine-decayed to 10% over ``max_steps``).
+        lr: peak AdamW learning rate (warm-up, then cosine decay to 10% over ``max_steps``).
     """
 
     def __init__(self, n_layer: int = 4, n_embd: int = 128, n_head: int = 4, block_size: int = 64,
@@ -154,9 +155,17 @@ class GPT(PipelineMixin, L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
-        total = max(self.trainer.max_steps, 1)
-        decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s / total, 1))))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": decay, "interval": "step"}}
+        schedule = partial(warmup_cosine, total=max(self.trainer.max_steps, 1))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, schedule), "interval": "step"}}
+
+
+def warmup_cosine(step: int, total: int) -> float:
+    """LR factor: linear warm-up over the first 10% of steps, then cosine decay to 10%."""
+    warmup = max(1, total // 10)
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min((step - warmup) / max(total - warmup, 1), 1.0)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 from gpt import GPT, StdlibText  # noqa: E402
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "2bw"])
 def test_gpt_config_trains_logs_and_checkpoints(tmp_path: Path, schedule: str) -> None:
     launch(
         [str(ROOT / "examples" / "gpt.py"), "fit", f"--config={ROOT / 'configs' / f'gpt_{schedule}.yaml'}",

@@ -114,11 +114,12 @@ def _two_bw_worker(rank: int, world: int, depth: int) -> dict:
         model = ToyChain()
         engine = PipelineEngine(model, topo, rank, schedule, M, "uniform", mesh=mesh, gradient_clip_val=clip)
         opt = make_optimizer(model.parameters(), kind, model.lr)
-        history, losses = [], []
+        history, losses, in_flight = [], [], []
         for batch in _batches(nan_step):
             shard = tuple(t.chunk(topo.width)[replica] for t in batch)
             losses.append(float(engine.train_step(shard, opt)))
             history.append({k: v.clone() for k, v in engine.current_weights().items()})
+            in_flight.append(engine.in_flight)
         engine.drain()
         history.append({k: v.clone() for k, v in engine.current_weights().items()})
         params = list(engine.stage.parameters())
@@ -129,6 +130,7 @@ def _two_bw_worker(rank: int, world: int, depth: int) -> dict:
             "peak_versions": engine.versions.peak_live,
             "state_on_module": sorted(id(p) for p in opt.state) == sorted(id(p) for p in params),
             "skipped": engine.skipped_steps,
+            "in_flight": in_flight,
         }
     return results
 
@@ -161,6 +163,9 @@ def test_two_bw_follows_the_delayed_update_rule(width: int, depth: int) -> None:
             assert result["peak_versions"] <= (2 if delay else 1)
             assert result["state_on_module"], "optimizer state must live on the module's parameters, once"
             assert result["skipped"] == (0 if nan_step is None else 1), "every rank skips the non-finite step"
+            # No flush between steps under 2BW: stage s still holds d-1-s microbatches after each.
+            stage = rank % depth
+            assert result["in_flight"] == [(depth - 1 - stage) if delay else 0] * STEPS
     # The test can tell 2BW from 1F1B: the vanilla rule ends far from the delayed one.
     torch.manual_seed(0)
     vanilla = reference_train(ToyChain(), _batches(None), optimizer="adam")

@@ -244,6 +244,11 @@ class PipelineEngine:
         self.last_peak_stash = max(state.peak_stash, self.last_peak_stash if self.schedule == "2bw" else 0)
         return self._from_last_stage(torch.tensor(state.loss_sum, device=self.device))
 
+    @property
+    def in_flight(self) -> int:
+        """Microbatches forwarded but not yet backwarded on this stage (2BW keeps them across steps)."""
+        return self._state.live
+
     def drain(self) -> None:
         """Finish every in-flight microbatch and apply the outstanding update (2BW); no-op otherwise.
 
