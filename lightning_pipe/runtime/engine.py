@@ -126,12 +126,13 @@ class PipelineEngine:
         self.dp_group = mesh.get_group("dp") if mesh is not None else None
         self.pp_group = mesh.get_group("pp") if mesh is not None else None
         self.norm_group = self._pipeline_group() if mesh is not None and topology.depth > 1 else None
-        self.versions = WeightVersions(self.stage.parameters(), double=schedule == "2bw")
+        self.streaming = schedule == "2bw"  # the stream of microbatches runs on across steps
+        self.versions = WeightVersions(self.stage.parameters(), double=self.streaming)
         self.last_peak_stash = 0
         self.skipped_steps = 0
         self._programs: dict[tuple[bool, int], list[Action]] = {}
         self._restart()
-        if schedule == "2bw":
+        if self.streaming:
             verify(two_bw_run(topology.depth, microbatches, 3), 3 * microbatches)
 
     def _restart(self) -> None:
@@ -207,7 +208,7 @@ class PipelineEngine:
         return self._programs[key]
 
     def _window(self) -> list[Action]:
-        if self.schedule == "2bw":
+        if self.streaming:
             return two_bw_window(self.topology.depth, self.microbatches, self._batches)[self.stage_index]
         return self.train_program(self.microbatches)
 
@@ -235,14 +236,16 @@ class PipelineEngine:
         """
         microbatches, shares = split_batch(batch, self.microbatches)
         self._optimizer, self._on_step = optimizer, on_step or (lambda: None)
-        if self.schedule != "2bw":
+        if not self.streaming:
             self.versions.clear_grads()
-        state = self._state if self.schedule == "2bw" else StepState({}, {})
-        state.add_batch(self._batches * self.microbatches if self.schedule == "2bw" else 0, microbatches, shares)
-        self._run(self._window(), state, wait=self.schedule != "2bw")
+        self._state.add_batch(self._batches * self.microbatches, microbatches, shares)
+        self._run(self._window(), self._state, wait=not self.streaming)
         self._batches += 1
-        self.last_peak_stash = max(state.peak_stash, self.last_peak_stash if self.schedule == "2bw" else 0)
-        return self._from_last_stage(torch.tensor(state.loss_sum, device=self.device))
+        loss = torch.tensor(self._state.loss_sum, device=self.device)
+        self.last_peak_stash = self._state.peak_stash
+        if not self.streaming:
+            self._restart()  # a flushed step leaves nothing in flight
+        return self._from_last_stage(loss)
 
     @property
     def in_flight(self) -> int:
@@ -255,7 +258,7 @@ class PipelineEngine:
         Lightning calls this before validation, checkpoints and the end of fit, so weights are
         consistent there. The next training step starts a fresh warm-up from the newest weights.
         """
-        if self.schedule != "2bw" or self._batches == 0:
+        if not self.streaming or self._batches == 0:
             return
         program = two_bw_drain(self.topology.depth, self.microbatches, self._batches - 1)[self.stage_index]
         with torch.inference_mode(False), torch.enable_grad():  # Lightning may call this from evaluation
