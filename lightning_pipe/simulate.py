@@ -13,7 +13,26 @@ CostModel = Union[Mapping[Kind, float], Callable[[Action], float]]
 _SENDER: dict[Kind, tuple[Kind, int]] = {Kind.RECV_ACT: (Kind.SEND_ACT, -1), Kind.RECV_GRAD: (Kind.SEND_GRAD, +1)}
 # Actions that take a microbatch into / out of the stage's activation stash.
 STASH_IN: frozenset[Kind] = frozenset({Kind.FORWARD})
-STASH_OUT: frozenset[Kind] = frozenset({Kind.BACKWARD})
+STASH_OUT: frozenset[Kind] = frozenset({Kind.BACKWARD, Kind.WEIGHT_GRAD})
+
+
+@dataclass(frozen=True)
+class StashModel:
+    """Bytes one microbatch holds on a stage: ``activation`` from F until its backward; with
+    split backward, ``after_input_grad`` of it (what W still needs: weight-op inputs and
+    intermediate gradients) from I until W."""
+
+    activation: float = 1.0
+    after_input_grad: float = 1.0
+
+    def delta(self, kind: Kind) -> float:
+        """Change of stashed bytes when an action of ``kind`` completes."""
+        return {
+            Kind.FORWARD: self.activation,
+            Kind.BACKWARD: -self.activation,
+            Kind.INPUT_GRAD: self.after_input_grad - self.activation,
+            Kind.WEIGHT_GRAD: -self.after_input_grad,
+        }.get(kind, 0.0)
 
 
 class ScheduleError(ValueError):
@@ -38,6 +57,7 @@ class SimResult:
     busy: list[float]
     peak_stash: list[int]
     timeline: list[Interval] = field(default_factory=list)
+    peak_stash_bytes: list[float] = field(default_factory=list)
 
     @property
     def bubble(self) -> list[float]:
@@ -73,12 +93,16 @@ def _dependency(action: Action) -> Optional[Action]:
     return Action(action.stage + offset, kind, action.microbatch)
 
 
-def _peak_stash(actions: list[Action]) -> int:
-    live, peak = 0, 0
+def _peak(actions: list[Action], delta: Callable[[Kind], float]) -> float:
+    live, peak = 0.0, 0.0
     for a in actions:
-        live += (a.kind in STASH_IN) - (a.kind in STASH_OUT)
+        live += delta(a.kind)
         peak = max(peak, live)
     return peak
+
+
+def _microbatch_delta(kind: Kind) -> float:
+    return float(kind in STASH_IN) - float(kind in STASH_OUT)
 
 
 def _advance(rank: int, actions: list[Action], ptr: int, clock: float, done: dict, cost, out: list) -> tuple[int, float]:
@@ -96,8 +120,11 @@ def _advance(rank: int, actions: list[Action], ptr: int, clock: float, done: dic
     return ptr, clock
 
 
-def simulate(schedule: list[list[Action]], costs: CostModel) -> SimResult:
+def simulate(schedule: list[list[Action]], costs: CostModel, stash: StashModel = StashModel()) -> SimResult:
     """Simulate one pipeline; rank ``r`` runs ``schedule[r]`` in order, sends never block.
+
+    Reports the makespan, busy time per rank, peak microbatches stashed per stage (held from
+    F until B, or until W with split backward) and peak stashed bytes under ``stash``.
 
     Raises:
         ScheduleError: if the ranks deadlock (a receive whose send never comes).
@@ -114,4 +141,6 @@ def simulate(schedule: list[list[Action]], costs: CostModel) -> SimResult:
             stuck = {r: str(schedule[r][p]) for r, p in enumerate(ptrs) if p < len(schedule[r])}
             raise ScheduleError(f"deadlock: ranks wait at {stuck}\n{grid(schedule)}")
     busy = [sum(i.end - i.start for i in timeline if i.rank == r and i.action.kind in COMPUTE_KINDS) for r in range(len(schedule))]
-    return SimResult(max(clocks, default=0.0), busy, [_peak_stash(a) for a in schedule], timeline)
+    peaks = [int(_peak(a, _microbatch_delta)) for a in schedule]
+    peak_bytes = [_peak(a, stash.delta) for a in schedule]
+    return SimResult(max(clocks, default=0.0), busy, peaks, timeline, peak_bytes)

@@ -20,10 +20,12 @@ class Kind(str, Enum):
     ALL_REDUCE = "AR"
     OPTIMIZER_STEP = "OPT"
     VERSION = "V"
+    INPUT_GRAD = "I"
+    WEIGHT_GRAD = "W"
 
 
 #: Kinds that do model compute (the simulator charges them a cost).
-COMPUTE_KINDS = frozenset({Kind.FORWARD, Kind.BACKWARD})
+COMPUTE_KINDS = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.INPUT_GRAD, Kind.WEIGHT_GRAD})
 #: Kinds that act on the whole batch rather than on one microbatch.
 BATCH_KINDS = frozenset({Kind.ALL_REDUCE, Kind.OPTIMIZER_STEP})
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from lightning_pipe.schedules.actions import Action, Kind
 from lightning_pipe.schedules import two_bw
 from lightning_pipe.schedules.generators import TRAINING_SCHEDULES, Generator, forward_only
+from lightning_pipe.schedules.split import W_PLACEMENT, split_backward
 
 Schedule = list[list[Action]]
 
@@ -13,6 +16,7 @@ Schedule = list[list[Action]]
 _COMM: dict[Kind, tuple[Kind, Kind, bool]] = {
     Kind.FORWARD: (Kind.RECV_ACT, Kind.SEND_ACT, True),
     Kind.BACKWARD: (Kind.RECV_GRAD, Kind.SEND_GRAD, False),
+    Kind.INPUT_GRAD: (Kind.RECV_GRAD, Kind.SEND_GRAD, False),
 }
 
 
@@ -58,12 +62,26 @@ def resolve(name: str) -> Generator:
     return TRAINING_SCHEDULES[name]
 
 
-def build_schedule(name: str, depth: int, microbatches: int) -> Schedule:
-    """Full training program of every stage: compute, communication and the optimizer flush."""
+def build_schedule(
+    name: str, depth: int, microbatches: int, split: bool = False, max_pending: Optional[int] = None
+) -> Schedule:
+    """Full training program of every stage: compute, communication and the optimizer flush.
+
+    Args:
+        name: "gpipe" or "1f1b".
+        depth: stages ``d``.
+        microbatches: microbatches ``m``.
+        split: split each backward into I and W (2BP, see schedules/split.py).
+        max_pending: with ``split``, most microbatches that may wait for their W.
+    """
     generator = resolve(name)
-    return [
-        add_optimizer(add_communication(generator(s, depth, microbatches), depth), s) for s in range(depth)
-    ]
+    programs = []
+    for s in range(depth):
+        compute = generator(s, depth, microbatches)
+        if split:
+            compute = split_backward(compute, W_PLACEMENT[name], max_pending)
+        programs.append(add_optimizer(add_communication(compute, depth), s))
+    return programs
 
 
 def build_inference(depth: int, microbatches: int) -> Schedule:

@@ -1,0 +1,68 @@
+"""Split backward (2BP) as schedule data: the pass, seed 001's Table 1, and stash memory."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_pipe.schedules import build_schedule, format_actions, one_f_one_b, verify
+from lightning_pipe.schedules.actions import Kind
+from lightning_pipe.schedules.split import split_backward
+from lightning_pipe.simulate import StashModel, simulate
+
+# Equal F, I and W times (seed 001, Table 1); an unsplit B is I followed by W.
+EQUAL = {Kind.FORWARD: 1.0, Kind.INPUT_GRAD: 1.0, Kind.WEIGHT_GRAD: 1.0, Kind.BACKWARD: 2.0}
+
+# Seed 001, Table 1: (schedule, microbatches as a function of N, bubble without 2BP, with 2BP).
+TABLE_1 = {
+    "Naive": ("gpipe", lambda n: 1, lambda n: (n - 1) / n, lambda n: 2 * (n - 1) / (2 * n + 1)),
+    "GPipe": ("gpipe", lambda n: n, lambda n: (n - 1) / (2 * n - 1), lambda n: 2 * (n - 1) / (2 * (n - 1) + 3 * n)),
+    "1F1B-1": ("1f1b", lambda n: n, lambda n: (n - 1) / (2 * n - 1), lambda n: (n - 1) / (n - 1 + 3 * n)),
+    "1F1B-2": ("1f1b", lambda n: 2 * n, lambda n: (n - 1) / (3 * n - 1), lambda n: (n - 1) / (n - 1 + 6 * n)),
+}
+
+
+@pytest.mark.parametrize("row", list(TABLE_1))
+def test_simulator_reproduces_table_1(row: str) -> None:
+    name, microbatches, plain, with_2bp = TABLE_1[row]
+    for n in range(2, 9):
+        m = microbatches(n)
+        assert simulate(build_schedule(name, n, m), EQUAL).total_bubble == pytest.approx(plain(n))
+        assert simulate(build_schedule(name, n, m, split=True), EQUAL).total_bubble == pytest.approx(with_2bp(n))
+
+
+def test_golden_split_and_placement() -> None:
+    assert format_actions(split_backward(one_f_one_b(0, 2, 2), "cooldown")) == "0F0 0F1 0I0 0W0 0I1 0W1"
+    gpipe = [a for a in build_schedule("gpipe", 2, 2, split=True)[0] if a.kind in (Kind.INPUT_GRAD, Kind.WEIGHT_GRAD)]
+    assert format_actions(gpipe) == "0I0 0I1 0W0 0W1"  # GPipe: all W after all I (seed 001, 3.2)
+    assert format_actions(build_schedule("1f1b", 2, 1, split=True)[1]) == "1RF0 1F0 1I0 1SB0 1W0 1AR 1OPT"
+    with pytest.raises(ValueError, match="unknown W placement"):
+        split_backward([], "sometime")
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("max_pending", [None, 0, 1, 3])
+def test_split_schedules_are_valid(name: str, max_pending: int) -> None:
+    for d in range(1, 9):
+        for m in range(1, 17):
+            program = build_schedule(name, d, m, split=True, max_pending=max_pending)
+            verify(program, m)  # F, I, W once each and in that order; no deadlock
+            for actions in program:  # every W before the all-reduce that needs its gradient
+                ar = next(i for i, a in enumerate(actions) if a.kind is Kind.ALL_REDUCE)
+                assert all(i < ar for i, a in enumerate(actions) if a.kind is Kind.WEIGHT_GRAD)
+
+
+def test_memory_bounded_split_brings_1f1b_2_back_towards_1f1b_1() -> None:
+    # Seed 001, Figure 5: running W part-way through 1F1B-2 lowers its peak stash.
+    stash = StashModel(activation=1.0, after_input_grad=0.5)
+    n = 4
+    unbounded = simulate(build_schedule("1f1b", n, 2 * n, split=True), EQUAL, stash)
+    bounded = simulate(build_schedule("1f1b", n, 2 * n, split=True, max_pending=1), EQUAL, stash)
+    one_f_one_b_1 = simulate(build_schedule("1f1b", n, n, split=True), EQUAL, stash)
+    plain = simulate(build_schedule("1f1b", n, 2 * n), EQUAL, stash)
+    assert max(bounded.peak_stash_bytes) < max(unbounded.peak_stash_bytes)
+    assert max(bounded.peak_stash_bytes) - max(one_f_one_b_1.peak_stash_bytes) < 0.5 * (
+        max(unbounded.peak_stash_bytes) - max(one_f_one_b_1.peak_stash_bytes)
+    )
+    assert bounded.total_bubble < plain.total_bubble  # still fills bubbles
+    # Split keeps microbatches stashed until W: more than the d - s of plain 1F1B.
+    assert unbounded.peak_stash == [2 * n] * n and plain.peak_stash == [n - s for s in range(n)]
