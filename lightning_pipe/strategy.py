@@ -40,6 +40,8 @@ class PipelineStrategy(DDPStrategy):
         gradient_clip_val: clip gradients to this global norm, computed over all stages
             (Lightning's own ``Trainer(gradient_clip_val=...)`` is not available with manual
             optimization). Steps with a non-finite gradient are always skipped, on every rank.
+        split_backward: split each backward into input gradients (sent upstream at once) and
+            weight gradients (delayed into idle time), 2BP; any module, through autograd.
         timeout: timeout of every collective and transfer; a stuck rank fails after it.
         process_group_backend: "gloo" or "nccl"; default from the device.
         start_method: Lightning launcher start method; "popen" (default) re-runs the script.
@@ -55,6 +57,7 @@ class PipelineStrategy(DDPStrategy):
         partition: PartitionSpec = "balanced",
         recompute: Recompute = False,
         gradient_clip_val: Optional[float] = None,
+        split_backward: bool = False,
         timeout: Optional[timedelta] = default_pg_timeout,
         process_group_backend: Optional[str] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -81,6 +84,7 @@ class PipelineStrategy(DDPStrategy):
         )
         self.schedule, self.pipeline_depth, self.microbatches = schedule, pipeline_depth, microbatches
         self.partition, self.recompute, self.gradient_clip_val = partition, recompute, gradient_clip_val
+        self.split_backward = split_backward
         self._topology: Optional[Topology] = None
         self._mesh: Any = None
 
@@ -130,7 +134,7 @@ class PipelineStrategy(DDPStrategy):
         return PipelineEngine(
             module, self.topology, self.global_rank, schedule=self.schedule, microbatches=self.microbatches,
             partition=self.partition, recompute=self.recompute, device=self.root_device, mesh=self._mesh,
-            gradient_clip_val=self.gradient_clip_val,
+            gradient_clip_val=self.gradient_clip_val, split_backward=self.split_backward,
         )  # fmt: skip
 
     @override

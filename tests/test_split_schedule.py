@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_pipe.schedules import build_schedule, format_actions, one_f_one_b, verify
+from lightning_pipe.schedules import build_schedule, format_actions, one_f_one_b, two_bw_run, verify
 from lightning_pipe.schedules.actions import Kind
 from lightning_pipe.schedules.split import split_backward
 from lightning_pipe.simulate import StashModel, simulate
@@ -66,3 +66,17 @@ def test_memory_bounded_split_brings_1f1b_2_back_towards_1f1b_1() -> None:
     assert bounded.total_bubble < plain.total_bubble  # still fills bubbles
     # Split keeps microbatches stashed until W: more than the d - s of plain 1F1B.
     assert unbounded.peak_stash == [2 * n] * n and plain.peak_stash == [n - s for s in range(n)]
+
+
+@pytest.mark.parametrize("depth", range(1, 7))
+def test_split_two_bw_keeps_weight_grads_before_the_step(depth: int) -> None:
+    for m in range(depth, 10):
+        program = two_bw_run(depth, m, 3, split=True)
+        verify(program, 3 * m)
+        for actions in program:  # a batch's W's all run before its all-reduce and deferred step
+            reduced = 0
+            for a in actions:
+                if a.kind is Kind.ALL_REDUCE:
+                    reduced += 1
+                if a.kind is Kind.WEIGHT_GRAD:
+                    assert a.microbatch // m == reduced, f"W{a.microbatch} after its batch's all-reduce"

@@ -115,6 +115,20 @@ def test_fit_two_bw_follows_delayed_rule(tmp_path: Path, width: int, depth: int)
         assert_close_dicts(dict(restored.named_parameters()), want, rtol=1e-5)
 
 
+def test_fit_with_split_backward_matches_without(tmp_path: Path) -> None:
+    launch([SCRIPT, "--devices=2", "--depth=2", "--schedules=gpipe,1f1b,2bw", "--recompute=false",
+            "--split=false,true", f"--out={tmp_path}"], timeout=400, torchrun=2)  # fmt: skip
+    for schedule in ("gpipe", "1f1b", "2bw"):
+        plain, split = _load(tmp_path, f"{schedule}_False", 2), _load(tmp_path, f"{schedule}_False_split", 2)
+        _check_run(split, 1, 2, delay=int(schedule == "2bw"))
+        for p, s in zip(plain, split):
+            for name, value in p["params"].items():  # same sums in another order: 1e-6, 1e-8 near 0
+                torch.testing.assert_close(s["params"][name], value, rtol=1e-6, atol=1e-8)
+            if schedule != "2bw":
+                for name, value in p["grads"].items():
+                    torch.testing.assert_close(s["grads"][name], value, rtol=1e-6, atol=1e-8)
+
+
 def test_bf16_mixed_on_cpu(tmp_path: Path) -> None:
     launch([SCRIPT, "--devices=2", "--depth=2", "--precision=bf16-mixed", "--schedules=gpipe,2bw", "--recompute=true", f"--out={tmp_path}"], timeout=300, torchrun=2)
     ranks = _load(tmp_path, "gpipe_True", 2)

@@ -96,6 +96,8 @@ class PipelineEngine:
         device: device of this rank's stage.
         mesh: DeviceMesh with "dp" and "pp" dimensions; ``None`` only when running one process.
         gradient_clip_val: clip the gradient to this global norm (over all stages) before a step.
+        split_backward: split each backward into input (I) and weight (W) gradients and delay
+            W into idle time (2BP, seed 001; see schedules/split.py and runtime/split.py).
     """
 
     def __init__(
@@ -110,15 +112,18 @@ class PipelineEngine:
         device: Optional[torch.device] = None,
         mesh: Any = None,
         gradient_clip_val: Optional[float] = None,
+        split_backward: bool = False,
     ) -> None:
         check_name(schedule)
+        if split_backward and recompute is not False:
+            raise ValueError("split_backward with recompute would recompute each forward twice (in I and W); use one")
         if microbatches < 1:
             raise ValueError(f"microbatches must be >= 1, got {microbatches}")
         if schedule == "2bw":
             two_bw.check_microbatches(topology.depth, microbatches)
         self.module, self.topology, self.rank = module, topology, rank
         self.schedule, self.microbatches = schedule, microbatches
-        self.gradient_clip_val = gradient_clip_val
+        self.gradient_clip_val, self.split_backward = gradient_clip_val, split_backward
         self.device = device or torch.device("cpu")
         self.stage_index = topology.stage_of(rank)
         self.stage = self._build_stage(partition, recompute)
@@ -133,7 +138,7 @@ class PipelineEngine:
         self._programs: dict[tuple[bool, int], list[Action]] = {}
         self._restart()
         if self.streaming:
-            verify(two_bw_run(topology.depth, microbatches, 3), 3 * microbatches)
+            verify(two_bw_run(topology.depth, microbatches, 3, split_backward), 3 * microbatches)
 
     def _restart(self) -> None:
         """Forget the stream: the next batch is batch 0 of a fresh warm-up."""
@@ -202,14 +207,20 @@ class PipelineEngine:
         key = (train, microbatches)
         if key not in self._programs:
             d = self.topology.depth
-            program = build_schedule(self.schedule, d, microbatches) if train else build_inference(d, microbatches)
+            program = (
+                build_schedule(self.schedule, d, microbatches, split=self.split_backward)
+                if train
+                else build_inference(d, microbatches)
+            )
             verify(program, microbatches, train=train)
             self._programs[key] = program[self.stage_index]
         return self._programs[key]
 
     def _window(self) -> list[Action]:
         if self.streaming:
-            return two_bw_window(self.topology.depth, self.microbatches, self._batches)[self.stage_index]
+            return two_bw_window(self.topology.depth, self.microbatches, self._batches, self.split_backward)[
+                self.stage_index
+            ]
         return self.train_program(self.microbatches)
 
     def _hooks(self) -> Hooks:
@@ -260,7 +271,8 @@ class PipelineEngine:
         """
         if not self.streaming or self._batches == 0:
             return
-        program = two_bw_drain(self.topology.depth, self.microbatches, self._batches - 1)[self.stage_index]
+        last = self._batches - 1
+        program = two_bw_drain(self.topology.depth, self.microbatches, last, self.split_backward)[self.stage_index]
         with torch.inference_mode(False), torch.enable_grad():  # Lightning may call this from evaluation
             self._run(program, self._state)
         self.versions.collapse(self._optimizer, self._batches - 1)

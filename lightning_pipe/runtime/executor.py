@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_pipe.runtime import p2p
+from lightning_pipe.runtime import p2p, split
 from lightning_pipe.runtime.stage import Stage, Tensors, as_tuple
 from lightning_pipe.schedules.actions import Action, Kind
 
@@ -59,6 +59,7 @@ class StepState:
     losses: dict[int, Tensor] = field(default_factory=dict)
     grads: dict[int, Tensors] = field(default_factory=dict)
     input_grads: dict[int, Tensors] = field(default_factory=dict)
+    weight_work: dict[int, split.WeightWork] = field(default_factory=dict)
     results: dict[int, Any] = field(default_factory=dict)
     loss_sum: float = 0.0
     pending: list[tuple[dist.Work, Tensors]] = field(default_factory=list)
@@ -105,6 +106,8 @@ class Executor:
             Kind.ALL_REDUCE: lambda a, st: self.hooks.all_reduce(),
             Kind.OPTIMIZER_STEP: lambda a, st: self.hooks.optimizer_step(),
             Kind.VERSION: self._version,
+            Kind.INPUT_GRAD: self._input_grad,
+            Kind.WEIGHT_GRAD: self._weight_grad,
         }
 
     def run(self, actions: list[Action], state: StepState, wait: bool = True) -> StepState:
@@ -155,23 +158,43 @@ class Executor:
             raise TypeError(f"pipeline_loss must return a scalar Tensor, got {type(loss).__name__}")
         return loss.reshape(())
 
-    def _backward(self, a: Action, st: StepState) -> None:
-        k = a.microbatch
+    def _roots(self, k: int, st: StepState) -> tuple[list[Tensor], list[Optional[Tensor]]]:
+        """What microbatch ``k``'s backward starts from: the loss, or outputs and their gradients."""
         if self.position.is_last:
-            pairs = [(st.losses.pop(k), None)]
+            pairs: list[tuple[Tensor, Optional[Tensor]]] = [(st.losses.pop(k), None)]
         else:
             floats = [o for o in st.outputs.pop(k) if o.is_floating_point()]
             pairs = list(zip(floats, st.grads.pop(k)))
         pairs = [(root, grad) for root, grad in pairs if root.requires_grad]
-        if pairs:
-            torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
-        inputs = st.inputs.pop(k)
+        return [r for r, _ in pairs], [g for _, g in pairs]
+
+    def _keep_input_grads(self, k: int, st: StepState, floats: list[Tensor], grads: list[Optional[Tensor]]) -> None:
         st.microbatches.pop(k, None)
         st.shares.pop(k, None)
         if not self.position.is_first:
-            st.input_grads[k] = tuple(
-                x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs if x.is_floating_point()
-            )
+            st.input_grads[k] = tuple(g if g is not None else torch.zeros_like(x) for x, g in zip(floats, grads))
+
+    def _backward(self, a: Action, st: StepState) -> None:
+        k = a.microbatch
+        roots, grads = self._roots(k, st)
+        if roots:
+            torch.autograd.backward(roots, grads)
+        floats = [x for x in st.inputs.pop(k) if x.is_floating_point()]
+        self._keep_input_grads(k, st, floats, [x.grad for x in floats])
+        st.stash(-1)
+
+    def _input_grad(self, a: Action, st: StepState) -> None:
+        k = a.microbatch
+        roots, grads = self._roots(k, st)
+        floats = [x for x in st.inputs.pop(k) if x.is_floating_point()]
+        needing = [x for x in floats if x.requires_grad]
+        found, work = split.input_grads(roots, grads, needing) if roots else ([], split.WeightWork([], [], []))
+        by_input = {id(x): g for x, g in zip(needing, found)}
+        self._keep_input_grads(k, st, floats, [by_input.get(id(x)) for x in floats])
+        st.weight_work[k] = work
+
+    def _weight_grad(self, a: Action, st: StepState) -> None:
+        split.weight_grads(st.weight_work.pop(a.microbatch))
         st.stash(-1)
 
     # -- communication ---------------------------------------------------------------------

@@ -89,17 +89,27 @@ def build_inference(depth: int, microbatches: int) -> Schedule:
     return [add_communication(forward_only(s, depth, microbatches), depth) for s in range(depth)]
 
 
-def two_bw_window(depth: int, microbatches: int, step: int) -> Schedule:
+def _split_2bw(actions: list[Action], split: bool) -> list[Action]:
+    return split_backward(actions, W_PLACEMENT["2bw"]) if split else actions
+
+
+def two_bw_window(depth: int, microbatches: int, step: int, split: bool = False) -> Schedule:
     """Full 2BW program of every stage for training step ``step`` (see schedules/two_bw.py)."""
-    return [add_communication(two_bw.window(s, depth, microbatches, step), depth) for s in range(depth)]
+    return [
+        add_communication(_split_2bw(two_bw.window(s, depth, microbatches, step), split), depth) for s in range(depth)
+    ]
 
 
-def two_bw_drain(depth: int, microbatches: int, last_step: int) -> Schedule:
+def two_bw_drain(depth: int, microbatches: int, last_step: int, split: bool = False) -> Schedule:
     """Full 2BW program of every stage that finishes the stream after ``last_step``."""
-    return [add_communication(two_bw.drain(s, depth, microbatches, last_step), depth) for s in range(depth)]
+    return [
+        add_communication(_split_2bw(two_bw.drain(s, depth, microbatches, last_step), split), depth)
+        for s in range(depth)
+    ]
 
 
-def two_bw_run(depth: int, microbatches: int, steps: int) -> Schedule:
+def two_bw_run(depth: int, microbatches: int, steps: int, split: bool = False) -> Schedule:
     """``steps`` consecutive 2BW windows and the drain, concatenated per stage (for checks)."""
-    parts = [two_bw_window(depth, microbatches, t) for t in range(steps)] + [two_bw_drain(depth, microbatches, steps - 1)]
+    parts = [two_bw_window(depth, microbatches, t, split) for t in range(steps)]
+    parts.append(two_bw_drain(depth, microbatches, steps - 1, split))
     return [[a for part in parts for a in part[s]] for s in range(depth)]

@@ -59,25 +59,27 @@ class WithScheduler(ToyChain):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def run(args: argparse.Namespace, schedule: str, recompute: bool) -> None:
+def run(args: argparse.Namespace, schedule: str, recompute: bool, split: bool = False) -> None:
     torch.manual_seed(0)
     model = (WithScheduler if args.scheduler else ToyChain)()
     recorder = Recorder()
     out = Path(args.out)
+    tag = f"{schedule}_{recompute}" + ("_split" if split else "")
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
         strategy=PipelineStrategy(schedule=schedule, pipeline_depth=args.depth, microbatches=args.microbatches,
-                                  partition="uniform", recompute=recompute, timeout=__import__("datetime").timedelta(seconds=60)),
+                                  partition="uniform", recompute=recompute, split_backward=split,
+                                  timeout=__import__("datetime").timedelta(seconds=60)),
         precision=args.precision,
         max_steps=args.steps,
         max_epochs=-1,
         limit_val_batches=2,
         val_check_interval=args.steps,
         num_sanity_val_steps=0,
-        callbacks=[recorder, L.pytorch.callbacks.ModelCheckpoint(dirpath=out / f"ckpt_{schedule}_{recompute}", save_last=True)],
+        callbacks=[recorder, L.pytorch.callbacks.ModelCheckpoint(dirpath=out / f"ckpt_{tag}", save_last=True)],
         log_every_n_steps=1,
-        logger=L.pytorch.loggers.TensorBoardLogger(out / "tb", name=f"{schedule}_{recompute}"),
+        logger=L.pytorch.loggers.TensorBoardLogger(out / "tb", name=tag),
         enable_model_summary=False,
         enable_progress_bar=False,
         use_distributed_sampler=True,
@@ -103,7 +105,7 @@ def run(args: argparse.Namespace, schedule: str, recompute: bool) -> None:
             "predictions": predictions,
             "world_size": trainer.world_size,
         },
-        out / f"{schedule}_{recompute}_rank{rank}.pt",
+        out / f"{tag}_rank{rank}.pt",
     )
 
 
@@ -118,11 +120,13 @@ def main() -> None:
     parser.add_argument("--schedules", default="gpipe,1f1b")
     parser.add_argument("--recompute", default="false,true")
     parser.add_argument("--scheduler", action="store_true")
+    parser.add_argument("--split", default="false")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     for schedule in args.schedules.split(","):
         for recompute in args.recompute.split(","):
-            run(args, schedule, recompute == "true")
+            for split in args.split.split(","):
+                run(args, schedule, recompute == "true", split == "true")
 
 
 if __name__ == "__main__":
