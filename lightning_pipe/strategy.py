@@ -42,6 +42,8 @@ class PipelineStrategy(DDPStrategy):
             optimization). Steps with a non-finite gradient are always skipped, on every rank.
         split_backward: split each backward into input gradients (sent upstream at once) and
             weight gradients (delayed into idle time), 2BP; any module, through autograd.
+        split_max_pending: with ``split_backward``, the most microbatches waiting for their
+            weight gradients (bounds memory; GPipe and 1F1B).
         timeout: timeout of every collective and transfer; a stuck rank fails after it.
         process_group_backend: "gloo" or "nccl"; default from the device.
         start_method: Lightning launcher start method; "popen" (default) re-runs the script.
@@ -58,6 +60,7 @@ class PipelineStrategy(DDPStrategy):
         recompute: Recompute = False,
         gradient_clip_val: Optional[float] = None,
         split_backward: bool = False,
+        split_max_pending: Optional[int] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         process_group_backend: Optional[str] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -84,7 +87,7 @@ class PipelineStrategy(DDPStrategy):
         )
         self.schedule, self.pipeline_depth, self.microbatches = schedule, pipeline_depth, microbatches
         self.partition, self.recompute, self.gradient_clip_val = partition, recompute, gradient_clip_val
-        self.split_backward = split_backward
+        self.split_backward, self.split_max_pending = split_backward, split_max_pending
         self._topology: Optional[Topology] = None
         self._mesh: Any = None
 
@@ -135,6 +138,7 @@ class PipelineStrategy(DDPStrategy):
             module, self.topology, self.global_rank, schedule=self.schedule, microbatches=self.microbatches,
             partition=self.partition, recompute=self.recompute, device=self.root_device, mesh=self._mesh,
             gradient_clip_val=self.gradient_clip_val, split_backward=self.split_backward,
+            split_max_pending=self.split_max_pending,
         )  # fmt: skip
 
     @override

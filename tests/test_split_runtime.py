@@ -77,3 +77,32 @@ def test_split_backward_matches_full_backward(width: int, depth: int) -> None:
                 for name in want:
                     torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-8)
             assert split[2] == plain[2] == STEPS * M  # each block ran one forward per microbatch
+
+
+def _memory_worker(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    topo = Topology(world, world)
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "pp"))
+    peaks = {}
+    for split, bound in ((False, None), (True, None), (True, 1)):
+        torch.manual_seed(0)
+        model = ToyChain()
+        engine = PipelineEngine(model, topo, rank, "1f1b", 2 * world, "uniform", mesh=mesh,
+                                split_backward=split, split_max_pending=bound)  # fmt: skip
+        engine.train_step(make_data(4 * world * 8, seed=0), torch.optim.SGD(model.parameters(), lr=0.0))
+        peaks[(split, bound)] = (engine.last_peak_stash, engine.last_peak_stash_bytes)
+    return peaks
+
+
+def test_runtime_reports_stash_and_bounded_split_lowers_it() -> None:
+    # 1F1B-2 (m = 2d): unbounded split holds every microbatch until its W; a bound of one
+    # pending W (seed 001, Figure 5) brings the peak back towards plain 1F1B's.
+    out = run_workers(_memory_worker, 2, timeout=120)
+    assert all(status == "ok" for status, _ in out), out
+    for stage, (_, peaks) in enumerate(out):
+        plain, split, bounded = peaks[(False, None)], peaks[(True, None)], peaks[(True, 1)]
+        assert plain[0] == 2 - stage and split[0] == 4  # microbatches awaiting B / W
+        assert bounded[0] < split[0]
+        assert plain[1] > 0 and split[1] > plain[1] > 0
+        assert bounded[1] < split[1]

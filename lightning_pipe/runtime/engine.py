@@ -98,6 +98,8 @@ class PipelineEngine:
         gradient_clip_val: clip the gradient to this global norm (over all stages) before a step.
         split_backward: split each backward into input (I) and weight (W) gradients and delay
             W into idle time (2BP, seed 001; see schedules/split.py and runtime/split.py).
+        split_max_pending: with ``split_backward``, the most microbatches that may wait for
+            their W (bounds the stash, seed 001's Figure 5); ``None``: no bound.
     """
 
     def __init__(
@@ -113,6 +115,7 @@ class PipelineEngine:
         mesh: Any = None,
         gradient_clip_val: Optional[float] = None,
         split_backward: bool = False,
+        split_max_pending: Optional[int] = None,
     ) -> None:
         check_name(schedule)
         if split_backward and recompute is not False:
@@ -124,6 +127,7 @@ class PipelineEngine:
         self.module, self.topology, self.rank = module, topology, rank
         self.schedule, self.microbatches = schedule, microbatches
         self.gradient_clip_val, self.split_backward = gradient_clip_val, split_backward
+        self.split_max_pending = split_max_pending
         self.device = device or torch.device("cpu")
         self.stage_index = topology.stage_of(rank)
         self.stage = self._build_stage(partition, recompute)
@@ -134,6 +138,7 @@ class PipelineEngine:
         self.streaming = schedule == "2bw"  # the stream of microbatches runs on across steps
         self.versions = WeightVersions(self.stage.parameters(), double=self.streaming)
         self.last_peak_stash = 0
+        self.last_peak_stash_bytes = 0
         self.skipped_steps = 0
         self._programs: dict[tuple[bool, int], list[Action]] = {}
         self._restart()
@@ -208,7 +213,7 @@ class PipelineEngine:
         if key not in self._programs:
             d = self.topology.depth
             program = (
-                build_schedule(self.schedule, d, microbatches, split=self.split_backward)
+                build_schedule(self.schedule, d, microbatches, self.split_backward, self.split_max_pending)
                 if train
                 else build_inference(d, microbatches)
             )
@@ -254,6 +259,7 @@ class PipelineEngine:
         self._batches += 1
         loss = torch.tensor(self._state.loss_sum, device=self.device)
         self.last_peak_stash = self._state.peak_stash
+        self.last_peak_stash_bytes = self._state.peak_stash_bytes
         if not self.streaming:
             self._restart()  # a flushed step leaves nothing in flight
         return self._from_last_stage(loss)

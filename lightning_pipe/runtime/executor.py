@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -65,6 +66,9 @@ class StepState:
     pending: list[tuple[dist.Work, Tensors]] = field(default_factory=list)
     live: int = 0
     peak_stash: int = 0
+    held_bytes: dict[int, int] = field(default_factory=dict)
+    live_bytes: int = 0
+    peak_stash_bytes: int = 0
 
     def add_batch(self, first: int, microbatches: list[Any], shares: list[float]) -> None:
         """Admit a batch whose microbatches are numbered from ``first``."""
@@ -76,6 +80,33 @@ class StepState:
         """Count microbatches whose activations are held for a backward."""
         self.live += delta
         self.peak_stash = max(self.peak_stash, self.live)
+
+    def hold(self, k: int, nbytes: int) -> None:
+        """Account ``nbytes`` more held for microbatch ``k`` (saved activations, captured gradients)."""
+        self.held_bytes[k] = self.held_bytes.get(k, 0) + nbytes
+        self.live_bytes += nbytes
+        self.peak_stash_bytes = max(self.peak_stash_bytes, self.live_bytes)
+
+    def release(self, k: int) -> None:
+        """Microbatch ``k``'s backward is complete: its bytes are freed."""
+        self.live_bytes -= self.held_bytes.pop(k, 0)
+
+
+@contextmanager
+def saved_bytes() -> Iterator[list[int]]:
+    """Count the bytes autograd saves for backward inside the block (parameters excluded:
+    they are held anyway); the graph keeps them until the microbatch's backward."""
+    counted, seen = [0], set()
+
+    def pack(t: Tensor) -> Tensor:
+        key = (t.untyped_storage().data_ptr(), t.dtype)
+        if not (t.is_leaf and t.requires_grad) and key not in seen:
+            seen.add(key)
+            counted[0] += t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield counted
 
 
 def _unwrap(values: Tensors) -> Any:
@@ -138,8 +169,11 @@ class Executor:
         inputs = as_tuple(self.hooks.inputs(mb), "pipeline_inputs") if self.position.is_first else st.inputs.pop(k)
         if st.train:
             st.inputs[k] = inputs
-        outputs = self.stage(inputs, st.weights)
-        st.stash(int(st.train))
+        with saved_bytes() as counted:
+            outputs = self.stage(inputs, st.weights)
+        if st.train:
+            st.stash(1)
+            st.hold(k, counted[0])
         if not self.position.is_last:
             st.outputs[k] = outputs
         elif st.train:
@@ -182,6 +216,7 @@ class Executor:
         floats = [x for x in st.inputs.pop(k) if x.is_floating_point()]
         self._keep_input_grads(k, st, floats, [x.grad for x in floats])
         st.stash(-1)
+        st.release(k)
 
     def _input_grad(self, a: Action, st: StepState) -> None:
         k = a.microbatch
@@ -192,10 +227,12 @@ class Executor:
         by_input = {id(x): g for x, g in zip(needing, found)}
         self._keep_input_grads(k, st, floats, [by_input.get(id(x)) for x in floats])
         st.weight_work[k] = work
+        st.hold(k, sum(g.numel() * g.element_size() for group in work.grads for g in group if g is not None))
 
     def _weight_grad(self, a: Action, st: StepState) -> None:
         split.weight_grads(st.weight_work.pop(a.microbatch))
         st.stash(-1)
+        st.release(a.microbatch)
 
     # -- communication ---------------------------------------------------------------------
     def _send(self, tensors: Tensors, dst: int, st: StepState) -> None:
