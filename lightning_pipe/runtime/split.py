@@ -7,6 +7,11 @@ gradients and captures the gradient arriving at each frontier node, which autogr
 computes on the way; the node's weight part is skipped since no requested input needs it.
 W later runs only the weight parts from those captured gradients. Each part of each node
 runs once, and no forward is re-run.
+
+Built-in operators compute only the gradients a pass asks for. A custom
+``torch.autograd.Function`` that takes both an activation and a weight cannot: its
+``ctx.needs_input_grad`` is fixed at forward time, so its backward runs in full in I and
+again in W (results stay correct; that node's work is done twice).
 """
 
 from __future__ import annotations
