@@ -29,8 +29,8 @@ from lightning_pipe.spawn import run_gloo
 DEPTH, BLOCKS_PER_STAGE = 4, 2
 
 
-def backward_overhead(reps: int, dim: int, seq: int, batch: int) -> list[float]:
-    """(I + W time) / (full backward time) for each interleaved repetition."""
+def backward_overhead(reps: int, dim: int, seq: int, batch: int, warmup: int = 5) -> list[float]:
+    """(I + W time) / (full backward time) for each interleaved repetition after ``warmup``."""
     torch.manual_seed(0)
     block = nn.TransformerEncoderLayer(dim, 8, 4 * dim, dropout=0.0, batch_first=True)
     x = torch.randn(batch, seq, dim)
@@ -50,7 +50,7 @@ def backward_overhead(reps: int, dim: int, seq: int, batch: int) -> list[float]:
             times.append(time.perf_counter() - start)
             block.zero_grad()
         ratios.append(times[1] / times[0])
-    return ratios
+    return ratios[warmup:]
 
 
 class _SleepInBackward(torch.autograd.Function):
@@ -160,15 +160,18 @@ def pipeline_gain(costs: tuple[float, float, float], steps: int, rounds: int) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--cost-ms", type=float, default=20.0, help="sleep of each F, I and W per block")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    ratios = backward_overhead(args.reps, dim=256, seq=128, batch=8)
-    print("## Split backward overhead (TransformerEncoderLayer d=256, 8x128 tokens, CPU)\n")
-    print(f"(I + W) / full backward: median {statistics.median(ratios):.3f} "
-          f"(min {min(ratios):.3f}, max {max(ratios):.3f}, {len(ratios)} interleaved pairs)\n")  # fmt: skip
+    print("## Split backward overhead: TransformerEncoderLayer, 8 x 128 tokens, CPU\n")
+    print("| d_model | median (I + W) / full backward | min | max | pairs |\n|---|---|---|---|---|")
+    for dim in (256, 512):
+        ratios = backward_overhead(args.reps + 5, dim=dim, seq=128, batch=8)
+        print(f"| {dim} | {statistics.median(ratios):.3f} | {min(ratios):.3f} | {max(ratios):.3f} | "
+              f"{len(ratios)} interleaved, after 5 warm-up |")  # fmt: skip
+    print()
     costs = (args.cost_ms / 1000,) * 3
     print(f"## Split backward gain, cost-model chain: d={DEPTH}, {BLOCKS_PER_STAGE} blocks/stage, "
           f"F = I = W = {args.cost_ms:g} ms per block\n")  # fmt: skip
