@@ -79,6 +79,9 @@ class ToyChain(PipelineMixin, L.LightningModule):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self.log("val_loss", self.pipeline_forward(batch, with_loss=True), sync_dist=True)
 
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("test_loss", self.pipeline_forward(batch, with_loss=True), sync_dist=True)
+
     def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
         return self.pipeline_forward(batch)
 

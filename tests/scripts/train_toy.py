@@ -91,6 +91,7 @@ def run(args: argparse.Namespace, schedule: str, recompute: bool, split: bool = 
     fit_metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     progress_bar = {k: float(v) for k, v in trainer.progress_bar_metrics.items()}
     predictions = trainer.predict(model, DataLoader(Indexed(8 * width, 7), batch_size=8))
+    tested = trainer.test(model, DataLoader(Indexed(8 * width * 2, 5), batch_size=8), verbose=False)
     rank = trainer.global_rank
     torch.save(
         {
@@ -103,6 +104,7 @@ def run(args: argparse.Namespace, schedule: str, recompute: bool, split: bool = 
             "val_loss": fit_metrics["val_loss"],
             "global_step": trainer.global_step,
             "predictions": predictions,
+            "test_loss": tested[0]["test_loss"],
             "world_size": trainer.world_size,
         },
         out / f"{tag}_rank{rank}.pt",
