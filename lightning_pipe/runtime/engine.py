@@ -375,11 +375,7 @@ class PipelineEngine:
         """The whole model's state dict, keyed by the original names, on every rank of the pipeline."""
         self.drain()
         local = {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
-        if self.pp_group is None or self.topology.depth == 1:
-            return local
-        parts: list[Any] = [None] * self.topology.depth
-        dist.all_gather_object(parts, local, group=self.pp_group)
-        return {k: v for part in parts for k, v in part.items()}
+        return {k: v for part in self.gather_stages(local) for k, v in part.items()}
 
     def gather_stages(self, obj: Any) -> list[Any]:
         """One object from each stage of this rank's pipeline, in stage order."""
