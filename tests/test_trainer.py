@@ -160,3 +160,17 @@ def test_bf16_mixed_on_cpu(tmp_path: Path) -> None:
     assert two_bw[0]["losses"][0] == pytest.approx(first, rel=2e-2)
     assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in two_bw)
     assert two_bw[0]["losses"][-1] < two_bw[0]["losses"][0]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path: Path, schedule: str) -> None:
+    # Each stage gets its own optimizer state back from the consolidated checkpoint.
+    script = str(SCRIPTS / "resume_toy.py")
+    launch([script, str(tmp_path), schedule], timeout=300, torchrun=2)
+    first_epoch = tmp_path / "ckpt" / "epoch=0-step=3.ckpt"
+    launch([script, str(tmp_path / "again"), schedule, str(first_epoch)], timeout=300, torchrun=2)
+    for rank in range(2):
+        straight = torch.load(tmp_path / f"straight_rank{rank}.pt", weights_only=False)
+        resumed = torch.load(tmp_path / "again" / f"resumed_rank{rank}.pt", weights_only=False)
+        assert straight["step"] == resumed["step"] == 6
+        assert_close_dicts(resumed["params"], straight["params"], rtol=1e-6)
