@@ -1,4 +1,4 @@
-"""lightning_pipe: pipeline-parallel training (GPipe, 1F1B) as a PyTorch Lightning strategy."""
+"""lightning_pipe: pipeline-parallel training (GPipe, 1F1B, PipeDream-2BW, split backward) as a Lightning strategy."""
 
 from lightning_pipe.module import PipelineMixin
 from lightning_pipe.runtime.engine import PipelineEngine
