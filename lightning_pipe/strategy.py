@@ -230,5 +230,5 @@ class PipelineStrategy(DDPStrategy):
 
 
 StrategyRegistry.register(
-    PipelineStrategy.strategy_name, PipelineStrategy, description="Pipeline parallelism (GPipe, 1F1B) with w x d processes"
+    PipelineStrategy.strategy_name, PipelineStrategy, description="Pipeline parallelism (GPipe, 1F1B, 2BW, split backward) over w x d processes"
 )
