@@ -14,15 +14,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from lightning_pipe import PipelineEngine, Topology
+from lightning_pipe.costmodel import SleepChain
 from lightning_pipe.runtime.split import input_grads, weight_grads
 from lightning_pipe.schedules import build_schedule
-from lightning_pipe.schedules.actions import Action, Kind
 from lightning_pipe.simulate import simulate
 from lightning_pipe.spawn import run_gloo
 
@@ -53,70 +52,6 @@ def backward_overhead(reps: int, dim: int, seq: int, batch: int, warmup: int = 5
     return ratios[warmup:]
 
 
-class _SleepInBackward(torch.autograd.Function):
-    """Identity whose backward sleeps: put on the input path it costs I, on the weight path W.
-    Plain ops around it (the multiply) let autograd run each path only when it is needed."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, seconds: float) -> Tensor:
-        ctx.seconds = seconds
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        time.sleep(ctx.seconds)
-        return grad, None
-
-
-class SleepBlock(nn.Module):
-    """``x * w`` whose forward, input-gradient and weight-gradient take set times."""
-
-    def __init__(self, dim: int, costs: tuple[float, float, float]) -> None:
-        super().__init__()
-        self.w, self.costs = nn.Parameter(torch.ones(dim)), costs
-
-    def forward(self, x: Tensor) -> Tensor:
-        forward, input_grad, weight_grad = self.costs
-        time.sleep(forward)
-        return _SleepInBackward.apply(x, input_grad) * _SleepInBackward.apply(self.w, weight_grad)
-
-
-class SleepChain(nn.Module):
-    """DEPTH * BLOCKS_PER_STAGE sleeping blocks with a mean-square loss."""
-
-    def __init__(self, costs: tuple[float, float, float], dim: int = 16) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(SleepBlock(dim, costs) for _ in range(DEPTH * BLOCKS_PER_STAGE))
-
-    def pipeline_blocks(self) -> list[nn.Module]:
-        return list(self.blocks)
-
-    def pipeline_inputs(self, batch: Tensor) -> Tensor:
-        return batch
-
-    def pipeline_loss(self, output: Tensor, batch: Tensor) -> Tensor:
-        return output.pow(2).mean()
-
-
-def predicted_cost(costs: tuple[float, float, float]) -> Any:
-    """Simulator cost of each action for SleepChain. Stage 0's input needs no gradient, so its
-    whole backward (including the input-path part of its later blocks) is weight work."""
-    f, i, w = costs
-    k = BLOCKS_PER_STAGE
-
-    def cost(a: Action) -> float:
-        first = a.stage == 0
-        table = {
-            Kind.FORWARD: k * f,
-            Kind.BACKWARD: (k - first) * i + k * w,
-            Kind.INPUT_GRAD: 0.0 if first else k * i,
-            Kind.WEIGHT_GRAD: ((k - 1) * i + k * w) if first else k * w,
-        }
-        return table.get(a.kind, 0.0)
-
-    return cost
-
-
 def _pipeline_worker(rank: int, world: int, configs: list, costs: tuple, steps: int, rounds: int) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -124,7 +59,7 @@ def _pipeline_worker(rank: int, world: int, configs: list, costs: tuple, steps: 
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "pp"))
     engines = {}
     for schedule, m, split in configs:
-        model = SleepChain(costs)
+        model = SleepChain(DEPTH, BLOCKS_PER_STAGE, costs)
         engines[(schedule, m, split)] = (PipelineEngine(model, Topology(world, world), rank, schedule, m, "uniform",
                                                         mesh=mesh, split_backward=split),
                                          torch.optim.SGD(model.parameters(), lr=0.0))  # fmt: skip
@@ -152,7 +87,7 @@ def pipeline_gain(costs: tuple[float, float, float], steps: int, rounds: int) ->
     rows = []
     for schedule in ("gpipe", "1f1b"):
         for m in (DEPTH, 2 * DEPTH):
-            sim = {split: simulate(build_schedule(schedule, DEPTH, m, split=split), predicted_cost(costs)).makespan for split in (False, True)}
+            sim = {split: simulate(build_schedule(schedule, DEPTH, m, split=split), SleepChain(DEPTH, BLOCKS_PER_STAGE, costs).predicted_cost()).makespan for split in (False, True)}
             meas = {split: measured[(schedule, m, split)] for split in (False, True)}
             rows.append({"schedule": schedule, "m": m, "measured": meas, "simulated": sim})
     return rows
