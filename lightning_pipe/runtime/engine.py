@@ -28,6 +28,7 @@ from lightning_pipe.schedules import (
     two_bw_window,
     verify,
 )
+from lightning_pipe.timeline import Trace, now
 from lightning_pipe.topology import Topology
 
 Recompute = Union[bool, Sequence[bool]]
@@ -140,6 +141,7 @@ class PipelineEngine:
         self.last_peak_stash = 0
         self.last_peak_stash_bytes = 0
         self.skipped_steps = 0
+        self.trace = Trace(rank)
         self._programs: dict[tuple[bool, int], list[Action]] = {}
         self._restart()
         if self.streaming:
@@ -234,8 +236,8 @@ class PipelineEngine:
             lambda first: self.versions.weights(first // self.microbatches),
         )  # fmt: skip
 
-    def _run(self, actions: list[Action], state: StepState, wait: bool = True) -> StepState:
-        return Executor(self.stage, self.position, self.device, self._hooks()).run(actions, state, wait)
+    def _run(self, actions: list[Action], state: StepState, wait: bool = True, trace: Optional[Trace] = None) -> StepState:
+        return Executor(self.stage, self.position, self.device, self._hooks(), trace=trace).run(actions, state, wait)
 
     # -- steps -----------------------------------------------------------------------------
     def train_step(self, batch: Any, optimizer: Optimizer, on_step: Optional[Callable[[], None]] = None) -> Tensor:
@@ -255,7 +257,8 @@ class PipelineEngine:
         if not self.streaming:
             self.versions.clear_grads()
         self._state.add_batch(self._batches * self.microbatches, microbatches, shares)
-        self._run(self._window(), self._state, wait=not self.streaming)
+        self.trace.clear()
+        self._run(self._window(), self._state, wait=not self.streaming, trace=self.trace)
         self._batches += 1
         loss = torch.tensor(self._state.loss_sum, device=self.device)
         self.last_peak_stash = self._state.peak_stash
@@ -328,14 +331,20 @@ class PipelineEngine:
             for g, reduced in zip(group, _unflatten_dense_tensors(flat, group)):
                 g.copy_(reduced)
 
-    def _optimizer_step(self) -> None:
-        """OPT: clip to the global norm, skip on a non-finite gradient (same on every rank), step."""
+    def _optimizer_step(self) -> float:
+        """OPT: clip to the global norm, skip on a non-finite gradient (same on every rank), step.
+
+        Returns:
+            When the global norm arrived: the step's own work began then (the trace shows the
+            wait before it as idle).
+        """
         batch = self._stepped
         self._stepped += 1
         params = self.versions.begin_step(batch, self._optimizer)
         squared, work = self._norms.popleft()
         if work is not None:
             work.wait()
+        ready = now()
         norm = float(squared.sqrt())
         if math.isfinite(norm):
             self._clip(params, norm)
@@ -344,6 +353,7 @@ class PipelineEngine:
             self.skipped_steps += 1
         self.versions.end_step(batch)
         self._on_step()
+        return ready
 
     def _clip(self, params: list[Tensor], norm: float) -> None:
         if self.gradient_clip_val is None:

@@ -14,6 +14,7 @@ from torch import Tensor
 from lightning_pipe.runtime import p2p, split
 from lightning_pipe.runtime.stage import Stage, Tensors, as_tuple
 from lightning_pipe.schedules.actions import Action, Kind
+from lightning_pipe.timeline import Trace, now
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class Hooks:
     inputs: Callable[[Any], Any]
     loss: Callable[[Any, Any], Tensor]
     all_reduce: Callable[[], None] = lambda: None
-    optimizer_step: Callable[[], None] = lambda: None
+    optimizer_step: Callable[[], Optional[float]] = lambda: None
     weights: Callable[[int], Optional[list[Tensor]]] = lambda first_microbatch: None
 
 
@@ -122,12 +123,14 @@ class Executor:
         device: where received tensors are allocated.
         hooks: user inputs/loss and the engine's all-reduce and optimizer step.
         abort_timeout: how long to wait for abort notices to reach neighbours on failure.
+        trace: where to record each action's start and end time, if anywhere.
     """
 
-    def __init__(self, stage: Stage, position: Position, device: torch.device, hooks: Hooks, abort_timeout: float = 10.0) -> None:
+    def __init__(self, stage: Stage, position: Position, device: torch.device, hooks: Hooks,
+                 abort_timeout: float = 10.0, trace: Optional[Trace] = None) -> None:  # fmt: skip
         self.stage, self.position, self.device, self.hooks = stage, position, device, hooks
-        self.abort_timeout = abort_timeout
-        self._handlers: dict[Kind, Callable[[Action, StepState], None]] = {
+        self.abort_timeout, self.trace = abort_timeout, trace
+        self._handlers: dict[Kind, Callable[[Action, StepState], Optional[float]]] = {
             Kind.FORWARD: self._forward,
             Kind.BACKWARD: self._backward,
             Kind.SEND_ACT: self._send_act,
@@ -152,7 +155,10 @@ class Executor:
         """
         try:
             for action in actions:
-                self._handlers[action.kind](action, state)
+                start = now()
+                ready = self._handlers[action.kind](action, state)  # when its own work began, if it waited first
+                if self.trace is not None:
+                    self.trace.record(action, start if ready is None else ready, now())
             if wait:
                 self._wait(state)
             else:
