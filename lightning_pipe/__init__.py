@@ -5,12 +5,14 @@ from lightning_pipe.runtime.engine import PipelineEngine
 from lightning_pipe.runtime.p2p import PipelineAbortedError
 from lightning_pipe.simulate import SimResult, simulate, unit_costs
 from lightning_pipe.strategy import PipelineStrategy
+from lightning_pipe.monitor import PipelineMonitor  # noqa: E402 - needs the strategy
 from lightning_pipe.topology import Topology
 
 __all__ = [
     "PipelineAbortedError",
     "PipelineEngine",
     "PipelineMixin",
+    "PipelineMonitor",
     "PipelineStrategy",
     "SimResult",
     "Topology",

@@ -1,0 +1,193 @@
+"""PipelineMonitor: logs per-stage compute, bubble, stash, memory and throughput, and draws the timeline."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import Tensor
+from torch.utils._pytree import tree_leaves
+
+from lightning_pipe import timeline
+from lightning_pipe.runtime.engine import PipelineEngine
+from lightning_pipe.strategy import PipelineStrategy
+
+
+class PipelineMonitor(Callback):
+    """Log where a pipeline's time and memory go, and draw the schedule that actually ran.
+
+    Every ``log_every_n_steps`` it logs to the Trainer's loggers, per stage ``s`` (averaged
+    over the stage's data-parallel replicas):
+
+    - ``pipeline/stage{s}/compute_s``: seconds of forward and backward work in the step;
+    - ``pipeline/stage{s}/bubble``: idle fraction of the step (everything but F, B, I, W);
+    - ``pipeline/stage{s}/peak_stash`` and ``peak_stash_bytes``: activations held for backward;
+    - ``pipeline/stage{s}/memory_bytes``: peak CUDA allocation on GPU; on CPU the accounted
+      tensor bytes (weight versions, gradients, optimizer state and the peak stash);
+
+    and ``pipeline/bubble`` (all ranks), ``pipeline/step_time_s``, ``pipeline/samples_per_s``
+    and ``pipeline/tokens_per_s`` over the steps since the last log. Every
+    ``timeline_every_n_steps`` it draws the step that ran (one row per rank, one box per
+    action, from measured timestamps), saves it as a PNG and logs it to TensorBoard.
+
+    Times come from each rank's ``time.time()``; ranks on one host share that clock.
+
+    Args:
+        log_every_n_steps: how often to log scalars; default the Trainer's ``log_every_n_steps``.
+        timeline_every_n_steps: how often to draw the timeline; 0 never.
+        dirpath: folder for the timeline PNGs; default ``<log_dir>/pipeline_timeline``.
+        tokens_per_sample: tokens in one sample; default the second dimension of an integer
+            input tensor (token ids), else no tokens/s.
+
+    Example::
+
+        Trainer(strategy=PipelineStrategy(...), callbacks=[PipelineMonitor()])
+    """
+
+    def __init__(self, log_every_n_steps: Optional[int] = None, timeline_every_n_steps: int = 100,
+                 dirpath: Optional[str] = None, tokens_per_sample: Optional[int] = None) -> None:  # fmt: skip
+        if log_every_n_steps is not None and log_every_n_steps < 1:
+            raise ValueError(f"log_every_n_steps must be >= 1, got {log_every_n_steps}")
+        if timeline_every_n_steps < 0:
+            raise ValueError(f"timeline_every_n_steps must be >= 0, got {timeline_every_n_steps}")
+        self.log_every_n_steps, self.timeline_every_n_steps = log_every_n_steps, timeline_every_n_steps
+        self.dirpath, self.tokens_per_sample = dirpath, tokens_per_sample
+        self.saved: list[str] = []  # timeline PNGs written (rank 0)
+        self.last_records: list[dict] = []  # every rank's record at the last log (rank 0)
+        self._reset(time.perf_counter())
+
+    def _reset(self, start: float) -> None:
+        self._since, self._steps, self._samples, self._tokens = start, 0, 0, 0
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Refuse to run without a pipeline strategy."""
+        if not isinstance(trainer.strategy, PipelineStrategy):
+            raise TypeError(f"PipelineMonitor needs Trainer(strategy=PipelineStrategy(...)), got {type(trainer.strategy).__name__}")
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Start the throughput clock."""
+        self._reset(time.perf_counter())
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Count the batch; every N steps gather every rank's record and log (and draw) it."""
+        engine: PipelineEngine = trainer.strategy.engine
+        samples, tokens = self._count(engine, batch)
+        self._steps, self._samples, self._tokens = self._steps + 1, self._samples + samples, self._tokens + tokens
+        step = trainer.global_step
+        log = step % (self.log_every_n_steps or trainer.log_every_n_steps or 1) == 0
+        draw = bool(self.timeline_every_n_steps) and step % self.timeline_every_n_steps == 0
+        if not (log or draw):
+            return
+        records = _gather(_record(engine, trainer))
+        if trainer.is_global_zero:
+            self.last_records = records
+            if log:
+                metrics = {**stage_metrics(records, engine), **self._throughput(engine)}
+                for logger in trainer.loggers:
+                    logger.log_metrics(metrics, step=step)
+            if draw:
+                self._draw(trainer, engine, records, step)
+        if log:
+            self._reset(time.perf_counter())
+
+    # -- throughput ------------------------------------------------------------------------
+    def _count(self, engine: PipelineEngine, batch: Any) -> tuple[int, int]:
+        """Samples and tokens in this pipeline's batch."""
+        leaves = [t for t in tree_leaves(batch) if isinstance(t, Tensor) and t.dim() > 0]
+        samples = int(leaves[0].shape[0]) if leaves else 0
+        per_sample = self.tokens_per_sample
+        if per_sample is None:
+            ids = [t for t in tree_leaves(engine.module.pipeline_inputs(batch)) if isinstance(t, Tensor)]
+            per_sample = int(ids[0].shape[1]) if ids and ids[0].dim() >= 2 and not ids[0].is_floating_point() else 0
+        return samples, samples * per_sample
+
+    def _throughput(self, engine: PipelineEngine) -> dict[str, float]:
+        elapsed = max(time.perf_counter() - self._since, 1e-9)
+        width = engine.topology.width  # every replica reads its own batch of the same size
+        out = {"pipeline/step_time_s": elapsed / max(self._steps, 1), "pipeline/samples_per_s": width * self._samples / elapsed}
+        if self._tokens:
+            out["pipeline/tokens_per_s"] = width * self._tokens / elapsed
+        return out
+
+    # -- timeline --------------------------------------------------------------------------
+    def _draw(self, trainer: Trainer, engine: PipelineEngine, records: list[dict], step: int) -> None:
+        intervals = [i for r in records for i in r["intervals"]]
+        _, bubble = timeline.bubble_fraction(intervals)
+        split = " + split backward" if engine.split_backward else ""
+        title = (f"{engine.schedule}{split}, step {step}: w={engine.topology.width}, d={engine.topology.depth}, "
+                 f"m={engine.microbatches}, measured bubble {bubble:.0%}")  # fmt: skip
+        labels = {r["rank"]: f"rank {r['rank']} (stage {r['stage']})" for r in records}
+        fig = timeline.draw(intervals, title, labels)
+        folder = self.dirpath or os.path.join(trainer.log_dir or trainer.default_root_dir, "pipeline_timeline")
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"timeline_step{step:06d}.png")
+        fig.savefig(path, dpi=120)
+        self.saved.append(path)
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_figure("pipeline/timeline", fig, global_step=step, close=False)
+
+
+def _gather(record: dict) -> list[dict]:
+    """Every rank's record, in rank order (only rank 0 uses them, but all must take part)."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return [record]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, record)
+    return out
+
+
+def _record(engine: PipelineEngine, trainer: Trainer) -> dict:
+    """What this rank measured in its last step."""
+    return {
+        "rank": engine.rank,
+        "stage": engine.stage_index,
+        "replica": engine.topology.replica_of(engine.rank),
+        "intervals": list(engine.trace.intervals),
+        "peak_stash": engine.last_peak_stash,
+        "peak_stash_bytes": engine.last_peak_stash_bytes,
+        "memory_bytes": memory_bytes(engine, trainer.optimizers),
+    }
+
+
+def memory_bytes(engine: PipelineEngine, optimizers: list[Any]) -> int:
+    """Peak CUDA bytes allocated since the last call on GPU; on CPU the accounted tensor bytes:
+    every weight version, its gradient, the optimizer state and the last step's peak stash."""
+    if engine.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(engine.device)
+        torch.cuda.reset_peak_memory_stats(engine.device)
+        return int(peak)
+    tensors = [t for slot in engine.versions.slots for p in slot or () for t in (p, p.grad) if t is not None]
+    for opt in optimizers:
+        tensors += [v for state in opt.state.values() for v in state.values() if isinstance(v, Tensor)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values()) + engine.last_peak_stash_bytes
+
+
+def stage_metrics(records: list[dict], engine: PipelineEngine) -> dict[str, float]:
+    """Per-stage means over replicas, and the bubble of all ranks, from every rank's record."""
+    bubbles, total = {}, []
+    for replica in sorted({r["replica"] for r in records}):
+        per_rank, whole = timeline.bubble_fraction(i for r in records if r["replica"] == replica for i in r["intervals"])
+        bubbles.update(per_rank)
+        total.append(whole)
+    busy = timeline.compute_time(i for r in records for i in r["intervals"])
+    out = {"pipeline/bubble": sum(total) / len(total)}
+    for s in range(engine.topology.depth):
+        mine = [r for r in records if r["stage"] == s]
+        out[f"pipeline/stage{s}/compute_s"] = _mean(busy.get(r["rank"], 0.0) for r in mine)
+        out[f"pipeline/stage{s}/bubble"] = _mean(bubbles.get(r["rank"], 0.0) for r in mine)
+        out[f"pipeline/stage{s}/peak_stash"] = float(max(r["peak_stash"] for r in mine))
+        out[f"pipeline/stage{s}/peak_stash_bytes"] = float(max(r["peak_stash_bytes"] for r in mine))
+        out[f"pipeline/stage{s}/memory_bytes"] = float(max(r["memory_bytes"] for r in mine))
+    return out
+
+
+def _mean(values: Any) -> float:
+    items = list(values)
+    return sum(items) / len(items) if items else 0.0

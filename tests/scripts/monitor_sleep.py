@@ -1,0 +1,74 @@
+"""Train the cost-model chain through Trainer.fit with PipelineMonitor; rank 0 dumps what it logged.
+
+    torchrun --nproc_per_node=4 tests/scripts/monitor_sleep.py --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from lightning_pipe import PipelineMixin, PipelineMonitor, PipelineStrategy  # noqa: E402
+from lightning_pipe.costmodel import SleepChain  # noqa: E402
+
+
+class SleepModule(PipelineMixin, L.LightningModule):
+    """The cost-model chain as a LightningModule."""
+
+    def __init__(self, depth: int, cost: float) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.chain = SleepChain(depth, 2, (cost, cost, cost))
+
+    def pipeline_blocks(self) -> list[torch.nn.Module]:
+        return self.chain.pipeline_blocks()
+
+    def pipeline_inputs(self, batch: Any) -> Any:
+        return batch[0]
+
+    def pipeline_loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
+        return self.chain.pipeline_loss(output, batch[0])
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        self.pipeline_step(batch)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--split", action="store_true")
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--cost", type=float, default=0.01)
+    args = parser.parse_args()
+    out = Path(args.out)
+    depth = 4
+    data = TensorDataset(torch.randn(2 * args.microbatches * args.steps, 16))
+    monitor = PipelineMonitor(log_every_n_steps=1, timeline_every_n_steps=args.steps, dirpath=str(out / "png"))
+    strategy = PipelineStrategy(args.schedule, depth, args.microbatches, partition="uniform", split_backward=args.split)
+    loggers = [TensorBoardLogger(out, name="tb"), CSVLogger(out, name="csv")]
+    trainer = L.Trainer(accelerator="cpu", devices=depth, strategy=strategy, max_steps=args.steps, logger=loggers,
+                        callbacks=[monitor], enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)  # fmt: skip
+    trainer.fit(SleepModule(depth, args.cost), DataLoader(data, batch_size=2 * args.microbatches))
+    if trainer.is_global_zero:
+        (out / "monitor.pkl").write_bytes(pickle.dumps({"records": monitor.last_records, "saved": monitor.saved,
+                                                        "csv": loggers[1].log_dir, "tb": loggers[0].log_dir}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
