@@ -171,3 +171,26 @@ def test_two_bw_follows_the_delayed_update_rule(width: int, depth: int) -> None:
     vanilla = reference_train(ToyChain(), _batches(None), optimizer="adam")
     delayed = _stage_union(out, depth, "2bw-adam", "module", None)
     assert max(float((vanilla[k] - delayed[k]).abs().max()) for k in vanilla) > 1e-3
+
+
+def _one_step_worker(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "pp"))
+    torch.manual_seed(0)
+    model = ToyChain()
+    engine = PipelineEngine(model, Topology(world, world), rank, "2bw", M, "uniform", mesh=mesh)
+    opt = make_optimizer(model.parameters(), "adam", model.lr)
+    engine.train_step(make_data(BATCH, seed=0), opt)
+    engine.drain()  # as Lightning does when validation comes after the first step
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_drain_after_the_first_two_bw_step_applies_its_update() -> None:
+    out = run_workers(_one_step_worker, 2, timeout=120)
+    assert all(status == "ok" for status, _ in out), [v for s, v in out if s != "ok"]
+    torch.manual_seed(0)
+    history: list = []
+    reference_train(ToyChain(), [make_data(BATCH, seed=0)], delay=1, optimizer="adam", history=history)
+    merged = {**out[0][1], **out[1][1]}
+    assert_close_dicts(merged, history[1], rtol=1e-5)

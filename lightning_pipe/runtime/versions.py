@@ -74,7 +74,7 @@ class WeightVersions:
         """
         target = self.slot_of(batch)
         newest = self.slot_of(batch + 1)
-        if target != newest:
+        if target != newest and self.slots[newest] is not None:  # None: a drain after the first batch
             self.peak_live = max(self.peak_live, self.live_versions())
             with torch.no_grad():
                 for t, n in zip(self.slots[target], self.slots[newest]):
