@@ -1,0 +1,404 @@
+"""Benchmark lightning_pipe against torch.distributed.pipelining, side by side in one run.
+
+    python examples/bench_pipelines.py                      # both workloads, table + chart
+    python examples/bench_pipelines.py --workload costmodel --depths 4
+
+Contenders, interleaved round by round so that machine drift hits them all alike: one process
+with no pipeline; torch.distributed.pipelining ScheduleGPipe, Schedule1F1B and
+ScheduleInterleavedZeroBubble (one stage per rank); lightning_pipe gpipe, 1f1b and 2bw, each
+with and without split backward. Same model, partition, global batch and microbatches.
+
+Workloads:
+  (a) costmodel: blocks sleep a set time in F, I and W, so d = 4 and d = 8 fit on 2 cores and
+      the schedule, not the cores, sets the time; also reports measured / simulated step time.
+  (b) gpt: the GPT blocks of examples/gpt.py at d = 2, one thread per process, sized so compute
+      dominates the transfers; also reports the speedup over one process and d*m/(m+d-1).
+
+Peak memory per stage is measured for every contender the same way, in one extra untimed step
+under torch.distributed._tools.mem_tracker.MemTracker (every tensor on the stage's device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+import weakref
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpt import GPT  # noqa: E402
+from lightning_pipe import PipelineEngine, Topology, simulate  # noqa: E402
+from lightning_pipe.costmodel import SleepChain  # noqa: E402
+from lightning_pipe.partition import block_cost, partition_sizes, stage_ranges  # noqa: E402
+from lightning_pipe.runtime.microbatch import split_batch  # noqa: E402
+from lightning_pipe.schedules import build_schedule, two_bw_run  # noqa: E402
+from lightning_pipe.spawn import run_gloo  # noqa: E402
+
+OURS = [(s, split) for s in ("gpipe", "1f1b", "2bw") for split in (False, True)]
+TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zb": "ScheduleInterleavedZeroBubble"}
+# The torch.distributed.pipelining schedule each of ours is compared with: the same schedule,
+# zero bubble (1F1B with split backward, ZB-H1) for split 1F1B, and 1F1B for 2BW, whose steady
+# state is 1F1B without the flush.
+SAME = {("gpipe", False): "gpipe", ("gpipe", True): "gpipe", ("1f1b", False): "1f1b", ("1f1b", True): "zb",
+        ("2bw", False): "1f1b", ("2bw", True): "zb"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is benchmarked: the model, its batch and (for the cost model) its simulated cost."""
+
+    name: str
+    depth: int
+    microbatches: int
+    batch_size: int
+    spec: tuple
+
+    def model(self) -> nn.Module:
+        """A fresh model, seeded the same for every contender."""
+        torch.manual_seed(0)
+        if self.name == "costmodel":
+            depth, blocks, cost = self.spec
+            return SleepChain(depth, blocks, (cost, cost, cost))
+        n_layer, n_embd, n_head, block = self.spec
+        return GPT(n_layer=n_layer, n_embd=n_embd, n_head=n_head, block_size=block)
+
+    def batch(self) -> Any:
+        """One global batch."""
+        g = torch.Generator().manual_seed(1)
+        if self.name == "costmodel":
+            return torch.randn(self.batch_size, 16, generator=g)
+        tokens = torch.randint(0, 256, (self.batch_size, self.spec[3] + 1), generator=g)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def partition(self, model: nn.Module) -> list[int]:
+        """Blocks per stage, shared by every pipelined contender."""
+        blocks = model.pipeline_blocks()
+        return partition_sizes("uniform" if self.name == "costmodel" else "balanced", [block_cost(b) for b in blocks], self.depth)
+
+    def predicted_step(self, schedule: str, split: bool) -> Optional[float]:
+        """Simulator step time on the cost model (2BW: one steady-state window)."""
+        if self.name != "costmodel":
+            return None
+        cost = self.model().predicted_cost()
+        d, m = self.depth, self.microbatches
+        if schedule == "2bw":
+            return simulate(two_bw_run(d, m, 6, split), cost).makespan - simulate(two_bw_run(d, m, 5, split), cost).makespan
+        return simulate(build_schedule(schedule, d, m, split=split), cost).makespan
+
+
+# -- contenders ------------------------------------------------------------------------------
+@dataclass
+class Contender:
+    """One contender's step on this rank, the tensors it keeps between steps, and its clean-up."""
+
+    step: Callable[[Any], Any]
+    persistent: Callable[[], list[Tensor]] = list
+    finish: Callable[[], None] = lambda: None
+
+    def __call__(self, batch: Any) -> None:
+        self.step(batch)
+
+
+def _held(params: Any, opt: torch.optim.Optimizer) -> list[Tensor]:
+    """Weights, their gradients and the optimizer's state."""
+    params = list(params)
+    state = [v for st in opt.state.values() for v in st.values() if isinstance(v, Tensor)]
+    return params + [p.grad for p in params if p.grad is not None] + state
+
+
+def _single(rank: int, work: Workload) -> Contender:
+    """One process, no pipeline: the same microbatches, accumulated, on rank 0 only."""
+    if rank != 0:
+        return Contender(lambda batch: None)
+    model = work.model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+    def step(batch: Any) -> None:
+        microbatches, shares = split_batch(batch, work.microbatches)
+        for mb, share in zip(microbatches, shares):
+            x = model.pipeline_inputs(mb)
+            for block in model.pipeline_blocks():
+                x = block(x)
+            (model.pipeline_loss(x, mb) * share).backward()
+        opt.step()
+        opt.zero_grad()
+
+    return Contender(step, lambda: _held(model.parameters(), opt))
+
+
+def _ours(rank: int, work: Workload, mesh: Any, schedule: str, split: bool) -> Contender:
+    """A lightning_pipe engine; ``finish`` drains 2BW, whose sends run on into the next window."""
+    model = work.model()
+    engine = PipelineEngine(model, Topology(work.depth, work.depth), rank, schedule, work.microbatches,
+                            work.partition(model), mesh=mesh, split_backward=split)  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    versions = lambda: [p for slot in engine.versions.slots for p in slot or ()]  # noqa: E731 - both 2BW versions
+    return Contender(lambda batch: engine.train_step(batch, opt), lambda: _held(versions(), opt), engine.drain)
+
+
+def _torch(rank: int, work: Workload, kind: str) -> Contender:
+    """A torch.distributed.pipelining stage over the same blocks, driven by its own schedule."""
+    from torch.distributed import pipelining
+
+    model = work.model()
+    blocks = model.pipeline_blocks()
+    mine = stage_ranges(work.partition(model))[rank]
+    stage_module = nn.Sequential(*(blocks[i] for i in mine))
+    stage = pipelining.PipelineStage(stage_module, rank, work.depth, torch.device("cpu"))
+    cls = getattr(pipelining, TORCH[kind])
+    schedule = cls([stage] if kind == "zb" else stage, work.microbatches, loss_fn=_torch_loss(work, model))
+    opt = torch.optim.SGD(stage_module.parameters(), lr=1e-4)
+    first, last = rank == 0, rank == work.depth - 1
+
+    def step(batch: Any) -> None:
+        inputs, target = (batch, batch) if isinstance(batch, Tensor) else batch
+        if first:
+            schedule.step(inputs)
+        elif last:
+            schedule.step(target=target, losses=[])
+        else:
+            schedule.step()
+        opt.step()
+        opt.zero_grad()
+
+    return Contender(step, lambda: _held(stage_module.parameters(), opt))
+
+
+def _torch_loss(work: Workload, model: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
+    if work.name == "costmodel":
+        return lambda out, target: model.pipeline_loss(out, target)
+    return lambda out, target: model.pipeline_loss(out, (None, target))
+
+
+def _builders(rank: int, work: Workload, mesh: Any) -> dict[str, Callable[[], Contender]]:
+    out: dict[str, Callable[[], Contender]] = {"one process": lambda: _single(rank, work)}
+    out.update({f"torch {k}": partial(_torch, rank, work, k) for k in TORCH})
+    out.update({_name(s, split): partial(_ours, rank, work, mesh, s, split) for s, split in OURS})
+    return out
+
+
+def _name(schedule: str, split: bool) -> str:
+    return f"lightning_pipe {schedule}" + (" + split" if split else "")
+
+
+# -- measurement -----------------------------------------------------------------------------
+def _time(step: Contender, batch: Any, steps: int) -> float:
+    """Seconds per step over ``steps`` steps, after one untimed step (so 2BW is in steady state)."""
+    step(batch)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step(batch)
+    dist.barrier()
+    seconds = (time.perf_counter() - start) / steps
+    _finish(step)
+    return seconds
+
+
+def _finish(step: Contender) -> None:
+    step.finish()
+    dist.barrier()
+
+
+class PeakTensorBytes(TorchDispatchMode):
+    """Peak bytes of the CPU tensor storages alive during a block: ``persistent`` ones (weights,
+    gradients, optimizer state) plus every storage an op creates inside, until it is freed.
+
+    Measured the same way for every contender. (torch.distributed._tools.MemTracker refuses
+    modules that run once per microbatch, so it cannot measure a pipeline stage.)
+    """
+
+    def __init__(self, persistent: list[Tensor]) -> None:
+        super().__init__()
+        self.known = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in persistent}
+        self.current = self.peak = sum(self.known.values())
+        self._refs: list[Any] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, Tensor) and t.device.type == "cpu":
+                self._track(t.untyped_storage())
+        return out
+
+    def _track(self, storage: Any) -> None:
+        key, size = storage.data_ptr(), storage.nbytes()
+        if key in self.known or not size:
+            return
+        self.known[key] = size
+        self.current += size
+        self.peak = max(self.peak, self.current)
+        self._refs.append(weakref.ref(storage, lambda _, key=key: self._free(key)))
+
+    def _free(self, key: int) -> None:
+        self.current -= self.known.pop(key, 0)
+
+
+def _peak_bytes(step: Contender, batch: Any) -> int:
+    """Peak tensor bytes on this rank during one step (after one untimed step, as timed)."""
+    step(batch)
+    dist.barrier()
+    with PeakTensorBytes(step.persistent()) as tracker:
+        step(batch)
+    _finish(step)
+    return tracker.peak
+
+
+def _worker(rank: int, world: int, work: Workload, rounds: int, steps: int, threads: int) -> dict:
+    """Each round builds every contender afresh, in a rotated order, then times each in that order.
+
+    Rebuilding matters: on this machine whichever model is allocated first ran up to 8% faster
+    (the allocator's state differs), so every contender takes each place in turn.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(threads)
+    builders = _builders(rank, work, init_device_mesh("cpu", (1, work.depth), mesh_dim_names=("dp", "pp")))
+    batch, names = work.batch(), list(builders)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    peaks: dict[str, int] = {}
+    for r in range(rounds):
+        shift = r * len(names) // rounds
+        order = names[shift:] + names[:shift]
+        contenders = {name: builders[name]() for name in order}
+        for step in contenders.values():  # warm-up: shape inference, first-call allocations
+            step(batch)
+            _finish(step)
+        for name in order:
+            times[name].append(_time(contenders[name], batch, steps))
+        if r == rounds - 1:
+            peaks = {name: _peak_bytes(step, batch) for name, step in contenders.items()}
+        del contenders
+        gc.collect()
+    return {"times": {n: statistics.median(t) for n, t in times.items()}, "peaks": peaks}
+
+
+def run(work: Workload, rounds: int, steps: int, threads: int) -> list[dict]:
+    """Run every contender on ``work``; one row per contender."""
+    out = run_gloo(_worker, work.depth, work, rounds, steps, threads, timeout=3000, pg_timeout=600)
+    if any(status != "ok" for status, _ in out):
+        raise RuntimeError("\n".join(str(v) for s, v in out if s != "ok"))
+    times = out[0][1]["times"]
+    rows = []
+    for name, seconds in times.items():
+        peaks = [rank_out["peaks"][name] for _, rank_out in out]
+        rows.append({"workload": work, "name": name, "step_s": seconds, "samples_s": work.batch_size / seconds,
+                     "peaks": peaks[:1] if name == "one process" else peaks})  # fmt: skip
+    for (schedule, split) in OURS:
+        row = _row(rows, _name(schedule, split))
+        ref = _row(rows, f"torch {SAME[(schedule, split)]}")
+        row["vs"] = (ref["name"].removeprefix("torch "), row["samples_s"] / ref["samples_s"])
+        row["sim_s"] = work.predicted_step(schedule, split)
+    for kind in ("gpipe", "1f1b"):
+        _row(rows, f"torch {kind}")["sim_s"] = work.predicted_step(kind, False)
+    if work.name == "costmodel":  # one process runs every block's F, I and W for each microbatch
+        depth, blocks, cost = work.spec
+        _row(rows, "one process")["sim_s"] = work.microbatches * depth * blocks * 3 * cost
+    return rows
+
+
+def _row(rows: list[dict], name: str) -> dict:
+    return next(r for r in rows if r["name"] == name)
+
+
+# -- report ----------------------------------------------------------------------------------
+def table(rows: list[dict]) -> str:
+    """Markdown table of one workload's rows."""
+    work: Workload = rows[0]["workload"]
+    single = _row(rows, "one process")["samples_s"]
+    ideal = work.depth * work.microbatches / (work.microbatches + work.depth - 1)
+    lines = [
+        f"### {work.name}, d={work.depth}, m={work.microbatches}, batch {work.batch_size} "
+        f"(ideal speedup d*m/(m+d-1) = {ideal:.2f})\n",
+        "| contender | step (s) | samples/s | speedup over one process | vs torch (same schedule) | "
+        "measured / simulated step | peak tensor memory per stage |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        vs = f"{r['vs'][1]:.2f}x {r['vs'][0]}" if "vs" in r else ""
+        sim = f"{r['step_s'] / r['sim_s']:.3f}" if r.get("sim_s") else ""
+        peaks = ", ".join(_size(p) for p in r["peaks"])
+        lines.append(f"| {r['name']} | {r['step_s']:.3f} | {r['samples_s']:.1f} | {r['samples_s'] / single:.2f} | "
+                     f"{vs} | {sim} | {peaks} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
+
+
+def chart(results: list[list[dict]], path: Path) -> None:
+    """Bar chart of samples/s relative to one process, one panel per workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6 * len(results), 4.5))
+    for i, rows in enumerate(results):
+        ax = fig.add_subplot(1, len(results), i + 1)
+        work, single = rows[0]["workload"], _row(rows, "one process")["samples_s"]
+        names = [r["name"].replace("lightning_pipe", "lp") for r in rows]
+        colours = ["#7f7f7f" if n == "one process" else "#dd8452" if n.startswith("torch") else "#4c72b0" for n in names]
+        ax.barh(names, [r["samples_s"] / single for r in rows], color=colours)
+        ideal = work.depth * work.microbatches / (work.microbatches + work.depth - 1)
+        ax.axvline(ideal, color="black", linestyle="--", linewidth=1, label=f"ideal d*m/(m+d-1) = {ideal:.2f}")
+        ax.invert_yaxis()
+        ax.set_xlabel("throughput / one process")
+        ax.set_title(f"{work.name}, d={work.depth}, m={work.microbatches}")
+        ax.legend(loc="lower right", fontsize="small")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def workloads(args: argparse.Namespace) -> list[Workload]:
+    """The workloads asked for on the command line."""
+    out = []
+    if args.workload in ("costmodel", "all"):
+        for d in args.depths:
+            m = 2 * d
+            out.append(Workload("costmodel", d, m, 2 * m, (d, 2, args.cost_ms / 1000)))
+    if args.workload in ("gpt", "all"):
+        out.append(Workload("gpt", 2, args.gpt_microbatches, args.gpt_batch, (args.gpt_layers, args.gpt_width, 4, 128)))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=("costmodel", "gpt", "all"), default="all")
+    parser.add_argument("--depths", type=int, nargs="+", default=[4, 8], help="cost-model pipeline depths")
+    parser.add_argument("--cost-ms", type=float, default=20.0, help="cost-model sleep of each F, I and W per block")
+    parser.add_argument("--gpt-layers", type=int, default=8)
+    parser.add_argument("--gpt-width", type=int, default=256)
+    parser.add_argument("--gpt-batch", type=int, default=32)
+    parser.add_argument("--gpt-microbatches", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process (one process too)")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds; each rebuilds and times every contender")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per contender per round")
+    parser.add_argument("--chart", type=Path, default=Path("docs/bench_pipelines.png"))
+    args = parser.parse_args()
+    results = []
+    for work in workloads(args):
+        rows = run(work, args.rounds, args.steps, args.threads)
+        results.append(rows)
+        print(table(rows) + "\n", flush=True)
+    chart(results, args.chart)
+    print(f"chart: {args.chart}")
+
+
+if __name__ == "__main__":
+    main()
