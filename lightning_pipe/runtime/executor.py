@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -46,6 +47,7 @@ class Hooks:
     all_reduce: Callable[[], None] = lambda: None
     optimizer_step: Callable[[], Optional[float]] = lambda: None
     weights: Callable[[int], Optional[list[Tensor]]] = lambda first_microbatch: None
+    loss_done: Callable[[float], None] = lambda loss_sum: None
 
 
 @dataclass
@@ -64,6 +66,7 @@ class StepState:
     weight_work: dict[int, split.WeightWork] = field(default_factory=dict)
     results: dict[int, Any] = field(default_factory=dict)
     loss_sum: float = 0.0
+    losses_left: int = 0
     pending: list[tuple[dist.Work, Tensors]] = field(default_factory=list)
     live: int = 0
     peak_stash: int = 0
@@ -76,6 +79,7 @@ class StepState:
         self.microbatches.update(enumerate(microbatches, start=first))
         self.shares.update(enumerate(shares, start=first))
         self.loss_sum = 0.0
+        self.losses_left = len(microbatches)
 
     def stash(self, delta: int) -> None:
         """Count microbatches whose activations are held for a backward."""
@@ -130,6 +134,8 @@ class Executor:
                  abort_timeout: float = 10.0, trace: Optional[Trace] = None) -> None:  # fmt: skip
         self.stage, self.position, self.device, self.hooks = stage, position, device, hooks
         self.abort_timeout, self.trace = abort_timeout, trace
+        self._left: Counter[int] = Counter()
+        self._incoming: dict[int, p2p.Incoming] = {}
         self._handlers: dict[Kind, Callable[[Action, StepState], Optional[float]]] = {
             Kind.FORWARD: self._forward,
             Kind.BACKWARD: self._backward,
@@ -154,11 +160,14 @@ class Executor:
                 a neighbour receives the last sends of a window only in its next window.
         """
         try:
+            self._post_receives(actions)
             for action in actions:
                 start = now()
                 ready = self._handlers[action.kind](action, state)  # when its own work began, if it waited first
                 if self.trace is not None:
                     self.trace.record(action, start if ready is None else ready, now())
+                for incoming in self._incoming.values():
+                    incoming.advance()
             if wait:
                 self._wait(state)
             else:
@@ -185,6 +194,9 @@ class Executor:
         elif st.train:
             loss = self._loss(outputs, mb) * st.shares[k]
             st.loss_sum += float(loss.detach())
+            st.losses_left -= 1
+            if st.losses_left == 0:  # the newest batch's loss is complete: share it now
+                self.hooks.loss_done(st.loss_sum)
             st.losses[k] = loss
         else:
             st.results[k] = _unwrap(outputs)
@@ -251,13 +263,33 @@ class Executor:
     def _send_grad(self, a: Action, st: StepState) -> None:
         self._send(st.input_grads.pop(a.microbatch), self.position.prev_rank, st)
 
+    def _post_receives(self, actions: list[Action]) -> None:
+        """Post the first receive from each neighbour the program reads from.
+
+        Each receive is posted one ahead (the next from a neighbour as soon as the previous is
+        in), and its payload as soon as its header arrives, so transfers overlap compute rather
+        than start when the schedule reaches them. Only receives the program will consume are
+        posted, so none is left over for the next program.
+        """
+        sources = {Kind.RECV_ACT: self.position.prev_rank, Kind.RECV_GRAD: self.position.next_rank}
+        self._left = Counter(sources[a.kind] for a in actions if a.kind in sources)
+        self._incoming = {src: p2p.Incoming(src, self.device) for src in self._left}
+
+    def _receive(self, src: Optional[int]) -> Tensors:
+        assert src is not None
+        received = self._incoming.pop(src).wait()
+        self._left[src] -= 1
+        if self._left[src]:
+            self._incoming[src] = p2p.Incoming(src, self.device)
+        return received
+
     def _recv_act(self, a: Action, st: StepState) -> None:
-        received = p2p.recv_tensors(self.position.prev_rank, self.device)
+        received = self._receive(self.position.prev_rank)
         grad = st.train and torch.is_grad_enabled()
         st.inputs[a.microbatch] = tuple(t.requires_grad_(grad and t.is_floating_point()) for t in received)
 
     def _recv_grad(self, a: Action, st: StepState) -> None:
-        st.grads[a.microbatch] = p2p.recv_tensors(self.position.next_rank, self.device)
+        st.grads[a.microbatch] = self._receive(self.position.next_rank)
 
     def _wait(self, st: StepState) -> None:
         for work, _ in st.pending:

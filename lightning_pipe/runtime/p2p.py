@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -65,24 +65,49 @@ def send_tensors(tensors: Sequence[Tensor], dst: int, device: torch.device) -> l
     return [dist.isend(header, dst)] + [dist.isend(_wire(t), dst) for t in tensors]
 
 
+class Incoming:
+    """One tuple on its way from global rank ``src``: the header receive is posted at once, the
+    payload receives as soon as the header is in (:meth:`advance`) or when needed (:meth:`wait`)."""
+
+    def __init__(self, src: int, device: torch.device) -> None:
+        self.src, self.device = src, device
+        self.header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
+        self.header_work = dist.irecv(self.header, src)
+        self.buffers: Optional[list[Tensor]] = None
+        self.works: list[dist.Work] = []
+        self.aborted = False
+
+    def advance(self) -> None:
+        """Post the payload receives if the header has arrived; never blocks."""
+        if self.buffers is None and self.header_work.is_completed():
+            self._post_payload()
+
+    def _post_payload(self) -> None:
+        header = self.header.cpu()
+        if int(header[0]) == _ABORT:
+            self.aborted = True
+            self.buffers = [torch.empty(int(header[1]), dtype=torch.uint8, device=self.device)]
+        else:
+            self.buffers = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in decode_header(header)]
+        self.works = [dist.irecv(_wire(b), self.src) for b in self.buffers]
+
+    def wait(self) -> tuple[Tensor, ...]:
+        """The received tuple; raise if ``src`` sent an abort notice instead."""
+        if self.buffers is None:
+            self.header_work.wait()
+            self._post_payload()
+        for work in self.works:
+            work.wait()
+        assert self.buffers is not None
+        if self.aborted:
+            message = bytes(self.buffers[0].cpu().tolist()).decode("utf-8", errors="replace")
+            raise PipelineAbortedError(message, self.src)
+        return tuple(self.buffers)
+
+
 def recv_tensors(src: int, device: torch.device) -> tuple[Tensor, ...]:
     """Receive a tuple sent by :func:`send_tensors`; raise if ``src`` sent an abort instead."""
-    header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
-    dist.irecv(header, src).wait()
-    if int(header[0]) == _ABORT:
-        raise PipelineAbortedError(_recv_message(int(header[1]), src, device), src)
-    out = []
-    for dtype, shape in decode_header(header.cpu()):
-        buf = torch.empty(shape, dtype=dtype, device=device)
-        dist.irecv(_wire(buf), src).wait()
-        out.append(buf)
-    return tuple(out)
-
-
-def _recv_message(length: int, src: int, device: torch.device) -> str:
-    buf = torch.empty(length, dtype=torch.uint8, device=device)
-    dist.irecv(buf, src).wait()
-    return bytes(buf.cpu().tolist()).decode("utf-8", errors="replace")
+    return Incoming(src, device).wait()
 
 
 def send_abort(message: str, dst: int, device: torch.device) -> list[dist.Work]:
