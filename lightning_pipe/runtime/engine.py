@@ -142,6 +142,7 @@ class PipelineEngine:
         self.last_peak_stash_bytes = 0
         self.skipped_steps = 0
         self.trace = Trace(rank)
+        self._loss_work: Any = None
         self._programs: dict[tuple[bool, int], list[Action]] = {}
         self._restart()
         if self.streaming:
@@ -234,6 +235,7 @@ class PipelineEngine:
         return Hooks(
             self.module.pipeline_inputs, self.module.pipeline_loss, self._all_reduce, self._optimizer_step,
             lambda first: self.versions.weights(first // self.microbatches),
+            lambda loss_sum: self._share_loss(torch.tensor(loss_sum, device=self.device)),
         )  # fmt: skip
 
     def _run(self, actions: list[Action], state: StepState, wait: bool = True, trace: Optional[Trace] = None) -> StepState:
@@ -258,14 +260,31 @@ class PipelineEngine:
             self.versions.clear_grads()
         self._state.add_batch(self._batches * self.microbatches, microbatches, shares)
         self.trace.clear()
+        loss, self._loss_work = torch.zeros((), device=self.device), None
+        if not self.position.is_last:
+            self._share_loss(loss)  # posted now, filled when the last stage has the loss
         self._run(self._window(), self._state, wait=not self.streaming, trace=self.trace)
         self._batches += 1
-        loss = torch.tensor(self._state.loss_sum, device=self.device)
+        if self.position.is_last:
+            loss.fill_(self._state.loss_sum)
+        if self._loss_work is not None:
+            self._loss_work.wait()
         self.last_peak_stash = self._state.peak_stash
         self.last_peak_stash_bytes = self._state.peak_stash_bytes
         if not self.streaming:
             self._restart()  # a flushed step leaves nothing in flight
-        return self._from_last_stage(loss)
+        return loss
+
+    def _share_loss(self, loss: Tensor) -> None:
+        """Post this step's loss broadcast from the last stage without waiting for it.
+
+        The last stage posts it as soon as its last microbatch loss is in (the ``loss_done``
+        hook), mid-window; the others post at the start and wait only at the end. Waiting in
+        the middle of a 2BW window would stall stage 0 until the last stage's window ended.
+        """
+        self._loss_work = None
+        if self.pp_group is not None and self.topology.depth > 1:
+            self._loss_work = dist.broadcast(loss, src=self.last_rank, group=self.pp_group, async_op=True)
 
     @property
     def in_flight(self) -> int:
