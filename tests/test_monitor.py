@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from lightning_pipe import simulate
 from lightning_pipe.costmodel import SleepChain
 from lightning_pipe.schedules import build_schedule
-from lightning_pipe.schedules.actions import COMPUTE_KINDS, Kind
+from lightning_pipe.schedules.actions import COMPUTE_KINDS, Action, Kind
 from lightning_pipe.timeline import COLOURS, bubble_fraction, draw
 from tests.launch import SCRIPTS, launch
 
@@ -40,16 +40,25 @@ def test_draw_puts_one_box_per_action_where_it_ran() -> None:
     assert sum(i.action.kind in COMPUTE_KINDS for i in sim.timeline) == 3 * DEPTH * M  # F, I and W of each microbatch
 
 
+SENDER = {Kind.RECV_ACT: (Kind.SEND_ACT, -1), Kind.RECV_GRAD: (Kind.SEND_GRAD, +1)}
+
+
 def _simulated_with_measured_costs(records: list[dict], schedule: str, split: bool) -> float:
-    """The simulator's bubble for the schedule, charging each (stage, kind) its measured mean time,
-    except receives: they mostly measure waiting, which the simulator derives from the schedule,
-    so each is charged its fastest measured duration (the transfer and wake-up alone)."""
+    """The simulator's bubble for the schedule, charging each (stage, kind) its measured mean
+    time. A receive is charged only the time from the matching send's end to its own end (or
+    from its start, if it started later): the transfer; its waiting the simulator derives."""
+    intervals = [i for r in records for i in r["intervals"]]
+    by_action = {i.action: i for i in intervals}
     times = defaultdict(list)
-    for r in records:
-        for i in r["intervals"]:
-            times[(i.action.stage, i.action.kind)].append(i.end - i.start)
-    receive = (Kind.RECV_ACT, Kind.RECV_GRAD)
-    cost = {k: min(v) if k[1] in receive else sum(v) / len(v) for k, v in times.items()}
+    for i in intervals:
+        a = i.action
+        if a.kind in SENDER:
+            kind, offset = SENDER[a.kind]
+            sent = by_action[Action(a.stage + offset, kind, a.microbatch)]
+            times[(a.stage, a.kind)].append(i.end - max(i.start, sent.end))
+        else:
+            times[(a.stage, a.kind)].append(i.end - i.start)
+    cost = {k: sum(v) / len(v) for k, v in times.items()}
     sim = simulate(build_schedule(schedule, DEPTH, M, split=split), lambda a: cost.get((a.stage, a.kind), 0.0))
     return sim.total_bubble
 
@@ -57,7 +66,7 @@ def _simulated_with_measured_costs(records: list[dict], schedule: str, split: bo
 @pytest.mark.timeout(300)
 def test_monitor_bubble_agrees_with_simulator_and_draws_the_timeline(tmp_path: Path) -> None:
     launch([str(SCRIPTS / "monitor_sleep.py"), "--out", str(tmp_path), "--split", "--microbatches", str(M),
-            "--steps", str(STEPS)], timeout=240, torchrun=DEPTH)  # fmt: skip
+            "--steps", str(STEPS), "--cost", "0.02"], timeout=240, torchrun=DEPTH)  # fmt: skip
     dump = pickle.loads((tmp_path / "monitor.pkl").read_bytes())
     with open(Path(dump["csv"]) / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("pipeline/bubble")]
