@@ -59,6 +59,7 @@ class PipelineMonitor(Callback):
         self.dirpath, self.tokens_per_sample = dirpath, tokens_per_sample
         self.saved: list[str] = []  # timeline PNGs written (rank 0)
         self.last_records: list[dict] = []  # every rank's record at the last log (rank 0)
+        self._folder = ""
         self._reset(time.perf_counter())
 
     def _reset(self, start: float) -> None:
@@ -70,7 +71,9 @@ class PipelineMonitor(Callback):
             raise TypeError(f"PipelineMonitor needs Trainer(strategy=PipelineStrategy(...)), got {type(trainer.strategy).__name__}")
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Start the throughput clock."""
+        """Resolve the PNG folder (on every rank: ``trainer.log_dir`` is a collective) and start
+        the throughput clock."""
+        self._folder = self.dirpath or os.path.join(trainer.log_dir or trainer.default_root_dir, "pipeline_timeline")
         self._reset(time.perf_counter())
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -123,9 +126,8 @@ class PipelineMonitor(Callback):
                  f"m={engine.microbatches}, measured bubble {bubble:.0%}")  # fmt: skip
         labels = {r["rank"]: f"rank {r['rank']} (stage {r['stage']})" for r in records}
         fig = timeline.draw(intervals, title, labels)
-        folder = self.dirpath or os.path.join(trainer.log_dir or trainer.default_root_dir, "pipeline_timeline")
-        os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, f"timeline_step{step:06d}.png")
+        os.makedirs(self._folder, exist_ok=True)
+        path = os.path.join(self._folder, f"timeline_step{step:06d}.png")
         fig.savefig(path, dpi=120)
         self.saved.append(path)
         for logger in trainer.loggers:

@@ -85,7 +85,7 @@ def test_monitor_bubble_agrees_with_simulator_and_draws_the_timeline(tmp_path: P
         assert float(rows[-1][f"pipeline/stage{s}/memory_bytes"]) >= float(rows[-1][f"pipeline/stage{s}/peak_stash_bytes"]) > 0
     assert float(rows[-1]["pipeline/samples_per_s"]) > 0
     # The figure: one PNG per STEPS steps, and the same image in TensorBoard.
-    assert [Path(p).name for p in dump["saved"]] == [f"timeline_step{STEPS:06d}.png"]
+    assert dump["saved"] == [str(Path(dump["tb"]) / "pipeline_timeline" / f"timeline_step{STEPS:06d}.png")]
     assert matplotlib.image.imread(dump["saved"][0]).shape[0] > 100
     events = EventAccumulator(dump["tb"], size_guidance={"images": 0})
     events.Reload()

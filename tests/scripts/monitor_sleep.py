@@ -58,7 +58,7 @@ def main() -> None:
     out = Path(args.out)
     depth = 4
     data = TensorDataset(torch.randn(2 * args.microbatches * args.steps, 16))
-    monitor = PipelineMonitor(log_every_n_steps=1, timeline_every_n_steps=args.steps, dirpath=str(out / "png"))
+    monitor = PipelineMonitor(log_every_n_steps=1, timeline_every_n_steps=args.steps)  # PNGs under the log dir
     strategy = PipelineStrategy(args.schedule, depth, args.microbatches, partition="uniform", split_backward=args.split)
     loggers = [TensorBoardLogger(out, name="tb"), CSVLogger(out, name="csv")]
     trainer = L.Trainer(accelerator="cpu", devices=depth, strategy=strategy, max_steps=args.steps, logger=loggers,
