@@ -1,11 +1,11 @@
 """lightning_pipe: pipeline-parallel training (GPipe, 1F1B, PipeDream-2BW, split backward) as a Lightning strategy."""
 
 from lightning_pipe.module import PipelineMixin
+from lightning_pipe.monitor import PipelineMonitor
 from lightning_pipe.runtime.engine import PipelineEngine
 from lightning_pipe.runtime.p2p import PipelineAbortedError
 from lightning_pipe.simulate import SimResult, simulate, unit_costs
 from lightning_pipe.strategy import PipelineStrategy
-from lightning_pipe.monitor import PipelineMonitor  # noqa: E402 - needs the strategy
 from lightning_pipe.topology import Topology
 
 __all__ = [
