@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpt import GPT  # noqa: E402
 from lightning_pipe import PipelineEngine, Topology, simulate  # noqa: E402
 from lightning_pipe.costmodel import SleepChain  # noqa: E402
+from lightning_pipe.monitor import held_tensors  # noqa: E402
 from lightning_pipe.partition import block_cost, partition_sizes, stage_ranges  # noqa: E402
 from lightning_pipe.runtime.microbatch import split_batch  # noqa: E402
 from lightning_pipe.schedules import build_schedule, two_bw_run  # noqa: E402
@@ -112,13 +113,6 @@ class Contender:
         self.step(batch)
 
 
-def _held(params: Any, opt: torch.optim.Optimizer) -> list[Tensor]:
-    """Weights, their gradients and the optimizer's state."""
-    params = list(params)
-    state = [v for st in opt.state.values() for v in st.values() if isinstance(v, Tensor)]
-    return params + [p.grad for p in params if p.grad is not None] + state
-
-
 def _single(rank: int, work: Workload) -> Contender:
     """One process, no pipeline: the same microbatches, accumulated, on rank 0 only."""
     if rank != 0:
@@ -136,7 +130,7 @@ def _single(rank: int, work: Workload) -> Contender:
         opt.step()
         opt.zero_grad()
 
-    return Contender(step, lambda: _held(model.parameters(), opt))
+    return Contender(step, lambda: held_tensors(list(model.parameters()), [opt]))
 
 
 def _ours(rank: int, work: Workload, mesh: Any, schedule: str, split: bool) -> Contender:
@@ -146,7 +140,7 @@ def _ours(rank: int, work: Workload, mesh: Any, schedule: str, split: bool) -> C
                             work.partition(model), mesh=mesh, split_backward=split)  # fmt: skip
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     versions = lambda: [p for slot in engine.versions.slots for p in slot or ()]  # noqa: E731 - both 2BW versions
-    return Contender(lambda batch: engine.train_step(batch, opt), lambda: _held(versions(), opt), engine.drain)
+    return Contender(lambda batch: engine.train_step(batch, opt), lambda: held_tensors(versions(), [opt]), engine.drain)
 
 
 def _torch(rank: int, work: Workload, kind: str) -> Contender:
@@ -174,7 +168,7 @@ def _torch(rank: int, work: Workload, kind: str) -> Contender:
         opt.step()
         opt.zero_grad()
 
-    return Contender(step, lambda: _held(stage_module.parameters(), opt))
+    return Contender(step, lambda: held_tensors(list(stage_module.parameters()), [opt]))
 
 
 def _torch_loss(work: Workload, model: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:

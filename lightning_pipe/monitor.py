@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -164,11 +164,15 @@ def memory_bytes(engine: PipelineEngine, optimizers: list[Any]) -> int:
         peak = torch.cuda.max_memory_allocated(engine.device)
         torch.cuda.reset_peak_memory_stats(engine.device)
         return int(peak)
-    tensors = [t for slot in engine.versions.slots for p in slot or () for t in (p, p.grad) if t is not None]
-    for opt in optimizers:
-        tensors += [v for state in opt.state.values() for v in state.values() if isinstance(v, Tensor)]
+    tensors = held_tensors([p for slot in engine.versions.slots for p in slot or ()], optimizers)
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values()) + engine.last_peak_stash_bytes
+
+
+def held_tensors(params: Sequence[Tensor], optimizers: Sequence[Any]) -> list[Tensor]:
+    """What a stage keeps between steps: its weights, their gradients and the optimizers' state."""
+    state = [v for opt in optimizers for st in opt.state.values() for v in st.values() if isinstance(v, Tensor)]
+    return list(params) + [p.grad for p in params if p.grad is not None] + state
 
 
 def stage_metrics(records: list[dict], engine: PipelineEngine) -> dict[str, float]:

@@ -105,11 +105,6 @@ class Incoming:
         return tuple(self.buffers)
 
 
-def recv_tensors(src: int, device: torch.device) -> tuple[Tensor, ...]:
-    """Receive a tuple sent by :func:`send_tensors`; raise if ``src`` sent an abort instead."""
-    return Incoming(src, device).wait()
-
-
 def send_abort(message: str, dst: int, device: torch.device) -> list[dist.Work]:
     """Tell rank ``dst`` that this pipeline failed, in place of the next tensor tuple it awaits."""
     data = torch.tensor(list(message.encode("utf-8")), dtype=torch.uint8, device=device)
