@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_leaves
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpt import GPT  # noqa: E402
-from lightning_pipe import PipelineEngine, Topology, simulate  # noqa: E402
+from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place, simulate  # noqa: E402
 from lightning_pipe.costmodel import SleepChain  # noqa: E402
 from lightning_pipe.monitor import held_tensors  # noqa: E402
 from lightning_pipe.partition import block_cost, partition_sizes, stage_ranges  # noqa: E402
@@ -133,11 +133,11 @@ def _single(rank: int, work: Workload) -> Contender:
     return Contender(step, lambda: held_tensors(list(model.parameters()), [opt]))
 
 
-def _ours(rank: int, work: Workload, mesh: Any, schedule: str, split: bool) -> Contender:
+def _ours(rank: int, work: Workload, groups: Any, schedule: str, split: bool) -> Contender:
     """A lightning_pipe engine; ``finish`` drains 2BW, whose sends run on into the next window."""
     model = work.model()
-    engine = PipelineEngine(model, Topology(work.depth, work.depth), rank, schedule, work.microbatches,
-                            work.partition(model), mesh=mesh, split_backward=split)  # fmt: skip
+    plan = PipelinePlan(1, work.depth, work.microbatches, schedule, split, partition=work.partition(model))
+    engine = place(model, plan, rank, groups=groups)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     versions = lambda: [p for slot in engine.versions.slots for p in slot or ()]  # noqa: E731 - both 2BW versions
     return Contender(lambda batch: engine.train_step(batch, opt), lambda: held_tensors(versions(), [opt]), engine.drain)
@@ -177,10 +177,10 @@ def _torch_loss(work: Workload, model: nn.Module) -> Callable[[Tensor, Tensor], 
     return lambda out, target: model.pipeline_loss(out, (None, target))
 
 
-def _builders(rank: int, work: Workload, mesh: Any) -> dict[str, Callable[[], Contender]]:
+def _builders(rank: int, work: Workload, groups: Any) -> dict[str, Callable[[], Contender]]:
     out: dict[str, Callable[[], Contender]] = {"one process": lambda: _single(rank, work)}
     out.update({f"torch {k}": partial(_torch, rank, work, k) for k in TORCH})
-    out.update({_name(s, split): partial(_ours, rank, work, mesh, s, split) for s, split in OURS})
+    out.update({_name(s, split): partial(_ours, rank, work, groups, s, split) for s, split in OURS})
     return out
 
 
@@ -257,10 +257,9 @@ def _worker(rank: int, world: int, work: Workload, rounds: int, steps: int, thre
     Rebuilding matters: on this machine whichever model is allocated first ran up to 8% faster
     (the allocator's state differs), so every contender takes each place in turn.
     """
-    from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(threads)
-    builders = _builders(rank, work, init_device_mesh("cpu", (1, work.depth), mesh_dim_names=("dp", "pp")))
+    builders = _builders(rank, work, PipelineGroups.build(Topology(work.depth, work.depth), rank))
     batch, names = work.batch(), list(builders)
     times: dict[str, list[float]] = {name: [] for name in names}
     peaks: dict[str, int] = {}

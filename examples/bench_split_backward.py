@@ -18,7 +18,7 @@ import time
 import torch
 from torch import nn
 
-from lightning_pipe import PipelineEngine, Topology
+from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place
 from lightning_pipe.costmodel import SleepChain
 from lightning_pipe.runtime.split import input_grads, weight_grads
 from lightning_pipe.schedules import build_schedule
@@ -54,14 +54,13 @@ def backward_overhead(reps: int, dim: int, seq: int, batch: int, warmup: int = 5
 
 def _pipeline_worker(rank: int, world: int, configs: list, costs: tuple, steps: int, rounds: int) -> dict:
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "pp"))
+    groups = PipelineGroups.build(Topology(world, world), rank)
     engines = {}
     for schedule, m, split in configs:
         model = SleepChain(DEPTH, BLOCKS_PER_STAGE, costs)
-        engines[(schedule, m, split)] = (PipelineEngine(model, Topology(world, world), rank, schedule, m, "uniform",
-                                                        mesh=mesh, split_backward=split),
+        engines[(schedule, m, split)] = (place(model, PipelinePlan(1, world, m, schedule, split, partition="uniform"),
+                                               rank, groups=groups),
                                          torch.optim.SGD(model.parameters(), lr=0.0))  # fmt: skip
     times: dict = {c: [] for c in configs}
     for _ in range(rounds):  # interleaved, so drift hits every configuration alike

@@ -2,8 +2,11 @@
 
 from lightning_pipe.module import PipelineMixin
 from lightning_pipe.monitor import PipelineMonitor
+from lightning_pipe.plan import PipelinePlan
 from lightning_pipe.runtime.engine import PipelineEngine
+from lightning_pipe.runtime.groups import PipelineGroups
 from lightning_pipe.runtime.p2p import PipelineAbortedError
+from lightning_pipe.runtime.placement import Placement, place
 from lightning_pipe.simulate import SimResult, simulate, unit_costs
 from lightning_pipe.strategy import PipelineStrategy
 from lightning_pipe.topology import Topology
@@ -11,11 +14,15 @@ from lightning_pipe.topology import Topology
 __all__ = [
     "PipelineAbortedError",
     "PipelineEngine",
+    "PipelineGroups",
     "PipelineMixin",
     "PipelineMonitor",
+    "PipelinePlan",
     "PipelineStrategy",
+    "Placement",
     "SimResult",
     "Topology",
+    "place",
     "simulate",
     "unit_costs",
 ]

@@ -1,11 +1,13 @@
-"""PipelineStrategy: Lightning glue that sets up the (dp, pp) mesh and one engine per rank."""
+"""PipelineStrategy: Lightning glue that places a PipelinePlan on every rank, runs its engine and checkpoints it by name."""
 
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal, Mapping, Optional
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -13,14 +15,21 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_pipe.partition import PartitionSpec
-from lightning_pipe.runtime.engine import PipelineEngine, Recompute, pipeline_blocks_of
-from lightning_pipe.schedules import check_name
+from lightning_pipe import checkpoint as _checkpoint
+from lightning_pipe.data import ResumableLoader, per_replica_loader
+from lightning_pipe.plan import PartitionArg, PipelinePlan, RecomputeArg
+from lightning_pipe.runtime.engine import PipelineEngine
+from lightning_pipe.runtime.groups import PipelineGroups
+from lightning_pipe.runtime.placement import Placement, pipeline_blocks_of
 from lightning_pipe.topology import Topology
+
+_LAYOUT_DEFAULTS: dict[str, Any] = dict(schedule="1f1b", pipeline_depth=None, microbatches=1, partition="balanced",
+                                         recompute=False, split_backward=False, split_max_pending=None)  # fmt: skip
 
 
 class PipelineStrategy(DDPStrategy):
@@ -28,6 +37,8 @@ class PipelineStrategy(DDPStrategy):
 
     Each of ``d`` pipeline stages holds a contiguous slice of the model's blocks and is
     replicated ``w = world_size / d`` times; replicas of a stage average their gradients.
+    The layout is a :class:`~lightning_pipe.PipelinePlan`: pass one as ``plan=``, or the
+    separate layout arguments below (the plan is then built once the world size is known).
 
     Args:
         schedule: "gpipe", "1f1b" (PipeDream-Flush) or "2bw" (PipeDream-2BW: two weight
@@ -44,6 +55,14 @@ class PipelineStrategy(DDPStrategy):
             weight gradients (delayed into idle time), 2BP; any module, through autograd.
         split_max_pending: with ``split_backward``, the most microbatches waiting for their
             weight gradients (bounds memory; GPipe and 1F1B).
+        plan: the whole layout as one value, instead of the layout arguments above; its
+            ``width * depth`` must equal the number of processes.
+        save_distributed_checkpoint: write checkpoints as a torch.distributed.checkpoint
+            directory, one shard per stage (default); ``False`` writes one consolidated file,
+            gathered on rank 0 only.
+        global_batch_size: samples per training step over all replicas; the training
+            DataLoader's batch size is set to ``global_batch_size / w``, so any width trains on
+            the same global batches.
         timeout: timeout of every collective and transfer; a stuck rank fails after it.
         process_group_backend: "gloo" or "nccl"; default from the device.
         start_method: Lightning launcher start method; "popen" (default) re-runs the script.
@@ -56,11 +75,14 @@ class PipelineStrategy(DDPStrategy):
         schedule: str = "1f1b",
         pipeline_depth: Optional[int] = None,
         microbatches: int = 1,
-        partition: PartitionSpec = "balanced",
-        recompute: Recompute = False,
+        partition: PartitionArg = "balanced",
+        recompute: RecomputeArg = False,
         gradient_clip_val: Optional[float] = None,
         split_backward: bool = False,
         split_max_pending: Optional[int] = None,
+        plan: Optional[PipelinePlan] = None,
+        save_distributed_checkpoint: bool = True,
+        global_batch_size: Optional[int] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         process_group_backend: Optional[str] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -70,11 +92,11 @@ class PipelineStrategy(DDPStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
     ) -> None:
-        check_name(schedule)
-        if microbatches < 1:
-            raise ValueError(f"microbatches must be >= 1, got {microbatches}")
-        if pipeline_depth is not None and pipeline_depth < 1:
-            raise ValueError(f"pipeline_depth must be >= 1, got {pipeline_depth}")
+        layout = dict(schedule=schedule, pipeline_depth=pipeline_depth, microbatches=microbatches, partition=partition,
+                      recompute=recompute, split_backward=split_backward, split_max_pending=split_max_pending)  # fmt: skip
+        self._layout = _check_layout(layout, plan)
+        if global_batch_size is not None and global_batch_size < 1:
+            raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -85,11 +107,11 @@ class PipelineStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        self.schedule, self.pipeline_depth, self.microbatches = schedule, pipeline_depth, microbatches
-        self.partition, self.recompute, self.gradient_clip_val = partition, recompute, gradient_clip_val
-        self.split_backward, self.split_max_pending = split_backward, split_max_pending
-        self._topology: Optional[Topology] = None
-        self._mesh: Any = None
+        self.gradient_clip_val = gradient_clip_val
+        self.save_distributed_checkpoint, self.global_batch_size = save_distributed_checkpoint, global_batch_size
+        self._requested_plan = plan
+        self._plan: Optional[PipelinePlan] = None
+        self._groups: Optional[PipelineGroups] = None
 
     @property
     def is_distributed(self) -> bool:
@@ -97,11 +119,16 @@ class PipelineStrategy(DDPStrategy):
         return True
 
     @property
+    def plan(self) -> PipelinePlan:
+        """The layout in use; its partition is resolved to block counts once the model is set up."""
+        if self._plan is None:
+            raise RuntimeError("PipelineStrategy.plan is only available after the processes are set up")
+        return self._plan
+
+    @property
     def topology(self) -> Topology:
         """The ``(w, d)`` layout, known once the processes are connected."""
-        if self._topology is None:
-            raise RuntimeError("PipelineStrategy.topology is only available after the processes are set up")
-        return self._topology
+        return self.plan.topology
 
     @property
     def engine(self) -> PipelineEngine:
@@ -109,19 +136,43 @@ class PipelineStrategy(DDPStrategy):
         return self._module_checked(self.lightning_module).pipeline_engine
 
     @property
+    def placement(self) -> Placement:
+        """This rank's placement of the plan on the module, available after ``setup``."""
+        return self._module_checked(self.lightning_module)._pipeline_placement
+
+    @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Every stage of a pipeline reads the same shard; replicas read different shards."""
         return {"num_replicas": self.topology.width, "rank": self.topology.replica_of(self.global_rank)}
 
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Checkpoints load by name into the placed stage, so the model is set up first."""
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        """Optimizer state is loaded by name in :meth:`load_checkpoint`, not by Lightning."""
+        return False
+
+    def _build_plan(self, world_size: int) -> PipelinePlan:
+        if self._requested_plan is not None:
+            if self._requested_plan.world_size != world_size:
+                raise ValueError(f"plan {self._requested_plan.describe()} needs {self._requested_plan.world_size} "
+                                 f"processes, this run has {world_size}")  # fmt: skip
+            return self._requested_plan
+        fields = {k: v for k, v in self._layout.items() if k != "pipeline_depth"}
+        return PipelinePlan.for_world(world_size, self._layout["pipeline_depth"], **fields)
+
     @override
     def setup_environment(self) -> None:
-        """Connect the processes, validate ``(w, d)`` and build the ("dp", "pp") DeviceMesh."""
-        depth = self.pipeline_depth or self.num_nodes * self.num_processes
-        Topology(self.num_nodes * self.num_processes, depth)  # fail before any collective
+        """Validate the plan for this world size, connect the processes, build the process groups."""
+        self._plan = self._build_plan(self.num_nodes * self.num_processes)  # fails before any collective
         super().setup_environment()
-        self._topology = Topology(self.world_size, depth)
-        self._mesh = self._topology.build_mesh(self.root_device.type)
+        self._groups = PipelineGroups.build(self._plan.topology, self.global_rank, self.root_device.type)
 
     @staticmethod
     def _module_checked(module: Optional[LightningModule]) -> Any:
@@ -130,20 +181,24 @@ class PipelineStrategy(DDPStrategy):
         pipeline_blocks_of(module)  # raises a clear TypeError without pipeline_blocks()
         return module
 
-    def _engine_for(self, module: Any) -> PipelineEngine:
-        engine = module._pipeline_engine
-        if engine is not None and engine.topology == self.topology and engine.rank == self.global_rank:
-            return engine
-        return PipelineEngine(
-            module, self.topology, self.global_rank, schedule=self.schedule, microbatches=self.microbatches,
-            partition=self.partition, recompute=self.recompute, device=self.root_device, mesh=self._mesh,
-            gradient_clip_val=self.gradient_clip_val, split_backward=self.split_backward,
-            split_max_pending=self.split_max_pending,
-        )  # fmt: skip
+    def _place(self, module: Any) -> PipelineEngine:
+        """Apply the plan on this rank (or keep the placement of the same plan from an earlier Trainer)."""
+        placement: Optional[Placement] = getattr(module, "_pipeline_placement", None)
+        if placement is not None and placement.plan is not None:
+            if _same_layout(placement.plan, self.plan) and module._pipeline_engine.rank == self.global_rank:
+                self._plan = placement.plan
+                return module._pipeline_engine
+            placement.undo()
+        placement = placement or Placement(module)
+        stage = placement.apply(self.plan, self.global_rank, self.root_device)
+        self._plan = placement.plan
+        module._pipeline_placement = placement
+        rank_zero_info(placement.summary())
+        return PipelineEngine(module, stage, self.plan, self.global_rank, self._groups, self.root_device, self.gradient_clip_val)
 
     @override
     def setup(self, trainer: Trainer) -> None:
-        """Partition the model, keep only this rank's blocks, then set up optimizers and precision."""
+        """Place this rank's stage of the plan, then set up optimizers and precision."""
         module = self._module_checked(self.lightning_module)
         if module.automatic_optimization:
             raise ValueError(
@@ -155,7 +210,7 @@ class PipelineStrategy(DDPStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(module)
-        module._pipeline_engine = self._engine_for(module)
+        module._pipeline_engine = self._place(module)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -169,24 +224,54 @@ class PipelineStrategy(DDPStrategy):
         the real update inside ``pipeline_step``, where its place in the schedule is known."""
         return closure()
 
+    # -- data --------------------------------------------------------------------------------
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Training data: per-replica batch from ``global_batch_size``, and resumable mid-epoch."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.state.stage != RunningStage.TRAINING or not hasattr(dataloader, "batch_sampler"):
+            return dataloader
+        if self.global_batch_size is not None:
+            dataloader = per_replica_loader(dataloader, self.global_batch_size, self.topology.width)  # type: ignore[arg-type]
+        progress = trainer.fit_loop.epoch_loop.batch_progress.current
+        return ResumableLoader(dataloader, lambda: progress.processed)  # type: ignore[arg-type]
+
+    # -- lifecycle -------------------------------------------------------------------------
     def _drain(self) -> None:
         module = self.lightning_module
         if module is not None and getattr(module, "_pipeline_engine", None) is not None:
             module._pipeline_engine.drain()
 
+    def _check_weights(self) -> None:
+        unfilled = self.placement.unfilled
+        if unfilled:
+            raise RuntimeError(f"pipeline blocks {sorted(unfilled)} moved to this rank without their weights; "
+                               "load a checkpoint (ckpt_path=...) after changing the layout of a placed model")  # fmt: skip
+
+    @override
+    def on_train_start(self) -> None:
+        """Check the weights are in place; continue the mixin's LR-scheduler counters after a resume."""
+        self._check_weights()
+        module = self.lightning_module
+        module._pipeline_updates = module.trainer.global_step
+        module._pipeline_epoch = module.trainer.current_epoch
+
     @override
     def on_validation_start(self) -> None:
         """2BW: apply outstanding updates so validation sees consistent weights."""
+        self._check_weights()
         self._drain()
 
     @override
     def on_test_start(self) -> None:
         """2BW: apply outstanding updates before testing."""
+        self._check_weights()
         self._drain()
 
     @override
     def on_predict_start(self) -> None:
         """2BW: apply outstanding updates before predicting."""
+        self._check_weights()
         self._drain()
 
     @override
@@ -195,38 +280,80 @@ class PipelineStrategy(DDPStrategy):
         self._drain()
         super().on_train_end()
 
+    # -- checkpoints -----------------------------------------------------------------------
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The whole model's weights, gathered from every stage (a consolidated checkpoint)."""
-        return self.engine.full_state_dict()
+        """This stage's weights by name (sharded), or the whole model's on rank 0 (one file)."""
+        self._drain()
+        return self._shard_or_gathered(self.placement.export_state()["model"])
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """Every stage's optimizer state, so a resumed run gives each stage back its own."""
+        """This stage's optimizer state by parameter name (sharded), or every stage's on rank 0 (one file)."""
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        return {"pipeline_stages": self.engine.gather_stages(optimizer.state_dict())}
+        return self._shard_or_gathered(self.placement.export_state(optimizer)["optimizer"])
+
+    def _shard_or_gathered(self, shard: dict[str, Any]) -> dict[str, Any]:
+        """``shard`` itself (sharded checkpoints), or on rank 0 the union of the first pipeline's
+        shards, gathered there only (other ranks return ``{}``)."""
+        if self.save_distributed_checkpoint or self.plan.world_size == 1:
+            return shard
+        if self.topology.replica_of(self.global_rank) != 0:
+            return {}
+        assert self._groups is not None
+        ranks = [self.topology.rank_of(0, s) for s in range(self.plan.depth)]
+        return _checkpoint.gather_on_first(shard, ranks, self._groups.pp, self.root_device)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Write atomically: a DCP directory from every rank, or one file from rank 0."""
+        path = Path(self.broadcast(str(filepath)))
+        if self.save_distributed_checkpoint:
+            shards = {_checkpoint.MODEL: checkpoint.pop("state_dict")}
+            shards.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+            _checkpoint.save_sharded(path, shards, checkpoint, self.global_rank, self.barrier)
+        elif self.is_global_zero:
+            _checkpoint.save_file(checkpoint, path)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Load this rank's weights and optimizer state by name, whatever layout saved them."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        module = self._module_checked(self.lightning_module)
+        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        load = _checkpoint.load_sharded if path.is_dir() else _checkpoint.load_file
+        rest = load(path, self.placement, optimizers, strict=module.strict_loading)
+        _optimizers_to_device(optimizers, self.root_device)
+        return rest
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Load this stage's share of a consolidated state dict."""
-        module = self._module_checked(self.lightning_module)
-        local = module.state_dict().keys()
-        missing = [k for k in local if k not in checkpoint["state_dict"]]
-        if strict and missing:
-            raise KeyError(f"checkpoint lacks weights of this stage: {missing[:5]}")
-        module.load_state_dict({k: checkpoint["state_dict"][k] for k in local if k not in missing}, strict=strict)
+        """Nothing to do: :meth:`load_checkpoint` already loaded this stage's weights by name."""
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Give this stage its own optimizer state back."""
-        stage = self.topology.stage_of(self.global_rank)
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            stages = state["pipeline_stages"]
-            if len(stages) != self.topology.depth:
-                raise ValueError(f"checkpoint was saved with {len(stages)} stages, this run has {self.topology.depth}")
-            optimizer.load_state_dict(stages[stage])
-            _optimizers_to_device([optimizer], self.root_device)
+        """Nothing to do: :meth:`load_checkpoint` already loaded this stage's optimizer state by name."""
+
+
+def _same_layout(placed: PipelinePlan, wanted: PipelinePlan) -> bool:
+    """Whether ``placed`` is ``wanted`` (whose partition may still be "balanced" or "uniform")."""
+    return placed == (wanted if wanted.is_resolved else wanted.replace(partition=placed.partition))
+
+
+def _check_layout(layout: dict[str, Any], plan: Optional[PipelinePlan]) -> dict[str, Any]:
+    """Refuse layout arguments given next to ``plan=``; validate the rest as far as possible without the world size."""
+    if plan is not None:
+        clash = [k for k, v in layout.items() if v != _LAYOUT_DEFAULTS[k]]
+        if clash:
+            raise ValueError(f"pass the layout either as plan= or as arguments, not both (also given: {clash})")
+        return layout
+    depth = layout["pipeline_depth"]
+    if depth is not None and depth < 1:
+        raise ValueError(f"pipeline_depth must be >= 1, got {depth}")
+    hint = depth or next((len(v) for v in (layout["recompute"], layout["partition"]) if not isinstance(v, (bool, str))), 1)
+    PipelinePlan(depth=hint, **{k: v for k, v in layout.items() if k != "pipeline_depth"})
+    return layout
 
 
 StrategyRegistry.register(

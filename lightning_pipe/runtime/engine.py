@@ -1,201 +1,99 @@
-"""One rank's share of the pipeline: partitions the user's chain, runs steps, gathers state."""
+"""One rank's share of the pipeline: runs training and inference steps over a placed stage."""
 
 from __future__ import annotations
 
-import math
-from collections import deque
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.optim import Optimizer
 
-from lightning_pipe.partition import PartitionSpec, block_cost, partition_sizes, stage_ranges
+from lightning_pipe.plan import PipelinePlan
 from lightning_pipe.runtime.executor import Executor, Hooks, Position, StepState
+from lightning_pipe.runtime.groups import PipelineGroups
 from lightning_pipe.runtime.microbatch import split_batch
 from lightning_pipe.runtime.stage import Stage
+from lightning_pipe.runtime.update import UpdatePath
 from lightning_pipe.runtime.versions import WeightVersions
-from lightning_pipe.schedules import (
-    Action,
-    build_inference,
-    build_schedule,
-    check_name,
-    two_bw,
-    two_bw_drain,
-    two_bw_run,
-    two_bw_window,
-    verify,
-)
-from lightning_pipe.timeline import Trace, now
-from lightning_pipe.topology import Topology
-
-Recompute = Union[bool, Sequence[bool]]
-
-
-class RemoteBlock(nn.Module):
-    """Stands in for a block that lives on another stage; it holds no parameters."""
-
-    def __init__(self, stage: int) -> None:
-        super().__init__()
-        self.stage = stage
-
-    def forward(self, *args: Any) -> Any:
-        """Refuse to run: this block's weights live on another process."""
-        raise RuntimeError(f"this block lives on pipeline stage {self.stage}; run the model with pipeline_forward()")
-
-
-def pipeline_blocks_of(module: nn.Module) -> list[nn.Module]:
-    """The user's chain of blocks, validated."""
-    if not callable(getattr(module, "pipeline_blocks", None)):
-        raise TypeError(
-            f"{type(module).__name__} has no pipeline_blocks(); subclass lightning_pipe.PipelineMixin "
-            "and return the model's chain of blocks from pipeline_blocks()"
-        )
-    blocks = list(module.pipeline_blocks())
-    bad = [i for i, b in enumerate(blocks) if not isinstance(b, nn.Module)]
-    if not blocks or bad:
-        raise TypeError(f"pipeline_blocks() must return a non-empty list of nn.Module (entries {bad} are not)")
-    return blocks
-
-
-def _parents(module: nn.Module, blocks: list[nn.Module]) -> list[tuple[nn.Module, str]]:
-    index = {id(m): (parent, name) for parent in module.modules() for name, m in parent.named_children()}
-    missing = [i for i, b in enumerate(blocks) if id(b) not in index]
-    if missing:
-        raise ValueError(f"pipeline blocks {missing} are not submodules of {type(module).__name__}; register them as attributes")
-    return [index[id(b)] for b in blocks]
-
-
-def _check_parameters(module: nn.Module, blocks: list[nn.Module], ranges: list[range]) -> None:
-    owner: dict[int, int] = {}
-    for stage, rng in enumerate(ranges):
-        for i in rng:
-            for p in blocks[i].parameters():
-                if owner.setdefault(id(p), stage) != stage:
-                    raise ValueError(
-                        f"a parameter of pipeline block {i} is shared with stage {owner[id(p)]} (tied weights across "
-                        "stages are not supported); keep tied blocks on one stage with an explicit partition"
-                    )
-    stray = [n for n, p in module.named_parameters() if id(p) not in owner]
-    if stray:
-        raise ValueError(f"parameters outside every pipeline block would never train: {stray[:5]}; move them into a block")
+from lightning_pipe.schedules import Action, build_inference, build_schedule, two_bw_drain, two_bw_run, two_bw_window, verify
+from lightning_pipe.timeline import Trace
 
 
 class PipelineEngine:
     """Runs training and inference steps of one rank of a ``w x d`` pipeline.
 
+    It neither places blocks nor builds process groups: :class:`~lightning_pipe.runtime.placement.Placement`
+    gives it the stage and :class:`~lightning_pipe.runtime.groups.PipelineGroups` the groups
+    (see :func:`~lightning_pipe.runtime.placement.place` for both in one call).
+
     Args:
-        module: the user's model; it must define ``pipeline_blocks`` and ``pipeline_loss``.
-        topology: the ``(w, d)`` layout.
+        module: the user's model (its ``pipeline_inputs`` and ``pipeline_loss`` are called).
+        stage: the blocks this rank runs.
+        plan: the layout (schedule, microbatches, split backward, depth and width).
         rank: this process's global rank.
-        schedule: "gpipe", "1f1b" or "2bw".
-        microbatches: microbatches ``m`` per batch (2BW needs ``m >= d``).
-        partition: "balanced", "uniform" or an explicit list of blocks per stage.
-        recompute: activation recomputation, for all stages or per stage.
+        groups: the layout's process groups; ``None`` only when running one process.
         device: device of this rank's stage.
-        mesh: DeviceMesh with "dp" and "pp" dimensions; ``None`` only when running one process.
         gradient_clip_val: clip the gradient to this global norm (over all stages) before a step.
-        split_backward: split each backward into input (I) and weight (W) gradients and delay
-            W into idle time (2BP, seed 001; see schedules/split.py and runtime/split.py).
-        split_max_pending: with ``split_backward``, the most microbatches that may wait for
-            their W (bounds the stash, seed 001's Figure 5); ``None``: no bound.
     """
 
-    def __init__(
-        self,
-        module: nn.Module,
-        topology: Topology,
-        rank: int,
-        schedule: str = "1f1b",
-        microbatches: int = 1,
-        partition: PartitionSpec = "balanced",
-        recompute: Recompute = False,
-        device: Optional[torch.device] = None,
-        mesh: Any = None,
-        gradient_clip_val: Optional[float] = None,
-        split_backward: bool = False,
-        split_max_pending: Optional[int] = None,
-    ) -> None:
-        check_name(schedule)
-        if split_backward and recompute is not False:
-            raise ValueError("split_backward with recompute would recompute each forward twice (in I and W); use one")
-        if microbatches < 1:
-            raise ValueError(f"microbatches must be >= 1, got {microbatches}")
-        if schedule == "2bw":
-            two_bw.check_microbatches(topology.depth, microbatches)
-        self.module, self.topology, self.rank = module, topology, rank
-        self.schedule, self.microbatches = schedule, microbatches
-        self.gradient_clip_val, self.split_backward = gradient_clip_val, split_backward
-        self.split_max_pending = split_max_pending
+    def __init__(self, module: nn.Module, stage: Stage, plan: PipelinePlan, rank: int,
+                 groups: Optional[PipelineGroups] = None, device: Optional[torch.device] = None,
+                 gradient_clip_val: Optional[float] = None) -> None:  # fmt: skip
+        if groups is None and plan.world_size > 1:
+            raise ValueError(f"a {plan.width} x {plan.depth} plan needs its process groups (PipelineGroups.build)")
+        self.module, self.stage, self.plan, self.rank, self.groups = module, stage, plan, rank, groups
+        self.topology = plan.topology
         self.device = device or torch.device("cpu")
-        self.stage_index = topology.stage_of(rank)
-        self.stage = self._build_stage(partition, recompute)
+        self.stage_index = self.topology.stage_of(rank)
         self.position = self._position()
-        self.dp_group = mesh.get_group("dp") if mesh is not None else None
-        self.pp_group = mesh.get_group("pp") if mesh is not None else None
-        self.norm_group = self._pipeline_group() if mesh is not None and topology.depth > 1 else None
-        self.streaming = schedule == "2bw"  # the stream of microbatches runs on across steps
+        self.streaming = plan.schedule == "2bw"  # the stream of microbatches runs on across steps
         self.versions = WeightVersions(self.stage.parameters(), double=self.streaming)
+        self.update = UpdatePath(self.versions, plan.width, groups, self.device, gradient_clip_val)
         self.last_peak_stash = 0
         self.last_peak_stash_bytes = 0
-        self.skipped_steps = 0
         self.trace = Trace(rank)
         self._loss_work: Any = None
         self._programs: dict[tuple[bool, int], list[Action]] = {}
         self._restart()
         if self.streaming:
-            verify(two_bw_run(topology.depth, microbatches, 3, split_backward), 3 * microbatches)
+            verify(two_bw_run(plan.depth, plan.microbatches, 3, plan.split_backward), 3 * plan.microbatches)
+
+    @property
+    def schedule(self) -> str:
+        """The schedule's name."""
+        return self.plan.schedule
+
+    @property
+    def microbatches(self) -> int:
+        """Microbatches per batch."""
+        return self.plan.microbatches
+
+    @property
+    def split_backward(self) -> bool:
+        """Whether backwards are split into I and W."""
+        return self.plan.split_backward
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for a non-finite gradient."""
+        return self.update.skipped_steps
 
     def _restart(self) -> None:
         """Forget the stream: the next batch is batch 0 of a fresh warm-up."""
-        self._batches = self._reduced = self._stepped = 0
+        self._batches = 0
         self._state = StepState({}, {})
-        self._norms: deque[tuple[Tensor, Any]] = deque()
+        self.update.restart()
         self._optimizer: Optional[Optimizer] = None
         self._on_step: Callable[[], None] = lambda: None
 
     # -- setup -----------------------------------------------------------------------------
-    def _build_stage(self, partition: PartitionSpec, recompute: Recompute) -> Stage:
-        blocks = pipeline_blocks_of(self.module)
-        costs_fn = getattr(self.module, "pipeline_block_costs", None)
-        costs = list(costs_fn()) if callable(costs_fn) else [block_cost(b) for b in blocks]
-        ranges = stage_ranges(partition_sizes(partition, costs, self.topology.depth))
-        _check_parameters(self.module, blocks, ranges)
-        parents = _parents(self.module, blocks)
-        mine = ranges[self.stage_index]
-        for stage, rng in enumerate(ranges):
-            for i in rng if stage != self.stage_index else ():
-                parent, name = parents[i]
-                parent._modules[name] = RemoteBlock(stage)
-        for i in mine:
-            blocks[i].to(self.device)
-        self.block_ranges = ranges
-        flags = [recompute] * self.topology.depth if isinstance(recompute, bool) else list(recompute)
-        if len(flags) != self.topology.depth:
-            raise ValueError(f"recompute needs one flag per stage ({self.topology.depth}), got {len(flags)}")
-        return Stage([blocks[i] for i in mine], mine.start, flags[self.stage_index])
-
     def _position(self) -> Position:
         d, s = self.topology.depth, self.stage_index
         replica = self.topology.replica_of(self.rank)
         prev = self.topology.rank_of(replica, s - 1) if s > 0 else None
         nxt = self.topology.rank_of(replica, s + 1) if s < d - 1 else None
         return Position(s, d, prev, nxt)
-
-    def _pipeline_group(self) -> Any:
-        """A second group over this pipeline's stages for the gradient-norm sums.
-
-        They run asynchronously, posted at each AR and awaited at the matching OPT, which 2BW
-        places at different points of different stages; on their own group their order can
-        never interleave with the loss broadcasts on the "pp" group.
-        """
-        groups = [
-            dist.new_group([self.topology.rank_of(r, s) for s in range(self.topology.depth)])
-            for r in range(self.topology.width)
-        ]
-        return groups[self.topology.replica_of(self.rank)]
 
     @property
     def last_rank(self) -> int:
@@ -216,7 +114,7 @@ class PipelineEngine:
         if key not in self._programs:
             d = self.topology.depth
             program = (
-                build_schedule(self.schedule, d, microbatches, self.split_backward, self.split_max_pending)
+                build_schedule(self.schedule, d, microbatches, self.split_backward, self.plan.split_max_pending)
                 if train
                 else build_inference(d, microbatches)
             )
@@ -233,7 +131,8 @@ class PipelineEngine:
 
     def _hooks(self) -> Hooks:
         return Hooks(
-            self.module.pipeline_inputs, self.module.pipeline_loss, self._all_reduce, self._optimizer_step,
+            self.module.pipeline_inputs, self.module.pipeline_loss, self.update.all_reduce,
+            lambda: self.update.optimizer_step(self._optimizer, self._on_step),
             lambda first: self.versions.weights(first // self.microbatches),
             lambda loss_sum: self._share_loss(torch.tensor(loss_sum, device=self.device)),
         )  # fmt: skip
@@ -283,8 +182,8 @@ class PipelineEngine:
         the middle of a 2BW window would stall stage 0 until the last stage's window ended.
         """
         self._loss_work = None
-        if self.pp_group is not None and self.topology.depth > 1:
-            self._loss_work = dist.broadcast(loss, src=self.last_rank, group=self.pp_group, async_op=True)
+        if self.groups is not None and self.topology.depth > 1:
+            self._loss_work = dist.broadcast(loss, src=self.last_rank, group=self.groups.pp, async_op=True)
 
     @property
     def in_flight(self) -> int:
@@ -321,98 +220,25 @@ class PipelineEngine:
             return self._from_last_stage(torch.stack(losses).sum().float())
         return self._from_last_stage(_concat(outputs))
 
-    # -- whole-batch actions ---------------------------------------------------------------
-    def _all_reduce(self) -> None:
-        """AR: average the batch's gradients over the stage's replicas, then start the global
-        (all-stage) squared-norm sum that the batch's optimizer step will read."""
-        params = self.versions.grads_of(self._reduced)
-        self._reduced += 1
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        self._average_over_replicas([p.grad for p in params])
-        local = torch.stack([g.detach().float().pow(2).sum() for g in (p.grad for p in params)]).sum() if params else torch.zeros((), device=self.device)
-        work = None
-        if self.norm_group is not None:
-            work = dist.all_reduce(local, group=self.norm_group, async_op=True)
-        self._norms.append((local, work))
-
-    def _average_over_replicas(self, grads: list[Tensor]) -> None:
-        if self.dp_group is None or self.topology.width == 1:
-            return
-        by_dtype: dict[torch.dtype, list[Tensor]] = {}
-        for g in grads:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        for group in by_dtype.values():
-            flat = _flatten_dense_tensors(group)
-            dist.all_reduce(flat, group=self.dp_group)
-            flat /= self.topology.width
-            for g, reduced in zip(group, _unflatten_dense_tensors(flat, group)):
-                g.copy_(reduced)
-
-    def _optimizer_step(self) -> float:
-        """OPT: clip to the global norm, skip on a non-finite gradient (same on every rank), step.
-
-        Returns:
-            When the global norm arrived: the step's own work began then (the trace shows the
-            wait before it as idle).
-        """
-        batch = self._stepped
-        self._stepped += 1
-        params = self.versions.begin_step(batch, self._optimizer)
-        squared, work = self._norms.popleft()
-        if work is not None:
-            work.wait()
-        ready = now()
-        norm = float(squared.sqrt())
-        if math.isfinite(norm):
-            self._clip(params, norm)
-            self._optimizer.step()
-        else:
-            self.skipped_steps += 1
-        self.versions.end_step(batch)
-        self._on_step()
-        return ready
-
-    def _clip(self, params: list[Tensor], norm: float) -> None:
-        if self.gradient_clip_val is None:
-            return
-        coef = self.gradient_clip_val / (norm + 1e-6)  # as torch.nn.utils.clip_grad_norm_
-        if coef < 1.0:
-            for p in params:
-                p.grad.mul_(coef)
-
+    # -- state -------------------------------------------------------------------------------
     def current_weights(self) -> dict[str, Tensor]:
         """The newest version of this stage's parameters, by their names in the module."""
         names = {id(p): n for n, p in self.module.named_parameters()}
-        slot = self.versions.slot_of(self._stepped - 1) if self._stepped else 0
+        stepped = self.update.stepped
+        slot = self.versions.slot_of(stepped - 1) if stepped else 0
         newest = self.versions.slots[slot] or self.versions.slots[0]
         return {names[id(p0)]: p.detach() for p0, p in zip(self.versions.slots[0], newest)}
 
     # -- collectives -----------------------------------------------------------------------
     def _from_last_stage(self, value: Any) -> Any:
-        if self.pp_group is None or self.topology.depth == 1:
+        if self.groups is None or self.topology.depth == 1:
             return value
         if isinstance(value, Tensor) and value.dim() == 0:
-            dist.broadcast(value, src=self.last_rank, group=self.pp_group)
+            dist.broadcast(value, src=self.last_rank, group=self.groups.pp)
             return value
         box = [value]
-        dist.broadcast_object_list(box, src=self.last_rank, group=self.pp_group, device=self.device)
+        dist.broadcast_object_list(box, src=self.last_rank, group=self.groups.pp, device=self.device)
         return box[0]
-
-    def full_state_dict(self) -> dict[str, Tensor]:
-        """The whole model's state dict, keyed by the original names, on every rank of the pipeline."""
-        self.drain()
-        local = {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
-        return {k: v for part in self.gather_stages(local) for k, v in part.items()}
-
-    def gather_stages(self, obj: Any) -> list[Any]:
-        """One object from each stage of this rank's pipeline, in stage order."""
-        if self.pp_group is None or self.topology.depth == 1:
-            return [obj]
-        parts: list[Any] = [None] * self.topology.depth
-        dist.all_gather_object(parts, obj, group=self.pp_group)
-        return parts
 
 
 def _concat(outputs: list[Any]) -> Any:

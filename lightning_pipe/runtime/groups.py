@@ -1,0 +1,43 @@
+"""The process groups of one layout, built in one place: the ("dp", "pp") mesh and the gradient-norm groups."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from lightning_pipe.topology import Topology
+
+
+@dataclass(frozen=True)
+class PipelineGroups:
+    """This rank's process groups for one ``(w, d)`` layout.
+
+    Attributes:
+        mesh: DeviceMesh with a "dp" (replicas of a stage) and a "pp" (stages of a pipeline) dimension.
+        dp: the replicas of this rank's stage (gradient averaging).
+        pp: the stages of this rank's pipeline (loss and output broadcasts).
+        norm: a second group over the same stages for the asynchronous gradient-norm sums, so
+            their order never interleaves with the broadcasts on ``pp`` (2BW posts them at
+            different points on different stages).
+    """
+
+    mesh: Any
+    dp: Any
+    pp: Any
+    norm: Optional[Any]
+
+    @classmethod
+    def build(cls, topology: Topology, rank: int, device_type: str = "cpu") -> "PipelineGroups":
+        """Create the groups of ``topology`` (a collective: every rank of the job calls it)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device_type, (topology.width, topology.depth), mesh_dim_names=("dp", "pp"))
+        norm = None
+        if topology.depth > 1:
+            pipelines = [
+                dist.new_group([topology.rank_of(r, s) for s in range(topology.depth)]) for r in range(topology.width)
+            ]
+            norm = pipelines[topology.replica_of(rank)]
+        return cls(mesh, mesh.get_group("dp"), mesh.get_group("pp"), norm)

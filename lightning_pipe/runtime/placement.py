@@ -1,0 +1,226 @@
+"""Reversible placement of a plan on one rank, and this rank's state exported and imported by original name."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+from torch.optim import Optimizer
+
+from lightning_pipe.partition import block_cost
+from lightning_pipe.plan import PipelinePlan
+from lightning_pipe.runtime.stage import Stage
+
+if TYPE_CHECKING:
+    from lightning_pipe.runtime.engine import PipelineEngine
+
+#: Optimizer state flattened to one key per parameter name and field ("state.<name>.exp_avg",
+#: "param_groups.<name>.lr"), so stages never overwrite each other's param_groups in a checkpoint.
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class RemoteBlock(nn.Module):
+    """Stands in for a block that lives on another stage; it holds no parameters."""
+
+    def __init__(self, stage: int) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, *args: Any) -> Any:
+        """Refuse to run: this block's weights live on another process."""
+        raise RuntimeError(f"this block lives on pipeline stage {self.stage}; run the model with pipeline_forward()")
+
+
+def pipeline_blocks_of(module: nn.Module) -> list[nn.Module]:
+    """The user's chain of blocks, validated."""
+    if not callable(getattr(module, "pipeline_blocks", None)):
+        raise TypeError(
+            f"{type(module).__name__} has no pipeline_blocks(); subclass lightning_pipe.PipelineMixin "
+            "and return the model's chain of blocks from pipeline_blocks()"
+        )
+    blocks = list(module.pipeline_blocks())
+    bad = [i for i, b in enumerate(blocks) if not isinstance(b, nn.Module)]
+    if not blocks or bad:
+        raise TypeError(f"pipeline_blocks() must return a non-empty list of nn.Module (entries {bad} are not)")
+    return blocks
+
+
+def block_costs(module: nn.Module, blocks: list[nn.Module]) -> list[float]:
+    """Cost of each block for a "balanced" partition: ``pipeline_block_costs()`` or parameter counts."""
+    costs_fn = getattr(module, "pipeline_block_costs", None)
+    return list(costs_fn()) if callable(costs_fn) else [block_cost(b) for b in blocks]
+
+
+def _parents(module: nn.Module, blocks: list[nn.Module]) -> list[tuple[nn.Module, str]]:
+    index = {id(m): (parent, name) for parent in module.modules() for name, m in parent.named_children()}
+    missing = [i for i, b in enumerate(blocks) if id(b) not in index]
+    if missing:
+        raise ValueError(f"pipeline blocks {missing} are not submodules of {type(module).__name__}; register them as attributes")
+    return [index[id(b)] for b in blocks]
+
+
+def _check_parameters(module: nn.Module, blocks: list[nn.Module], ranges: list[range]) -> None:
+    owner: dict[int, int] = {}
+    for stage, rng in enumerate(ranges):
+        for i in rng:
+            for p in blocks[i].parameters():
+                if owner.setdefault(id(p), stage) != stage:
+                    raise ValueError(
+                        f"a parameter of pipeline block {i} is shared with stage {owner[id(p)]} (tied weights across "
+                        "stages are not supported); keep tied blocks on one stage with an explicit partition"
+                    )
+    stray = [n for n, p in module.named_parameters() if id(p) not in owner]
+    if stray:
+        raise ValueError(f"parameters outside every pipeline block would never train: {stray[:5]}; move them into a block")
+
+
+def check_shapes(names: Mapping[str, Any], found: Mapping[str, Any], what: str) -> None:
+    """Raise naming the first parameters of ``names`` (name -> shape) that ``found`` lacks or shapes otherwise."""
+    missing = [k for k in names if k not in found]
+    if missing:
+        raise KeyError(f"{what} lacks {len(missing)} weights of this stage, first: {missing[:5]}")
+    wrong = [f"{k}: {tuple(found[k])} here {tuple(names[k])}" for k in names if tuple(found[k]) != tuple(names[k])]
+    if wrong:
+        raise ValueError(f"{what} holds {len(wrong)} weights of another shape, first: {wrong[:5]}")
+
+
+class Placement:
+    """Apply a :class:`PipelinePlan` to one rank's module, undo it, and move its state by name.
+
+    Applying keeps this rank's stage's blocks (moved to ``device``) and swaps a
+    :class:`RemoteBlock` in for every other block; the other blocks' weights are dropped
+    (moved to the meta device), so a rank holds only its own stage. Undoing puts the original
+    blocks back; applying another plan then allocates the blocks this rank gains, whose values
+    :meth:`import_state` must fill (see :attr:`unfilled`).
+
+    Args:
+        module: the user's LightningModule (any module with ``pipeline_blocks()``).
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.blocks = pipeline_blocks_of(module)
+        self._parents = _parents(module, self.blocks)
+        self.plan: Optional[PipelinePlan] = None
+        self.stage_index = -1
+        self._dropped: set[int] = set()
+        self.unfilled: set[int] = set()
+
+    def apply(self, plan: PipelinePlan, rank: int, device: Optional[torch.device] = None) -> Stage:
+        """Place ``plan`` on ``rank``: returns the stage it runs; the module keeps only that stage's blocks.
+
+        Raises:
+            RuntimeError: if a plan is already applied (undo it first).
+            ValueError: if the partition does not fit the chain, or a parameter is shared across stages.
+        """
+        if self.plan is not None:
+            raise RuntimeError("a plan is already placed on this module; call undo() before applying another")
+        plan = plan if plan.is_resolved else plan.resolve(block_costs(self.module, self.blocks))
+        ranges = plan.stage_ranges()
+        if ranges[-1].stop != len(self.blocks):
+            raise ValueError(f"partition {list(plan.partition)} covers {ranges[-1].stop} blocks, the chain has {len(self.blocks)}")
+        _check_parameters(self.module, self.blocks, ranges)
+        stage = plan.topology.stage_of(rank)
+        device = device or torch.device("cpu")
+        for s, rng in enumerate(ranges):
+            for i in rng:
+                self._place_block(i, s if s != stage else None, device)
+        self.plan, self.stage_index = plan, stage
+        mine = ranges[stage]
+        return Stage([self.blocks[i] for i in mine], mine.start, plan.recompute[stage])
+
+    def _place_block(self, i: int, remote_stage: Optional[int], device: torch.device) -> None:
+        parent, name = self._parents[i]
+        block = self.blocks[i]
+        if remote_stage is not None:
+            parent._modules[name] = RemoteBlock(remote_stage)
+            block.to("meta")  # frees the weights this rank does not train
+            self._dropped.add(i)
+        elif i in self._dropped:
+            block.to_empty(device=device)
+            self._dropped.discard(i)
+            self.unfilled.add(i)
+        else:
+            block.to(device)
+
+    def undo(self) -> None:
+        """Put every original block back into the module (blocks of other stages hold no weights)."""
+        for (parent, name), block in zip(self._parents, self.blocks):
+            parent._modules[name] = block
+        self.plan, self.stage_index = None, -1
+
+    def summary(self) -> str:
+        """A table of the placed plan: stage, blocks, parameters and recompute, for every stage."""
+        assert self.plan is not None, "apply a plan first"
+        lines = [f"Pipeline plan: {self.plan.describe()}", "stage | blocks | parameters | recompute"]
+        for s, rng in enumerate(self.plan.stage_ranges()):
+            names = ", ".join(type(self.blocks[i]).__name__ for i in rng)
+            params = sum(p.numel() for i in rng for p in self.blocks[i].parameters())
+            lines.append(f"{s} | {rng.start}-{rng.stop - 1} ({names}) | {params:,} | {self.plan.recompute[s]}")
+        lines.append("(Lightning's model summary shows rank 0's stage only: RemoteBlock rows live on other stages.)")
+        return "\n".join(lines)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Name and shape of every tensor this rank's state holds (parameters and buffers)."""
+        return {k: tuple(v.shape) for k, v in self.module.state_dict().items()}
+
+    def export_state(self, optimizer: Optional[Optimizer] = None) -> dict[str, Any]:
+        """This rank's state by original names: ``{"model": ..., "optimizer": ...}`` (no copies).
+
+        The optimizer's state is flattened to one key per parameter name and field. Under
+        2BW, drain first so the module holds the newest weights and the optimizer points at them.
+        """
+        state: dict[str, Any] = {"model": {k: v.detach() for k, v in self.module.state_dict().items()}}
+        if optimizer is not None:
+            state["optimizer"] = get_optimizer_state_dict(self.module, optimizer, options=FLAT)
+        return state
+
+    def optimizer_template(self, optimizer: Optimizer) -> dict[str, Any]:
+        """This rank's optimizer state by name, to be filled in place (e.g. by a checkpoint load)."""
+        return get_optimizer_state_dict(self.module, optimizer, options=FLAT)
+
+    def import_state(self, state: Mapping[str, Any], optimizer: Optional[Optimizer] = None) -> None:
+        """Load this rank's parameters, buffers and optimizer state from ``state`` (keyed as :meth:`export_state`).
+
+        ``state`` may hold other stages' names too; only this rank's are read.
+
+        Raises:
+            KeyError / ValueError: naming the first weights of this stage that are missing or shaped otherwise.
+        """
+        model = state["model"]
+        check_shapes(self.shapes(), {k: v.shape for k, v in model.items()}, "the state")
+        own = self.module.state_dict()
+        with torch.no_grad():
+            for k, v in own.items():
+                if v.data_ptr() != model[k].data_ptr():  # a checkpoint load may have filled it in place
+                    v.copy_(model[k])
+        self.unfilled.clear()
+        if optimizer is not None and "optimizer" in state:
+            set_optimizer_state_dict(self.module, optimizer, optim_state_dict=_own_optimizer_keys(state["optimizer"], own), options=FLAT)
+
+
+def _own_optimizer_keys(flat: Mapping[str, Any], own: Mapping[str, Tensor]) -> dict[str, Any]:
+    """The entries of a flattened optimizer state dict (``"state.<name>.<field>"``,
+    ``"param_groups.<name>.<field>"``; fields hold no dots) that belong to names in ``own``."""
+    return {k: v for k, v in flat.items() if k[k.index(".") + 1 : k.rindex(".")] in own}
+
+
+def place(module: nn.Module, plan: PipelinePlan, rank: int, device: Optional[torch.device] = None,
+          groups: Optional[Any] = None, gradient_clip_val: Optional[float] = None) -> "PipelineEngine":  # fmt: skip
+    """Place ``plan`` on ``rank`` and return the engine that runs its steps (scripts, tests, benchmarks).
+
+    Args:
+        module: the user's model.
+        plan: the layout.
+        rank: this process's global rank.
+        device: where this rank's stage runs.
+        groups: the layout's :class:`~lightning_pipe.runtime.groups.PipelineGroups` (a collective
+            to build); ``None`` in one process.
+        gradient_clip_val: clip to this global norm before each step.
+    """
+    from lightning_pipe.runtime.engine import PipelineEngine
+
+    stage = Placement(module).apply(plan, rank, device)
+    return PipelineEngine(module, stage, plan, rank, groups, device, gradient_clip_val)

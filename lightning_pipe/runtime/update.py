@@ -1,0 +1,101 @@
+"""The update path of a batch: replica all-reduce, global gradient norm, clipping, non-finite skip, optimizer step."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.optim import Optimizer
+
+from lightning_pipe.runtime.groups import PipelineGroups
+from lightning_pipe.runtime.versions import WeightVersions
+from lightning_pipe.timeline import now
+
+
+class UpdatePath:
+    """Runs the AR and OPT actions of one stage, batch after batch (2BW interleaves two batches).
+
+    Args:
+        versions: the stage's weight slots (which tensors hold which batch's gradient).
+        width: replicas of the stage; gradients are averaged over them.
+        groups: the layout's process groups (``None`` in a single process).
+        device: where the norm is accumulated.
+        gradient_clip_val: clip to this global norm (over all stages) before stepping.
+    """
+
+    def __init__(self, versions: WeightVersions, width: int, groups: Optional[PipelineGroups], device: torch.device,
+                 gradient_clip_val: Optional[float] = None) -> None:  # fmt: skip
+        self.versions, self.width, self.groups, self.device = versions, width, groups, device
+        self.gradient_clip_val = gradient_clip_val
+        self.skipped_steps = 0
+        self.restart()
+
+    def restart(self) -> None:
+        """Forget in-flight batches: the next AR and OPT belong to batch 0."""
+        self.reduced = self.stepped = 0
+        self._norms: deque[tuple[Tensor, Any]] = deque()
+
+    def all_reduce(self) -> None:
+        """AR: average the batch's gradients over the stage's replicas, then start the global
+        (all-stage) squared-norm sum that the batch's optimizer step will read."""
+        params = self.versions.grads_of(self.reduced)
+        self.reduced += 1
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self._average_over_replicas([p.grad for p in params])
+        squares = [p.grad.detach().float().pow(2).sum() for p in params]
+        local = torch.stack(squares).sum() if squares else torch.zeros((), device=self.device)
+        norm_group = self.groups.norm if self.groups is not None else None
+        work = dist.all_reduce(local, group=norm_group, async_op=True) if norm_group is not None else None
+        self._norms.append((local, work))
+
+    def _average_over_replicas(self, grads: list[Tensor]) -> None:
+        if self.groups is None or self.width == 1:
+            return
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for group in by_dtype.values():
+            flat = _flatten_dense_tensors(group)
+            dist.all_reduce(flat, group=self.groups.dp)
+            flat /= self.width
+            for g, reduced in zip(group, _unflatten_dense_tensors(flat, group)):
+                g.copy_(reduced)
+
+    def optimizer_step(self, optimizer: Optimizer, on_step: Callable[[], None]) -> float:
+        """OPT: clip to the global norm, skip on a non-finite gradient (same on every rank), step.
+
+        Returns:
+            When the global norm arrived: the step's own work began then (the trace shows the
+            wait before it as idle).
+        """
+        batch = self.stepped
+        self.stepped += 1
+        params = self.versions.begin_step(batch, optimizer)
+        squared, work = self._norms.popleft()
+        if work is not None:
+            work.wait()
+        ready = now()
+        norm = float(squared.sqrt())
+        if math.isfinite(norm):
+            self._clip(params, norm)
+            optimizer.step()
+        else:
+            self.skipped_steps += 1
+        self.versions.end_step(batch)
+        on_step()
+        return ready
+
+    def _clip(self, params: list[Tensor], norm: float) -> None:
+        if self.gradient_clip_val is None:
+            return
+        coef = self.gradient_clip_val / (norm + 1e-6)  # as torch.nn.utils.clip_grad_norm_
+        if coef < 1.0:
+            for p in params:
+                p.grad.mul_(coef)
