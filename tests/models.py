@@ -89,6 +89,22 @@ class ToyChain(PipelineMixin, L.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=self.lr)
 
 
+def load_plain(cls: Any, path: Any) -> Any:
+    """``cls.load_from_checkpoint`` in this one process, consolidating a sharded (DCP) checkpoint
+    directory first, as ``python -m lightning.pytorch.utilities.consolidate_checkpoint`` does."""
+    from pathlib import Path
+
+    from lightning.fabric.utilities.load import _load_distributed_checkpoint
+    from lightning.pytorch.utilities.consolidate_checkpoint import _format_checkpoint
+
+    path = Path(path)
+    if path.is_dir():
+        file = path.with_suffix(".consolidated")
+        torch.save(_format_checkpoint(_load_distributed_checkpoint(path)), file)
+        path = file
+    return cls.load_from_checkpoint(path)
+
+
 def make_data(n: int, seed: int = 0) -> tuple[Tensor, Tensor]:
     """Inputs and labels of a random classification problem."""
     g = torch.Generator().manual_seed(seed)
@@ -118,6 +134,7 @@ def reference_train(
     optimizer: str = "adam",
     clip: float | None = None,
     history: list[dict[str, Tensor]] | None = None,
+    opt: torch.optim.Optimizer | None = None,
 ) -> dict[str, Tensor]:
     """Single-process training written from the seeds' update rules; returns the final weights.
 
@@ -127,8 +144,9 @@ def reference_train(
     ``max(t-1, 0)`` and applied by one optimizer (no shadow state) to the newest weights.
     Gradients are clipped to the global norm ``clip`` (torch.nn.utils.clip_grad_norm_), and a
     step whose gradient is not finite is skipped. ``history`` receives ``W(0), W(1), ...``.
+    Pass ``opt`` (over ``model``'s parameters) to continue an earlier call's optimizer state.
     """
-    opt = make_optimizer(model.parameters(), optimizer, model.lr)
+    opt = opt or make_optimizer(model.parameters(), optimizer, model.lr)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if step_lr else None
     versions = [{n: p.detach().clone() for n, p in model.named_parameters()}]  # W(0), W(1), ...
     probe = copy.deepcopy(model)

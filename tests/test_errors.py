@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipe import PipelineEngine, PipelineStrategy, Topology
+from lightning_pipe import PipelineGroups, PipelinePlan, PipelineStrategy, Topology, place
 from tests.distributed import run_workers
 from tests.models import frozen as _frozen
 from tests.launch import SCRIPTS, launch
@@ -22,16 +22,16 @@ def test_unknown_schedule() -> None:
 
 def test_more_stages_than_blocks() -> None:
     with pytest.raises(ValueError, match="cannot split 6 pipeline blocks over pipeline_depth=8"):
-        PipelineEngine(ToyChain(depth=4), Topology(8, 8), rank=0)
+        place(ToyChain(depth=4), PipelinePlan(depth=8), rank=0)
 
 
 def test_module_without_pipeline_blocks() -> None:
     with pytest.raises(TypeError, match="has no pipeline_blocks"):
-        PipelineEngine(nn.Linear(2, 2), Topology(1, 1), rank=0)
+        place(nn.Linear(2, 2), PipelinePlan(), rank=0)
 
 
 def test_batch_smaller_than_microbatches() -> None:
-    engine = PipelineEngine(ToyChain(), Topology(1, 1), rank=0, microbatches=4)
+    engine = place(ToyChain(), PipelinePlan(microbatches=4), rank=0)
     with pytest.raises(ValueError, match="batch of 3 samples cannot be split into microbatches=4"):
         engine.train_step(make_data(3), _frozen(engine))
 
@@ -40,7 +40,7 @@ def test_uneven_batch_is_split_and_weighted() -> None:
     # 7 samples over 3 microbatches: sizes 3, 2, 2, each loss weighted by its share.
     torch.manual_seed(0)
     model = ToyChain()
-    engine = PipelineEngine(model, Topology(1, 1), rank=0, microbatches=3)
+    engine = place(model, PipelinePlan(microbatches=3), rank=0)
     batch = make_data(7)
     loss = engine.train_step(batch, _frozen(engine))
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -61,7 +61,7 @@ class _Dict(nn.Module):
 def test_block_returning_non_tensor() -> None:
     model = ToyChain()
     model.blocks[1] = _Dict()
-    engine = PipelineEngine(model, Topology(1, 1), rank=0, microbatches=2)
+    engine = place(model, PipelinePlan(microbatches=2), rank=0)
     with pytest.raises(TypeError, match=r"pipeline block 2 \(_Dict\) returned dict"):
         engine.train_step(make_data(4), _frozen(engine))
 
@@ -90,13 +90,11 @@ class _FailingBlock(nn.Module):
 
 
 def _fail_mid_step(rank: int, world: int, depth: int) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
     topo = Topology(world, depth)
-    mesh = init_device_mesh("cpu", (topo.width, depth), mesh_dim_names=("dp", "pp"))
+    groups = PipelineGroups.build(topo, rank)
     model = ToyChain(depth=3)
     model.blocks.insert(2, _FailingBlock(at_call=7 if topo.replica_of(rank) == 0 else 0))
-    engine = PipelineEngine(model, topo, rank, "1f1b", 4, [2, 1, 2, 1][:depth] if depth == 4 else "uniform", mesh=mesh)
+    engine = place(model, PipelinePlan(topo.width, depth, 4, "1f1b", partition=[2, 1, 2, 1] if depth == 4 else "uniform"), rank, groups=groups)
     for step in range(3):  # fails in step 2, microbatch 2
         engine.train_step(make_data(8, seed=step), _frozen(engine))
 

@@ -10,6 +10,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.launch import ROOT, launch
+from tests.models import load_plain
 
 sys.path.insert(0, str(ROOT / "examples"))
 from gpt import GPT, StdlibText  # noqa: E402
@@ -30,9 +31,10 @@ def test_gpt_config_trains_logs_and_checkpoints(tmp_path: Path, schedule: str) -
     losses = [e.value for e in acc.Scalars("train_loss")]
     assert len(losses) == 6 and all(torch.isfinite(torch.tensor(losses)))
     assert len(acc.Scalars("val_loss")) == 2
-    # The consolidated checkpoint loads into the plain model in this one process.
+    # The sharded checkpoint, consolidated, loads into the plain model in this one process.
     ckpt = next((run / "checkpoints").glob("*.ckpt"))
-    model = GPT.load_from_checkpoint(ckpt)
+    assert ckpt.is_dir() and (ckpt / "meta.pt").is_file()
+    model = load_plain(GPT, ckpt)
     data = StdlibText(block_size=64, batch_size=4, max_bytes=200000)
     data.setup("validate")
     x, y = next(iter(data.val_dataloader()))

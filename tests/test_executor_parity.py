@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_pipe import PipelineEngine, Topology
-from tests.distributed import run_workers
+from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place
+from tests.shared import scenario
 from tests.models import frozen as _frozen
 from tests.models import ToyChain, assert_close_dicts, make_data, reference_grads, reference_train
 
@@ -19,16 +19,14 @@ def _shard(batch: tuple, replica: int, width: int) -> tuple:
 
 
 def _worker(rank: int, world: int, depth: int) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-
     topo = Topology(world, depth)
-    mesh = init_device_mesh("cpu", (topo.width, depth), mesh_dim_names=("dp", "pp"))
+    groups = PipelineGroups.build(topo, rank)
     replica = topo.replica_of(rank)
     results = {}
     for schedule, recompute in COMBOS:
         torch.manual_seed(0)
         model = ToyChain()
-        engine = PipelineEngine(model, topo, rank, schedule, M, "uniform", recompute, mesh=mesh)
+        engine = place(model, PipelinePlan(topo.width, depth, M, schedule, partition="uniform", recompute=recompute), rank, groups=groups)
         opt = torch.optim.Adam(model.parameters(), lr=model.lr)
         losses, grads = [], None
         for step in range(STEPS):
@@ -42,9 +40,14 @@ def _worker(rank: int, world: int, depth: int) -> dict:
     return results
 
 
-@pytest.mark.parametrize("width,depth", [(1, 2), (1, 4), (2, 2)])
-def test_executor_matches_single_process(width: int, depth: int) -> None:
-    out = run_workers(_worker, width * depth, depth, timeout=240)
+LAYOUTS = [(1, 2), (1, 4), (2, 2)]
+for _w, _d in LAYOUTS:
+    scenario(_w * _d, f"executor_{_w}x{_d}", _worker, _d)
+
+
+@pytest.mark.parametrize("width,depth", LAYOUTS)
+def test_executor_matches_single_process(launched, width: int, depth: int) -> None:
+    out = launched(width * depth)[f"executor_{width}x{depth}"]
     assert all(status == "ok" for status, _ in out), [v for s, v in out if s != "ok"]
     torch.manual_seed(0)
     want_grads = reference_grads(ToyChain(), make_data(BATCH, seed=0))
@@ -69,13 +72,11 @@ SIZES = [8, 7, 5, 3]  # the last batches are partial: uneven microbatches, new s
 
 
 def _varying_worker(rank: int, world: int) -> list[dict]:
-    from torch.distributed.device_mesh import init_device_mesh
-
     topo = Topology(world, world)
-    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "pp"))
+    groups = PipelineGroups.build(topo, rank)
     torch.manual_seed(0)
     model = ToyChain()
-    engine = PipelineEngine(model, topo, rank, "1f1b", 3, "uniform", mesh=mesh)
+    engine = place(model, PipelinePlan(1, world, 3, "1f1b", partition="uniform"), rank, groups=groups)
     grads = []
     for step, size in enumerate(SIZES):
         engine.train_step(make_data(size, seed=step), _frozen(engine))
@@ -83,8 +84,11 @@ def _varying_worker(rank: int, world: int) -> list[dict]:
     return grads
 
 
-def test_shapes_change_between_steps() -> None:
-    out = run_workers(_varying_worker, 2, timeout=120)
+scenario(2, "executor_varying_shapes", _varying_worker)
+
+
+def test_shapes_change_between_steps(launched) -> None:
+    out = launched(2)["executor_varying_shapes"]
     assert all(status == "ok" for status, _ in out), out
     torch.manual_seed(0)
     reference = ToyChain()

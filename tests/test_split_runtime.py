@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_pipe import PipelineEngine, Topology
+from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place
 from lightning_pipe.runtime.split import input_grads, weight_grads
-from tests.distributed import run_workers
+from tests.shared import scenario
 from tests.models import ToyChain, make_data
 
 BATCH, M, STEPS = 16, 4, 3
@@ -35,16 +35,14 @@ def test_transformer_block_split_matches_backward_and_runs_no_forward() -> None:
 
 
 def _split_worker(rank: int, world: int, depth: int) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-
     topo = Topology(world, depth)
-    mesh = init_device_mesh("cpu", (topo.width, depth), mesh_dim_names=("dp", "pp"))
+    groups = PipelineGroups.build(topo, rank)
     replica, results = topo.replica_of(rank), {}
     for schedule in SCHEDULES:
         for split in (False, True):
             torch.manual_seed(0)
             model = ToyChain()
-            engine = PipelineEngine(model, topo, rank, schedule, M, "uniform", mesh=mesh, split_backward=split)
+            engine = place(model, PipelinePlan(topo.width, depth, M, schedule, split, partition="uniform"), rank, groups=groups)
             forwards = [0]
             for block in engine.stage.blocks:
                 block.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
@@ -62,9 +60,14 @@ def _split_worker(rank: int, world: int, depth: int) -> dict:
     return results
 
 
-@pytest.mark.parametrize("width,depth", [(1, 2), (1, 4), (2, 2)])
-def test_split_backward_matches_full_backward(width: int, depth: int) -> None:
-    out = run_workers(_split_worker, width * depth, depth, timeout=300)
+LAYOUTS = [(1, 2), (1, 4), (2, 2)]
+for _w, _d in LAYOUTS:
+    scenario(_w * _d, f"split_{_w}x{_d}", _split_worker, _d)
+
+
+@pytest.mark.parametrize("width,depth", LAYOUTS)
+def test_split_backward_matches_full_backward(launched, width: int, depth: int) -> None:
+    out = launched(width * depth)[f"split_{width}x{depth}"]
     assert all(status == "ok" for status, _ in out), [v for s, v in out if s != "ok"]
     for rank in range(width * depth):
         for schedule in SCHEDULES:
@@ -80,25 +83,26 @@ def test_split_backward_matches_full_backward(width: int, depth: int) -> None:
 
 
 def _memory_worker(rank: int, world: int) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-
     topo = Topology(world, world)
-    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "pp"))
+    groups = PipelineGroups.build(topo, rank)
     peaks = {}
     for split, bound in ((False, None), (True, None), (True, 1)):
         torch.manual_seed(0)
         model = ToyChain()
-        engine = PipelineEngine(model, topo, rank, "1f1b", 2 * world, "uniform", mesh=mesh,
-                                split_backward=split, split_max_pending=bound)  # fmt: skip
+        plan = PipelinePlan(1, world, 2 * world, "1f1b", split, bound, partition="uniform")
+        engine = place(model, plan, rank, groups=groups)
         engine.train_step(make_data(4 * world * 8, seed=0), torch.optim.SGD(model.parameters(), lr=0.0))
         peaks[(split, bound)] = (engine.last_peak_stash, engine.last_peak_stash_bytes)
     return peaks
 
 
-def test_runtime_reports_stash_and_bounded_split_lowers_it() -> None:
+scenario(2, "split_stash", _memory_worker)
+
+
+def test_runtime_reports_stash_and_bounded_split_lowers_it(launched) -> None:
     # 1F1B-2 (m = 2d): unbounded split holds every microbatch until its W; a bound of one
     # pending W (seed 001, Figure 5) brings the peak back towards plain 1F1B's.
-    out = run_workers(_memory_worker, 2, timeout=120)
+    out = launched(2)["split_stash"]
     assert all(status == "ok" for status, _ in out), out
     for stage, (_, peaks) in enumerate(out):
         plain, split, bounded = peaks[(False, None)], peaks[(True, None)], peaks[(True, 1)]

@@ -11,7 +11,9 @@ import torch.nn.functional as F
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.launch import SCRIPTS, launch
-from tests.models import ToyChain, assert_close_dicts, make_data, reference_grads, reference_train
+from tests.models import ToyChain, assert_close_dicts, load_plain, make_data, reference_grads, reference_train
+from tests.scripts.train_toy import FIT_DEFAULTS, fit_toy
+from tests.shared import scenario
 
 BATCH, STEPS, M = 8, 5, 4
 SCRIPT = str(SCRIPTS / "train_toy.py")
@@ -19,6 +21,39 @@ SCRIPT = str(SCRIPTS / "train_toy.py")
 
 def _load(out: Path, tag: str, world: int) -> list[dict]:
     return [torch.load(out / f"{tag}_rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def _tag(schedule: str, recompute: bool = False, split: bool = False, precision: str = "32-true") -> str:
+    return f"{schedule}_{'rc' if recompute else 'plain'}{'_split' if split else ''}{'_' + precision if precision != '32-true' else ''}"
+
+
+def _configs(width: int, depth: int) -> list[dict]:
+    """Every Trainer run of one layout; each test reads the runs it needs (none runs twice)."""
+    runs = [dict(schedule=s, recompute=r, sharded=not r) for s in ("gpipe", "1f1b") for r in (False, True)]
+    runs += [dict(schedule=s, split=True) for s in ("gpipe", "1f1b")]
+    runs += [dict(schedule="2bw", scheduler=True), dict(schedule="2bw", split=True, scheduler=True)]
+    if width * depth == 2 or width == 2:
+        runs.append(dict(schedule="2bw", recompute=True, scheduler=True, sharded=False))
+    if width * depth == 2:
+        runs += [dict(schedule=s, recompute=True, precision="bf16-mixed") for s in ("gpipe", "2bw")]
+    return runs
+
+
+LAYOUTS = [(1, 2), (1, 4), (2, 2)]
+for _w, _d in LAYOUTS:
+    for _run in _configs(_w, _d):
+        _name = f"toy_{_w}x{_d}_" + _tag(_run["schedule"], _run.get("recompute", False), _run.get("split", False),
+                                         _run.get("precision", "32-true"))  # fmt: skip
+        scenario(_w * _d, _name, fit_toy, _d, *[_run.get(k, v) for k, v in FIT_DEFAULTS.items()])
+
+
+def _ranks(launched, width: int, depth: int, tag: str) -> list[dict]:
+    return launched(width * depth).ok(f"toy_{width}x{depth}_{tag}")
+
+
+def _restored(launched, width: int, depth: int, tag: str) -> ToyChain:
+    """The plain module loaded in one process from the run's last checkpoint (consolidated if sharded)."""
+    return load_plain(ToyChain, launched(width * depth).dir(f"toy_{width}x{depth}_{tag}") / "ckpt" / "last.ckpt")
 
 
 def _global_batches(ranks: list[dict], width: int, depth: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -76,16 +111,15 @@ def _check_run(ranks: list[dict], width: int, depth: int, step_lr: bool = False,
     return want
 
 
-@pytest.mark.parametrize("width,depth", [(1, 2), (1, 4), (2, 2)])
-def test_fit_through_torchrun_matches_single_process(tmp_path: Path, width: int, depth: int) -> None:
-    world = width * depth
-    launch([SCRIPT, f"--devices={world}", f"--depth={depth}", f"--out={tmp_path}"], timeout=400, torchrun=world)
+@pytest.mark.parametrize("width,depth", LAYOUTS)
+def test_fit_matches_single_process(launched, width: int, depth: int) -> None:
     for schedule in ("gpipe", "1f1b"):
         for recompute in (False, True):
-            tag = f"{schedule}_{recompute}"
-            want = _check_run(_load(tmp_path, tag, world), width, depth)
-            # ModelCheckpoint wrote one consolidated file that the plain module loads in one process.
-            restored = ToyChain.load_from_checkpoint(tmp_path / f"ckpt_{tag}" / "last.ckpt")
+            tag = _tag(schedule, recompute)
+            want = _check_run(_ranks(launched, width, depth, tag), width, depth)
+            # The last checkpoint (a DCP directory, consolidated, or one file when recompute is on
+            # here) loads into the plain module in one process.
+            restored = _restored(launched, width, depth, tag)
             assert_close_dicts(dict(restored.named_parameters()), want, rtol=1e-5)
 
 
@@ -96,7 +130,7 @@ def test_fit_through_lightning_launcher_with_scheduler_logs_loss(tmp_path: Path)
     assert ranks[0]["lrs"] == pytest.approx([1e-2 * 0.5 ** (k // 2) for k in range(1, STEPS + 1)])
     # The loss reached rank 0's progress bar and TensorBoard, at every step.
     assert ranks[0]["progress_bar"]["train_loss"] == pytest.approx(ranks[0]["losses"][-1])
-    accumulators = [EventAccumulator(str(f)) for f in (tmp_path / "tb").rglob("events.out.tfevents.*")]
+    accumulators = [EventAccumulator(str(f)) for f in (tmp_path / "1f1b_False" / "tb").rglob("events.out.tfevents.*")]
     for acc in accumulators:
         acc.Reload()
     training = [acc for acc in accumulators if "train_loss" in acc.Tags()["scalars"]]
@@ -106,29 +140,24 @@ def test_fit_through_lightning_launcher_with_scheduler_logs_loss(tmp_path: Path)
 
 
 @pytest.mark.parametrize("width,depth", [(1, 2), (2, 2)])
-def test_fit_two_bw_follows_delayed_rule(tmp_path: Path, width: int, depth: int) -> None:
-    world = width * depth
-    launch([SCRIPT, f"--devices={world}", f"--depth={depth}", "--schedules=2bw", "--scheduler", f"--out={tmp_path}"], timeout=400, torchrun=world)
+def test_fit_two_bw_follows_delayed_rule(launched, width: int, depth: int) -> None:
     for recompute in (False, True):
-        ranks = _load(tmp_path, f"2bw_{recompute}", world)
+        tag = _tag("2bw", recompute)
+        ranks = _ranks(launched, width, depth, tag)
         # Parameters after fit (drained at the end), validation, predict, loss per step and
         # global_step all follow W(t+1) = W(t) - lr * grad f(W(t-1)).
         want = _check_run(ranks, width, depth, step_lr=True, delay=1)
         # StepLR is stepped with each applied update: after step t, t updates were applied.
         assert ranks[0]["lrs"] == pytest.approx([1e-2 * 0.5 ** (t // 2) for t in range(STEPS)])
-        restored = ToyChain.load_from_checkpoint(tmp_path / f"ckpt_2bw_{recompute}" / "last.ckpt")
-        assert_close_dicts(dict(restored.named_parameters()), want, rtol=1e-5)
+        assert_close_dicts(dict(_restored(launched, width, depth, tag).named_parameters()), want, rtol=1e-5)
 
 
-@pytest.mark.parametrize("width,depth", [(1, 2), (1, 4), (2, 2)])
-def test_fit_with_split_backward_matches_without(tmp_path: Path, width: int, depth: int) -> None:
-    world = width * depth
-    launch([SCRIPT, f"--devices={world}", f"--depth={depth}", "--schedules=gpipe,1f1b,2bw", "--recompute=false",
-            "--split=false,true", f"--out={tmp_path}"], timeout=400, torchrun=world)  # fmt: skip
+@pytest.mark.parametrize("width,depth", LAYOUTS)
+def test_fit_with_split_backward_matches_without(launched, width: int, depth: int) -> None:
     for schedule in ("gpipe", "1f1b", "2bw"):
-        plain = _load(tmp_path, f"{schedule}_False", world)
-        split = _load(tmp_path, f"{schedule}_False_split", world)
-        _check_run(split, width, depth, delay=int(schedule == "2bw"))
+        plain = _ranks(launched, width, depth, _tag(schedule))
+        split = _ranks(launched, width, depth, _tag(schedule, split=True))
+        _check_run(split, width, depth, step_lr=schedule == "2bw", delay=int(schedule == "2bw"))
         for p, s in zip(plain, split):
             for name, value in p["params"].items():  # same sums in another order: 1e-6, 1e-8 near 0
                 torch.testing.assert_close(s["params"][name], value, rtol=1e-6, atol=1e-8)
@@ -137,9 +166,8 @@ def test_fit_with_split_backward_matches_without(tmp_path: Path, width: int, dep
                     torch.testing.assert_close(s["grads"][name], value, rtol=1e-6, atol=1e-8)
 
 
-def test_bf16_mixed_on_cpu(tmp_path: Path) -> None:
-    launch([SCRIPT, "--devices=2", "--depth=2", "--precision=bf16-mixed", "--schedules=gpipe,2bw", "--recompute=true", f"--out={tmp_path}"], timeout=300, torchrun=2)
-    ranks = _load(tmp_path, "gpipe_True", 2)
+def test_bf16_mixed_on_cpu(launched) -> None:
+    ranks = _ranks(launched, 1, 2, _tag("gpipe", True, precision="bf16-mixed"))
     batch = _global_batches(ranks, 1, 2)[0]
     torch.manual_seed(0)
     model = ToyChain()
@@ -152,7 +180,7 @@ def test_bf16_mixed_on_cpu(tmp_path: Path) -> None:
     assert ranks[0]["losses"][-1] < ranks[0]["losses"][0]
     # 2BW under bf16-mixed: the first step's loss (on W(0)) matches float32 at bf16 resolution,
     # and training makes progress without non-finite values.
-    two_bw = _load(tmp_path, "2bw_True", 2)
+    two_bw = _ranks(launched, 1, 2, _tag("2bw", True, precision="bf16-mixed"))
     x, y = _global_batches(two_bw, 1, 2)[0]
     torch.manual_seed(0)
     with torch.no_grad():
@@ -160,17 +188,3 @@ def test_bf16_mixed_on_cpu(tmp_path: Path) -> None:
     assert two_bw[0]["losses"][0] == pytest.approx(first, rel=2e-2)
     assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in two_bw)
     assert two_bw[0]["losses"][-1] < two_bw[0]["losses"][0]
-
-
-@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
-def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path: Path, schedule: str) -> None:
-    # Each stage gets its own optimizer state back from the consolidated checkpoint.
-    script = str(SCRIPTS / "resume_toy.py")
-    launch([script, str(tmp_path), schedule], timeout=300, torchrun=2)
-    first_epoch = tmp_path / "ckpt" / "epoch=0-step=3.ckpt"
-    launch([script, str(tmp_path / "again"), schedule, str(first_epoch)], timeout=300, torchrun=2)
-    for rank in range(2):
-        straight = torch.load(tmp_path / f"straight_rank{rank}.pt", weights_only=False)
-        resumed = torch.load(tmp_path / "again" / f"resumed_rank{rank}.pt", weights_only=False)
-        assert straight["step"] == resumed["step"] == 6
-        assert_close_dicts(resumed["params"], straight["params"], rtol=1e-6)

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_pipe import PipelineEngine, Topology
+from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place
 from lightning_pipe.schedules import Kind, build_schedule, format_actions, two_bw, two_bw_run, verify
 from lightning_pipe.simulate import simulate, unit_costs
-from tests.distributed import run_workers
+from tests.shared import scenario
 from tests.models import ToyChain, assert_close_dicts, make_data, make_optimizer, reference_train
 
 # -- pure ----------------------------------------------------------------------------------
@@ -66,7 +66,7 @@ def test_fewer_microbatches_than_stages_is_refused() -> None:
     with pytest.raises(ValueError, match="'2bw' needs microbatches >= pipeline_depth"):
         two_bw.window(0, 4, 3, 0)
     with pytest.raises(ValueError, match="'2bw' needs microbatches >= pipeline_depth"):
-        PipelineEngine(ToyChain(), Topology(4, 4), rank=0, schedule="2bw", microbatches=2)
+        PipelinePlan(depth=4, schedule="2bw", microbatches=2)
 
 
 def test_steady_state_bubble_tends_to_zero() -> None:
@@ -104,15 +104,13 @@ def _batches(nan_step: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _two_bw_worker(rank: int, world: int, depth: int) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-
     topo = Topology(world, depth)
-    mesh = init_device_mesh("cpu", (topo.width, depth), mesh_dim_names=("dp", "pp"))
+    groups = PipelineGroups.build(topo, rank)
     replica, results = topo.replica_of(rank), {}
     for name, (schedule, kind, clip, nan_step) in CASES.items():
         torch.manual_seed(0)
         model = ToyChain()
-        engine = PipelineEngine(model, topo, rank, schedule, M, "uniform", mesh=mesh, gradient_clip_val=clip)
+        engine = place(model, PipelinePlan(topo.width, depth, M, schedule, partition="uniform"), rank, groups=groups, gradient_clip_val=clip)
         opt = make_optimizer(model.parameters(), kind, model.lr)
         history, losses, in_flight = [], [], []
         for batch in _batches(nan_step):
@@ -143,9 +141,14 @@ def _stage_union(out: list, depth: int, name: str, key: str, index: Any = None) 
     return merged
 
 
-@pytest.mark.parametrize("width,depth", [(1, 2), (1, 4), (2, 2)])
-def test_two_bw_follows_the_delayed_update_rule(width: int, depth: int) -> None:
-    out = run_workers(_two_bw_worker, width * depth, depth, timeout=300)
+LAYOUTS = [(1, 2), (1, 4), (2, 2)]
+for _w, _d in LAYOUTS:
+    scenario(_w * _d, f"two_bw_{_w}x{_d}", _two_bw_worker, _d)
+
+
+@pytest.mark.parametrize("width,depth", LAYOUTS)
+def test_two_bw_follows_the_delayed_update_rule(launched, width: int, depth: int) -> None:
+    out = launched(width * depth)[f"two_bw_{width}x{depth}"]
     assert all(status == "ok" for status, _ in out), [v for s, v in out if s != "ok"]
     for name, (schedule, kind, clip, nan_step) in CASES.items():
         delay = 1 if schedule == "2bw" else 0
@@ -174,20 +177,21 @@ def test_two_bw_follows_the_delayed_update_rule(width: int, depth: int) -> None:
 
 
 def _one_step_worker(rank: int, world: int) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "pp"))
+    groups = PipelineGroups.build(Topology(world, world), rank)
     torch.manual_seed(0)
     model = ToyChain()
-    engine = PipelineEngine(model, Topology(world, world), rank, "2bw", M, "uniform", mesh=mesh)
+    engine = place(model, PipelinePlan(1, world, M, "2bw", partition="uniform"), rank, groups=groups)
     opt = make_optimizer(model.parameters(), "adam", model.lr)
     engine.train_step(make_data(BATCH, seed=0), opt)
     engine.drain()  # as Lightning does when validation comes after the first step
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def test_drain_after_the_first_two_bw_step_applies_its_update() -> None:
-    out = run_workers(_one_step_worker, 2, timeout=120)
+scenario(2, "two_bw_one_step_drain", _one_step_worker)
+
+
+def test_drain_after_the_first_two_bw_step_applies_its_update(launched) -> None:
+    out = launched(2)["two_bw_one_step_drain"]
     assert all(status == "ok" for status, _ in out), [v for s, v in out if s != "ok"]
     torch.manual_seed(0)
     history: list = []

@@ -1,14 +1,16 @@
-"""Train ToyChain through Trainer.fit on every rank and dump what each rank saw (for the tests).
+"""Train ToyChain through Trainer.fit on every rank and record what each rank saw (for the tests).
 
-Run with torchrun or plain python (Lightning's default launcher); see tests/test_trainer.py.
+``fit_toy`` runs inside the shared launches (tests/shared.py); the script form runs under plain
+python (Lightning's own launcher); see tests/test_trainer.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import lightning as L
 import torch
@@ -18,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_pipe import PipelineStrategy  # noqa: E402
 from tests.models import ToyChain, make_data  # noqa: E402
+from tests.shared import scenario_dir  # noqa: E402
 
 
 class Indexed(Dataset):
@@ -59,56 +62,72 @@ class WithScheduler(ToyChain):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def run(args: argparse.Namespace, schedule: str, recompute: bool, split: bool = False) -> None:
+#: fit_toy's keyword arguments after ``depth``, in order, with their defaults.
+FIT_DEFAULTS: dict[str, Any] = dict(schedule="1f1b", recompute=False, split=False, scheduler=False,
+                                    precision="32-true", out=None, sharded=True)  # fmt: skip
+
+
+def fit_toy(rank: int, world: int, depth: int, schedule: str, recompute: bool = False, split: bool = False,
+            scheduler: bool = False, precision: str = "32-true", out: Optional[Path] = None,
+            sharded: bool = True, microbatches: int = 4, batch: int = 8, steps: int = 5) -> dict[str, Any]:
+    """Fit, validate, predict and test ToyChain through the Trainer; return what this rank saw.
+
+    The checkpoint (``last.ckpt``: a DCP directory if ``sharded``, else one file) goes to ``out/ckpt``.
+    """
+    out = out or scenario_dir()
     torch.manual_seed(0)
-    model = (WithScheduler if args.scheduler else ToyChain)()
+    model = (WithScheduler if scheduler else ToyChain)()
     recorder = Recorder()
-    out = Path(args.out)
-    tag = f"{schedule}_{recompute}" + ("_split" if split else "")
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=args.devices,
-        strategy=PipelineStrategy(schedule=schedule, pipeline_depth=args.depth, microbatches=args.microbatches,
+        devices=world,
+        strategy=PipelineStrategy(schedule=schedule, pipeline_depth=depth, microbatches=microbatches,
                                   partition="uniform", recompute=recompute, split_backward=split,
-                                  timeout=__import__("datetime").timedelta(seconds=60)),
-        precision=args.precision,
-        max_steps=args.steps,
+                                  save_distributed_checkpoint=sharded, timeout=timedelta(seconds=60)),
+        precision=precision,
+        max_steps=steps,
         max_epochs=-1,
         limit_val_batches=2,
-        val_check_interval=args.steps,
+        val_check_interval=steps,
         num_sanity_val_steps=0,
-        callbacks=[recorder, L.pytorch.callbacks.ModelCheckpoint(dirpath=out / f"ckpt_{tag}", save_last=True)],
+        callbacks=[recorder, L.pytorch.callbacks.ModelCheckpoint(dirpath=out / "ckpt", save_last=True)],
         log_every_n_steps=1,
-        logger=L.pytorch.loggers.TensorBoardLogger(out / "tb", name=tag),
+        logger=L.pytorch.loggers.TensorBoardLogger(out / "tb", name="run"),
         enable_model_summary=False,
         enable_progress_bar=False,
         use_distributed_sampler=True,
     )  # fmt: skip
-    width = args.devices // args.depth
-    train = DataLoader(Indexed(args.batch * width * args.steps, 0), batch_size=args.batch)
-    val = DataLoader(Indexed(args.batch * width * 2, 99), batch_size=args.batch)
+    width = world // depth
+    train = DataLoader(Indexed(batch * width * steps, 0), batch_size=batch)
+    val = DataLoader(Indexed(batch * width * 2, 99), batch_size=batch)
     trainer.fit(model, train, val)
     fit_metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     progress_bar = {k: float(v) for k, v in trainer.progress_bar_metrics.items()}
     predictions = trainer.predict(model, DataLoader(Indexed(8 * width, 7), batch_size=8))
     tested = trainer.test(model, DataLoader(Indexed(8 * width * 2, 5), batch_size=8), verbose=False)
-    rank = trainer.global_rank
-    torch.save(
-        {
-            "grads": recorder.grads,
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "indices": recorder.indices,
-            "lrs": recorder.lrs,
-            "losses": recorder.losses,
-            "progress_bar": progress_bar,
-            "val_loss": fit_metrics["val_loss"],
-            "global_step": trainer.global_step,
-            "predictions": predictions,
-            "test_loss": tested[0]["test_loss"],
-            "world_size": trainer.world_size,
-        },
-        out / f"{tag}_rank{rank}.pt",
-    )
+    return {
+        "grads": recorder.grads,
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "indices": recorder.indices,
+        "lrs": recorder.lrs,
+        "losses": recorder.losses,
+        "progress_bar": progress_bar,
+        "val_loss": fit_metrics["val_loss"],
+        "global_step": trainer.global_step,
+        "predictions": predictions,
+        "test_loss": tested[0]["test_loss"],
+        "world_size": trainer.world_size,
+        "plan": trainer.strategy.plan,
+    }
+
+
+def run(args: argparse.Namespace, schedule: str, recompute: bool, split: bool = False) -> None:
+    """Fit one configuration and save this rank's record as ``<tag>_rank<r>.pt`` under ``--out``."""
+    out = Path(args.out)
+    tag = f"{schedule}_{recompute}" + ("_split" if split else "")
+    record = fit_toy(-1, args.devices, args.depth, schedule, recompute, split, args.scheduler, args.precision,
+                     out / tag, microbatches=args.microbatches, batch=args.batch, steps=args.steps)  # fmt: skip
+    torch.save(record, out / f"{tag}_rank{torch.distributed.get_rank()}.pt")
 
 
 def main() -> None:

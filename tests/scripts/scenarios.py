@@ -1,0 +1,52 @@
+"""Run every registered scenario of this world size on one set of processes (see tests/shared.py).
+
+``torchrun --nproc_per_node W scenarios.py ROOT``: results land in ``ROOT/worldW/<name>/rank<r>.pkl``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests import shared  # noqa: E402
+
+
+def main() -> None:
+    root = Path(sys.argv[1])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for module in shared.MODULES:
+        importlib.import_module(module)
+    os.environ["SCENARIO_ROOT"] = str(root)
+    only = set(filter(None, os.environ.get("SCENARIOS_ONLY", "").split(",")))  # for debugging one scenario
+    for name, (fn, args) in shared.SCENARIOS.get(world, {}).items():
+        if only and name not in only:
+            continue
+        folder = root / f"world{world}" / name
+        folder.mkdir(parents=True, exist_ok=True)
+        os.environ["SCENARIO_DIR"] = str(folder)
+        start = time.monotonic()
+        try:
+            result = ("ok", fn(rank, world, *args))
+        except BaseException as err:  # noqa: BLE001 - reported to the test
+            result = ("error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}")
+        (folder / f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+        print(f"[rank {rank}] {name}: {result[0]} in {time.monotonic() - start:.1f}s", flush=True)
+        dist.barrier()  # a scenario that failed on one rank only times out here and ends the launch
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

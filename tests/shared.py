@@ -1,0 +1,43 @@
+"""Shared launches: the multi-process scenarios of one world size all run in one torchrun per test session.
+
+A test module registers its scenarios with :func:`scenario` at import time; the
+``tests/scripts/scenarios.py`` runner imports :data:`MODULES`, runs every scenario of its world
+size in order on the already connected processes, and stores each rank's result; the
+``launched`` fixture (tests/conftest.py) starts one launch per world size on first use. A test
+adds a scenario, not a launch.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+#: Modules whose import registers scenarios (the runner imports them all).
+MODULES = (
+    "tests.test_executor_parity",
+    "tests.test_two_bw",
+    "tests.test_split_runtime",
+    "tests.test_trainer",
+    "tests.test_checkpoint",
+)
+
+SCENARIOS: dict[int, dict[str, tuple[Callable[..., Any], tuple]]] = {}
+
+
+def scenario(world: int, name: str, fn: Callable[..., Any], *args: Any) -> None:
+    """Register ``fn(rank, world, *args)`` to run on ``world`` processes under ``name``."""
+    table = SCENARIOS.setdefault(world, {})
+    if name in table:
+        raise ValueError(f"scenario {name!r} is registered twice for world size {world}")
+    table[name] = (fn, args)
+
+
+def scenario_dir() -> Path:
+    """The running scenario's own folder (the same path on every rank)."""
+    return Path(os.environ["SCENARIO_DIR"])
+
+
+def launch_root() -> Path:
+    """The folder holding every launch of the session (``world2/``, ``world4/``, ...)."""
+    return Path(os.environ["SCENARIO_ROOT"])

@@ -1,0 +1,307 @@
+"""Checkpoints keyed by name: resharded resume through Trainer.fit, kill -9, memory, consolidation, clear errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe import PipelineMixin, PipelinePlan, PipelineStrategy
+from lightning_pipe.checkpoint import IncompleteCheckpointError
+from tests.launch import SCRIPTS, launch
+from tests.models import ToyChain, assert_close_dicts, make_data, make_optimizer, reference_train
+from tests.scripts.resume_toy import GLOBAL_BATCH, SAMPLES, fit_resumable
+from tests.scripts.train_toy import Indexed
+from tests.shared import launch_root, scenario, scenario_dir
+
+# -- resharded resume ----------------------------------------------------------------------
+
+#: name: (world, depth, schedule, microbatches, partition, steps, resume from (world, name), sharded)
+RUNS: dict[str, tuple] = {
+    "reshard_save_1x4_1f1b": (4, 4, "1f1b", 4, "uniform", 2, None, True),
+    "reshard_resume_2x2_gpipe": (4, 2, "gpipe", 2, "uniform", 4, (4, "reshard_save_1x4_1f1b"), True),
+    "reshard_save_1x2_file": (2, 2, "1f1b", 4, [3, 3], 2, None, False),
+    "reshard_resume_1x4_partition": (4, 4, "1f1b", 4, [1, 2, 2, 1], 4, (2, "reshard_save_1x2_file"), True),
+    "reshard_save_2x2_2bw": (4, 2, "2bw", 4, "uniform", 2, None, True),
+    "reshard_resume_2x2_2bw": (4, 2, "2bw", 4, "uniform", 4, (4, "reshard_save_2x2_2bw"), True),
+    "uninterrupted_2x2_1f1b": (4, 2, "1f1b", 4, "uniform", 6, None, True),  # the kill tests' reference
+}
+
+
+def _fit_run(rank: int, world: int, name: str) -> dict[str, Any]:
+    _, depth, schedule, m, partition, steps, source, sharded = RUNS[name]
+    ckpt = None
+    if source is not None:
+        ckpt = str(launch_root() / f"world{source[0]}" / source[1] / "ckpt" / "epoch=0-step=2.ckpt")
+    return fit_resumable(rank, world, depth, schedule, m, partition, steps, scenario_dir(), ckpt, sharded)
+
+
+for _name, _run in RUNS.items():
+    scenario(_run[0], _name, _fit_run, _name)
+
+
+def _epoch_batches(epoch: int = 0) -> list[set[int]]:
+    """The global batches of an epoch, from DistributedSampler's shuffle written out: a
+    permutation seeded with ``seed + epoch``; step t's global batch is its t-th slice of 16."""
+    g = torch.Generator()
+    g.manual_seed(0 + epoch)
+    order = torch.randperm(SAMPLES, generator=g).tolist()
+    return [set(order[t * GLOBAL_BATCH : (t + 1) * GLOBAL_BATCH]) for t in range(SAMPLES // GLOBAL_BATCH)]
+
+
+def _global_steps(ranks: list[dict], world: int, depth: int) -> list[list[int]]:
+    """Sample indices of each step over all replicas (read from each replica's stage 0)."""
+    replicas = [ranks[r]["indices"] for r in range(0, world, depth)]
+    return [sum((rep[t] for rep in replicas), []) for t in range(len(replicas[0]))]
+
+
+def _merged_params(ranks: list[dict], depth: int) -> dict[str, torch.Tensor]:
+    return {k: v for r in range(depth) for k, v in ranks[r]["params"].items()}
+
+
+@pytest.mark.parametrize("saved,resumed,delay", [
+    ("reshard_save_1x4_1f1b", "reshard_resume_2x2_gpipe", 0),
+    ("reshard_save_1x2_file", "reshard_resume_1x4_partition", 0),
+    ("reshard_save_2x2_2bw", "reshard_resume_2x2_2bw", 1),
+])  # fmt: skip
+def test_resume_under_another_layout_matches_single_process(launched, saved: str, resumed: str, delay: int) -> None:
+    first = launched(RUNS[saved][0]).ok(saved)
+    second = launched(RUNS[resumed][0]).ok(resumed)
+    assert second[0]["global_step"] == 4
+    steps = _global_steps(first, RUNS[saved][0], RUNS[saved][1]) + _global_steps(second, RUNS[resumed][0], RUNS[resumed][1])
+    # The resumed run trains exactly the batches an uninterrupted run would: steps 3 and 4 of the epoch.
+    assert [set(s) for s in steps] == _epoch_batches()[:4]
+    assert all(len(s) == GLOBAL_BATCH for s in steps)
+    data = Indexed(SAMPLES, 0)
+    x, y = data.x, data.y
+    batches = [(x[torch.tensor(s)], y[torch.tensor(s)]) for s in steps]
+    torch.manual_seed(0)
+    model = ToyChain()
+    opt = make_optimizer(model.parameters(), "adam", model.lr)
+    # 2BW: the save drains (all updates applied); the resumed stream restarts from those weights.
+    reference_train(model, batches[:2], delay=delay, opt=opt)
+    want = reference_train(model, batches[2:], delay=delay, opt=opt)
+    got = _merged_params(second, RUNS[resumed][1])
+    assert_close_dicts(got, want, rtol=1e-5)
+    assert second[0]["plan"].partition == tuple(RUNS[resumed][4]) if not isinstance(RUNS[resumed][4], str) else True
+
+
+# -- kill -9 -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def killed_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Three launches on one folder ((2,2) 1F1B, 6 steps, checkpoints every 2 steps):
+    A is killed at step 3 (mid-epoch, after the step-2 checkpoint); B resumes from "last" and
+    is killed inside its step-4 save; C resumes from "last" to the end."""
+    folder = tmp_path_factory.mktemp("killed")
+    script = [str(SCRIPTS / "resume_toy.py"), str(folder), "--depth=2", "--steps=6"]
+    runs: dict[str, Any] = {}
+    for name, extra in (("A", ["--kill=train:1:2"]), ("B", ["--ckpt=last", "--kill=save:2:4"]), ("C", ["--ckpt=last"])):
+        start = time.monotonic()
+        proc = launch(script + extra, timeout=150, torchrun=4, check=False)
+        runs[name] = (proc, time.monotonic() - start)
+        if name == "B":
+            runs["last_after_B"] = torch.load(folder / "ckpt" / "last.ckpt" / "meta.pt", weights_only=False)["global_step"]
+            runs["partial_after_B"] = sorted(p.name for p in (folder / "ckpt").iterdir() if p.name.startswith("."))
+            runs["step4_after_B"] = (folder / "ckpt" / "epoch=0-step=4.ckpt").exists()
+    runs["C_result"] = [torch.load(folder / f"result_rank{r}.pt", weights_only=False) for r in range(4)] if runs["C"][0].returncode == 0 else None
+    runs["folder"] = folder
+    return runs
+
+
+def _exited_on_kill(proc: Any, seconds: float) -> None:
+    assert proc.returncode != 0, "the killed run must fail"
+    assert "SIGKILL" in proc.stderr or "Signal 9" in proc.stderr, proc.stderr[-3000:]
+    assert seconds < 90, f"every rank should exit soon after the kill, took {seconds:.0f}s"
+
+
+def test_kill_mid_epoch_then_resume_is_bit_identical(launched, killed_runs: dict[str, Any]) -> None:
+    _exited_on_kill(*killed_runs["A"])
+    proc, _ = killed_runs["C"]
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    uninterrupted = launched(4).ok("uninterrupted_2x2_1f1b")
+    for resumed, straight in zip(killed_runs["C_result"], uninterrupted):
+        assert resumed["global_step"] == straight["global_step"] == 6
+        assert sorted(resumed["params"]) == sorted(straight["params"])
+        for name, value in straight["params"].items():
+            assert torch.equal(resumed["params"][name], value), name
+    # C trained steps 3..6 (from the step-2 checkpoint) on the uninterrupted run's samples.
+    assert killed_runs["C_result"][0]["indices"] == uninterrupted[0]["indices"][2:]
+
+
+def test_kill_during_save_keeps_the_previous_checkpoint(killed_runs: dict[str, Any]) -> None:
+    _exited_on_kill(*killed_runs["B"])
+    assert killed_runs["last_after_B"] == 2, "the step-4 save never finished, so 'last' is still step 2's"
+    assert any(name.startswith(".pipeline-partial-") for name in killed_runs["partial_after_B"])
+    assert not killed_runs["step4_after_B"], "the checkpoint whose save was killed must not be visible"
+    assert killed_runs["C"][0].returncode == 0  # and C resumed from step 2 (checked against the reference above)
+
+
+# -- memory --------------------------------------------------------------------------------
+
+WIDTH_BIG, BLOCKS_BIG = 1024, 8
+
+
+class BigChain(PipelineMixin, L.LightningModule):
+    """Eight 1024 x 1024 linear blocks (4 MiB of weights each): the whole model is 4 stages' worth."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.blocks = nn.ModuleList(nn.Linear(WIDTH_BIG, WIDTH_BIG) for _ in range(BLOCKS_BIG))
+
+    def pipeline_blocks(self) -> list[nn.Module]:
+        return list(self.blocks)
+
+    def pipeline_loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
+        return output.pow(2).mean()
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        self.pipeline_step(batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-4)
+
+
+def _rss() -> tuple[int, int]:
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+
+
+def _peak_increase(fn: Any) -> int:
+    """Bytes by which this process's resident peak rose above its size before ``fn`` ran."""
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    before, _ = _rss()
+    fn()
+    return _rss()[1] - before
+
+
+def _memory(rank: int, world: int) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for sharded in (True, False):
+        torch.manual_seed(0)
+        model = BigChain()
+        trainer = L.Trainer(accelerator="cpu", devices=world, max_steps=1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False,
+                            strategy=PipelineStrategy(pipeline_depth=world, partition="uniform",
+                                                      save_distributed_checkpoint=sharded))  # fmt: skip
+        trainer.fit(model, torch.utils.data.DataLoader(torch.randn(8, WIDTH_BIG), batch_size=8))
+        path = scenario_dir() / f"big_{sharded}.ckpt"
+        trainer.save_checkpoint(path)  # warm-up: lazy imports and first-touch allocations
+        own = sum(t.numel() * t.element_size() for t in trainer.strategy.placement.export_state(trainer.optimizers[0])["optimizer"].values()
+                  if isinstance(t, torch.Tensor)) + sum(p.numel() * 4 for p in model.parameters())  # fmt: skip
+        saved = _peak_increase(lambda: trainer.save_checkpoint(path))
+        loaded = _peak_increase(lambda: trainer.strategy.load_checkpoint(path))
+        results[sharded] = {"own_state": own, "save": saved, "load": loaded}
+    return results
+
+
+scenario(4, "checkpoint_memory", _memory)
+
+
+def test_saving_and_loading_hold_one_stage_plus_a_bounded_buffer(launched) -> None:
+    ranks = launched(4).ok("checkpoint_memory")
+    stage = ranks[0][True]["own_state"]
+    whole = 4 * stage
+    # The buffer: DCP reads each tensor into a temporary before copying it into place (the
+    # largest here is 4 MiB), plus file pages and allocator slack; loads measured 8.1-8.5 MB.
+    buffer = 16 * 2**20
+    for rank, result in enumerate(ranks):
+        sharded, single = result[True], result[False]
+        assert sharded["own_state"] == stage
+        assert sharded["save"] < stage + buffer, (rank, sharded)
+        assert sharded["load"] < stage + buffer, (rank, sharded)
+        if rank > 0:  # one file: gathered on rank 0 only; the others send their own stage
+            assert single["save"] < stage + buffer, (rank, single)
+            assert single["load"] < stage + buffer, (rank, single)
+    assert ranks[0][False]["save"] > whole / 2  # rank 0 does hold the whole model for one file
+
+
+# -- consolidation and errors --------------------------------------------------------------
+
+
+def test_consolidated_checkpoint_predicts_like_the_pipeline(launched, tmp_path: Path) -> None:
+    ranks = launched(4).ok("toy_1x4_gpipe_plain")
+    folder = launched(4).dir("toy_1x4_gpipe_plain") / "ckpt" / "last.ckpt"
+    assert folder.is_dir()
+    out = tmp_path / "consolidated.ckpt"
+    subprocess.run([sys.executable, "-m", "lightning.pytorch.utilities.consolidate_checkpoint", str(folder),
+                    "--output_file", str(out)], check=True, capture_output=True, timeout=120)  # fmt: skip
+    model = ToyChain.load_from_checkpoint(out).eval()
+    x, _ = make_data(8, 7)
+    with torch.no_grad():
+        want = model(x)
+    for rank in ranks:
+        torch.testing.assert_close(torch.cat(rank["predictions"]), want, rtol=1e-6, atol=1e-7)
+
+
+class Wider(ToyChain):
+    """ToyChain whose head predicts one more class: same names, another shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head.out = nn.Linear(self.head.out.in_features, self.head.out.out_features + 1)
+
+
+def _refused(rank: int, world: int) -> dict[str, str]:
+    saved = launch_root() / "world2" / "reshard_save_1x2_file" / "ckpt" / "epoch=0-step=2.ckpt"
+    sharded = launch_root() / "world4" / "reshard_save_1x4_1f1b" / "ckpt" / "epoch=0-step=2.ckpt"
+    incomplete = scenario_dir() / "incomplete.ckpt"
+    if rank == 0:
+        import shutil
+
+        shutil.copytree(sharded, incomplete, dirs_exist_ok=True)
+        (incomplete / "meta.pt").unlink()
+    torch.distributed.barrier()
+    messages = {}
+    for case, model, path in (("fewer", ToyChain(depth=2), saved), ("shape", Wider(), saved), ("incomplete", ToyChain(), incomplete),
+                              ("more", ToyChain(depth=6), sharded)):  # fmt: skip
+        trainer = L.Trainer(accelerator="cpu", devices=world, max_steps=4, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False,
+                            strategy=PipelineStrategy(pipeline_depth=world, partition="uniform"))  # fmt: skip
+        try:
+            trainer.fit(model, torch.utils.data.DataLoader(Indexed(32, 0), batch_size=8), ckpt_path=str(path))
+            messages[case] = "loaded"
+        except Exception as err:  # noqa: BLE001 - the test reads the message
+            messages[case] = f"{type(err).__name__}: {err}"
+    return messages
+
+
+scenario(4, "checkpoint_refused", _refused)
+
+
+def test_wrong_or_incomplete_checkpoints_are_refused_naming_the_weights(launched) -> None:
+    for messages in launched(4).ok("checkpoint_refused"):
+        assert "holds 8 weights this model does not have, first: ['blocks.2.fc.bias'" in messages["fewer"], messages["fewer"]
+        assert "another shape, first: ['head.out.weight: (5, 16) here (6, 16)'" in messages["shape"], messages["shape"]
+        assert "IncompleteCheckpointError" in messages["incomplete"] and "no meta.pt" in messages["incomplete"]
+        assert "lacks" in messages["more"] and "blocks.4." in messages["more"], messages["more"]
+    assert issubclass(IncompleteCheckpointError, RuntimeError)
+
+
+def test_plan_validates_once_and_the_strategy_takes_it() -> None:
+    plan = PipelinePlan(width=2, depth=2, microbatches=4, schedule="2bw", recompute=[True, False], partition=[2, 4])
+    assert plan.recompute == (True, False) and plan.partition == (2, 4) and plan.world_size == 4
+    assert plan.resolve([1.0] * 6) == plan
+    assert PipelinePlan(depth=2, partition="uniform").resolve([1.0] * 5).partition == (3, 2)
+    for bad, message in (
+        (dict(depth=4, schedule="2bw", microbatches=2), "needs microbatches >= pipeline_depth"),
+        (dict(depth=2, recompute=[True]), "one flag per stage"),
+        (dict(depth=2, partition=[3]), "must list 2 positive block counts"),
+        (dict(split_backward=True, recompute=True), "recompute each forward twice"),
+        (dict(split_max_pending=2), "only applies with split_backward"),
+        (dict(schedule="zb"), "unknown pipeline schedule"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            PipelinePlan(**bad)
+    with pytest.raises(ValueError, match="either as plan= or as arguments"):
+        PipelineStrategy(plan=plan, microbatches=8)
+    assert PipelineStrategy(plan=plan)._requested_plan is plan
