@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipe import PipelineMixin, PipelinePlan, PipelineStrategy
+from lightning_pipe import PipelineMixin, PipelinePlan, PipelineStrategy, Placement
 from lightning_pipe.checkpoint import IncompleteCheckpointError
 from tests.launch import SCRIPTS, launch
 from tests.models import ToyChain, assert_close_dicts, make_data, make_optimizer, reference_train
@@ -305,3 +305,31 @@ def test_plan_validates_once_and_the_strategy_takes_it() -> None:
     with pytest.raises(ValueError, match="either as plan= or as arguments"):
         PipelineStrategy(plan=plan, microbatches=8)
     assert PipelineStrategy(plan=plan)._requested_plan is plan
+
+
+def test_placement_is_reversible_and_moves_state_by_name() -> None:
+    torch.manual_seed(0)
+    reference = ToyChain()
+    want = {k: v.clone() for k, v in reference.state_dict().items()}
+    x, _ = make_data(4)
+    with torch.no_grad():
+        expected = reference(x)
+    model = ToyChain()
+    model.load_state_dict(want)
+    placement = Placement(model)
+    placement.apply(PipelinePlan(depth=2, partition=[4, 2]), rank=1)  # stage 1: blocks 4-5
+    assert sorted(placement.export_state()["model"]) == sorted(k for k in want if k.startswith(("blocks.3", "head")))
+    assert all(p.is_meta for b in placement.blocks[:4] for p in b.parameters()), "other stages' weights are dropped"
+    with pytest.raises(RuntimeError, match="already placed"):
+        placement.apply(PipelinePlan(), rank=0)
+    placement.undo()
+    assert [m for _, m in model.named_children()][0] is placement.blocks[0]  # the original blocks are back
+    stage = placement.apply(PipelinePlan(), rank=0)  # one stage: this rank now owns blocks it had dropped
+    assert placement.unfilled == {0, 1, 2, 3}
+    opt = make_optimizer(model.parameters(), "adam", 1e-2)
+    with pytest.raises(KeyError, match="lacks 2 weights of this stage, first: \\['embed.proj.weight'"):
+        placement.import_state({"model": {k: v for k, v in want.items() if not k.startswith("embed")}})
+    placement.import_state({"model": want}, opt)
+    assert not placement.unfilled
+    with torch.no_grad():
+        torch.testing.assert_close(stage((x,))[0], expected, rtol=0, atol=0)
