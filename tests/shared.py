@@ -33,6 +33,12 @@ def scenario(world: int, name: str, fn: Callable[..., Any], *args: Any) -> None:
     table[name] = (fn, args)
 
 
+def scenario_per_layout(prefix: str, fn: Callable[..., Any], layouts: list[tuple[int, int]]) -> None:
+    """Register ``fn(rank, world, depth)`` as ``<prefix>_<w>x<d>`` for each ``(w, d)`` layout."""
+    for width, depth in layouts:
+        scenario(width * depth, f"{prefix}_{width}x{depth}", fn, depth)
+
+
 def scenario_dir() -> Path:
     """The running scenario's own folder (the same path on every rank)."""
     return Path(os.environ["SCENARIO_DIR"])

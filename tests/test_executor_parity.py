@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place
-from tests.shared import scenario
+from tests.shared import scenario, scenario_per_layout
 from tests.models import frozen as _frozen
 from tests.models import ToyChain, assert_close_dicts, make_data, reference_grads, reference_train
 
@@ -41,8 +41,7 @@ def _worker(rank: int, world: int, depth: int) -> dict:
 
 
 LAYOUTS = [(1, 2), (1, 4), (2, 2)]
-for _w, _d in LAYOUTS:
-    scenario(_w * _d, f"executor_{_w}x{_d}", _worker, _d)
+scenario_per_layout("executor", _worker, LAYOUTS)
 
 
 @pytest.mark.parametrize("width,depth", LAYOUTS)

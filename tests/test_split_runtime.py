@@ -7,7 +7,7 @@ import torch
 
 from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place
 from lightning_pipe.runtime.split import input_grads, weight_grads
-from tests.shared import scenario
+from tests.shared import scenario, scenario_per_layout
 from tests.models import ToyChain, make_data
 
 BATCH, M, STEPS = 16, 4, 3
@@ -61,8 +61,7 @@ def _split_worker(rank: int, world: int, depth: int) -> dict:
 
 
 LAYOUTS = [(1, 2), (1, 4), (2, 2)]
-for _w, _d in LAYOUTS:
-    scenario(_w * _d, f"split_{_w}x{_d}", _split_worker, _d)
+scenario_per_layout("split", _split_worker, LAYOUTS)
 
 
 @pytest.mark.parametrize("width,depth", LAYOUTS)

@@ -11,7 +11,7 @@ import torch
 from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place
 from lightning_pipe.schedules import Kind, build_schedule, format_actions, two_bw, two_bw_run, verify
 from lightning_pipe.simulate import simulate, unit_costs
-from tests.shared import scenario
+from tests.shared import scenario, scenario_per_layout
 from tests.models import ToyChain, assert_close_dicts, make_data, make_optimizer, reference_train
 
 # -- pure ----------------------------------------------------------------------------------
@@ -142,8 +142,7 @@ def _stage_union(out: list, depth: int, name: str, key: str, index: Any = None) 
 
 
 LAYOUTS = [(1, 2), (1, 4), (2, 2)]
-for _w, _d in LAYOUTS:
-    scenario(_w * _d, f"two_bw_{_w}x{_d}", _two_bw_worker, _d)
+scenario_per_layout("two_bw", _two_bw_worker, LAYOUTS)
 
 
 @pytest.mark.parametrize("width,depth", LAYOUTS)
