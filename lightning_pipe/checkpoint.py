@@ -35,16 +35,17 @@ class _TensorSpec:
 
 
 def gather_on_first(shard: dict[str, Any], ranks: list[int], group: Any, device: torch.device) -> dict[str, Any]:
-    """The union of ``ranks``' shards on ``ranks[0]`` only (``{}`` elsewhere), for one-file checkpoints.
+    """The union of ``ranks``' shards on ``ranks[0]`` only (``{}`` elsewhere), in CPU memory, for one-file checkpoints.
 
     Names, shapes and plain values travel pickled; each tensor is then sent by its owner as it
     is and received on ``ranks[0]`` into a fresh CPU tensor, so no sender holds a pickled copy
     of its stage, and the first rank holds only the whole model.
     """
-    rank = dist.get_rank()
+    rank = dist.get_rank() if len(ranks) > 1 else ranks[0]
     layout = {k: _TensorSpec(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v for k, v in shard.items()}
     layouts: Any = [None] * len(ranks) if rank == ranks[0] else None
-    dist.gather_object(layout, layouts, dst=ranks[0], group=group)
+    if len(ranks) > 1:
+        dist.gather_object(layout, layouts, dst=ranks[0], group=group)
     if rank != ranks[0]:
         for v in shard.values():
             if isinstance(v, torch.Tensor):
@@ -52,13 +53,17 @@ def gather_on_first(shard: dict[str, Any], ranks: list[int], group: Any, device:
         return {}
     merged = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in shard.items()}
     for src, part in zip(ranks[1:], layouts[1:]):
-        for k, spec in part.items():
-            if isinstance(spec, _TensorSpec):
-                buffer = torch.empty(spec.shape, dtype=spec.dtype, device=device)
-                dist.recv(buffer, src=src, group=group)
-                spec = buffer.cpu()
-            merged[k] = spec
+        merged.update({k: _receive(spec, src, group, device) for k, spec in part.items()})
     return merged
+
+
+def _receive(spec: Any, src: int, group: Any, device: torch.device) -> Any:
+    """A plain value as it came, or the tensor ``spec`` describes, received from ``src`` into CPU memory."""
+    if not isinstance(spec, _TensorSpec):
+        return spec
+    buffer = torch.empty(spec.shape, dtype=spec.dtype, device=device)
+    dist.recv(buffer, src=src, group=group)
+    return buffer.cpu()
 
 
 class IncompleteCheckpointError(RuntimeError):

@@ -296,7 +296,7 @@ class PipelineStrategy(DDPStrategy):
     def _shard_or_gathered(self, shard: dict[str, Any]) -> dict[str, Any]:
         """``shard`` itself (sharded checkpoints), or on rank 0 the union of the first pipeline's
         shards, gathered there only (other ranks return ``{}``)."""
-        if self.save_distributed_checkpoint or self.plan.world_size == 1:
+        if self.save_distributed_checkpoint:
             return shard
         if self.topology.replica_of(self.global_rank) != 0:
             return {}

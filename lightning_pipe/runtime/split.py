@@ -17,7 +17,7 @@ again in W (results stay correct; that node's work is done twice).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
