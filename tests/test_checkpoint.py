@@ -310,15 +310,18 @@ def test_plan_validates_once_and_the_strategy_takes_it() -> None:
 def test_placement_is_reversible_and_moves_state_by_name() -> None:
     torch.manual_seed(0)
     reference = ToyChain()
+    reference.blocks[3].register_buffer("scale", torch.arange(3.0))  # buffers move by name too
     want = {k: v.clone() for k, v in reference.state_dict().items()}
     x, _ = make_data(4)
     with torch.no_grad():
         expected = reference(x)
     model = ToyChain()
+    model.blocks[3].register_buffer("scale", torch.zeros(3))
     model.load_state_dict(want)
     placement = Placement(model)
     placement.apply(PipelinePlan(depth=2, partition=[4, 2]), rank=1)  # stage 1: blocks 4-5
     assert sorted(placement.export_state()["model"]) == sorted(k for k in want if k.startswith(("blocks.3", "head")))
+    assert "blocks.3.scale" in placement.export_state()["model"]
     assert all(p.is_meta for b in placement.blocks[:4] for p in b.parameters()), "other stages' weights are dropped"
     with pytest.raises(RuntimeError, match="already placed"):
         placement.apply(PipelinePlan(), rank=0)
@@ -329,7 +332,9 @@ def test_placement_is_reversible_and_moves_state_by_name() -> None:
     opt = make_optimizer(model.parameters(), "adam", 1e-2)
     with pytest.raises(KeyError, match="lacks 2 weights of this stage, first: \\['embed.proj.weight'"):
         placement.import_state({"model": {k: v for k, v in want.items() if not k.startswith("embed")}})
+    model.blocks[3].scale.zero_()
     placement.import_state({"model": want}, opt)
     assert not placement.unfilled
+    assert torch.equal(model.blocks[3].scale, torch.arange(3.0))
     with torch.no_grad():
         torch.testing.assert_close(stage((x,))[0], expected, rtol=0, atol=0)
