@@ -1,0 +1,242 @@
+"""Cost model and search: predicted step time (the simulator over the plan's real program) and memory per stage.
+
+The step time of a candidate plan is the simulator run over exactly the action lists the
+executor would run, each action charged from a :class:`~lightning_pipe.profiler.Profile`.
+Seed 000's closed forms (Appendix A, also seed 002) are kept as a cross-check.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional, Sequence
+
+from lightning_pipe.partition import balanced
+from lightning_pipe.plan import PipelinePlan
+from lightning_pipe.profiler import Profile
+from lightning_pipe.schedules import SCHEDULE_NAMES, Action, Kind, build_schedule, two_bw_run
+from lightning_pipe.simulate import simulate
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """One stage's per-microbatch costs at one microbatch size (seconds, bytes)."""
+
+    forward: float
+    backward: float
+    input_grad: float
+    weight_grad: float
+    stash_bytes: int  # what autograd saves for one microbatch's backward
+    input_bytes: int  # the stage input kept for that backward (and received from the previous stage)
+    output_bytes: int  # what the stage sends to the next one
+    weight_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+
+
+def stage_costs(profile: Profile, plan: PipelinePlan, microbatch_size: int) -> list[StageCosts]:
+    """Sum the profiled blocks of every stage of ``plan`` (partition resolved) at ``microbatch_size``."""
+    samples = [b.at(microbatch_size) for b in profile.blocks]
+    out = []
+    for s, rng in enumerate(plan.stage_ranges()):
+        mine = [samples[i] for i in rng]
+        blocks = [profile.blocks[i] for i in rng]
+        recompute = plan.recompute[s]
+        out.append(StageCosts(
+            forward=sum(x.forward for x in mine),
+            backward=sum(x.backward + (x.recompute if recompute else 0.0) for x in mine),
+            input_grad=sum(x.input_grad for x in mine),
+            weight_grad=sum(x.weight_grad for x in mine),
+            stash_bytes=sum(x.saved_bytes for x in mine),
+            input_bytes=samples[rng.start - 1].output_bytes if rng.start > 0 else int(profile.input_bytes_per_sample * microbatch_size),
+            output_bytes=mine[-1].output_bytes,
+            weight_bytes=sum(b.parameter_bytes for b in blocks),
+            gradient_bytes=sum(b.gradient_bytes for b in blocks),
+            optimizer_bytes=sum(b.optimizer_bytes for b in blocks),
+        ))  # fmt: skip
+    return out
+
+
+def _transfer(profile: Profile, nbytes: int) -> float:
+    return profile.link_latency + nbytes / profile.link_bandwidth
+
+
+def action_cost(profile: Profile, plan: PipelinePlan, stages: Sequence[StageCosts]) -> Callable[[Action], float]:
+    """Seconds of each action of ``plan``'s program: compute from the profile, receives from the
+    link (latency + bytes / bandwidth), the all-reduce from the replicas' ring, the step by weight share."""
+    total_weights = sum(s.weight_bytes for s in stages) or 1
+
+    def cost(a: Action) -> float:
+        st = stages[a.stage]
+        if a.kind is Kind.FORWARD:
+            return st.forward
+        if a.kind is Kind.BACKWARD:
+            return st.backward
+        if a.kind is Kind.INPUT_GRAD:
+            return st.input_grad
+        if a.kind is Kind.WEIGHT_GRAD:
+            return st.weight_grad
+        if a.kind is Kind.RECV_ACT:
+            return _transfer(profile, st.input_bytes)
+        if a.kind is Kind.RECV_GRAD:
+            return _transfer(profile, st.output_bytes)
+        if a.kind is Kind.ALL_REDUCE and plan.width > 1 and profile.allreduce_bandwidth:
+            return 2 * (plan.width - 1) / plan.width * st.gradient_bytes / profile.allreduce_bandwidth
+        if a.kind is Kind.OPTIMIZER_STEP:
+            return profile.optimizer_step * st.weight_bytes / total_weights
+        return 0.0
+
+    return cost
+
+
+def program(plan: PipelinePlan, steps: int = 1) -> list[list[Action]]:
+    """The action lists the executor runs for ``plan`` (``steps`` 2BW windows and the drain)."""
+    return _program(plan.schedule, plan.depth, plan.microbatches, plan.split_backward, plan.split_max_pending, steps)
+
+
+@functools.lru_cache(maxsize=1024)
+def _program(schedule: str, depth: int, m: int, split: bool, max_pending: Optional[int], steps: int) -> list[list[Action]]:
+    if schedule == "2bw":
+        return two_bw_run(depth, m, steps, split)
+    return build_schedule(schedule, depth, m, split, max_pending)
+
+
+def predict_step(profile: Profile, plan: PipelinePlan, microbatch_size: int) -> tuple[float, list[int]]:
+    """Predicted seconds of one training step, and the simulator's peak stashed microbatches per stage.
+
+    2BW never flushes: its step is one steady-state window, the difference of runs of 3 and 2 windows.
+    """
+    cost = action_cost(profile, plan, stage_costs(profile, plan, microbatch_size))
+    if plan.schedule == "2bw":
+        longer, shorter = simulate(program(plan, 3), cost), simulate(program(plan, 2), cost)
+        return longer.makespan - shorter.makespan, longer.peak_stash
+    result = simulate(program(plan), cost)
+    return result.makespan, result.peak_stash
+
+
+def predict_memory(profile: Profile, plan: PipelinePlan, microbatch_size: int, peak_stash: Sequence[int]) -> list[int]:
+    """Predicted peak tensor bytes of every stage.
+
+    Weights times the versions the schedule keeps (2 under 2BW, seed 000 section 3.1), their
+    gradients (one per version), optimizer state, ``peak_stash`` microbatches of stashed
+    activations plus the stage input each keeps (with recompute: the inputs only, plus one
+    microbatch's activations during its backward), and one received input and one outgoing
+    output as communication buffers.
+    """
+    versions = 2 if plan.schedule == "2bw" else 1
+    out = []
+    for s, st in enumerate(stage_costs(profile, plan, microbatch_size)):
+        held = peak_stash[s]
+        activations = held * st.input_bytes + (st.stash_bytes if plan.recompute[s] else held * st.stash_bytes)
+        state = versions * (st.weight_bytes + st.gradient_bytes) + st.optimizer_bytes
+        out.append(int(state + activations + st.input_bytes + st.output_bytes))
+    return out
+
+
+# -- seed 000, Appendix A (seed 002): closed forms, kept as a cross-check -------------------
+
+
+def appendix_a_time(t_comp: Sequence[float], t_comm_in: Sequence[float], t_comm_dp: Sequence[float],
+                    m: int, c_extra: float = 1.0) -> float:  # fmt: skip
+    """Seconds per microbatch with pipelining (A.1.1):
+    ``t = max_i max(c_extra * T_comp_i + sum_j T_comm_{j->i}, T_comm_i / m(b))``."""
+    return max(max(c_extra * tc + ti, td / m) for tc, ti, td in zip(t_comp, t_comm_in, t_comm_dp))
+
+
+def appendix_a_memory(weights: float, activations_total: float, activations_input: float, d: int, recompute: bool) -> float:
+    """2BW footprint of a stage (A.1.2): ``2|W|/d + d|A_total(b)|/d + d|A_input(b)|``, or with
+    recomputation ``2|W|/d + |A_total(b)|/d + d|A_input(b)|``."""
+    versions = 1 if recompute else d
+    return 2 * weights / d + versions * activations_total / d + d * activations_input
+
+
+# -- the search ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One candidate plan with its predicted step time and peak memory per stage."""
+
+    plan: PipelinePlan
+    microbatch_size: int
+    step_time: float
+    stage_memory: tuple[int, ...]
+    memory_limit: Optional[float] = None
+
+    @property
+    def feasible(self) -> bool:
+        """Whether every stage fits the memory limit."""
+        return self.memory_limit is None or max(self.stage_memory) <= self.memory_limit
+
+    @property
+    def samples_per_second(self) -> float:
+        """Predicted throughput over all replicas."""
+        return self.plan.width * self.plan.microbatches * self.microbatch_size / self.step_time
+
+    def why_infeasible(self) -> str:
+        """Which stage exceeds the budget and by how much ('' if none)."""
+        if self.feasible:
+            return ""
+        s = max(range(len(self.stage_memory)), key=lambda i: self.stage_memory[i])
+        over = self.stage_memory[s] - (self.memory_limit or 0)
+        return f"stage {s} needs {_size(self.stage_memory[s])}, {_size(over)} over the budget"
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def predict(profile: Profile, plan: PipelinePlan, microbatch_size: int, memory_limit: Optional[float] = None) -> Prediction:
+    """Predicted step time and memory of one resolved plan at ``microbatch_size``."""
+    seconds, peaks = predict_step(profile, plan, microbatch_size)
+    return Prediction(plan, microbatch_size, seconds, tuple(predict_memory(profile, plan, microbatch_size, peaks)), memory_limit)
+
+
+def time_balanced(profile: Profile, depth: int, microbatch_size: int) -> tuple[int, ...]:
+    """Contiguous partition minimising the slowest stage's profiled F + B time."""
+    samples = [b.at(microbatch_size) for b in profile.blocks]
+    return tuple(balanced([s.forward + s.backward for s in samples], depth))
+
+
+def _layouts(devices: int, blocks: int) -> Iterable[tuple[int, int]]:
+    return ((devices // d, d) for d in range(1, devices + 1) if devices % d == 0 and d <= blocks)
+
+
+def search(profile: Profile, devices: int, global_batch: int, memory_limit: Optional[float] = None,
+           allow_stale: bool = False, schedules: Optional[Sequence[str]] = None,
+           partitioners: Optional[dict[str, Callable[[Profile, int, int], tuple[int, ...]]]] = None) -> list[Prediction]:  # fmt: skip
+    """Every candidate plan for ``devices`` processes and a fixed ``global_batch``, best first.
+
+    Covers every ``(w, d)`` with ``w * d = devices``, every microbatch size ``b`` with
+    ``m = global_batch / (w * b)`` whole, every registered schedule (2BW only with
+    ``allow_stale``, its update being 1-stale), split backward on and off, each partitioner, and
+    recomputation turned on for exactly the stages that would not fit otherwise. Feasible plans
+    come first, by predicted throughput; infeasible ones follow, each saying why.
+    """
+    names = [s for s in (schedules or SCHEDULE_NAMES) if allow_stale or s != "2bw"]
+    partitioners = partitioners or {"time": time_balanced}
+    out: list[Prediction] = []
+    for (width, depth), name, split in itertools.product(_layouts(devices, len(profile.blocks)), names, (False, True)):
+        for b in (b for b in range(1, global_batch + 1) if global_batch % (width * b) == 0):
+            m = global_batch // (width * b)
+            if name == "2bw" and m < depth:
+                continue
+            for part in {p(profile, depth, b) for p in partitioners.values()}:
+                plan = PipelinePlan(width, depth, m, name, split, partition=part)
+                out.append(_with_recompute(profile, plan, b, memory_limit))
+    return sorted(out, key=lambda p: (not p.feasible, -p.samples_per_second))
+
+
+def _with_recompute(profile: Profile, plan: PipelinePlan, b: int, memory_limit: Optional[float]) -> Prediction:
+    """The plan as is, or with recomputation on the stages over the limit when that makes it fit (not with split)."""
+    first = predict(profile, plan, b, memory_limit)
+    if first.feasible or plan.split_backward:
+        return first
+    flags = tuple(mem > (memory_limit or 0) for mem in first.stage_memory)
+    second = predict(profile, plan.replace(recompute=flags), b, memory_limit)
+    return second if second.feasible else first
+

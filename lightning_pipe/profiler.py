@@ -1,0 +1,231 @@
+"""Per-block profile of a pipeline model: F, B, I, W and recompute times, saved and output bytes, state bytes (JSON)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from lightning_pipe.runtime import split
+from lightning_pipe.runtime.executor import saved_bytes
+from lightning_pipe.runtime.microbatch import batch_size, split_batch
+from lightning_pipe.runtime.placement import pipeline_blocks_of
+from lightning_pipe.runtime.stage import as_tuple
+
+
+@dataclass
+class BlockSample:
+    """One block measured at one microbatch size (seconds and bytes per microbatch)."""
+
+    microbatch_size: int
+    forward: float
+    backward: float
+    input_grad: float
+    weight_grad: float
+    saved_bytes: int
+    output_bytes: int
+
+    @property
+    def recompute(self) -> float:
+        """Extra seconds recomputation adds to a backward: one more forward."""
+        return self.forward
+
+
+@dataclass
+class BlockProfile:
+    """A block's samples at two or more microbatch sizes, and the bytes of its weights and their state."""
+
+    name: str
+    samples: list[BlockSample]
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+
+    def at(self, size: int) -> BlockSample:
+        """Every field at microbatch ``size``: linear in ``size`` through the two nearest samples (seed 000,
+        Appendix A, models T_comp(b) and |A(b)| as functions of the microbatch size)."""
+        pts = sorted(self.samples, key=lambda s: s.microbatch_size)
+        if len(pts) == 1:
+            return _scaled(pts[0], size)
+        lo, hi = (pts[0], pts[1]) if size <= pts[0].microbatch_size else (pts[-2], pts[-1])
+        for a, b in zip(pts, pts[1:]):
+            if a.microbatch_size <= size <= b.microbatch_size:
+                lo, hi = a, b
+        return _interpolate(lo, hi, size)
+
+
+_FIELDS = ("forward", "backward", "input_grad", "weight_grad", "saved_bytes", "output_bytes")
+
+
+def _interpolate(lo: BlockSample, hi: BlockSample, size: int) -> BlockSample:
+    t = (size - lo.microbatch_size) / (hi.microbatch_size - lo.microbatch_size)
+    values = {f: max(getattr(lo, f) + t * (getattr(hi, f) - getattr(lo, f)), 0.0) for f in _FIELDS}
+    return BlockSample(size, **{f: int(v) if f.endswith("bytes") else v for f, v in values.items()})  # type: ignore[arg-type]
+
+
+def _scaled(sample: BlockSample, size: int) -> BlockSample:
+    r = size / sample.microbatch_size
+    values = {f: getattr(sample, f) * r for f in _FIELDS}
+    return BlockSample(size, **{f: int(v) if f.endswith("bytes") else v for f, v in values.items()})  # type: ignore[arg-type]
+
+
+@dataclass
+class Profile:
+    """What the planner needs to predict any layout: every block's profile, plus the machine's links.
+
+    Attributes:
+        blocks: one profile per block of the chain, in order.
+        optimizer_step: seconds of one optimizer step over the whole model (split by weight bytes).
+        input_bytes_per_sample: bytes of ``pipeline_inputs`` per sample (stage 0 keeps them for backward).
+        link_latency: seconds of a point-to-point transfer of an empty message.
+        link_bandwidth: bytes per second of a point-to-point transfer.
+        allreduce_bandwidth: bytes per second of a gradient all-reduce across replicas (0: unknown).
+        device: where it was measured.
+    """
+
+    blocks: list[BlockProfile]
+    optimizer_step: float = 0.0
+    input_bytes_per_sample: float = 0.0
+    link_latency: float = 0.0
+    link_bandwidth: float = float("inf")
+    allreduce_bandwidth: float = 0.0
+    device: str = "cpu"
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        """A JSON document of the whole profile."""
+        return json.dumps(asdict(self), indent=1, default=str)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Profile":
+        """The profile :meth:`to_json` wrote."""
+        data = json.loads(text)
+        blocks = [BlockProfile(**{**b, "samples": [BlockSample(**s) for s in b["samples"]]}) for b in data.pop("blocks")]
+        data["link_bandwidth"] = float(data["link_bandwidth"])
+        return cls(blocks=blocks, **data)
+
+
+def _tensor_bytes(values: Sequence[Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in values if isinstance(t, Tensor))
+
+
+def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start, out
+
+
+def _inputs_for(x: tuple[Tensor, ...], first: bool) -> tuple[Tensor, ...]:
+    return tuple(t.detach().requires_grad_(not first and t.is_floating_point()) for t in x)
+
+
+def _measure_block(block: nn.Module, x: tuple[Tensor, ...], first: bool, device: torch.device) -> tuple[BlockSample, tuple]:
+    """Time F, B, I + W of ``block`` on input ``x`` once; returns the sample and the block's output."""
+    inputs = _inputs_for(x, first)
+    with saved_bytes() as counted:
+        t_f, out = _timed(lambda: as_tuple(block(*inputs), type(block).__name__), device)
+    floats = [o for o in out if o.requires_grad]
+    grads = [torch.ones_like(o) for o in floats]
+    t_b, _ = _timed(lambda: torch.autograd.backward(floats, grads) if floats else None, device)
+    block.zero_grad(set_to_none=True)
+    inputs = _inputs_for(x, first)
+    out2 = as_tuple(block(*inputs), type(block).__name__)
+    floats = [o for o in out2 if o.requires_grad]
+    needing = [t for t in inputs if t.requires_grad]
+    t_i, (_, work) = _timed(lambda: split.input_grads(floats, grads, needing), device)
+    t_w, _ = _timed(lambda: split.weight_grads(work), device)
+    block.zero_grad(set_to_none=True)
+    sample = BlockSample(batch_size(x), t_f, t_b, t_i, t_w, counted[0], _tensor_bytes(out))
+    return sample, tuple(o.detach() for o in out)
+
+
+def _median(samples: list[BlockSample]) -> BlockSample:
+    values = {f: statistics.median(getattr(s, f) for s in samples) for f in _FIELDS}
+    return BlockSample(samples[0].microbatch_size, **{f: int(v) if f.endswith("bytes") else v for f, v in values.items()})  # type: ignore[arg-type]
+
+
+def profile_blocks(module: nn.Module, batch: Any, microbatch_sizes: Sequence[int], repeats: int = 3,
+                   optimizer: Optional[Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = None,
+                   device: Optional[torch.device] = None) -> Profile:  # fmt: skip
+    """Profile every block of ``module``'s chain in this process at each microbatch size.
+
+    Each block runs on the previous block's real output (from ``pipeline_inputs(batch)`` cut to
+    the microbatch size), ``repeats`` times after one warm-up; the median is kept. Optimizer
+    bytes come from the real optimizer after one step (Adam's state exists only then).
+
+    Args:
+        module: a PipelineMixin module, its blocks on ``device``.
+        batch: a batch at least as large as the largest microbatch size.
+        microbatch_sizes: two or more sizes, so times and bytes can be fitted as functions of b.
+        repeats: measured runs per block and size.
+        optimizer: builds the optimizer over a list of parameters (default: the module's
+            ``configure_optimizers`` class and defaults, else Adam).
+        device: where the blocks run.
+    """
+    device = device or torch.device("cpu")
+    blocks = pipeline_blocks_of(module)
+    by_size: list[list[BlockSample]] = [[] for _ in blocks]
+    for size in microbatch_sizes:
+        mb = split_batch(batch, max(batch_size(batch) // size, 1))[0][0]
+        runs: list[list[BlockSample]] = [[] for _ in blocks]
+        for _ in range(repeats + 1):  # the first run warms up
+            x = as_tuple(module.pipeline_inputs(mb), "pipeline_inputs")
+            for i, block in enumerate(blocks):
+                sample, x = _measure_block(block, x, i == 0, device)
+                runs[i].append(sample)
+        for i, measured in enumerate(runs):
+            by_size[i].append(_median(measured[1:]))
+    profiles = [BlockProfile(f"{i}:{type(b).__name__}", by_size[i], *_state_bytes(b, optimizer)) for i, b in enumerate(blocks)]
+    step = _optimizer_step_seconds(module, optimizer, device)
+    data = as_tuple(module.pipeline_inputs(batch), "pipeline_inputs")
+    per_sample = _tensor_bytes(data) / batch_size(batch)
+    return Profile(profiles, optimizer_step=step, input_bytes_per_sample=per_sample, device=str(device))
+
+
+def _make_optimizer(params: list[nn.Parameter], optimizer: Optional[Callable]) -> torch.optim.Optimizer:
+    return optimizer(params) if optimizer is not None else torch.optim.Adam(params)
+
+
+def _state_bytes(block: nn.Module, optimizer: Optional[Callable]) -> tuple[int, int, int]:
+    """Parameter, gradient and optimizer-state bytes of ``block`` (the optimizer after one step)."""
+    params = [p for p in block.parameters() if p.requires_grad]
+    if not params:
+        return 0, 0, 0
+    opt = _make_optimizer(params, optimizer)
+    saved = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    with torch.no_grad():
+        for p, s in zip(params, saved):
+            p.copy_(s)
+    state = [t for s in opt.state.values() for t in s.values()]
+    for p in params:
+        p.grad = None
+    return _tensor_bytes(params), _tensor_bytes(params), _tensor_bytes(state)
+
+
+def _optimizer_step_seconds(module: nn.Module, optimizer: Optional[Callable], device: torch.device) -> float:
+    params = [p for b in pipeline_blocks_of(module) for p in b.parameters() if p.requires_grad]
+    if not params:
+        return 0.0
+    saved = [p.detach().clone() for p in params]
+    opt = _make_optimizer(params, optimizer)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()  # warm-up: creates the state
+    seconds, _ = _timed(opt.step, device)
+    with torch.no_grad():
+        for p, s in zip(params, saved):
+            p.copy_(s)
+            p.grad = None
+    return seconds
