@@ -2,7 +2,7 @@
 
 from lightning_pipe.module import PipelineMixin
 from lightning_pipe.monitor import PipelineMonitor
-from lightning_pipe.plan import PipelinePlan
+from lightning_pipe.layout import PipelinePlan
 from lightning_pipe.runtime.engine import PipelineEngine
 from lightning_pipe.runtime.groups import PipelineGroups
 from lightning_pipe.runtime.p2p import PipelineAbortedError

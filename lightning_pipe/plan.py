@@ -1,133 +1,136 @@
-"""PipelinePlan: the frozen, validated layout (w, d, m, schedule, split, partition, recompute) every piece reads."""
+"""``python -m lightning_pipe.plan``: profile a LightningCLI config's model and print the ranked plans for N devices."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+import importlib.util
+import inspect
+import re
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
 
-from lightning_pipe.partition import partition_sizes, stage_ranges
-from lightning_pipe.schedules import check_name, two_bw
-from lightning_pipe.topology import Topology
+import lightning as L
+import yaml
+from tqdm import tqdm
 
-PartitionArg = Union[str, Sequence[int]]
-RecomputeArg = Union[bool, Sequence[bool]]
+from lightning_pipe import planner
+from lightning_pipe.module import PipelineMixin
+from lightning_pipe.profiler import Profile, profile_blocks, profile_links
+from lightning_pipe.runtime.microbatch import batch_size
+
+_UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
 
 
-@dataclass(frozen=True)
-class PipelinePlan:
-    """One layout of a pipeline job: ``width`` replicas of a ``depth``-stage pipeline and how it runs.
+def parse_bytes(text: str) -> int:
+    """``"256MiB"`` -> 268435456; plain numbers are bytes."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([KMG]i?B|B)?\s*", text, flags=re.IGNORECASE)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512MiB, 2GiB or bytes)")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
 
-    Every misconfiguration is refused here, once, when the plan is built (before any process
-    communicates). A plan is a value: equal plans describe the same layout, and
-    :meth:`replace` gives a changed copy that is validated again.
 
-    Args:
-        width: data-parallel replicas ``w`` of every stage.
-        depth: pipeline stages ``d``.
-        microbatches: microbatches ``m`` each replica's batch is split into.
-        schedule: "gpipe", "1f1b" or "2bw" (2BW needs ``microbatches >= depth``).
-        split_backward: split each backward into input and weight gradients (2BP).
-        split_max_pending: with ``split_backward``, the most microbatches waiting for their W.
-        partition: blocks per stage (a list of ``depth`` positive counts), or "balanced" /
-            "uniform" until :meth:`resolve` turns it into counts for a given chain.
-        recompute: activation recomputation, one flag for all stages or one per stage; kept
-            as one flag per stage.
-    """
+def _classes(script: Path) -> tuple[type, type]:
+    """The PipelineMixin LightningModule and the LightningDataModule that ``script`` defines."""
+    spec = importlib.util.spec_from_file_location(script.stem, script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(script.parent))
+    sys.modules[script.stem] = module
+    spec.loader.exec_module(module)
+    own = [c for _, c in inspect.getmembers(module, inspect.isclass) if c.__module__ == module.__name__]
+    models = [c for c in own if issubclass(c, PipelineMixin) and issubclass(c, L.LightningModule)]
+    data = [c for c in own if issubclass(c, L.LightningDataModule)]
+    if len(models) != 1 or len(data) != 1:
+        raise SystemExit(f"{script} must define one PipelineMixin LightningModule and one LightningDataModule")
+    return models[0], data[0]
 
-    width: int = 1
-    depth: int = 1
-    microbatches: int = 1
-    schedule: str = "1f1b"
-    split_backward: bool = False
-    split_max_pending: Optional[int] = None
-    partition: PartitionArg = "balanced"
-    recompute: RecomputeArg = False
 
-    def __post_init__(self) -> None:
-        Topology(self.width * self.depth, self.depth)  # depth and width >= 1
-        if self.width < 1:
-            raise ValueError(f"width must be >= 1, got {self.width}")
-        if self.microbatches < 1:
-            raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
-        check_name(self.schedule)
-        if self.schedule == "2bw":
-            two_bw.check_microbatches(self.depth, self.microbatches)
-        self._normalise_recompute()
-        self._normalise_partition()
-        if self.split_max_pending is not None:
-            if not self.split_backward:
-                raise ValueError("split_max_pending only applies with split_backward=True")
-            if self.split_max_pending < 0:
-                raise ValueError(f"split_max_pending must be >= 0, got {self.split_max_pending}")
+def _build(script: Path, config: Path) -> tuple[Any, Any]:
+    """The model and data module a LightningCLI config describes (built from its ``model``/``data`` sections)."""
+    model_cls, data_cls = _classes(script)
+    cfg = yaml.safe_load(config.read_text())
+    return model_cls(**(cfg.get("model") or {})), data_cls(**(cfg.get("data") or {}))
 
-    def _normalise_recompute(self) -> None:
-        flags = self.recompute
-        flags = (bool(flags),) * self.depth if isinstance(flags, bool) else tuple(bool(f) for f in flags)
-        if len(flags) != self.depth:
-            raise ValueError(f"recompute needs one flag per stage ({self.depth}), got {len(flags)}")
-        if self.split_backward and any(flags):
-            raise ValueError("split_backward with recompute would recompute each forward twice (in I and W); use one")
-        object.__setattr__(self, "recompute", flags)
 
-    def _normalise_partition(self) -> None:
-        spec = self.partition
-        if isinstance(spec, str):
-            if spec not in ("balanced", "uniform"):
-                raise ValueError(f"unknown partition {spec!r}; use 'balanced', 'uniform' or a list of blocks per stage")
-            return
-        sizes = tuple(int(s) for s in spec)
-        if len(sizes) != self.depth or min(sizes) < 1:
-            raise ValueError(f"partition {list(sizes)} must list {self.depth} positive block counts, one per stage")
-        object.__setattr__(self, "partition", sizes)
+def _global_batch(cfg: dict[str, Any], data: Any) -> int:
+    """The config's global batch: its per-replica batch size times its data-parallel width."""
+    trainer = cfg.get("trainer") or {}
+    init = ((trainer.get("strategy") or {}).get("init_args") or {}) if isinstance(trainer.get("strategy"), dict) else {}
+    devices = int(trainer.get("devices") or 1)
+    depth = int(init.get("pipeline_depth") or devices)
+    return int(init.get("global_batch_size") or getattr(data, "batch_size") * (devices // depth))
 
-    @classmethod
-    def for_world(cls, world_size: int, depth: Optional[int] = None, **fields: object) -> "PipelinePlan":
-        """The plan that spreads ``world_size`` processes over ``depth`` stages (default: one pipeline).
 
-        Raises:
-            ValueError: if ``world_size`` is not a multiple of ``depth``, or any field is invalid.
-        """
-        depth = depth or world_size
-        topology = Topology(world_size, depth)
-        return cls(width=topology.width, depth=depth, **fields)  # type: ignore[arg-type]
+def profile_config(model: Any, data: Any, sizes: Sequence[int]) -> Profile:
+    """Take one training batch of ``data`` and profile every block of ``model`` at ``sizes``."""
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    if batch_size(batch) < max(sizes):
+        raise SystemExit(f"the data module's batches hold {batch_size(batch)} samples; profiling needs {max(sizes)}")
+    return profile_blocks(model, batch, sizes)
 
-    @property
-    def world_size(self) -> int:
-        """Processes the plan needs: ``width * depth``."""
-        return self.width * self.depth
 
-    @property
-    def topology(self) -> Topology:
-        """Which rank runs which replica of which stage."""
-        return Topology(self.world_size, self.depth)
+def table(ranked: Sequence[planner.Prediction], top: int) -> str:
+    """The ranked plans as a markdown table (the best ``top`` feasible, then a few infeasible)."""
+    rows = ["| w | d | b | m | schedule | split | recompute | partition | step (s) | samples/s | peak per stage | infeasible because |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    feasible = [p for p in ranked if p.feasible][:top]
+    shown = feasible + [p for p in ranked if not p.feasible][: max(3, top - len(feasible))]
+    for p in shown:
+        plan = p.plan
+        peaks = ", ".join(planner._size(x) for x in p.stage_memory)
+        recompute = "".join("y" if r else "n" for r in plan.recompute)
+        rows.append(f"| {plan.width} | {plan.depth} | {p.microbatch_size} | {plan.microbatches} | {plan.schedule} | "
+                    f"{'yes' if plan.split_backward else 'no'} | {recompute} | {list(plan.partition)} | {p.step_time:.4f} | "
+                    f"{p.samples_per_second:.1f} | {peaks} | {p.why_infeasible()} |")  # fmt: skip
+    return "\n".join(rows)
 
-    @property
-    def is_resolved(self) -> bool:
-        """Whether the partition is a list of block counts (not "balanced" or "uniform")."""
-        return not isinstance(self.partition, str)
 
-    def resolve(self, costs: Sequence[float]) -> "PipelinePlan":
-        """This plan with its partition turned into block counts for a chain with ``costs`` per block.
+def snippet(best: planner.Prediction, global_batch: int) -> str:
+    """The best plan as YAML for ``trainer.strategy.init_args``."""
+    plan = best.plan
+    init = {"schedule": plan.schedule, "pipeline_depth": plan.depth, "microbatches": plan.microbatches,
+            "partition": list(plan.partition), "recompute": list(plan.recompute),
+            "split_backward": plan.split_backward, "global_batch_size": global_batch}  # fmt: skip
+    return yaml.safe_dump({"trainer": {"devices": plan.world_size, "strategy": {"init_args": init}}}, sort_keys=False)
 
-        Raises:
-            ValueError: if there are fewer blocks than stages or the counts do not sum to the chain.
-        """
-        sizes = partition_sizes(self.partition if isinstance(self.partition, str) else list(self.partition), costs, self.depth)
-        return self.replace(partition=tuple(sizes))
 
-    def stage_ranges(self) -> list[range]:
-        """Block indices of each stage (the partition must be resolved)."""
-        if not self.is_resolved:
-            raise ValueError(f"partition {self.partition!r} is not resolved yet; call plan.resolve(block_costs)")
-        return stage_ranges(list(self.partition))  # type: ignore[arg-type]
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Parse arguments, profile, search, print the table and write the best plan's YAML."""
+    parser = argparse.ArgumentParser(prog="python -m lightning_pipe.plan", description=__doc__)
+    parser.add_argument("--config", type=Path, required=True, help="a LightningCLI YAML config")
+    parser.add_argument("--script", type=Path, default=None, help="the script defining the model and data module "
+                        "(default: examples/<config name before its first '_'>.py)")  # fmt: skip
+    parser.add_argument("--devices", type=int, required=True)
+    parser.add_argument("--memory", type=parse_bytes, default=None, help="budget of tensor bytes per device, e.g. 256MiB")
+    parser.add_argument("--global-batch", type=int, default=None, help="default: the config's")
+    parser.add_argument("--allow-stale", action="store_true", help="also plan PipeDream-2BW (1-stale updates)")
+    parser.add_argument("--no-links", action="store_true", help="skip measuring transfers (they are then free)")
+    parser.add_argument("--top", type=int, default=10)
+    parser.add_argument("--output", type=Path, default=Path("plan.yaml"))
+    args = parser.parse_args(argv)
+    script = args.script or Path("examples") / f"{args.config.stem.split('_')[0]}.py"
+    cfg = yaml.safe_load(args.config.read_text())
+    model, data = _build(script, args.config)
+    global_batch = args.global_batch or _global_batch(cfg, data)
+    sizes = sorted({1, max(global_batch // args.devices, 1)})
+    print(f"profiling {type(model).__name__} at microbatch sizes {sizes} ...", flush=True)
+    profile = profile_config(model, data, sizes)
+    if not args.no_links:
+        print("measuring transfers and all-reduce between 2 local processes ...", flush=True)
+        profile = dataclasses.replace(profile, **profile_links())
+    candidates = list(planner.candidates(profile, args.devices, global_batch, args.allow_stale))
+    ranked = planner.rank([planner.evaluate(profile, c, args.memory) for c in tqdm(candidates, desc="simulating plans")])
+    print(table(ranked, args.top))
+    if not ranked or not ranked[0].feasible:
+        print("no plan fits the memory budget", file=sys.stderr)
+        return 1
+    args.output.write_text(snippet(ranked[0], global_batch))
+    print(f"\nbest plan written to {args.output}:\n{args.output.read_text()}")
+    return 0
 
-    def replace(self, **changes: object) -> "PipelinePlan":
-        """A copy with ``changes`` applied, validated again."""
-        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
-    def describe(self) -> str:
-        """One line: ``w x d``, microbatches, schedule, split and partition."""
-        split = " + split backward" if self.split_backward else ""
-        return (f"w={self.width} x d={self.depth}, m={self.microbatches}, {self.schedule}{split}, "
-                f"partition {list(self.partition) if self.is_resolved else self.partition}")  # fmt: skip
+if __name__ == "__main__":
+    sys.exit(main())

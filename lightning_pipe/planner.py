@@ -10,10 +10,10 @@ from __future__ import annotations
 import functools
 import itertools
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 from lightning_pipe.partition import balanced
-from lightning_pipe.plan import PipelinePlan
+from lightning_pipe.layout import PipelinePlan
 from lightning_pipe.profiler import Profile
 from lightning_pipe.schedules import SCHEDULE_NAMES, Action, Kind, build_schedule, two_bw_run
 from lightning_pipe.simulate import simulate
@@ -206,29 +206,49 @@ def _layouts(devices: int, blocks: int) -> Iterable[tuple[int, int]]:
     return ((devices // d, d) for d in range(1, devices + 1) if devices % d == 0 and d <= blocks)
 
 
-def search(profile: Profile, devices: int, global_batch: int, memory_limit: Optional[float] = None,
-           allow_stale: bool = False, schedules: Optional[Sequence[str]] = None,
-           partitioners: Optional[dict[str, Callable[[Profile, int, int], tuple[int, ...]]]] = None) -> list[Prediction]:  # fmt: skip
-    """Every candidate plan for ``devices`` processes and a fixed ``global_batch``, best first.
+@dataclass(frozen=True)
+class Candidate:
+    """A plan to evaluate and its per-replica microbatch size."""
 
-    Covers every ``(w, d)`` with ``w * d = devices``, every microbatch size ``b`` with
-    ``m = global_batch / (w * b)`` whole, every registered schedule (2BW only with
-    ``allow_stale``, its update being 1-stale), split backward on and off, each partitioner, and
-    recomputation turned on for exactly the stages that would not fit otherwise. Feasible plans
-    come first, by predicted throughput; infeasible ones follow, each saying why.
-    """
+    plan: PipelinePlan
+    microbatch_size: int
+
+
+def candidates(profile: Profile, devices: int, global_batch: int, allow_stale: bool = False,
+               schedules: Optional[Sequence[str]] = None,
+               partitioners: Optional[dict[str, Callable[[Profile, int, int], tuple[int, ...]]]] = None) -> Iterator[Candidate]:  # fmt: skip
+    """Every ``(w, d)`` with ``w * d = devices``; every microbatch size ``b`` with
+    ``m = global_batch / (w * b)`` whole; every registered schedule (2BW only with
+    ``allow_stale``: its update is 1-stale; a schedule registered later is covered with no change
+    here); split backward on and off; each partitioner's partition."""
     names = [s for s in (schedules or SCHEDULE_NAMES) if allow_stale or s != "2bw"]
     partitioners = partitioners or {"time": time_balanced}
-    out: list[Prediction] = []
     for (width, depth), name, split in itertools.product(_layouts(devices, len(profile.blocks)), names, (False, True)):
         for b in (b for b in range(1, global_batch + 1) if global_batch % (width * b) == 0):
             m = global_batch // (width * b)
             if name == "2bw" and m < depth:
                 continue
-            for part in {p(profile, depth, b) for p in partitioners.values()}:
-                plan = PipelinePlan(width, depth, m, name, split, partition=part)
-                out.append(_with_recompute(profile, plan, b, memory_limit))
-    return sorted(out, key=lambda p: (not p.feasible, -p.samples_per_second))
+            for part in sorted({p(profile, depth, b) for p in partitioners.values()}):
+                yield Candidate(PipelinePlan(width, depth, m, name, split, partition=part), b)
+
+
+def evaluate(profile: Profile, candidate: Candidate, memory_limit: Optional[float] = None) -> Prediction:
+    """The candidate as is, or with recomputation on exactly the stages that would not fit."""
+    return _with_recompute(profile, candidate.plan, candidate.microbatch_size, memory_limit)
+
+
+def rank(predictions: Iterable[Prediction]) -> list[Prediction]:
+    """Feasible plans first, by predicted throughput; infeasible ones after, also by throughput."""
+    return sorted(predictions, key=lambda p: (not p.feasible, -p.samples_per_second))
+
+
+def search(profile: Profile, devices: int, global_batch: int, memory_limit: Optional[float] = None,
+           allow_stale: bool = False, schedules: Optional[Sequence[str]] = None,
+           partitioners: Optional[dict[str, Callable[[Profile, int, int], tuple[int, ...]]]] = None) -> list[Prediction]:  # fmt: skip
+    """Every :func:`candidates` plan evaluated and ranked, best first (see :func:`rank`); each
+    infeasible one says which stage exceeds the budget and by how much."""
+    found = candidates(profile, devices, global_batch, allow_stale, schedules, partitioners)
+    return rank(evaluate(profile, c, memory_limit) for c in found)
 
 
 def _with_recompute(profile: Profile, plan: PipelinePlan, b: int, memory_limit: Optional[float]) -> Prediction:

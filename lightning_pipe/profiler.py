@@ -229,3 +229,49 @@ def _optimizer_step_seconds(module: nn.Module, optimizer: Optional[Callable], de
             p.copy_(s)
             p.grad = None
     return seconds
+
+
+def _ping(nbytes: int, repeats: int) -> float:
+    """Median seconds of one transfer between ranks 0 and 1 (half a round trip)."""
+    import torch.distributed as dist
+
+    t = torch.zeros(max(nbytes // 4, 1))
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        if dist.get_rank() == 0:
+            dist.send(t, 1)
+            dist.recv(t, 1)
+        elif dist.get_rank() == 1:
+            dist.recv(t, 0)
+            dist.send(t, 0)
+        times.append((time.perf_counter() - start) / 2)
+        dist.barrier()
+    return statistics.median(times[1:])
+
+
+def _link_worker(rank: int, world: int, small: int, large: int, repeats: int) -> dict[str, float]:
+    import torch.distributed as dist
+
+    t_small, t_large = _ping(small, repeats), _ping(large, repeats)
+    flat = torch.zeros(large // 4)
+    times = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(flat)
+        times.append(time.perf_counter() - start)
+    ring = 2 * (world - 1) / world * large  # bytes each rank moves in a ring all-reduce
+    return {"link_latency": t_small, "link_bandwidth": (large - small) / max(t_large - t_small, 1e-9),
+            "allreduce_bandwidth": ring / statistics.median(times[1:])}  # fmt: skip
+
+
+def profile_links(world: int = 2, small: int = 1024, large: int = 8 * 2**20, repeats: int = 5) -> dict[str, float]:
+    """Measure this machine's transfers between local gloo processes: latency (a small message),
+    bandwidth (the slope to a large one) and the bandwidth of a ring all-reduce over ``world``."""
+    from lightning_pipe.spawn import run_gloo
+
+    status, value = run_gloo(_link_worker, world, small, large, repeats, timeout=120.0)[0]
+    if status != "ok":
+        raise RuntimeError(f"link profiling failed: {value}")
+    return value

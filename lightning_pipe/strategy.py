@@ -21,7 +21,7 @@ from typing_extensions import override
 
 from lightning_pipe import checkpoint as _checkpoint
 from lightning_pipe.data import ResumableLoader, per_replica_loader
-from lightning_pipe.plan import PartitionArg, PipelinePlan, RecomputeArg
+from lightning_pipe.layout import PartitionArg, PipelinePlan, RecomputeArg
 from lightning_pipe.runtime.engine import PipelineEngine
 from lightning_pipe.runtime.groups import PipelineGroups
 from lightning_pipe.runtime.placement import Placement, pipeline_blocks_of

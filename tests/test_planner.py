@@ -110,3 +110,29 @@ def test_recompute_is_turned_on_only_where_a_stage_would_not_fit() -> None:
               and not p.plan.split_backward][0]  # fmt: skip
     assert chosen.plan.recompute == (True, False) and chosen.feasible
 
+
+
+def test_plan_cli_profiles_a_config_and_writes_a_plan_the_strategy_accepts(tmp_path, capsys) -> None:
+    import yaml
+
+    from lightning_pipe import PipelineStrategy
+    from lightning_pipe.plan import main, parse_bytes
+
+    assert parse_bytes("256MiB") == 256 * 2**20 and parse_bytes("2GB") == 2 * 10**9 and parse_bytes("512") == 512
+    config = tmp_path / "gpt_tiny.yaml"
+    config.write_text(yaml.safe_dump({
+        "trainer": {"devices": 2, "strategy": {"class_path": "lightning_pipe.PipelineStrategy", "init_args": {"pipeline_depth": 2}}},
+        "model": {"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 16},
+        "data": {"block_size": 16, "batch_size": 8, "max_bytes": 20000},
+    }))  # fmt: skip
+    out = tmp_path / "plan.yaml"
+    assert main(["--config", str(config), "--script", "examples/gpt.py", "--devices", "4", "--memory", "64MiB", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| w | d | b | m | schedule |" in printed
+    init = yaml.safe_load(out.read_text())["trainer"]["strategy"]["init_args"]
+    assert init["global_batch_size"] == 8 and init["pipeline_depth"] in (1, 2, 4)
+    PipelineStrategy(**init)  # the written plan passes the plan's own validation
+    # A budget nothing fits: every plan is reported infeasible, naming the stage and the excess.
+    assert main(["--config", str(config), "--script", "examples/gpt.py", "--devices", "2", "--memory", "1KiB", "--output", str(out),
+                 "--no-links"]) == 1
+    assert "over the budget" in capsys.readouterr().out

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_pipe.plan import PipelinePlan
+from lightning_pipe.layout import PipelinePlan
 from lightning_pipe.runtime.executor import Executor, Hooks, Position, StepState
 from lightning_pipe.runtime.groups import PipelineGroups
 from lightning_pipe.runtime.microbatch import split_batch

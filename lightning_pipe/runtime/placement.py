@@ -10,7 +10,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from torch.optim import Optimizer
 
 from lightning_pipe.partition import block_cost
-from lightning_pipe.plan import PipelinePlan
+from lightning_pipe.layout import PipelinePlan
 from lightning_pipe.runtime.stage import Stage
 
 if TYPE_CHECKING:

@@ -1,0 +1,134 @@
+"""PipelinePlan: the frozen, validated layout (w, d, m, schedule, split, partition, recompute) every piece reads."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+from lightning_pipe.partition import partition_sizes, stage_ranges
+from lightning_pipe.schedules import check_name, two_bw
+from lightning_pipe.topology import Topology
+
+PartitionArg = Union[str, Sequence[int]]
+RecomputeArg = Union[bool, Sequence[bool]]
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """One layout of a pipeline job: ``width`` replicas of a ``depth``-stage pipeline and how it runs.
+
+    Every misconfiguration is refused here, once, when the plan is built (before any process
+    communicates). A plan is a value: equal plans describe the same layout, and
+    :meth:`replace` gives a changed copy that is validated again.
+
+    Args:
+        width: data-parallel replicas ``w`` of every stage.
+        depth: pipeline stages ``d``.
+        microbatches: microbatches ``m`` each replica's batch is split into.
+        schedule: "gpipe", "1f1b" or "2bw" (2BW needs ``microbatches >= depth``).
+        split_backward: split each backward into input and weight gradients (2BP).
+        split_max_pending: with ``split_backward``, the most microbatches waiting for their W.
+        partition: blocks per stage (a list of ``depth`` positive counts), or "balanced" /
+            "uniform" until :meth:`resolve` turns it into counts for a given chain.
+        recompute: activation recomputation, one flag for all stages or one per stage; kept
+            as one flag per stage.
+    """
+
+    width: int = 1
+    depth: int = 1
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    split_backward: bool = False
+    split_max_pending: Optional[int] = None
+    partition: PartitionArg = "balanced"
+    recompute: RecomputeArg = False
+
+    def __post_init__(self) -> None:
+        Topology(self.width * self.depth, self.depth)  # depth and width >= 1
+        if self.width < 1:
+            raise ValueError(f"width must be >= 1, got {self.width}")
+        if self.microbatches < 1:
+            raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
+        check_name(self.schedule)
+        if self.schedule == "2bw":
+            two_bw.check_microbatches(self.depth, self.microbatches)
+        self._normalise_recompute()
+        self._normalise_partition()
+        if self.split_max_pending is not None:
+            if not self.split_backward:
+                raise ValueError("split_max_pending only applies with split_backward=True")
+            if self.split_max_pending < 0:
+                raise ValueError(f"split_max_pending must be >= 0, got {self.split_max_pending}")
+
+    def _normalise_recompute(self) -> None:
+        flags = self.recompute
+        flags = (bool(flags),) * self.depth if isinstance(flags, bool) else tuple(bool(f) for f in flags)
+        if len(flags) != self.depth:
+            raise ValueError(f"recompute needs one flag per stage ({self.depth}), got {len(flags)}")
+        if self.split_backward and any(flags):
+            raise ValueError("split_backward with recompute would recompute each forward twice (in I and W); use one")
+        object.__setattr__(self, "recompute", flags)
+
+    def _normalise_partition(self) -> None:
+        spec = self.partition
+        if isinstance(spec, str):
+            if spec not in ("balanced", "uniform"):
+                raise ValueError(f"unknown partition {spec!r}; use 'balanced', 'uniform' or a list of blocks per stage")
+            return
+        sizes = tuple(int(s) for s in spec)
+        if len(sizes) != self.depth or min(sizes) < 1:
+            raise ValueError(f"partition {list(sizes)} must list {self.depth} positive block counts, one per stage")
+        object.__setattr__(self, "partition", sizes)
+
+    @classmethod
+    def for_world(cls, world_size: int, depth: Optional[int] = None, **fields: object) -> "PipelinePlan":
+        """The plan that spreads ``world_size`` processes over ``depth`` stages (default: one pipeline).
+
+        Raises:
+            ValueError: if ``world_size`` is not a multiple of ``depth``, or any field is invalid.
+        """
+        depth = depth or world_size
+        topology = Topology(world_size, depth)
+        return cls(width=topology.width, depth=depth, **fields)  # type: ignore[arg-type]
+
+    @property
+    def world_size(self) -> int:
+        """Processes the plan needs: ``width * depth``."""
+        return self.width * self.depth
+
+    @property
+    def topology(self) -> Topology:
+        """Which rank runs which replica of which stage."""
+        return Topology(self.world_size, self.depth)
+
+    @property
+    def is_resolved(self) -> bool:
+        """Whether the partition is a list of block counts (not "balanced" or "uniform")."""
+        return not isinstance(self.partition, str)
+
+    def resolve(self, costs: Sequence[float]) -> "PipelinePlan":
+        """This plan with its partition turned into block counts for a chain with ``costs`` per block.
+
+        Raises:
+            ValueError: if there are fewer blocks than stages or the counts do not sum to the chain.
+        """
+        sizes = partition_sizes(self.partition if isinstance(self.partition, str) else list(self.partition), costs, self.depth)
+        return self.replace(partition=tuple(sizes))
+
+    def stage_ranges(self) -> list[range]:
+        """Block indices of each stage (the partition must be resolved)."""
+        if not self.is_resolved:
+            raise ValueError(f"partition {self.partition!r} is not resolved yet; call plan.resolve(block_costs)")
+        return stage_ranges(list(self.partition))  # type: ignore[arg-type]
+
+    def replace(self, **changes: object) -> "PipelinePlan":
+        """A copy with ``changes`` applied, validated again."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    def describe(self) -> str:
+        """One line: ``w x d``, microbatches, schedule, split and partition."""
+        split = " + split backward" if self.split_backward else ""
+        return (f"w={self.width} x d={self.depth}, m={self.microbatches}, {self.schedule}{split}, "
+                f"partition {list(self.partition) if self.is_resolved else self.partition}")  # fmt: skip
+
