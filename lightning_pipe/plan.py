@@ -121,7 +121,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not args.no_links:
         print("measuring transfers and all-reduce between 2 local processes ...", flush=True)
         profile = dataclasses.replace(profile, **profile_links())
-    candidates = list(planner.candidates(profile, args.devices, global_batch, args.allow_stale))
+    candidates = list(planner.candidates(profile, args.devices, global_batch, args.allow_stale, memory_limit=args.memory))
     ranked = planner.rank([planner.evaluate(profile, c, args.memory) for c in tqdm(candidates, desc="simulating plans")])
     print(table(ranked, args.top))
     if not ranked or not ranked[0].feasible:

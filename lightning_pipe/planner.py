@@ -35,27 +35,29 @@ class StageCosts:
     optimizer_bytes: int
 
 
+def range_costs(profile: Profile, blocks: range, microbatch_size: int, recompute: bool = False) -> StageCosts:
+    """The profiled costs of blocks ``blocks`` run as one stage at ``microbatch_size``."""
+    mine = [profile.blocks[i].at(microbatch_size) for i in blocks]
+    states = [profile.blocks[i] for i in blocks]
+    first = blocks.start
+    return StageCosts(
+        forward=sum(x.forward for x in mine),
+        backward=sum(x.backward + (x.recompute if recompute else 0.0) for x in mine),
+        input_grad=sum(x.input_grad for x in mine),
+        weight_grad=sum(x.weight_grad for x in mine),
+        stash_bytes=sum(x.saved_bytes for x in mine),
+        input_bytes=(profile.blocks[first - 1].at(microbatch_size).output_bytes if first > 0
+                     else int(profile.input_bytes_per_sample * microbatch_size)),
+        output_bytes=mine[-1].output_bytes,
+        weight_bytes=sum(b.parameter_bytes for b in states),
+        gradient_bytes=sum(b.gradient_bytes for b in states),
+        optimizer_bytes=sum(b.optimizer_bytes for b in states),
+    )  # fmt: skip
+
+
 def stage_costs(profile: Profile, plan: PipelinePlan, microbatch_size: int) -> list[StageCosts]:
     """Sum the profiled blocks of every stage of ``plan`` (partition resolved) at ``microbatch_size``."""
-    samples = [b.at(microbatch_size) for b in profile.blocks]
-    out = []
-    for s, rng in enumerate(plan.stage_ranges()):
-        mine = [samples[i] for i in rng]
-        blocks = [profile.blocks[i] for i in rng]
-        recompute = plan.recompute[s]
-        out.append(StageCosts(
-            forward=sum(x.forward for x in mine),
-            backward=sum(x.backward + (x.recompute if recompute else 0.0) for x in mine),
-            input_grad=sum(x.input_grad for x in mine),
-            weight_grad=sum(x.weight_grad for x in mine),
-            stash_bytes=sum(x.saved_bytes for x in mine),
-            input_bytes=samples[rng.start - 1].output_bytes if rng.start > 0 else int(profile.input_bytes_per_sample * microbatch_size),
-            output_bytes=mine[-1].output_bytes,
-            weight_bytes=sum(b.parameter_bytes for b in blocks),
-            gradient_bytes=sum(b.gradient_bytes for b in blocks),
-            optimizer_bytes=sum(b.optimizer_bytes for b in blocks),
-        ))  # fmt: skip
-    return out
+    return [range_costs(profile, rng, microbatch_size, plan.recompute[s]) for s, rng in enumerate(plan.stage_ranges())]
 
 
 def _transfer(profile: Profile, nbytes: int) -> float:
@@ -115,23 +117,30 @@ def predict_step(profile: Profile, plan: PipelinePlan, microbatch_size: int) -> 
     return result.makespan, result.peak_stash
 
 
-def predict_memory(profile: Profile, plan: PipelinePlan, microbatch_size: int, peak_stash: Sequence[int]) -> list[int]:
-    """Predicted peak tensor bytes of every stage.
+def stage_peak_bytes(st: StageCosts, held: int, versions: int = 1, recompute: bool = False) -> int:
+    """Peak tensor bytes of one stage holding ``held`` microbatches for their backward.
 
     Weights times the versions the schedule keeps (2 under 2BW, seed 000 section 3.1), their
-    gradients (one per version), optimizer state, ``peak_stash`` microbatches of stashed
-    activations plus the stage input each keeps (with recompute: the inputs only, plus one
-    microbatch's activations during its backward), and one received input and one outgoing
-    output as communication buffers.
+    gradients (one per version), optimizer state, ``held`` microbatches of stashed activations
+    plus the stage input each keeps (with recompute: the inputs only, plus one microbatch's
+    activations during its backward), and one received input and one outgoing output as
+    communication buffers.
     """
-    versions = 2 if plan.schedule == "2bw" else 1
-    out = []
-    for s, st in enumerate(stage_costs(profile, plan, microbatch_size)):
-        held = peak_stash[s]
-        activations = held * st.input_bytes + (st.stash_bytes if plan.recompute[s] else held * st.stash_bytes)
-        state = versions * (st.weight_bytes + st.gradient_bytes) + st.optimizer_bytes
-        out.append(int(state + activations + st.input_bytes + st.output_bytes))
-    return out
+    activations = held * st.input_bytes + (st.stash_bytes if recompute else held * st.stash_bytes)
+    state = versions * (st.weight_bytes + st.gradient_bytes) + st.optimizer_bytes
+    return int(state + activations + st.input_bytes + st.output_bytes)
+
+
+def weight_versions(plan: PipelinePlan) -> int:
+    """Weight versions the plan's schedule keeps alive."""
+    return 2 if plan.schedule == "2bw" else 1
+
+
+def predict_memory(profile: Profile, plan: PipelinePlan, microbatch_size: int, peak_stash: Sequence[int]) -> list[int]:
+    """Predicted peak tensor bytes of every stage (:func:`stage_peak_bytes`), ``peak_stash`` from the simulator."""
+    costs = stage_costs(profile, plan, microbatch_size)
+    versions = weight_versions(plan)
+    return [stage_peak_bytes(st, peak_stash[s], versions, plan.recompute[s]) for s, st in enumerate(costs)]
 
 
 # -- seed 000, Appendix A (seed 002): closed forms, kept as a cross-check -------------------
@@ -215,21 +224,32 @@ class Candidate:
 
 
 def candidates(profile: Profile, devices: int, global_batch: int, allow_stale: bool = False,
-               schedules: Optional[Sequence[str]] = None,
-               partitioners: Optional[dict[str, Callable[[Profile, int, int], tuple[int, ...]]]] = None) -> Iterator[Candidate]:  # fmt: skip
+               schedules: Optional[Sequence[str]] = None, memory_limit: Optional[float] = None) -> Iterator[Candidate]:  # fmt: skip
     """Every ``(w, d)`` with ``w * d = devices``; every microbatch size ``b`` with
     ``m = global_batch / (w * b)`` whole; every registered schedule (2BW only with
     ``allow_stale``: its update is 1-stale; a schedule registered later is covered with no change
-    here); split backward on and off; each partitioner's partition."""
+    here); split backward on and off; the time-balanced partition and, under a memory limit,
+    the memory-aware one (:func:`lightning_pipe.madpipe.madpipe_partition`) when they differ."""
     names = [s for s in (schedules or SCHEDULE_NAMES) if allow_stale or s != "2bw"]
-    partitioners = partitioners or {"time": time_balanced}
     for (width, depth), name, split in itertools.product(_layouts(devices, len(profile.blocks)), names, (False, True)):
         for b in (b for b in range(1, global_batch + 1) if global_batch % (width * b) == 0):
             m = global_batch // (width * b)
             if name == "2bw" and m < depth:
                 continue
-            for part in sorted({p(profile, depth, b) for p in partitioners.values()}):
-                yield Candidate(PipelinePlan(width, depth, m, name, split, partition=part), b)
+            plan = PipelinePlan(width, depth, m, name, split, partition=time_balanced(profile, depth, b))
+            yield Candidate(plan, b)
+            memory_aware = _memory_aware(profile, plan, b, memory_limit)
+            if memory_aware is not None and memory_aware != plan.partition:
+                yield Candidate(plan.replace(partition=memory_aware), b)
+
+
+def _memory_aware(profile: Profile, plan: PipelinePlan, b: int, memory_limit: Optional[float]) -> Optional[tuple[int, ...]]:
+    if memory_limit is None or plan.depth == 1:
+        return None
+    from lightning_pipe.madpipe import madpipe_partition
+
+    found = madpipe_partition(profile, plan, b, memory_limit)
+    return found.sizes if found is not None else None
 
 
 def evaluate(profile: Profile, candidate: Candidate, memory_limit: Optional[float] = None) -> Prediction:
@@ -243,11 +263,10 @@ def rank(predictions: Iterable[Prediction]) -> list[Prediction]:
 
 
 def search(profile: Profile, devices: int, global_batch: int, memory_limit: Optional[float] = None,
-           allow_stale: bool = False, schedules: Optional[Sequence[str]] = None,
-           partitioners: Optional[dict[str, Callable[[Profile, int, int], tuple[int, ...]]]] = None) -> list[Prediction]:  # fmt: skip
+           allow_stale: bool = False, schedules: Optional[Sequence[str]] = None) -> list[Prediction]:  # fmt: skip
     """Every :func:`candidates` plan evaluated and ranked, best first (see :func:`rank`); each
     infeasible one says which stage exceeds the budget and by how much."""
-    found = candidates(profile, devices, global_batch, allow_stale, schedules, partitioners)
+    found = candidates(profile, devices, global_batch, allow_stale, schedules, memory_limit)
     return rank(evaluate(profile, c, memory_limit) for c in found)
 
 
