@@ -81,6 +81,8 @@ class Profile:
     Attributes:
         blocks: one profile per block of the chain, in order.
         optimizer_step: seconds of one optimizer step over the whole model (split by weight bytes).
+        action_overhead: seconds the executor adds to each forward or backward action beyond its
+            blocks' own time (dispatch, stash accounting, the loss), measured on a one-stage run.
         input_bytes_per_sample: bytes of ``pipeline_inputs`` per sample (stage 0 keeps them for backward).
         link_latency: seconds of a point-to-point transfer of an empty message.
         link_bandwidth: bytes per second of a point-to-point transfer.
@@ -90,6 +92,7 @@ class Profile:
 
     blocks: list[BlockProfile]
     optimizer_step: float = 0.0
+    action_overhead: float = 0.0
     input_bytes_per_sample: float = 0.0
     link_latency: float = 0.0
     link_bandwidth: float = float("inf")
@@ -188,7 +191,31 @@ def profile_blocks(module: nn.Module, batch: Any, microbatch_sizes: Sequence[int
     step = _optimizer_step_seconds(module, optimizer, device)
     data = as_tuple(module.pipeline_inputs(batch), "pipeline_inputs")
     per_sample = _tensor_bytes(data) / batch_size(batch)
-    return Profile(profiles, optimizer_step=step, input_bytes_per_sample=per_sample, device=str(device))
+    overhead = _action_overhead(module, blocks, batch, profiles, min(microbatch_sizes), repeats, device)
+    return Profile(profiles, optimizer_step=step, action_overhead=overhead, input_bytes_per_sample=per_sample, device=str(device))
+
+
+def _action_overhead(module: nn.Module, blocks: list[nn.Module], batch: Any, profiles: list[BlockProfile], size: int,
+                     repeats: int, device: torch.device) -> float:  # fmt: skip
+    """Seconds per F or B action that a one-stage executor run takes beyond the blocks' profiled time."""
+    from lightning_pipe.runtime.executor import Executor, Hooks, Position, StepState
+    from lightning_pipe.runtime.stage import Stage
+    from lightning_pipe.schedules import Kind, build_schedule
+
+    m = max(batch_size(batch) // size, 1)
+    microbatches, shares = split_batch(batch, m)
+    actions = [a for a in build_schedule("1f1b", 1, m)[0] if a.kind in (Kind.FORWARD, Kind.BACKWARD)]
+    executor = Executor(Stage(blocks, 0), Position(0, 1, None, None), device, Hooks(module.pipeline_inputs, module.pipeline_loss))
+    times = []
+    for _ in range(repeats + 1):
+        state = StepState({}, {})
+        state.add_batch(0, microbatches, shares)
+        seconds, _ = _timed(lambda: executor.run(actions, state), device)
+        times.append(seconds)
+    module.zero_grad(set_to_none=True)
+    sample = [p.at(batch_size(microbatches[0])) for p in profiles]
+    blocks_time = m * sum(s.forward + s.backward for s in sample)
+    return max(statistics.median(times[1:]) - blocks_time, 0.0) / (2 * m)
 
 
 def _make_optimizer(params: list[nn.Parameter], optimizer: Optional[Callable]) -> torch.optim.Optimizer:
