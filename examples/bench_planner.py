@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_pipelines import PeakTensorBytes  # noqa: E402
-from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place, planner  # noqa: E402
+from lightning_pipe import PipelineGroups, PipelinePlan, place, planner  # noqa: E402
 from lightning_pipe.monitor import held_tensors  # noqa: E402
 from lightning_pipe.profiler import profile_blocks, profile_links  # noqa: E402
 from lightning_pipe.spawn import run_gloo  # noqa: E402

@@ -62,7 +62,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     png = args.out / f"loss_{'_'.join(args.schedules)}.png"
     fig.savefig(png, dpi=120, bbox_inches="tight")
-    print(f"\n| schedule | wall time (s) | final train loss (mean of last 5 logs) | final val loss |\n|---|---|---|---|")
+    print("\n| schedule | wall time (s) | final train loss (mean of last 5 logs) | final val loss |\n|---|---|---|---|")
     for schedule, (seconds, data) in results.items():
         tail = [v for _, v in data["train_loss"][-5:]]
         print(f"| {schedule} | {seconds:.1f} | {sum(tail) / len(tail):.4f} | {data['val_loss'][-1][1]:.4f} |")

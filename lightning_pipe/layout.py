@@ -33,6 +33,8 @@ class PipelinePlan:
             "uniform" until :meth:`resolve` turns it into counts for a given chain.
         recompute: activation recomputation, one flag for all stages or one per stage; kept
             as one flag per stage.
+        inner: which dimension's ranks are neighbours (and so share a node): "pp" (the stages
+            of a pipeline, default) or "dp" (the replicas of a stage); see :class:`Topology`.
     """
 
     width: int = 1
@@ -43,9 +45,10 @@ class PipelinePlan:
     split_max_pending: Optional[int] = None
     partition: PartitionArg = "balanced"
     recompute: RecomputeArg = False
+    inner: str = "pp"
 
     def __post_init__(self) -> None:
-        Topology(self.width * self.depth, self.depth)  # depth and width >= 1
+        Topology(self.width * self.depth, self.depth, self.inner)  # depth and width >= 1, a known orientation
         if self.width < 1:
             raise ValueError(f"width must be >= 1, got {self.width}")
         if self.microbatches < 1:
@@ -100,7 +103,7 @@ class PipelinePlan:
     @property
     def topology(self) -> Topology:
         """Which rank runs which replica of which stage."""
-        return Topology(self.world_size, self.depth)
+        return Topology(self.world_size, self.depth, self.inner)
 
     @property
     def is_resolved(self) -> bool:
@@ -129,6 +132,7 @@ class PipelinePlan:
     def describe(self) -> str:
         """One line: ``w x d``, microbatches, schedule, split and partition."""
         split = " + split backward" if self.split_backward else ""
+        ranks = ", replicas on neighbouring ranks" if self.inner == "dp" else ""
         return (f"w={self.width} x d={self.depth}, m={self.microbatches}, {self.schedule}{split}, "
-                f"partition {list(self.partition) if self.is_resolved else self.partition}")  # fmt: skip
+                f"partition {list(self.partition) if self.is_resolved else self.partition}{ranks}")  # fmt: skip
 

@@ -93,7 +93,7 @@ def snippet(best: planner.Prediction, global_batch: int) -> str:
     plan = best.plan
     init = {"schedule": plan.schedule, "pipeline_depth": plan.depth, "microbatches": plan.microbatches,
             "partition": list(plan.partition), "recompute": list(plan.recompute),
-            "split_backward": plan.split_backward, "global_batch_size": global_batch}  # fmt: skip
+            "split_backward": plan.split_backward, "inner": plan.inner, "global_batch_size": global_batch}  # fmt: skip
     return yaml.safe_dump({"trainer": {"devices": plan.world_size, "strategy": {"init_args": init}}}, sort_keys=False)
 
 
@@ -104,6 +104,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--script", type=Path, default=None, help="the script defining the model and data module "
                         "(default: examples/<config name before its first '_'>.py)")  # fmt: skip
     parser.add_argument("--devices", type=int, required=True)
+    parser.add_argument("--ranks-per-node", type=int, default=None, help="processes per node (default: all on one)")
     parser.add_argument("--memory", type=parse_bytes, default=None, help="budget of tensor bytes per device, e.g. 256MiB")
     parser.add_argument("--global-batch", type=int, default=None, help="default: the config's")
     parser.add_argument("--allow-stale", action="store_true", help="also plan PipeDream-2BW (1-stale updates)")
@@ -127,7 +128,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not ranked or not ranked[0].feasible:
         print("no plan fits the memory budget", file=sys.stderr)
         return 1
-    args.output.write_text(snippet(ranked[0], global_batch))
+    best = ranked[0]
+    if args.ranks_per_node:
+        oriented = planner.orient(profile, best.plan, best.microbatch_size, args.ranks_per_node)
+        best = dataclasses.replace(best, plan=oriented)
+    args.output.write_text(snippet(best, global_batch))
     print(f"\nbest plan written to {args.output}:\n{args.output.read_text()}")
     return 0
 

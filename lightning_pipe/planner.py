@@ -140,6 +140,25 @@ def predict_memory(profile: Profile, plan: PipelinePlan, microbatch_size: int, p
     return [stage_peak_bytes(st, peak_stash[s], versions, plan.recompute[s]) for s, st in enumerate(costs)]
 
 
+def traffic(profile: Profile, plan: PipelinePlan, microbatch_size: int) -> tuple[float, float]:
+    """Bytes one step moves (pipeline, replicas): activations forward and gradients backward
+    across every stage boundary of a pipeline, and the ring all-reduce of every stage's gradients."""
+    costs = stage_costs(profile, plan, microbatch_size)
+    pipeline = sum(2 * plan.microbatches * st.output_bytes for st in costs[:-1])
+    replicas = sum(2 * (plan.width - 1) / plan.width * st.gradient_bytes for st in costs)
+    return pipeline, replicas
+
+
+def orient(profile: Profile, plan: PipelinePlan, microbatch_size: int, ranks_per_node: int) -> PipelinePlan:
+    """``plan`` with its heavier traffic on neighbouring ranks, which share a node (seed 000,
+    section 3.3: "stage replicas can be placed on the same server so that expensive all-reduce
+    updates are between GPUs on the same server"; here whichever traffic is larger stays there)."""
+    if plan.world_size <= ranks_per_node:
+        return plan.replace(inner="pp")
+    pipeline, replicas = traffic(profile, plan, microbatch_size)
+    return plan.replace(inner="pp" if pipeline >= replicas else "dp")
+
+
 # -- seed 000, Appendix A (seed 002): closed forms, kept as a cross-check -------------------
 
 

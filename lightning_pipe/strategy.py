@@ -28,7 +28,7 @@ from lightning_pipe.runtime.placement import Placement, pipeline_blocks_of
 from lightning_pipe.topology import Topology
 
 _LAYOUT_DEFAULTS: dict[str, Any] = dict(schedule="1f1b", pipeline_depth=None, microbatches=1, partition="balanced",
-                                         recompute=False, split_backward=False, split_max_pending=None)  # fmt: skip
+                                         recompute=False, split_backward=False, split_max_pending=None, inner="pp")  # fmt: skip
 
 
 class PipelineStrategy(DDPStrategy):
@@ -54,6 +54,10 @@ class PipelineStrategy(DDPStrategy):
             weight gradients (delayed into idle time), 2BP; any module, through autograd.
         split_max_pending: with ``split_backward``, the most microbatches waiting for their
             weight gradients (bounds memory; GPipe and 1F1B).
+        inner: "pp" (default): the stages of a pipeline run on neighbouring ranks, so
+            activations stay inside a node; "dp": the replicas of a stage do, so the gradient
+            all-reduce stays inside a node (multi-node jobs; ``python -m lightning_pipe.plan``
+            says which carries more bytes).
         plan: the whole layout as one value, instead of the layout arguments above; its
             ``width * depth`` must equal the number of processes.
         save_distributed_checkpoint: write checkpoints as a torch.distributed.checkpoint
@@ -79,6 +83,7 @@ class PipelineStrategy(DDPStrategy):
         gradient_clip_val: Optional[float] = None,
         split_backward: bool = False,
         split_max_pending: Optional[int] = None,
+        inner: str = "pp",
         plan: Optional[PipelinePlan] = None,
         save_distributed_checkpoint: bool = True,
         global_batch_size: Optional[int] = None,
@@ -92,7 +97,8 @@ class PipelineStrategy(DDPStrategy):
         precision_plugin: Optional[Precision] = None,
     ) -> None:
         layout = dict(schedule=schedule, pipeline_depth=pipeline_depth, microbatches=microbatches, partition=partition,
-                      recompute=recompute, split_backward=split_backward, split_max_pending=split_max_pending)  # fmt: skip
+                      recompute=recompute, split_backward=split_backward, split_max_pending=split_max_pending,
+                      inner=inner)  # fmt: skip
         self._layout = _check_layout(layout, plan)
         if global_batch_size is not None and global_batch_size < 1:
             raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")

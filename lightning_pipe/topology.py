@@ -1,4 +1,4 @@
-"""Frozen (w, d) layout: which rank runs which replica of which stage, and the process groups."""
+"""Frozen (w, d) layout: which rank runs which replica of which stage."""
 
 from __future__ import annotations
 
@@ -13,16 +13,22 @@ if TYPE_CHECKING:
 class Topology:
     """``w`` data-parallel replicas of a ``d``-stage pipeline over ``w * d`` ranks.
 
-    Rank ``r`` runs stage ``r % d`` of replica ``r // d``: the stages of one pipeline are
-    neighbouring ranks, so point-to-point traffic stays local (seed 000, section 3.3).
+    With ``inner="pp"`` (default) rank ``r`` runs stage ``r % d`` of replica ``r // d``: the
+    stages of one pipeline are neighbouring ranks, so activations and gradients between stages
+    stay inside a node (seed 000, section 3.3). With ``inner="dp"`` rank ``r`` runs stage
+    ``r // w`` of replica ``r % w``: the replicas of a stage are neighbours, so the gradient
+    all-reduce stays inside a node instead. Neighbouring ranks share a node under every
+    launcher (torchrun and Lightning number the ranks of a node consecutively).
 
     Args:
         world_size: total number of processes.
         depth: number of pipeline stages ``d``.
+        inner: which dimension's ranks are neighbours, "pp" or "dp".
     """
 
     world_size: int
     depth: int
+    inner: str = "pp"
 
     def __post_init__(self) -> None:
         if self.depth < 1 or self.world_size < 1:
@@ -32,6 +38,8 @@ class Topology:
                 f"world size {self.world_size} is not divisible by pipeline_depth={self.depth}; "
                 f"use a number of devices that is a multiple of {self.depth}"
             )
+        if self.inner not in ("pp", "dp"):
+            raise ValueError(f"inner must be 'pp' (pipelines on neighbouring ranks) or 'dp' (replicas), got {self.inner!r}")
 
     @property
     def width(self) -> int:
@@ -40,18 +48,23 @@ class Topology:
 
     def stage_of(self, rank: int) -> int:
         """Pipeline stage that ``rank`` runs."""
-        return rank % self.depth
+        return rank % self.depth if self.inner == "pp" else rank // self.width
 
     def replica_of(self, rank: int) -> int:
         """Data-parallel replica (pipeline) that ``rank`` belongs to."""
-        return rank // self.depth
+        return rank // self.depth if self.inner == "pp" else rank % self.width
 
     def rank_of(self, replica: int, stage: int) -> int:
         """Global rank of ``stage`` in pipeline ``replica``."""
-        return replica * self.depth + stage
+        return replica * self.depth + stage if self.inner == "pp" else stage * self.width + replica
+
+    def grid(self) -> list[list[int]]:
+        """``grid[replica][stage]``: the global rank of each replica of each stage."""
+        return [[self.rank_of(r, s) for s in range(self.depth)] for r in range(self.width)]
 
     def build_mesh(self, device_type: str) -> "DeviceMesh":
-        """A DeviceMesh with a "dp" (replicas) and a "pp" (stages) dimension."""
-        from torch.distributed.device_mesh import init_device_mesh
+        """A DeviceMesh with a "dp" (replicas) and a "pp" (stages) dimension, ranks placed by :meth:`grid`."""
+        import torch
+        from torch.distributed.device_mesh import DeviceMesh
 
-        return init_device_mesh(device_type, (self.width, self.depth), mesh_dim_names=("dp", "pp"))
+        return DeviceMesh(device_type, torch.tensor(self.grid()), mesh_dim_names=("dp", "pp"))

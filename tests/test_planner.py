@@ -136,3 +136,49 @@ def test_plan_cli_profiles_a_config_and_writes_a_plan_the_strategy_accepts(tmp_p
     assert main(["--config", str(config), "--script", "examples/gpt.py", "--devices", "2", "--memory", "1KiB", "--output", str(out),
                  "--no-links"]) == 1
     assert "over the budget" in capsys.readouterr().out
+
+
+def test_orientation_keeps_the_heavier_traffic_on_neighbouring_ranks() -> None:
+    plan = PipelinePlan(width=2, depth=2, microbatches=4, partition=[4, 4])
+    heavy_activations = _uniform(8, out=100_000, grads=10)
+    heavy_gradients = _uniform(8, out=10, grads=100_000)
+    assert planner.orient(heavy_activations, plan, 2, ranks_per_node=2).inner == "pp"
+    assert planner.orient(heavy_gradients, plan, 2, ranks_per_node=2).inner == "dp"
+    assert planner.orient(heavy_gradients, plan, 2, ranks_per_node=4).inner == "pp"  # one node: nothing to keep in
+    pipeline, replicas = planner.traffic(heavy_gradients, plan, 2)
+    assert pipeline == 2 * 4 * (2 * 10) and replicas == 2 * (2 * 1 / 2 * 4 * 100_000)  # written out: 1 boundary, 2 stages
+
+
+def test_two_node_launch_trains_on_the_oriented_layout(tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from tests.launch import ROOT, SCRIPTS
+    from tests.distributed import free_port
+    from tests.models import assert_close_dicts, reference_train
+
+    port, env = free_port(), dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    agents = [
+        subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2", f"--node_rank={n}",
+                          "--master_addr=127.0.0.1", f"--master_port={port}", str(SCRIPTS / "two_nodes.py"), str(tmp_path)],
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for n in (0, 1)
+    ]  # fmt: skip
+    try:
+        logs = [a.communicate(timeout=240)[0] for a in agents]
+    finally:
+        for a in agents:
+            a.kill()
+    assert all(a.returncode == 0 for a in agents), "\n".join(log[-3000:] for log in logs)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    # ToyChain's gradients outweigh its activations, so the replicas of each stage share a node.
+    assert all(r["inner"] == "dp" for r in ranks)
+    assert [(r["node"], r["stage"], r["replica"]) for r in ranks] == [(0, 0, 0), (0, 0, 1), (1, 1, 0), (1, 1, 1)]
+    # And it trained: the weights follow single-process training on the same global batches.
+    x, y = make_data(8 * 2 * 3, 0)
+    steps = [torch.tensor(ranks[0]["indices"][t] + ranks[1]["indices"][t]) for t in range(3)]
+    torch.manual_seed(0)
+    want = reference_train(ToyChain(), [(x[i], y[i]) for i in steps])
+    got = {**ranks[0]["params"], **ranks[2]["params"]}
+    assert_close_dicts(got, want, rtol=1e-5)

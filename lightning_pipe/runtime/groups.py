@@ -31,9 +31,7 @@ class PipelineGroups:
     @classmethod
     def build(cls, topology: Topology, rank: int, device_type: str = "cpu") -> "PipelineGroups":
         """Create the groups of ``topology`` (a collective: every rank of the job calls it)."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(device_type, (topology.width, topology.depth), mesh_dim_names=("dp", "pp"))
+        mesh = topology.build_mesh(device_type)
         norm = None
         if topology.depth > 1:
             pipelines = [
