@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import lightning as L
+import torch
 import yaml
 from tqdm import tqdm
 
@@ -105,13 +106,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "(default: examples/<config name before its first '_'>.py)")  # fmt: skip
     parser.add_argument("--devices", type=int, required=True)
     parser.add_argument("--ranks-per-node", type=int, default=None, help="processes per node (default: all on one)")
-    parser.add_argument("--memory", type=parse_bytes, default=None, help="budget of tensor bytes per device, e.g. 256MiB")
+    parser.add_argument("--memory", type=parse_bytes, default=None,
+                        help="budget of tensor bytes per device, e.g. 256MiB (default on GPU: the device's free memory)")
     parser.add_argument("--global-batch", type=int, default=None, help="default: the config's")
     parser.add_argument("--allow-stale", action="store_true", help="also plan PipeDream-2BW (1-stale updates)")
     parser.add_argument("--no-links", action="store_true", help="skip measuring transfers (they are then free)")
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--output", type=Path, default=Path("plan.yaml"))
     args = parser.parse_args(argv)
+    if args.memory is None and torch.cuda.is_available():
+        args.memory = torch.cuda.mem_get_info()[0]
     script = args.script or Path("examples") / f"{args.config.stem.split('_')[0]}.py"
     cfg = yaml.safe_load(args.config.read_text())
     model, data = _build(script, args.config)
