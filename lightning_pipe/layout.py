@@ -30,7 +30,8 @@ class PipelinePlan:
         split_backward: split each backward into input and weight gradients (2BP).
         split_max_pending: with ``split_backward``, the most microbatches waiting for their W.
         partition: blocks per stage (a list of ``depth`` positive counts), or "balanced" /
-            "uniform" until :meth:`resolve` turns it into counts for a given chain.
+            "uniform" until :meth:`resolve` turns it into counts for a given chain, or "profile"
+            (balanced by profiled time; :class:`~lightning_pipe.PipelineStrategy` resolves it).
         recompute: activation recomputation, one flag for all stages or one per stage; kept
             as one flag per stage.
         inner: which dimension's ranks are neighbours (and so share a node): "pp" (the stages
@@ -76,8 +77,8 @@ class PipelinePlan:
     def _normalise_partition(self) -> None:
         spec = self.partition
         if isinstance(spec, str):
-            if spec not in ("balanced", "uniform"):
-                raise ValueError(f"unknown partition {spec!r}; use 'balanced', 'uniform' or a list of blocks per stage")
+            if spec not in ("balanced", "uniform", "profile"):
+                raise ValueError(f"unknown partition {spec!r}; use 'balanced', 'uniform', 'profile' or a list of blocks per stage")
             return
         sizes = tuple(int(s) for s in spec)
         if len(sizes) != self.depth or min(sizes) < 1:
@@ -116,6 +117,8 @@ class PipelinePlan:
         Raises:
             ValueError: if there are fewer blocks than stages or the counts do not sum to the chain.
         """
+        if self.partition == "profile":
+            raise ValueError("partition='profile' is resolved from a profile (PipelineStrategy does it at setup)")
         sizes = partition_sizes(self.partition if isinstance(self.partition, str) else list(self.partition), costs, self.depth)
         return self.replace(partition=tuple(sizes))
 

@@ -158,7 +158,7 @@ def _median(samples: list[BlockSample]) -> BlockSample:
 
 def profile_blocks(module: nn.Module, batch: Any, microbatch_sizes: Sequence[int], repeats: int = 3,
                    optimizer: Optional[Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = None,
-                   device: Optional[torch.device] = None) -> Profile:  # fmt: skip
+                   device: Optional[torch.device] = None, overhead: bool = True) -> Profile:  # fmt: skip
     """Profile every block of ``module``'s chain in this process at each microbatch size.
 
     Each block runs on the previous block's real output (from ``pipeline_inputs(batch)`` cut to
@@ -173,6 +173,8 @@ def profile_blocks(module: nn.Module, batch: Any, microbatch_sizes: Sequence[int
         optimizer: builds the optimizer over a list of parameters (default: the module's
             ``configure_optimizers`` class and defaults, else Adam).
         device: where the blocks run.
+        overhead: also measure the executor's overhead per action (runs ``pipeline_loss``, so
+            ``batch`` must hold the targets too).
     """
     device = device or torch.device("cpu")
     blocks = pipeline_blocks_of(module)
@@ -191,8 +193,8 @@ def profile_blocks(module: nn.Module, batch: Any, microbatch_sizes: Sequence[int
     step = _optimizer_step_seconds(module, optimizer, device)
     data = as_tuple(module.pipeline_inputs(batch), "pipeline_inputs")
     per_sample = _tensor_bytes(data) / batch_size(batch)
-    overhead = _action_overhead(module, blocks, batch, profiles, min(microbatch_sizes), repeats, device)
-    return Profile(profiles, optimizer_step=step, action_overhead=overhead, input_bytes_per_sample=per_sample, device=str(device))
+    per_action = _action_overhead(module, blocks, batch, profiles, min(microbatch_sizes), repeats, device) if overhead else 0.0
+    return Profile(profiles, optimizer_step=step, action_overhead=per_action, input_bytes_per_sample=per_sample, device=str(device))
 
 
 def _action_overhead(module: nn.Module, blocks: list[nn.Module], batch: Any, profiles: list[BlockProfile], size: int,

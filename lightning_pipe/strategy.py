@@ -45,7 +45,8 @@ class PipelineStrategy(DDPStrategy):
         pipeline_depth: number of stages ``d``; default: all devices form one pipeline.
         microbatches: microbatches ``m`` each batch is split into (unevenly if needed).
         partition: "balanced" (by ``pipeline_block_costs()`` or parameter count), "uniform",
-            or an explicit list of blocks per stage.
+            "profile" (by the F + B time of each block, profiled on rank 0 at setup on the
+            module's ``example_input_array``) or an explicit list of blocks per stage.
         recompute: activation recomputation (torch.utils.checkpoint), for all or per stage.
         gradient_clip_val: clip gradients to this global norm, computed over all stages
             (Lightning's own ``Trainer(gradient_clip_val=...)`` is not available with manual
@@ -195,11 +196,41 @@ class PipelineStrategy(DDPStrategy):
                 return module._pipeline_engine
             placement.undo()
         placement = placement or Placement(module)
+        if self.plan.partition == "profile":
+            self._plan = self.plan.replace(partition=self._profiled_partition(module))
         stage = placement.apply(self.plan, self.global_rank, self.root_device)
         self._plan = placement.plan
         module._pipeline_placement = placement
         rank_zero_info(placement.summary())
         return PipelineEngine(module, stage, self.plan, self.global_rank, self._groups, self.root_device, self.gradient_clip_val)
+
+    def _profiled_partition(self, module: Any) -> tuple[int, ...]:
+        """Blocks per stage balancing the profiled F + B time, measured on rank 0 and sent to all ranks.
+
+        Profiles the whole chain once (every rank still holds it before placement) on the
+        module's ``example_input_array``, which Lightning users set for the model summary.
+        """
+        from lightning_pipe import planner
+        from lightning_pipe.profiler import profile_blocks
+        from lightning_pipe.runtime.microbatch import batch_size
+
+        example = getattr(module, "example_input_array", None)
+        if example is None:
+            raise ValueError("partition='profile' needs an example batch: set self.example_input_array in "
+                             f"{type(module).__name__}.__init__ (one batch of pipeline inputs)")  # fmt: skip
+        sizes: Any = None
+        if self.global_rank == 0:
+            try:
+                microbatch = max(batch_size(example) // self.plan.microbatches, 1)
+                with torch.random.fork_rng():  # every rank's random stream stays the same
+                    profile = profile_blocks(module, example, [microbatch], repeats=2, overhead=False)
+                sizes = planner.time_balanced(profile, self.plan.depth, microbatch)
+            except Exception as err:  # noqa: BLE001 - every rank must hear of it, not wait for sizes
+                sizes = f"{type(err).__name__}: {err}"
+        sizes = self.broadcast(sizes)
+        if isinstance(sizes, str):
+            raise RuntimeError(f"profiling the blocks for partition='profile' failed on rank 0: {sizes}")
+        return tuple(sizes)
 
     @override
     def setup(self, trainer: Trainer) -> None:

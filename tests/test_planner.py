@@ -182,3 +182,18 @@ def test_two_node_launch_trains_on_the_oriented_layout(tmp_path) -> None:
     want = reference_train(ToyChain(), [(x[i], y[i]) for i in steps])
     got = {**ranks[0]["params"], **ranks[2]["params"]}
     assert_close_dicts(got, want, rtol=1e-5)
+
+
+def test_profile_partition_needs_an_example_batch() -> None:
+    from lightning_pipe import PipelineStrategy
+
+    strategy = PipelineStrategy(pipeline_depth=2, microbatches=2, partition="profile")
+    strategy._plan = PipelinePlan(depth=2, microbatches=2, partition="profile")
+    with pytest.raises(ValueError, match="needs an example batch: set self.example_input_array"):
+        strategy._profiled_partition(ToyChain())
+    model = ToyChain()
+    model.example_input_array = make_data(8)[0]
+    sizes = strategy._profiled_partition(model)
+    assert sum(sizes) == 6 and len(sizes) == 2
+    with pytest.raises(ValueError, match="resolved from a profile"):
+        PipelinePlan(depth=2, partition="profile").resolve([1.0] * 6)

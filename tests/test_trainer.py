@@ -47,6 +47,44 @@ for _w, _d in LAYOUTS:
         scenario(_w * _d, _name, fit_toy, _d, *[_run.get(k, v) for k, v in FIT_DEFAULTS.items()])
 
 
+class Profiled(ToyChain):
+    """ToyChain with an example batch, so partition="profile" can profile it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.example_input_array = make_data(BATCH)[0]
+
+
+def _fit_profiled(rank: int, world: int) -> dict:
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_pipe import PipelineStrategy
+    from tests.scripts.train_toy import Indexed, Recorder
+
+    torch.manual_seed(0)
+    model, recorder = Profiled(), Recorder()
+    trainer = L.Trainer(accelerator="cpu", devices=world, max_steps=STEPS, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder],
+                        strategy=PipelineStrategy(pipeline_depth=2, microbatches=M, partition="profile"))  # fmt: skip
+    trainer.fit(model, DataLoader(Indexed(BATCH * STEPS, 0), batch_size=BATCH))
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"partition": trainer.strategy.plan.partition, "params": params, "indices": recorder.indices}
+
+
+scenario(2, "toy_profiled_partition", _fit_profiled)
+
+
+def test_profiled_partition_is_resolved_once_and_trains(launched) -> None:
+    ranks = launched(2).ok("toy_profiled_partition")
+    assert ranks[0]["partition"] == ranks[1]["partition"] and sum(ranks[0]["partition"]) == 6
+    assert min(ranks[0]["partition"]) >= 1
+    x, y = make_data(BATCH * STEPS, 0)
+    torch.manual_seed(0)
+    want = reference_train(ToyChain(), [(x[torch.tensor(i)], y[torch.tensor(i)]) for i in ranks[0]["indices"]])
+    assert_close_dicts({**ranks[0]["params"], **ranks[1]["params"]}, want, rtol=1e-5)
+
+
 def _ranks(launched, width: int, depth: int, tag: str) -> list[dict]:
     return launched(width * depth).ok(f"toy_{width}x{depth}_{tag}")
 
