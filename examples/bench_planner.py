@@ -66,22 +66,23 @@ class _Hold(torch.autograd.Function):
 class HoldBlock(nn.Module):
     """Sleeps ``FORWARD`` per sample, keeps ``ACT`` floats per sample until backward, which sleeps ``BACKWARD`` per sample."""
 
-    def __init__(self) -> None:
+    def __init__(self, act: int = ACT) -> None:
         super().__init__()
         self.w = nn.Parameter(torch.ones(DIM))
+        self.act = act
 
     def forward(self, x: Tensor) -> Tensor:
         n = x.shape[0]
         time.sleep(FORWARD * n)
-        return _Hold.apply(x, self.w, torch.zeros(n, ACT), BACKWARD * n)
+        return _Hold.apply(x, self.w, torch.zeros(n, self.act), BACKWARD * n)
 
 
 class HoldChain(nn.Module):
-    """The chain, with the pipeline hooks of PipelineMixin."""
+    """The chain, with the pipeline hooks of PipelineMixin; ``heavy_first``: block 0 keeps 8x the activations."""
 
-    def __init__(self) -> None:
+    def __init__(self, heavy_first: bool = False) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(HoldBlock() for _ in range(BLOCKS))
+        self.blocks = nn.ModuleList(HoldBlock(8 * ACT if i == 0 and heavy_first else ACT) for i in range(BLOCKS))
 
     def pipeline_blocks(self) -> list[nn.Module]:
         return list(self.blocks)
@@ -98,11 +99,11 @@ def _plan(config: tuple, partition: tuple[int, ...]) -> PipelinePlan:
     return PipelinePlan(w, d, GLOBAL_BATCH // (w * b), schedule, partition=partition, recompute=recompute)
 
 
-def _measure(rank: int, world: int, plan: PipelinePlan, b: int, steps: int) -> dict[str, Any]:
+def _measure(rank: int, world: int, plan: PipelinePlan, b: int, steps: int, heavy_first: bool = False) -> dict[str, Any]:
     """One configuration on this rank: median step seconds and peak tensor bytes of one step."""
     torch.set_num_threads(1)
     groups = PipelineGroups.build(plan.topology, rank)
-    model = HoldChain()
+    model = HoldChain(heavy_first)
     engine = place(model, plan, rank, groups=groups)
     opt = torch.optim.Adam(engine.stage.parameters(), lr=1e-3)
     batch = torch.randn(plan.microbatches * b, DIM)
@@ -126,7 +127,7 @@ def main() -> None:
     sizes = sorted({c[2] for c in CONFIGS})
     profile = profile_blocks(model, torch.randn(max(sizes), DIM), [min(sizes), max(sizes)], repeats=3)
     profile.__dict__.update(profile_links(world=2))
-    rows, time_errors, memory_errors = [], [], []
+    rows, time_errors, memory_errors, results = [], [], [], []
     for i, config in enumerate(CONFIGS):
         w, d, b, schedule, recompute = config
         plan = _plan(config, planner.time_balanced(profile, d, b))
@@ -139,6 +140,7 @@ def main() -> None:
         t_err = predicted.step_time / step - 1
         m_err = max(abs(p / q - 1) for p, q in zip(predicted.stage_memory, peaks))
         time_errors.append(abs(t_err))
+        results.append({"config": (w, d), "predicted": predicted, "measured": step, "peaks": peaks})
         memory_errors.append(m_err)
         rows.append(f"| ({w},{d}) | {b} | {plan.microbatches} | {schedule} | {'yes' if recompute else 'no'} | "
                     f"{predicted.step_time:.3f} | {step:.3f} | {t_err:+.1%} | "
@@ -151,6 +153,53 @@ def main() -> None:
     print("\n".join(rows))
     print(f"\nstep time error: median {statistics.median(time_errors):.1%}, worst {max(time_errors):.1%}; "
           f"peak memory error: median {statistics.median(memory_errors):.1%}, worst {max(memory_errors):.1%}")
+    _ranking(results)
+    _verdicts(results)
+    _madpipe_order(profile)
+
+
+def _ranking(results: list[dict[str, Any]]) -> None:
+    """The planner's first choice among the 4-process configurations against the best measured one."""
+    four = [r for r in results if r["config"][0] * r["config"][1] == 4]
+    chosen = min(four, key=lambda r: r["predicted"].step_time)  # same global batch: shortest step is fastest
+    best = min(four, key=lambda r: r["measured"])
+    print(f"\nranking (4 processes, {len(four)} configurations): planner's first choice {chosen['config']} measured "
+          f"{chosen['measured']:.3f} s; best measured {best['config']} {best['measured']:.3f} s; "
+          f"ratio {chosen['measured'] / best['measured']:.3f}")
+
+
+def _verdicts(results: list[dict[str, Any]]) -> None:
+    """With a budget at the median measured peak: does 'feasible' agree with the measured peak?"""
+    budget = statistics.median(max(r["peaks"]) for r in results)
+    agree = sum((max(r["predicted"].stage_memory) <= budget) == (max(r["peaks"]) <= budget) for r in results)
+    print(f"memory verdicts at a budget of {budget / 2**20:.3f} MiB (the median measured peak): {agree} of {len(results)} agree")
+
+
+def _madpipe_order(profile: Any) -> None:
+    """A chain whose first block keeps 8x the activations: time-balanced vs memory-aware partition, measured."""
+    from lightning_pipe.madpipe import madpipe_partition
+
+    heavy = profile_blocks(HoldChain(heavy_first=True), torch.randn(2, DIM), [1, 2], repeats=2)
+    heavy.__dict__.update({k: getattr(profile, k) for k in ("link_latency", "link_bandwidth", "allreduce_bandwidth")})
+    plan = PipelinePlan(1, 4, 8, "1f1b", partition=planner.time_balanced(heavy, 4, 2))
+    balanced = planner.predict(heavy, plan, 2)
+    limit = 0.9 * max(balanced.stage_memory)  # the time-balanced split does not fit
+    found = madpipe_partition(heavy, plan, 2, limit)
+    assert found is not None, "no memory-aware partition fits"
+    aware = planner.predict(heavy, plan.replace(partition=found.sizes), 2)
+    rows = []
+    for name, predicted in (("time-balanced", balanced), ("memory-aware", aware)):
+        out = run_gloo(_measure, 4, predicted.plan, 2, 4, True, timeout=300.0)
+        assert all(s == "ok" for s, _ in out), [v for s, v in out if s != "ok"]
+        peaks = [max(v["peak"] for _, v in out if v["stage"] == s) for s in range(4)]
+        rows.append((name, predicted, max(v["step"] for _, v in out), max(peaks)))
+    print(f"\nMadPipe case (block 0 keeps 8x the activations; budget {limit / 2**20:.3f} MiB):")
+    for name, predicted, step, peak in rows:
+        print(f"  {name} {list(predicted.plan.partition)}: predicted {predicted.step_time:.3f} s, peak "
+              f"{max(predicted.stage_memory) / 2**20:.3f} MiB; measured {step:.3f} s, peak {peak / 2**20:.3f} MiB, "
+              f"fits: {peak <= limit}")
+    same = (rows[0][1].step_time < rows[1][1].step_time) == (rows[0][2] < rows[1][2])
+    print(f"  measured order of step times matches the predicted one: {same}")
 
 
 if __name__ == "__main__":
