@@ -197,3 +197,30 @@ def test_drain_after_the_first_two_bw_step_applies_its_update(launched) -> None:
     reference_train(ToyChain(), [make_data(BATCH, seed=0)], delay=1, optimizer="adam", history=history)
     merged = {**out[0][1], **out[1][1]}
     assert_close_dicts(merged, history[1], rtol=1e-5)
+
+
+def _held_sends_worker(rank: int, world: int) -> list[int]:
+    """Messages whose tensors a 2BW stage still keeps after each of 8 steps (the stream never waits)."""
+    groups = PipelineGroups.build(Topology(world, world), rank)
+    torch.manual_seed(0)
+    model = ToyChain()
+    engine = place(model, PipelinePlan(1, world, M, "2bw", partition="uniform"), rank, groups=groups)
+    opt = make_optimizer(model.parameters(), "sgd", model.lr)
+    held = []
+    for step in range(8):
+        engine.train_step(make_data(BATCH, seed=step), opt)
+        held.append(sum(len(box.messages) for box in engine._state.sent.values()))
+    engine.drain()
+    return held
+
+
+scenario(2, "two_bw_held_sends", _held_sends_worker)
+
+
+def test_a_two_bw_stream_does_not_keep_its_sent_tensors(launched) -> None:
+    # Gloo reports a send complete only once waited on, and a 2BW stream never waits: before the
+    # peers acknowledged receipt in their headers, every message sent stayed alive (M more each step).
+    out = launched(2)["two_bw_held_sends"]
+    assert all(status == "ok" for status, _ in out), [v for s, v in out if s != "ok"]
+    for _, held in out:
+        assert max(held) <= 2 and held[-1] <= held[0], held

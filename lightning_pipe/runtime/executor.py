@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,43 @@ class Hooks:
     loss_done: Callable[[float], None] = lambda loss_sum: None
 
 
+class Outbox:
+    """Messages posted to one peer, kept (so their tensors stay alive) until known delivered.
+
+    Gloo's send handles report completion only once waited on, so completion is learned from
+    the peer: every header carries how many messages its sender has received so far, and
+    waiting on those sends returns at once. Without this a step held every microbatch's sent
+    tensors to its end, and a 2BW stream (which never waits) held them forever.
+    """
+
+    def __init__(self) -> None:
+        self.posted = 0
+        self.messages: deque[tuple[int, list[dist.Work], Tensors]] = deque()
+
+    def post(self, works: list[dist.Work], tensors: Tensors) -> None:
+        """Keep one just-posted message."""
+        self.messages.append((self.posted, works, tensors))
+        self.posted += 1
+
+    def release(self, delivered: int) -> None:
+        """Drop the first ``delivered`` messages (the peer has them) and any reported complete."""
+        kept: deque[tuple[int, list[dist.Work], Tensors]] = deque()
+        for index, works, tensors in self.messages:
+            if index < delivered:
+                for work in works:
+                    work.wait()
+            elif not all(w.is_completed() for w in works):
+                kept.append((index, works, tensors))
+        self.messages = kept
+
+    def wait(self) -> None:
+        """Wait for every message still kept."""
+        for _, works, _ in self.messages:
+            for work in works:
+                work.wait()
+        self.messages.clear()
+
+
 @dataclass
 class StepState:
     """Everything kept between actions, keyed by microbatch (2BW keeps it across steps)."""
@@ -67,7 +104,8 @@ class StepState:
     results: dict[int, Any] = field(default_factory=dict)
     loss_sum: float = 0.0
     losses_left: int = 0
-    pending: list[tuple[dist.Work, Tensors]] = field(default_factory=list)
+    sent: dict[int, Outbox] = field(default_factory=dict)
+    received: Counter[int] = field(default_factory=Counter)
     live: int = 0
     peak_stash: int = 0
     held_bytes: dict[int, int] = field(default_factory=dict)
@@ -98,13 +136,13 @@ class StepState:
 
 
 @contextmanager
-def saved_bytes() -> Iterator[list[int]]:
-    """Count the bytes autograd saves for backward inside the block (parameters excluded:
-    they are held anyway); the graph keeps them until the microbatch's backward."""
-    counted, seen = [0], set()
+def saved_bytes(weights: Iterable[Tensor] = ()) -> Iterator[list[int]]:
+    """Count the bytes autograd saves for backward inside the block (parameters and views of
+    ``weights`` excluded: they are held anyway); the graph keeps them until the microbatch's backward."""
+    counted, seen = [0], {t.untyped_storage().data_ptr() for t in weights}
 
     def pack(t: Tensor) -> Tensor:
-        key = (t.untyped_storage().data_ptr(), t.dtype)
+        key = t.untyped_storage().data_ptr()
         if not (t.is_leaf and t.requires_grad) and key not in seen:
             seen.add(key)
             counted[0] += t.untyped_storage().nbytes()
@@ -170,8 +208,6 @@ class Executor:
                     incoming.advance()
             if wait:
                 self._wait(state)
-            else:
-                state.pending = [(w, t) for w, t in state.pending if not w.is_completed()]
         except BaseException as err:  # noqa: BLE001 - neighbours must hear of every failure
             self._abort(err)
             raise
@@ -184,7 +220,7 @@ class Executor:
         inputs = as_tuple(self.hooks.inputs(mb), "pipeline_inputs") if self.position.is_first else st.inputs.pop(k)
         if st.train:
             st.inputs[k] = inputs
-        with saved_bytes() as counted:
+        with saved_bytes(self.stage.parameters()) as counted:
             outputs = self.stage(inputs, st.weights)
         if st.train:
             st.stash(1)
@@ -254,7 +290,8 @@ class Executor:
 
     # -- communication ---------------------------------------------------------------------
     def _send(self, tensors: Tensors, dst: int, st: StepState) -> None:
-        st.pending += [(w, tensors) for w in p2p.send_tensors(tensors, dst, self.device)]
+        box = st.sent.setdefault(dst, Outbox())
+        box.post(p2p.send_tensors(tensors, dst, self.device, ack=st.received[dst]), tensors)
 
     def _send_act(self, a: Action, st: StepState) -> None:
         outputs = st.outputs[a.microbatch] if st.train else st.outputs.pop(a.microbatch)
@@ -275,26 +312,29 @@ class Executor:
         self._left = Counter(sources[a.kind] for a in actions if a.kind in sources)
         self._incoming = {src: p2p.Incoming(src, self.device) for src in self._left}
 
-    def _receive(self, src: Optional[int]) -> Tensors:
+    def _receive(self, src: Optional[int], st: StepState) -> Tensors:
         assert src is not None
-        received = self._incoming.pop(src).wait()
+        incoming = self._incoming.pop(src)
+        received = incoming.wait()
+        st.received[src] += 1
+        if src in st.sent:
+            st.sent[src].release(incoming.ack)
         self._left[src] -= 1
         if self._left[src]:
             self._incoming[src] = p2p.Incoming(src, self.device)
         return received
 
     def _recv_act(self, a: Action, st: StepState) -> None:
-        received = self._receive(self.position.prev_rank)
+        received = self._receive(self.position.prev_rank, st)
         grad = st.train and torch.is_grad_enabled()
         st.inputs[a.microbatch] = tuple(t.requires_grad_(grad and t.is_floating_point()) for t in received)
 
     def _recv_grad(self, a: Action, st: StepState) -> None:
-        st.grads[a.microbatch] = self._receive(self.position.next_rank)
+        st.grads[a.microbatch] = self._receive(self.position.next_rank, st)
 
     def _wait(self, st: StepState) -> None:
-        for work, _ in st.pending:
-            work.wait()
-        st.pending.clear()
+        for box in st.sent.values():
+            box.wait()
 
     # -- failure ---------------------------------------------------------------------------
     def _abort(self, err: BaseException) -> None:

@@ -30,9 +30,10 @@ class PipelineAbortedError(RuntimeError):
         self.source_rank = source_rank
 
 
-def encode_header(tensors: Sequence[Tensor]) -> Tensor:
-    """Fixed-size int64 header: status, count, then (dtype, ndim, *shape) per tensor."""
-    fields = [_OK, len(tensors)]
+def encode_header(tensors: Sequence[Tensor], ack: int = 0) -> Tensor:
+    """Fixed-size int64 header: status, count, ``ack`` (how many messages the sender has received
+    from the destination so far), then (dtype, ndim, *shape) per tensor."""
+    fields = [_OK, len(tensors), ack]
     for t in tensors:
         if t.dtype not in _DTYPE_INDEX:
             raise TypeError(f"cannot send a tensor of dtype {t.dtype} between pipeline stages")
@@ -45,7 +46,7 @@ def encode_header(tensors: Sequence[Tensor]) -> Tensor:
 def decode_header(header: Tensor) -> list[tuple[torch.dtype, tuple[int, ...]]]:
     """Inverse of :func:`encode_header` for an OK header: (dtype, shape) of each tensor."""
     fields = header.tolist()
-    specs, pos = [], 2
+    specs, pos = [], 3
     for _ in range(fields[1]):
         dtype, ndim = _DTYPES[fields[pos]], fields[pos + 1]
         specs.append((dtype, tuple(fields[pos + 2 : pos + 2 + ndim])))
@@ -58,10 +59,10 @@ def _wire(t: Tensor) -> Tensor:
     return t.view(torch.uint8) if t.dtype == torch.bool else t
 
 
-def send_tensors(tensors: Sequence[Tensor], dst: int, device: torch.device) -> list[dist.Work]:
-    """Post non-blocking sends of a header and each tensor to global rank ``dst``."""
+def send_tensors(tensors: Sequence[Tensor], dst: int, device: torch.device, ack: int = 0) -> list[dist.Work]:
+    """Post non-blocking sends of a header (carrying ``ack``) and each tensor to global rank ``dst``."""
     tensors = [t.detach().contiguous() for t in tensors]
-    header = encode_header(tensors).to(device)
+    header = encode_header(tensors, ack).to(device)
     return [dist.isend(header, dst)] + [dist.isend(_wire(t), dst) for t in tensors]
 
 
@@ -76,6 +77,7 @@ class Incoming:
         self.buffers: Optional[list[Tensor]] = None
         self.works: list[dist.Work] = []
         self.aborted = False
+        self.ack = 0
 
     def advance(self) -> None:
         """Post the payload receives if the header has arrived; never blocks."""
@@ -88,6 +90,7 @@ class Incoming:
             self.aborted = True
             self.buffers = [torch.empty(int(header[1]), dtype=torch.uint8, device=self.device)]
         else:
+            self.ack = int(header[2])
             self.buffers = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in decode_header(header)]
         self.works = [dist.irecv(_wire(b), self.src) for b in self.buffers]
 
