@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from lightning_pipe.layout import PipelinePlan
-from lightning_pipe.planner import range_costs, stage_peak_bytes, weight_versions
+from lightning_pipe.planner import batch_bytes, held, range_costs, weight_versions
+from lightning_pipe.stage_memory import stage_peak_bytes
 from lightning_pipe.profiler import Profile
 from lightning_pipe.schedules import build_schedule, two_bw_run
 from lightning_pipe.simulate import simulate, unit_costs
@@ -45,18 +46,22 @@ class _Chain:
 
     def __init__(self, profile: Profile, plan: PipelinePlan, microbatch_size: int) -> None:
         self.profile, self.b = profile, microbatch_size
-        self.held = held_microbatches(plan.schedule, plan.depth, plan.microbatches, plan.split_backward)
-        self.versions = weight_versions(plan)
-        self.costs = functools.lru_cache(maxsize=None)(lambda a, z: range_costs(profile, range(a, z), microbatch_size))
+        self.held = held(plan)
+        self.versions, self.depth = weight_versions(plan), plan.depth
+        self.batch = batch_bytes(profile, plan, microbatch_size)
+        samples = [block.at(microbatch_size) for block in profile.blocks]
+        self.costs = functools.lru_cache(maxsize=None)(lambda a, z: range_costs(profile, range(a, z), microbatch_size, samples=samples))
+        self.memory = functools.lru_cache(maxsize=None)(self._memory)  # type: ignore[method-assign]
 
     def time(self, start: int, stop: int) -> float:
         """U(k, l) of seed 004: F + B seconds of blocks ``start .. stop-1``."""
         st = self.costs(start, stop)
         return st.forward + st.backward
 
-    def memory(self, start: int, stop: int, stage: int) -> int:
+    def _memory(self, start: int, stop: int, stage: int) -> int:
         """M(k, l, g) of seed 004 with g the exact count of stage ``stage``."""
-        return stage_peak_bytes(self.costs(start, stop), self.held[stage], self.versions)
+        first, last = stage == 0, stage == self.depth - 1
+        return stage_peak_bytes(self.costs(start, stop), self.held[stage], self.versions, False, first, last, self.batch)
 
 
 def _fits(chain: _Chain, n: int, depth: int, target: float, limit: float) -> Optional[tuple[int, ...]]:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import functools
 import itertools
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 from lightning_pipe.partition import balanced
 from lightning_pipe.layout import PipelinePlan
-from lightning_pipe.profiler import Profile
+from lightning_pipe.profiler import BlockSample, Profile
 from lightning_pipe.schedules import SCHEDULE_NAMES, Action, Kind, build_schedule, two_bw_run
-from lightning_pipe.simulate import simulate
+from lightning_pipe.simulate import CompiledProgram, compile_program
+from lightning_pipe.stage_memory import HeldCounts, program_held_counts, stage_memory_terms, stage_peak_bytes  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -33,11 +34,31 @@ class StageCosts:
     weight_bytes: int
     gradient_bytes: int
     optimizer_bytes: int
+    unsaved_output_bytes: int = 0  # of the output, what autograd does not save anyway
+    forward_workspace_bytes: int = 0  # the largest block's temporaries during its forward
+    backward_workspace_bytes: int = 0  # the largest block's temporaries during its backward
+    first_backward_bytes: int = 0  # one microbatch's saved tensors and the gradients during the step's first backward
 
 
-def range_costs(profile: Profile, blocks: range, microbatch_size: int, recompute: bool = False) -> StageCosts:
-    """The profiled costs of blocks ``blocks`` run as one stage at ``microbatch_size``."""
-    mine = [profile.blocks[i].at(microbatch_size) for i in blocks]
+def _first_backward(samples: Sequence[BlockSample], grads: Sequence[int]) -> int:
+    """Peak of one microbatch's first backward through the blocks, last to first: the saved
+    tensors of the blocks not yet run, the gradients created so far, the running block's temporaries."""
+    stash = [x.saved_bytes for x in samples]
+    stash[1:] = [s + max(b.saved_input_bytes - a.saved_output_bytes, 0) for s, a, b in zip(stash[1:], samples, samples[1:])]
+    return max(sum(stash[: j + 1]) + sum(grads[j:]) + samples[j].backward_workspace_bytes for j in range(len(samples)))
+
+
+def _inner_inputs(samples: Sequence[BlockSample]) -> int:
+    """Saved bytes of the inputs of a stage's inner blocks, each boundary tensor counted once
+    (the previous block may have saved its output, the same tensor, already)."""
+    return sum(max(b.saved_input_bytes - a.saved_output_bytes, 0) for a, b in zip(samples, samples[1:]))
+
+
+def range_costs(profile: Profile, blocks: range, microbatch_size: int, recompute: bool = False,
+                samples: Optional[Sequence[BlockSample]] = None) -> StageCosts:  # fmt: skip
+    """The profiled costs of blocks ``blocks`` run as one stage at ``microbatch_size`` (``samples``:
+    every block already at that size, to save the interpolation)."""
+    mine = [samples[i] if samples is not None else profile.blocks[i].at(microbatch_size) for i in blocks]
     states = [profile.blocks[i] for i in blocks]
     first = blocks.start
     return StageCosts(
@@ -45,13 +66,17 @@ def range_costs(profile: Profile, blocks: range, microbatch_size: int, recompute
         backward=sum(x.backward + (x.recompute if recompute else 0.0) for x in mine),
         input_grad=sum(x.input_grad for x in mine),
         weight_grad=sum(x.weight_grad for x in mine),
-        stash_bytes=sum(x.saved_bytes for x in mine),
-        input_bytes=(profile.blocks[first - 1].at(microbatch_size).output_bytes if first > 0
+        stash_bytes=sum(x.saved_bytes for x in mine) + _inner_inputs(mine),
+        input_bytes=((samples[first - 1] if samples is not None else profile.blocks[first - 1].at(microbatch_size)).output_bytes if first > 0
                      else int(profile.input_bytes_per_sample * microbatch_size)),
         output_bytes=mine[-1].output_bytes,
+        unsaved_output_bytes=mine[-1].output_bytes - mine[-1].saved_output_bytes,
         weight_bytes=sum(b.parameter_bytes for b in states),
         gradient_bytes=sum(b.gradient_bytes for b in states),
         optimizer_bytes=sum(b.optimizer_bytes for b in states),
+        forward_workspace_bytes=max(x.forward_workspace_bytes for x in mine),
+        backward_workspace_bytes=max(x.backward_workspace_bytes for x in mine),
+        first_backward_bytes=_first_backward(mine, [b.gradient_bytes for b in states]),
     )  # fmt: skip
 
 
@@ -91,7 +116,11 @@ def action_cost(profile: Profile, plan: PipelinePlan, stages: Sequence[StageCost
 
 def program(plan: PipelinePlan, steps: int = 1) -> list[list[Action]]:
     """The action lists the executor runs for ``plan`` (``steps`` 2BW windows and the drain)."""
-    return _program(plan.schedule, plan.depth, plan.microbatches, plan.split_backward, plan.split_max_pending, steps)
+    return _program(*_program_key(plan, steps))
+
+
+def _program_key(plan: PipelinePlan, steps: int) -> tuple:
+    return plan.schedule, plan.depth, plan.microbatches, plan.split_backward, plan.split_max_pending, steps
 
 
 @functools.lru_cache(maxsize=1024)
@@ -101,31 +130,35 @@ def _program(schedule: str, depth: int, m: int, split: bool, max_pending: Option
     return build_schedule(schedule, depth, m, split, max_pending)
 
 
-def predict_step(profile: Profile, plan: PipelinePlan, microbatch_size: int) -> tuple[float, list[int]]:
-    """Predicted seconds of one training step, and the simulator's peak stashed microbatches per stage.
+@functools.lru_cache(maxsize=1024)
+def _compiled(*key: Any) -> CompiledProgram:
+    return compile_program(_program(*key))
 
-    2BW never flushes: its step is one steady-state window, the difference of runs of 3 and 2 windows.
-    """
-    cost = action_cost(profile, plan, stage_costs(profile, plan, microbatch_size))
+
+@functools.lru_cache(maxsize=1024)
+def _held(*key: Any) -> list[HeldCounts]:
+    return program_held_counts(_program(*key), warm=key[0] == "2bw")
+
+
+def held(plan: PipelinePlan) -> list[HeldCounts]:
+    """Microbatches each stage of ``plan``'s program holds at each kind of moment (cost-free, cached)."""
+    return _held(*_program_key(plan, 3 if plan.schedule == "2bw" else 1))
+
+
+def step_time(plan: PipelinePlan, cost: Callable[[Action], float]) -> float:
+    """Seconds of one step of ``plan``'s program under ``cost`` (the simulator's makespan, on the
+    program compiled once). 2BW never flushes: its step is one steady-state window, the
+    difference of runs of 3 and 2 windows."""
     if plan.schedule == "2bw":
-        longer, shorter = simulate(program(plan, 3), cost), simulate(program(plan, 2), cost)
-        return longer.makespan - shorter.makespan, longer.peak_stash
-    result = simulate(program(plan), cost)
-    return result.makespan, result.peak_stash
+        longer, shorter = _compiled(*_program_key(plan, 3)), _compiled(*_program_key(plan, 2))
+        return longer.makespan(longer.costs_from(cost)) - shorter.makespan(shorter.costs_from(cost))
+    compiled = _compiled(*_program_key(plan, 1))
+    return compiled.makespan(compiled.costs_from(cost))
 
 
-def stage_peak_bytes(st: StageCosts, held: int, versions: int = 1, recompute: bool = False) -> int:
-    """Peak tensor bytes of one stage holding ``held`` microbatches for their backward.
-
-    Weights times the versions the schedule keeps (2 under 2BW, seed 000 section 3.1), their
-    gradients (one per version), optimizer state, ``held`` microbatches of stashed activations
-    plus the stage input each keeps (with recompute: the inputs only, plus one microbatch's
-    activations during its backward), and one received input and one outgoing output as
-    communication buffers.
-    """
-    activations = held * st.input_bytes + (st.stash_bytes if recompute else held * st.stash_bytes)
-    state = versions * (st.weight_bytes + st.gradient_bytes) + st.optimizer_bytes
-    return int(state + activations + st.input_bytes + st.output_bytes)
+def predict_step(profile: Profile, plan: PipelinePlan, microbatch_size: int) -> tuple[float, list[HeldCounts]]:
+    """Predicted seconds of one training step (:func:`step_time`), and the microbatches each stage holds (:func:`held`)."""
+    return step_time(plan, action_cost(profile, plan, stage_costs(profile, plan, microbatch_size))), held(plan)
 
 
 def weight_versions(plan: PipelinePlan) -> int:
@@ -133,11 +166,16 @@ def weight_versions(plan: PipelinePlan) -> int:
     return 2 if plan.schedule == "2bw" else 1
 
 
-def predict_memory(profile: Profile, plan: PipelinePlan, microbatch_size: int, peak_stash: Sequence[int]) -> list[int]:
-    """Predicted peak tensor bytes of every stage (:func:`stage_peak_bytes`), ``peak_stash`` from the simulator."""
-    costs = stage_costs(profile, plan, microbatch_size)
-    versions = weight_versions(plan)
-    return [stage_peak_bytes(st, peak_stash[s], versions, plan.recompute[s]) for s, st in enumerate(costs)]
+def batch_bytes(profile: Profile, plan: PipelinePlan, microbatch_size: int) -> int:
+    """Bytes of one replica's batch (``m * b`` samples)."""
+    return int(profile.batch_bytes_per_sample * plan.microbatches * microbatch_size)
+
+
+def predict_memory(profile: Profile, plan: PipelinePlan, microbatch_size: int, held: Sequence[HeldCounts]) -> list[int]:
+    """Predicted peak tensor bytes of every stage (:func:`~lightning_pipe.stage_memory.stage_peak_bytes`)."""
+    costs, versions, batch = stage_costs(profile, plan, microbatch_size), weight_versions(plan), batch_bytes(profile, plan, microbatch_size)
+    last = len(costs) - 1
+    return [stage_peak_bytes(st, held[s], versions, plan.recompute[s], s == 0, s == last, batch) for s, st in enumerate(costs)]
 
 
 def traffic(profile: Profile, plan: PipelinePlan, microbatch_size: int) -> tuple[float, float]:
@@ -247,12 +285,13 @@ def candidates(profile: Profile, devices: int, global_batch: int, allow_stale: b
     here); split backward on and off; the time-balanced partition and, under a memory limit,
     the memory-aware one (:func:`lightning_pipe.madpipe.madpipe_partition`) when they differ."""
     names = [s for s in (schedules or SCHEDULE_NAMES) if allow_stale or s != "2bw"]
+    balanced_for = functools.lru_cache(maxsize=None)(lambda d, b: time_balanced(profile, d, b))
     for (width, depth), name, split in itertools.product(_layouts(devices, len(profile.blocks)), names, (False, True)):
         for b in (b for b in range(1, global_batch + 1) if global_batch % (width * b) == 0):
             m = global_batch // (width * b)
             if name == "2bw" and m < depth:
                 continue
-            plan = PipelinePlan(width, depth, m, name, split, partition=time_balanced(profile, depth, b))
+            plan = PipelinePlan(width, depth, m, name, split, partition=balanced_for(depth, b))
             yield Candidate(plan, b)
             memory_aware = _memory_aware(profile, plan, b, memory_limit)
             if memory_aware is not None and memory_aware != plan.partition:

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import statistics
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from lightning_pipe.runtime import split
-from lightning_pipe.runtime.executor import saved_bytes
 from lightning_pipe.runtime.microbatch import batch_size, split_batch
 from lightning_pipe.runtime.placement import pipeline_blocks_of
 from lightning_pipe.runtime.stage import as_tuple
@@ -27,8 +31,12 @@ class BlockSample:
     backward: float
     input_grad: float
     weight_grad: float
-    saved_bytes: int
+    saved_bytes: int  # what autograd saves, the block's own input and parameters excluded
     output_bytes: int
+    saved_input_bytes: int = 0  # of the block's input, if autograd saves it
+    saved_output_bytes: int = 0  # of the block's output, if autograd saves it (part of saved_bytes)
+    forward_workspace_bytes: int = 0  # peak temporaries of its forward (see ``_workspace``)
+    backward_workspace_bytes: int = 0  # peak temporaries of its backward
 
     @property
     def recompute(self) -> float:
@@ -59,7 +67,8 @@ class BlockProfile:
         return _interpolate(lo, hi, size)
 
 
-_FIELDS = ("forward", "backward", "input_grad", "weight_grad", "saved_bytes", "output_bytes")
+_FIELDS = ("forward", "backward", "input_grad", "weight_grad", "saved_bytes", "output_bytes", "saved_input_bytes",
+           "saved_output_bytes", "forward_workspace_bytes", "backward_workspace_bytes")
 
 
 def _interpolate(lo: BlockSample, hi: BlockSample, size: int) -> BlockSample:
@@ -83,7 +92,10 @@ class Profile:
         optimizer_step: seconds of one optimizer step over the whole model (split by weight bytes).
         action_overhead: seconds the executor adds to each forward or backward action beyond its
             blocks' own time (dispatch, stash accounting, the loss), measured on a one-stage run.
-        input_bytes_per_sample: bytes of ``pipeline_inputs`` per sample (stage 0 keeps them for backward).
+        input_bytes_per_sample: bytes per sample that ``pipeline_inputs`` allocates (views of the
+            batch are free); stage 0 keeps them for backward.
+        batch_bytes_per_sample: bytes of the whole batch per sample (every rank of a pipeline holds
+            its replica's batch during the step).
         link_latency: seconds of a point-to-point transfer of an empty message.
         link_bandwidth: bytes per second of a point-to-point transfer.
         allreduce_bandwidth: bytes per second of a gradient all-reduce across replicas (0: unknown).
@@ -94,6 +106,7 @@ class Profile:
     optimizer_step: float = 0.0
     action_overhead: float = 0.0
     input_bytes_per_sample: float = 0.0
+    batch_bytes_per_sample: float = 0.0
     link_latency: float = 0.0
     link_bandwidth: float = float("inf")
     allreduce_bandwidth: float = 0.0
@@ -131,24 +144,120 @@ def _inputs_for(x: tuple[Tensor, ...], first: bool) -> tuple[Tensor, ...]:
     return tuple(t.detach().requires_grad_(not first and t.is_floating_point()) for t in x)
 
 
-def _measure_block(block: nn.Module, x: tuple[Tensor, ...], first: bool, device: torch.device) -> tuple[BlockSample, tuple]:
-    """Time F, B, I + W of ``block`` on input ``x`` once; returns the sample and the block's output."""
-    inputs = _inputs_for(x, first)
-    with saved_bytes() as counted:
-        t_f, out = _timed(lambda: as_tuple(block(*inputs), type(block).__name__), device)
+class _SavedByBlock:
+    """Storages autograd saves inside a block, parameters (and their views) excluded: they are
+    held anyway. Inside a stage a block's input is the previous block's output, so a stage holds
+    it for backward only if saved; the stage's own input is held regardless."""
+
+    def __init__(self, inputs: Sequence[Tensor], weights: Iterable[Tensor]) -> None:
+        self.inputs = {t.untyped_storage().data_ptr() for t in inputs}
+        self.weights = {t.untyped_storage().data_ptr() for t in weights}
+        self.saved: dict[int, int] = {}
+
+    def pack(self, t: Tensor) -> Tensor:
+        key = t.untyped_storage().data_ptr()
+        if key not in self.weights and (key in self.inputs or not (t.is_leaf and t.requires_grad)):
+            self.saved[key] = t.untyped_storage().nbytes()
+        return t
+
+    def hooks(self) -> Any:
+        """The context that records what is saved."""
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+    def bytes_of(self, tensors: Sequence[Tensor]) -> int:
+        """Saved bytes that belong to ``tensors``' storages."""
+        mine = {t.untyped_storage().data_ptr() for t in tensors}
+        return sum(n for key, n in self.saved.items() if key in mine)
+
+    def other_bytes(self) -> int:
+        """Saved bytes of neither the inputs nor any other excluded storage."""
+        return sum(n for key, n in self.saved.items() if key not in self.inputs)
+
+
+Loss = Optional[Callable[[tuple[Tensor, ...]], Tensor]]
+
+
+def _roots(out: tuple[Tensor, ...], loss: Loss) -> tuple[list[Tensor], list[Optional[Tensor]]]:
+    """What a block's backward starts from: the loss (last block), else its float outputs with ones."""
+    if loss is not None:
+        return [loss(out)], [None]
     floats = [o for o in out if o.requires_grad]
-    grads = [torch.ones_like(o) for o in floats]
-    t_b, _ = _timed(lambda: torch.autograd.backward(floats, grads) if floats else None, device)
+    return floats, [torch.ones_like(o) for o in floats]
+
+
+def _measure_block(block: nn.Module, x: tuple[Tensor, ...], first: bool, device: torch.device,
+                   loss: Loss = None) -> tuple[BlockSample, tuple]:  # fmt: skip
+    """Time F, B, I + W of ``block`` on input ``x`` once (with ``loss``, the last block's loss is
+    part of its forward and backward, as on the last stage); returns the sample and the output."""
+    name = type(block).__name__
+    inputs = _inputs_for(x, first)
+    saved = _SavedByBlock(inputs, block.parameters())
+    with saved.hooks():
+        t_f, (out, (roots, grads)) = _timed(lambda: _forward(block, inputs, loss, name), device)
+    t_b, _ = _timed(lambda: torch.autograd.backward(roots, grads) if roots else None, device)
     block.zero_grad(set_to_none=True)
     inputs = _inputs_for(x, first)
-    out2 = as_tuple(block(*inputs), type(block).__name__)
-    floats = [o for o in out2 if o.requires_grad]
+    _, (roots, grads) = _forward(block, inputs, loss, name)
     needing = [t for t in inputs if t.requires_grad]
-    t_i, (_, work) = _timed(lambda: split.input_grads(floats, grads, needing), device)
+    t_i, (_, work) = _timed(lambda: split.input_grads(roots, grads, needing), device)
     t_w, _ = _timed(lambda: split.weight_grads(work), device)
     block.zero_grad(set_to_none=True)
-    sample = BlockSample(batch_size(x), t_f, t_b, t_i, t_w, counted[0], _tensor_bytes(out))
+    sample = BlockSample(batch_size(x), t_f, t_b, t_i, t_w, saved.other_bytes(), _tensor_bytes(out),
+                         saved.bytes_of(inputs), saved_output_bytes=saved.bytes_of(out))
     return sample, tuple(o.detach() for o in out)
+
+
+def _forward(block: nn.Module, inputs: tuple[Tensor, ...], loss: Loss, name: str) -> tuple[tuple, tuple[list, list]]:
+    out = as_tuple(block(*inputs), name)
+    return out, _roots(out, loss)
+
+
+class _Allocations(TorchDispatchMode):
+    """Bytes of the tensor storages that ops create inside it: alive now (``current``), at most (``peak``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: dict[int, int] = {}
+        self.current = self.peak = 0
+        self._refs: list[Any] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, Tensor):
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key not in given and key not in self.sizes and storage.nbytes():
+                    self.sizes[key] = storage.nbytes()
+                    self.current += storage.nbytes()
+                    self.peak = max(self.peak, self.current)
+                    self._refs.append(weakref.ref(storage, lambda _, key=key: self._free(key)))
+        return out
+
+    def _free(self, key: int) -> None:
+        self.current -= self.sizes.pop(key, 0)
+
+
+def _workspace(block: nn.Module, x: tuple[Tensor, ...], first: bool, loss: Loss) -> tuple[int, int]:
+    """Peak bytes a block's forward, and its backward, allocate beyond what the block keeps
+    (its output and saved tensors) and its gradients: temporaries, the input gradient."""
+    for p in block.parameters():
+        p.grad = torch.zeros_like(p) if p.requires_grad else None  # gradients are counted as state
+    inputs = _inputs_for(x, first)
+    with _Allocations() as mem:
+        _, (roots, grads) = _forward(block, inputs, loss, type(block).__name__)
+        kept, forward_extra = mem.current, mem.peak - mem.current
+        mem.peak = mem.current
+        if roots:
+            torch.autograd.backward(roots, grads)
+        backward_extra = mem.peak - kept
+    block.zero_grad(set_to_none=True)
+    return forward_extra, backward_extra
+
+
+def _loss_of(module: nn.Module, microbatch: Any, out: tuple[Tensor, ...]) -> Tensor:
+    return module.pipeline_loss(out[0] if len(out) == 1 else out, microbatch)
 
 
 def _median(samples: list[BlockSample]) -> BlockSample:
@@ -158,7 +267,7 @@ def _median(samples: list[BlockSample]) -> BlockSample:
 
 def profile_blocks(module: nn.Module, batch: Any, microbatch_sizes: Sequence[int], repeats: int = 3,
                    optimizer: Optional[Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = None,
-                   device: Optional[torch.device] = None, overhead: bool = True) -> Profile:  # fmt: skip
+                   device: Optional[torch.device] = None, with_loss: bool = True) -> Profile:  # fmt: skip
     """Profile every block of ``module``'s chain in this process at each microbatch size.
 
     Each block runs on the previous block's real output (from ``pipeline_inputs(batch)`` cut to
@@ -173,28 +282,79 @@ def profile_blocks(module: nn.Module, batch: Any, microbatch_sizes: Sequence[int
         optimizer: builds the optimizer over a list of parameters (default: the module's
             ``configure_optimizers`` class and defaults, else Adam).
         device: where the blocks run.
-        overhead: also measure the executor's overhead per action (runs ``pipeline_loss``, so
-            ``batch`` must hold the targets too).
+        with_loss: ``batch`` holds what ``pipeline_loss`` needs: the last block is measured with
+            the loss on its output (as the last stage runs it), and the executor's overhead per
+            action is measured. Without it the loss and the overhead are left out.
     """
     device = device or torch.device("cpu")
     blocks = pipeline_blocks_of(module)
     by_size: list[list[BlockSample]] = [[] for _ in blocks]
     for size in microbatch_sizes:
         mb = split_batch(batch, max(batch_size(batch) // size, 1))[0][0]
-        runs: list[list[BlockSample]] = [[] for _ in blocks]
-        for _ in range(repeats + 1):  # the first run warms up
-            x = as_tuple(module.pipeline_inputs(mb), "pipeline_inputs")
-            for i, block in enumerate(blocks):
-                sample, x = _measure_block(block, x, i == 0, device)
-                runs[i].append(sample)
-        for i, measured in enumerate(runs):
-            by_size[i].append(_median(measured[1:]))
+        loss = functools.partial(_loss_of, module, mb) if with_loss else None
+        for i, sample in enumerate(_profile_microbatch(module, blocks, mb, loss, repeats, device)):
+            by_size[i].append(sample)
     profiles = [BlockProfile(f"{i}:{type(b).__name__}", by_size[i], *_state_bytes(b, optimizer)) for i, b in enumerate(blocks)]
     step = _optimizer_step_seconds(module, optimizer, device)
+    leaves = [t for t in tree_leaves(batch) if isinstance(t, Tensor)]
+    batch_storages = {t.untyped_storage().data_ptr() for t in leaves}
     data = as_tuple(module.pipeline_inputs(batch), "pipeline_inputs")
-    per_sample = _tensor_bytes(data) / batch_size(batch)
-    per_action = _action_overhead(module, blocks, batch, profiles, min(microbatch_sizes), repeats, device) if overhead else 0.0
-    return Profile(profiles, optimizer_step=step, action_overhead=per_action, input_bytes_per_sample=per_sample, device=str(device))
+    per_sample = _tensor_bytes([t for t in data if t.untyped_storage().data_ptr() not in batch_storages]) / batch_size(batch)
+    batch_per_sample = _tensor_bytes(leaves) / batch_size(batch)
+    per_action = _action_overhead(module, blocks, batch, profiles, min(microbatch_sizes), repeats, device) if with_loss else 0.0
+    return Profile(profiles, optimizer_step=step, action_overhead=per_action, input_bytes_per_sample=per_sample,
+                   batch_bytes_per_sample=batch_per_sample, device=str(device))
+
+
+def _profile_microbatch(module: nn.Module, blocks: list[nn.Module], mb: Any, loss: Loss, repeats: int,
+                        device: torch.device) -> list[BlockSample]:  # fmt: skip
+    """Every block run in chain order on microbatch ``mb``, ``repeats`` times after a warm-up
+    run that also measures each block's workspace; the median sample of each block."""
+    runs: list[list[BlockSample]] = [[] for _ in blocks]
+    workspace = [(0, 0)] * len(blocks)
+    for run in range(repeats + 1):
+        x = as_tuple(module.pipeline_inputs(mb), "pipeline_inputs")
+        for i, block in enumerate(blocks):
+            last = loss if i == len(blocks) - 1 else None
+            if run == 0:
+                workspace[i] = _workspace(block, x, i == 0, last)
+            sample, x = _measure_block(block, x, i == 0, device, last)
+            runs[i].append(sample)
+    return [dataclasses.replace(_median(measured[1:]), forward_workspace_bytes=fw, backward_workspace_bytes=bw)
+            for measured, (fw, bw) in zip(runs, workspace)]
+
+
+def _profile_worker(rank: int, world: int, factory: Callable[[], nn.Module], batch: Any, sizes: Sequence[int],
+                    threads: int, options: dict[str, Any]) -> Profile:  # fmt: skip
+    torch.set_num_threads(threads)
+    return profile_blocks(factory(), batch, sizes, **options)
+
+
+def profile_concurrently(factory: Callable[[], nn.Module], batch: Any, microbatch_sizes: Sequence[int], processes: int,
+                         threads: int = 1, timeout: float = 600.0, **options: Any) -> Profile:  # fmt: skip
+    """:func:`profile_blocks` run at once in ``processes`` processes, as many as the job will run on
+    this machine, so that block times include the contention of ranks sharing its cores and
+    memory (on 2 CPU cores two compute-bound ranks each run about 12-18% slower than one alone).
+
+    Args:
+        factory: builds the model in each process (importable: a class or module-level function).
+        batch, microbatch_sizes, options: as for :func:`profile_blocks`.
+        processes: processes sharing the machine (1 profiles here, in this process).
+        threads: torch threads per process (as each rank will use).
+        timeout: seconds before the processes are abandoned.
+
+    Returns:
+        Rank 0's profile.
+    """
+    if processes <= 1:
+        return profile_blocks(factory(), batch, microbatch_sizes, **options)
+    from lightning_pipe.spawn import run_gloo
+
+    status, value = run_gloo(_profile_worker, processes, factory, batch, list(microbatch_sizes), threads, options,
+                             timeout=timeout)[0]  # fmt: skip
+    if status != "ok":
+        raise RuntimeError(f"concurrent profiling failed: {value}")
+    return value
 
 
 def _action_overhead(module: nn.Module, blocks: list[nn.Module], batch: Any, profiles: list[BlockProfile], size: int,

@@ -144,3 +144,74 @@ def simulate(schedule: list[list[Action]], costs: CostModel, stash: StashModel =
     peaks = [int(_peak(a, _microbatch_delta)) for a in schedule]
     peak_bytes = [_peak(a, stash.delta) for a in schedule]
     return SimResult(max(clocks, default=0.0), busy, peaks, timeline, peak_bytes)
+
+
+@dataclass(frozen=True)
+class CompiledProgram:
+    """A program flattened once for repeated makespans under different costs (the planner's hot loop).
+
+    ``order`` lists every action in an order the simulator can run them (each after its rank's
+    previous action and after the send it receives), as (rank, cost key, index in ``order`` of
+    the send it waits for, or -1). An action's cost depends only on its key, (stage, kind);
+    ``keys`` holds the first action of each key.
+    """
+
+    ranks: int
+    keys: tuple[Action, ...]
+    order: tuple[tuple[int, int, int], ...]
+
+    def makespan(self, key_costs: list[float]) -> float:
+        """The same makespan :func:`simulate` finds when every action costs ``key_costs[key]``."""
+        clock, end = [0.0] * self.ranks, [0.0] * len(self.order)
+        for i, (rank, key, dep) in enumerate(self.order):
+            start = clock[rank]
+            if dep >= 0 and end[dep] > start:
+                start = end[dep]
+            clock[rank] = end[i] = start + key_costs[key]
+        return max(clock, default=0.0)
+
+    def costs_from(self, cost: Callable[[Action], float]) -> list[float]:
+        """``cost`` evaluated once per key."""
+        return [cost(a) for a in self.keys]
+
+
+def compile_program(schedule: list[list[Action]]) -> CompiledProgram:
+    """Flatten ``schedule`` in an order the simulator can run it (see :class:`CompiledProgram`):
+    each rank advances until a receive whose send is not placed yet, round after round, as
+    :func:`simulate` does, on plain tuples (Action objects are slow to hash and build).
+
+    Raises:
+        ScheduleError: if the ranks deadlock.
+    """
+    senders = {kind._value_: (sender._value_, offset) for kind, (sender, offset) in _SENDER.items()}
+    position: dict[tuple[int, str, Optional[int]], int] = {}
+    keys: dict[tuple[int, str], int] = {}
+    first: list[Action] = []
+    order: list[tuple[int, int, int]] = []
+    ptrs = [0] * len(schedule)
+    moved = True
+    while moved:
+        moved = False
+        for rank, actions in enumerate(schedule):
+            p = ptrs[rank]
+            while p < len(actions):
+                a = actions[p]
+                kind, dep = a.kind._value_, -1
+                if kind in senders:
+                    sender, offset = senders[kind]
+                    dep = position.get((a.stage + offset, sender, a.microbatch), -2)
+                    if dep == -2:
+                        break
+                key = keys.get((a.stage, kind))
+                if key is None:
+                    key = keys[(a.stage, kind)] = len(first)
+                    first.append(a)
+                position[(a.stage, kind, a.microbatch)] = len(order)
+                order.append((rank, key, dep))
+                p += 1
+            moved |= p != ptrs[rank]
+            ptrs[rank] = p
+    stuck = {r: str(schedule[r][p]) for r, p in enumerate(ptrs) if p < len(schedule[r])}
+    if stuck:
+        raise ScheduleError(f"deadlock: ranks wait at {stuck}\n{grid(schedule)}")
+    return CompiledProgram(len(schedule), tuple(first), tuple(order))

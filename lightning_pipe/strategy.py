@@ -223,7 +223,7 @@ class PipelineStrategy(DDPStrategy):
             try:
                 microbatch = max(batch_size(example) // self.plan.microbatches, 1)
                 with torch.random.fork_rng():  # every rank's random stream stays the same
-                    profile = profile_blocks(module, example, [microbatch], repeats=2, overhead=False)
+                    profile = profile_blocks(module, example, [microbatch], repeats=2, with_loss=False)
                 sizes = planner.time_balanced(profile, self.plan.depth, microbatch)
             except Exception as err:  # noqa: BLE001 - every rank must hear of it, not wait for sizes
                 sizes = f"{type(err).__name__}: {err}"

@@ -10,6 +10,7 @@ import pytest
 from lightning_pipe import PipelinePlan
 from lightning_pipe.madpipe import held_microbatches, madpipe_partition
 from lightning_pipe.partition import balanced
+from lightning_pipe import planner
 from lightning_pipe.planner import candidates, predict_memory
 from lightning_pipe.profiler import BlockProfile, BlockSample, Profile
 
@@ -20,21 +21,41 @@ def _chain(times: list[float], saved: list[int], out: int = 64, weights: int = 1
     return Profile(blocks, input_bytes_per_sample=data)
 
 
+def _stage_memory(profile: Profile, a: int, z: int, s: int, depth: int, m: int, schedule: str) -> float:
+    """Peak bytes of blocks ``a .. z-1`` as stage ``s``, written out independently of the planner.
+
+    Held microbatches: GPipe runs m forwards (no gradients yet), then m backwards; 1F1B runs
+    k = min(d - s, m) forwards, its first backward at k held, then (if m > k) alternates at k
+    held with gradients; a last backward of a step holds k - 1 more at most otherwise. At any
+    moment: weights and optimizer state, gradients once a backward ran, per held microbatch the
+    saved activations, the stage input and (not last) its output; an input and a gradient
+    buffer from each neighbour and two 512-byte headers per neighbour. During the first backward
+    the microbatch being run frees block by block (last first) while the gradients appear."""
+    samples = [profile.blocks[i].at(1) for i in range(a, z)]
+    grads = [profile.blocks[i].gradient_bytes for i in range(a, z)]
+    weights = sum(profile.blocks[i].parameter_bytes + profile.blocks[i].optimizer_bytes for i in range(a, z))
+    inp = profile.blocks[a - 1].at(1).output_bytes if a > 0 else profile.input_bytes_per_sample
+    first, last = s == 0, s == depth - 1
+    out = 0 if last else samples[-1].output_bytes
+    kept = inp + sum(x.saved_bytes for x in samples) + out
+    k = m if schedule == "gpipe" else min(depth - s, m)
+    warm = (m - 1) if schedule == "gpipe" else (k if m > k else k - 1)
+    first_backward = max(sum(x.saved_bytes for x in samples[: j + 1]) + sum(grads[j:]) for j in range(len(samples)))
+    moments = [weights + k * kept, weights + (k - 1) * kept + inp + first_backward + out]
+    if warm:
+        moments.append(weights + sum(grads) + warm * kept)
+    return max(moments) + (0 if first else inp) + out + 1024 * ((not first) + (not last))
+
+
 def _brute_force(profile: Profile, schedule: str, depth: int, m: int, limit: float) -> tuple[float, tuple[int, ...]] | None:
-    """Every contiguous partition, with the memory of a stage written out independently:
-    weights, gradients and optimizer state; held microbatches of stashed activations and of the
-    stage input; one input and one output buffer. Held = min(d - s, m) under 1F1B, m under GPipe."""
+    """Every contiguous partition; the fastest whose every stage fits (:func:`_stage_memory`)."""
     n, best = len(profile.blocks), None
     samples = [b.at(1) for b in profile.blocks]
     for cuts in itertools.combinations(range(1, n), depth - 1):
         bounds = [0, *cuts, n]
         period, fits = 0.0, True
         for s, (a, z) in enumerate(zip(bounds, bounds[1:])):
-            held = min(depth - s, m) if schedule == "1f1b" else m
-            inp = samples[a - 1].output_bytes if a > 0 else profile.input_bytes_per_sample
-            state = sum(profile.blocks[i].parameter_bytes + profile.blocks[i].gradient_bytes + profile.blocks[i].optimizer_bytes for i in range(a, z))
-            memory = state + held * (inp + sum(samples[i].saved_bytes for i in range(a, z))) + inp + samples[z - 1].output_bytes
-            fits &= memory <= limit
+            fits &= _stage_memory(profile, a, z, s, depth, m, schedule) <= limit
             period = max(period, sum(samples[i].forward + samples[i].backward for i in range(a, z)))
         if fits and (best is None or period < best[0] - 1e-12):
             best = (period, tuple(z - a for a, z in zip(bounds, bounds[1:])))
@@ -84,7 +105,8 @@ def test_memory_heavy_first_block_fits_only_with_the_memory_aware_partition() ->
     want = _brute_force(profile, "1f1b", 4, 4, limit)
     assert want is not None and got.period == pytest.approx(want[0]) == 3.0
     # The time-balanced partition does not fit: stage 0 holds 4 x (8000 + 1000) bytes of activations.
-    peaks = predict_memory(profile, plan.replace(partition=balanced_sizes), 1, held_microbatches("1f1b", 4, 4))
+    balanced_plan = plan.replace(partition=balanced_sizes)
+    peaks = predict_memory(profile, balanced_plan, 1, planner.predict_step(profile, balanced_plan, 1)[1])
     assert peaks[0] > limit
     # The planner's search offers the memory-aware partition next to the time-balanced one.
     offered = {c.plan.partition for c in candidates(profile, 4, 4, schedules=["1f1b"], memory_limit=limit) if c.plan.depth == 4}

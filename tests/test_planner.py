@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import itertools
+import weakref
+from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-from lightning_pipe import PipelinePlan, planner
+from lightning_pipe import PipelinePlan, place, planner
 from lightning_pipe.profiler import BlockProfile, BlockSample, Profile, profile_blocks
 from lightning_pipe.schedules import SCHEDULE_NAMES
 from tests.models import HIDDEN, ToyChain, make_data
@@ -38,7 +42,8 @@ def test_profile_measures_bytes_and_round_trips_json() -> None:
     assert residual.parameter_bytes == residual.gradient_bytes == params
     assert residual.optimizer_bytes == 2 * params + 4 * 4  # Adam: exp_avg, exp_avg_sq, one float32 step per tensor
     assert residual.at(8).saved_bytes > residual.at(2).saved_bytes > 0
-    assert profile.input_bytes_per_sample == 6 * 4  # six float32 features per sample
+    assert profile.input_bytes_per_sample == 0  # pipeline_inputs returns the batch's own features: no new bytes
+    assert profile.batch_bytes_per_sample == 6 * 4 + 8  # six float32 features and an int64 label per sample
     assert Profile.from_json(profile.to_json()) == profile
 
 
@@ -48,7 +53,7 @@ def test_appendix_a_memory_agrees_with_the_cost_model(depth: int, recompute: boo
     # Seed 000, Appendix A.1.2 (2BW): 2|W|/d + d |A_total(b)| / d + d |A_input(b)|, and with
     # recomputation 2|W|/d + |A_total(b)| / d + d |A_input(b)|. The paper counts weights only
     # and a stage's own input per in-flight microbatch: the profile has no gradients or
-    # optimizer state here, and the cost model's two communication buffers are taken off.
+    # optimizer state here; the cost model's other terms (outputs kept, buffers) are taken off.
     n, b = 2 * depth, 4
     profile = _uniform(n, grads=0, opt=0, data=25.0)
     plan = PipelinePlan(depth=depth, microbatches=max(depth, 2), schedule="2bw", partition=[2] * depth, recompute=recompute)
@@ -57,7 +62,10 @@ def test_appendix_a_memory_agrees_with_the_cost_model(depth: int, recompute: boo
     want = planner.appendix_a_memory(weights, a_total, a_input, depth, recompute)
     assert want == 2 * weights / depth + (1 if recompute else depth) * a_total / depth + depth * a_input
     stage0 = planner.stage_costs(profile, plan, b)[0]
-    assert got.stage_memory[0] - stage0.input_bytes - stage0.output_bytes == pytest.approx(want)
+    held = planner.predict_step(profile, plan, b)[1][0]
+    terms = planner.stage_memory_terms(stage0, held, 2, recompute, True, depth == 1)
+    assert sum(terms.values()) == got.stage_memory[0]
+    assert terms["state"] + terms["activations"] == pytest.approx(want)
 
 
 @pytest.mark.parametrize("times", [(3.0, 3.0, 3.0, 3.0), (2.0, 5.0, 3.0, 1.0), (1.0, 1.0, 4.0)])
@@ -197,3 +205,67 @@ def test_profile_partition_needs_an_example_batch() -> None:
     assert sum(sizes) == 6 and len(sizes) == 2
     with pytest.raises(ValueError, match="resolved from a profile"):
         PipelinePlan(depth=2, partition="profile").resolve([1.0] * 6)
+
+
+class _TrackedBytes(TorchDispatchMode):
+    """Test-side tracker, independent of the profiler: bytes of every CPU storage created inside
+    plus ``persistent`` ones, alive at most (views and in-place results add nothing)."""
+
+    def __init__(self, persistent: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.alive = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in persistent}
+        self.peak = sum(self.alive.values())
+        self.refs: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.alive:
+                storage = t.untyped_storage()
+                self.alive[storage.data_ptr()] = storage.nbytes()
+                self.refs.append(weakref.ref(storage, lambda _, key=storage.data_ptr(): self.alive.pop(key, None)))
+                self.peak = max(self.peak, sum(self.alive.values()))
+        return out
+
+
+@pytest.mark.parametrize("schedule,recompute", [("1f1b", False), ("gpipe", False), ("gpipe", True)])
+def test_predicted_peak_matches_a_tracked_step_in_one_process(schedule: str, recompute: bool) -> None:
+    # One stage holds everything the cost model counts except links: state, held microbatches,
+    # the batch, the loss and the blocks' temporaries. The tracker counts storages, not the model.
+    torch.manual_seed(0)
+    model, batch = ToyChain(), make_data(64)
+    profile = profile_blocks(model, batch, [8, 16], repeats=1)
+    plan = PipelinePlan(1, 1, 4, schedule, partition=(6,), recompute=recompute)
+    predicted = planner.predict(profile, plan, 16).stage_memory[0]
+    engine = place(ToyChain(), plan, 0)
+    opt = torch.optim.Adam(engine.stage.parameters(), lr=1e-3)
+    engine.train_step(batch, opt)  # Adam's state exists from here on
+    params = list(engine.stage.parameters())
+    for p in params:
+        p.grad = None
+    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    with _TrackedBytes(params + state + list(batch)) as tracker:
+        engine.train_step(batch, opt)
+    assert predicted == pytest.approx(tracker.peak, rel=0.05), (predicted, tracker.peak)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
+def test_compiled_program_makespan_equals_the_simulator(schedule: str) -> None:
+    # The planner's hot loop runs a flattened program; the simulator is the reference.
+    import random
+
+    from lightning_pipe.schedules import build_schedule, two_bw_run
+    from lightning_pipe.simulate import compile_program, simulate
+
+    rng = random.Random(0)
+    for depth, m, split in itertools.product((1, 2, 3, 5), (1, 4, 7), (False, True)):
+        if schedule == "2bw" and m < depth:
+            continue
+        program = two_bw_run(depth, m, 2, split) if schedule == "2bw" else build_schedule(schedule, depth, m, split)
+        compiled = compile_program(program)
+        table: dict = {}
+
+        def cost(a: Any) -> float:
+            return table.setdefault((a.stage, a.kind), rng.uniform(0.0, 2.0))
+
+        assert compiled.makespan(compiled.costs_from(cost)) == pytest.approx(simulate(program, cost).makespan, rel=1e-12)
