@@ -1,19 +1,26 @@
 """Planner fidelity: predicted step time and peak tensor memory per stage against measured runs, one table.
 
-    python examples/bench_planner.py            # about 3 minutes on 2 cores
+    python examples/bench_planner.py                  # about 8 minutes on 2 cores
+    python examples/bench_planner.py --planning-time  # the planning-time part only
 
-Workload: a chain of 8 blocks that sleep in forward and backward for a set time per sample
-(so 4 processes fit on 2 cores and the schedule, not the cores, sets the time) and keep a
-real activation tensor for their backward (so memory is real). The planner profiles the chain
-in this process and measures the links once, then predicts every configuration; each
-configuration then runs for real (gloo processes, ``place`` engines) and is measured: the
-median step time, and the peak tensor bytes of each stage during one step by a tracker of
-every tensor storage created (independent of the planner's own accounting).
+Workloads:
+
+- ``chain``: 8 blocks that sleep in forward and backward for a set time per sample (so 4
+  processes fit on 2 cores and the schedule, not the cores, sets the time) and keep a real
+  activation tensor for their backward (so memory is real).
+- ``gpt``: the GPT example's model (configs/gpt_1f1b.yaml: 4 layers, width 128, context 64,
+  AdamW), real compute, at most 2 processes (one core each).
+
+The planner profiles each workload in this process and measures the links once, then predicts
+every configuration; each configuration then runs for real (gloo processes, ``place`` engines)
+and is measured: the median step time, and the peak tensor bytes of each stage during one step
+by a tracker of every tensor storage created (independent of the planner's own accounting).
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import platform
 import statistics
 import sys
@@ -26,24 +33,27 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_pipelines, gpt
 
 from bench_pipelines import PeakTensorBytes  # noqa: E402
 from lightning_pipe import PipelineGroups, PipelinePlan, place, planner  # noqa: E402
 from lightning_pipe.monitor import held_tensors  # noqa: E402
-from lightning_pipe.profiler import profile_blocks, profile_links  # noqa: E402
+from lightning_pipe.profiler import profile_concurrently, profile_links  # noqa: E402
 from lightning_pipe.spawn import run_gloo  # noqa: E402
 
 BLOCKS, DIM, ACT = 8, 64, 4096  # ACT floats per sample kept by every block for its backward
 FORWARD, BACKWARD = 0.002, 0.004  # seconds per sample
-GLOBAL_BATCH = 16
 
-#: (w, d, b, schedule, recompute): w * d <= 4 processes, m = 16 / (w * b).
+#: (workload, w, d, b, schedule, recompute): chain w * d <= 4 processes, m = 16 / (w * b);
+#: gpt w * d <= 2 processes, m = 32 / (w * b).
 CONFIGS = [
-    (1, 2, 2, "1f1b", False), (1, 2, 4, "1f1b", False), (1, 2, 2, "gpipe", False), (1, 2, 2, "1f1b", True),
-    (2, 1, 2, "1f1b", False), (2, 1, 4, "gpipe", False), (1, 4, 1, "1f1b", False), (1, 4, 2, "1f1b", False),
-    (1, 4, 2, "gpipe", True), (2, 2, 2, "1f1b", False), (2, 2, 2, "gpipe", False), (2, 2, 4, "1f1b", True),
-    (4, 1, 2, "1f1b", False), (4, 1, 4, "gpipe", True),
+    ("chain", 1, 2, 2, "1f1b", False), ("chain", 1, 2, 4, "1f1b", False), ("chain", 1, 2, 2, "gpipe", False),
+    ("chain", 1, 2, 2, "1f1b", True), ("chain", 2, 1, 2, "1f1b", False), ("chain", 2, 1, 4, "gpipe", False),
+    ("chain", 1, 4, 1, "1f1b", False), ("chain", 1, 4, 2, "1f1b", False), ("chain", 1, 4, 2, "gpipe", True),
+    ("chain", 2, 2, 2, "1f1b", False), ("chain", 2, 2, 2, "gpipe", False), ("chain", 2, 2, 4, "1f1b", True),
+    ("chain", 4, 1, 2, "1f1b", False), ("chain", 4, 1, 4, "gpipe", True),
+    ("gpt", 1, 2, 4, "1f1b", False), ("gpt", 1, 2, 8, "1f1b", False), ("gpt", 1, 2, 8, "gpipe", False),
+    ("gpt", 1, 2, 8, "1f1b", True), ("gpt", 2, 1, 8, "1f1b", False), ("gpt", 2, 1, 16, "gpipe", True),
 ]  # fmt: skip
 
 
@@ -94,19 +104,57 @@ class HoldChain(nn.Module):
         return output.pow(2).mean()
 
 
+class Chain:
+    """The sleeping chain: global batch 16, Adam."""
+
+    global_batch, sizes = 16, (1, 2, 4)
+
+    def model(self, heavy_first: bool = False) -> nn.Module:
+        return HoldChain(heavy_first)
+
+    def batch(self, n: int) -> Tensor:
+        return torch.randn(n, DIM)
+
+    def optimizer(self, params: Any) -> torch.optim.Optimizer:
+        return torch.optim.Adam(params, lr=1e-3)
+
+
+class GPTWorkload:
+    """The GPT example's model and byte windows: global batch 32, AdamW."""
+
+    global_batch, sizes = 32, (4, 8, 16)
+
+    def model(self, heavy_first: bool = False) -> nn.Module:
+        from gpt import GPT
+
+        torch.manual_seed(0)
+        return GPT(n_layer=4, n_embd=128, n_head=4, block_size=64)
+
+    def batch(self, n: int) -> tuple[Tensor, Tensor]:
+        tokens = torch.randint(0, 256, (n, 65))
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def optimizer(self, params: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01)
+
+
+WORKLOADS = {"chain": Chain(), "gpt": GPTWorkload()}
+
+
 def _plan(config: tuple, partition: tuple[int, ...]) -> PipelinePlan:
-    w, d, b, schedule, recompute = config
-    return PipelinePlan(w, d, GLOBAL_BATCH // (w * b), schedule, partition=partition, recompute=recompute)
+    name, w, d, b, schedule, recompute = config
+    return PipelinePlan(w, d, WORKLOADS[name].global_batch // (w * b), schedule, partition=partition, recompute=recompute)
 
 
-def _measure(rank: int, world: int, plan: PipelinePlan, b: int, steps: int, heavy_first: bool = False) -> dict[str, Any]:
+def _measure(rank: int, world: int, name: str, plan: PipelinePlan, b: int, steps: int, heavy_first: bool = False) -> dict[str, Any]:
     """One configuration on this rank: median step seconds and peak tensor bytes of one step."""
     torch.set_num_threads(1)
+    work = WORKLOADS[name]
     groups = PipelineGroups.build(plan.topology, rank)
-    model = HoldChain(heavy_first)
-    engine = place(model, plan, rank, groups=groups)
-    opt = torch.optim.Adam(engine.stage.parameters(), lr=1e-3)
-    batch = torch.randn(plan.microbatches * b, DIM)
+    engine = place(work.model(heavy_first), plan, rank, groups=groups)
+    opt = work.optimizer(engine.stage.parameters())
+    torch.manual_seed(plan.topology.replica_of(rank))  # the stages of a pipeline see the same batch
+    batch = work.batch(plan.microbatches * b)
     times = []
     for _ in range(steps + 1):
         dist.barrier()
@@ -121,18 +169,29 @@ def _measure(rank: int, world: int, plan: PipelinePlan, b: int, steps: int, heav
     return {"step": statistics.median(times[1:]), "peak": tracker.peak, "stage": engine.stage_index}
 
 
+def _profile(name: str, processes: int) -> Any:
+    """The workload profiled in ``processes`` concurrent processes of one thread each (as the
+    measured ranks run), so that the times include their contention for the 2 cores."""
+    work = WORKLOADS[name]
+    sizes = sorted({c[3] for c in CONFIGS if c[0] == name})
+    return profile_concurrently(work.model, work.batch(max(sizes)), [min(sizes), max(sizes)], processes, repeats=3,
+                                optimizer=work.optimizer)  # fmt: skip
+
+
 def main() -> None:
     print(f"{datetime.date.today()} on {platform.node()}, torch {torch.__version__}", flush=True)
-    model = HoldChain()
-    sizes = sorted({c[2] for c in CONFIGS})
-    profile = profile_blocks(model, torch.randn(max(sizes), DIM), [min(sizes), max(sizes)], repeats=3)
-    profile.__dict__.update(profile_links(world=2))
+    torch.set_num_threads(1)
+    links = profile_links(world=2)
+    profiles = {(name, n): _profile(name, n) for name, n in sorted({(c[0], c[1] * c[2]) for c in CONFIGS})}
+    for profile in profiles.values():
+        profile.__dict__.update(links)
     rows, time_errors, memory_errors, results = [], [], [], []
     for i, config in enumerate(CONFIGS):
-        w, d, b, schedule, recompute = config
+        name, w, d, b, schedule, recompute = config
+        profile = profiles[(name, w * d)]
         plan = _plan(config, planner.time_balanced(profile, d, b))
         predicted = planner.predict(profile, plan, b)
-        out = run_gloo(_measure, w * d, plan, b, 4, timeout=300.0)
+        out = run_gloo(_measure, w * d, name, plan, b, 4, timeout=300.0)
         assert all(s == "ok" for s, _ in out), [v for s, v in out if s != "ok"]
         measured = [v for _, v in out]
         step = max(v["step"] for v in measured)
@@ -140,46 +199,51 @@ def main() -> None:
         t_err = predicted.step_time / step - 1
         m_err = max(abs(p / q - 1) for p, q in zip(predicted.stage_memory, peaks))
         time_errors.append(abs(t_err))
-        results.append({"config": (w, d), "predicted": predicted, "measured": step, "peaks": peaks})
+        results.append({"workload": name, "config": (w, d), "predicted": predicted, "measured": step, "peaks": peaks})
         memory_errors.append(m_err)
-        rows.append(f"| ({w},{d}) | {b} | {plan.microbatches} | {schedule} | {'yes' if recompute else 'no'} | "
+        rows.append(f"| {name} | ({w},{d}) | {b} | {plan.microbatches} | {schedule} | {'yes' if recompute else 'no'} | "
                     f"{predicted.step_time:.3f} | {step:.3f} | {t_err:+.1%} | "
                     f"{', '.join(f'{p / 2**20:.2f}' for p in predicted.stage_memory)} | "
                     f"{', '.join(f'{q / 2**20:.2f}' for q in peaks)} | {m_err:.1%} |")  # fmt: skip
         print(f"[{i + 1}/{len(CONFIGS)}] {rows[-1]}", flush=True)
-    print("\n| (w,d) | b | m | schedule | recompute | predicted step (s) | measured step (s) | time error | "
+    print("\n| workload | (w,d) | b | m | schedule | recompute | predicted step (s) | measured step (s) | time error | "
           "predicted peak per stage (MiB) | measured peak per stage (MiB) | worst memory error |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     print(f"\nstep time error: median {statistics.median(time_errors):.1%}, worst {max(time_errors):.1%}; "
           f"peak memory error: median {statistics.median(memory_errors):.1%}, worst {max(memory_errors):.1%}")
-    _ranking(results)
-    _verdicts(results)
-    _madpipe_order(profile)
+    for name in WORKLOADS:
+        _ranking([r for r in results if r["workload"] == name], name)
+        _verdicts([r for r in results if r["workload"] == name], name)
+    _madpipe_order(profiles[("chain", 4)])
 
 
-def _ranking(results: list[dict[str, Any]]) -> None:
-    """The planner's first choice among the 4-process configurations against the best measured one."""
-    four = [r for r in results if r["config"][0] * r["config"][1] == 4]
-    chosen = min(four, key=lambda r: r["predicted"].step_time)  # same global batch: shortest step is fastest
-    best = min(four, key=lambda r: r["measured"])
-    print(f"\nranking (4 processes, {len(four)} configurations): planner's first choice {chosen['config']} measured "
-          f"{chosen['measured']:.3f} s; best measured {best['config']} {best['measured']:.3f} s; "
-          f"ratio {chosen['measured'] / best['measured']:.3f}")
+def _ranking(results: list[dict[str, Any]], name: str) -> None:
+    """The planner's first choice among the configurations with the most processes against the best measured one."""
+    most = max(r["config"][0] * r["config"][1] for r in results)
+    same = [r for r in results if r["config"][0] * r["config"][1] == most]
+    chosen = min(same, key=lambda r: r["predicted"].step_time)  # same global batch: shortest step is fastest
+    best = min(same, key=lambda r: r["measured"])
+    print(f"\n{name} ranking ({most} processes, {len(same)} configurations): planner's first choice "
+          f"{chosen['config']} {chosen['predicted'].plan.schedule} b={chosen['predicted'].microbatch_size} measured "
+          f"{chosen['measured']:.3f} s; best measured {best['config']} {best['predicted'].plan.schedule} "
+          f"b={best['predicted'].microbatch_size} {best['measured']:.3f} s; ratio {chosen['measured'] / best['measured']:.3f}")
 
 
-def _verdicts(results: list[dict[str, Any]]) -> None:
+def _verdicts(results: list[dict[str, Any]], name: str) -> None:
     """With a budget at the median measured peak: does 'feasible' agree with the measured peak?"""
     budget = statistics.median(max(r["peaks"]) for r in results)
     agree = sum((max(r["predicted"].stage_memory) <= budget) == (max(r["peaks"]) <= budget) for r in results)
-    print(f"memory verdicts at a budget of {budget / 2**20:.3f} MiB (the median measured peak): {agree} of {len(results)} agree")
+    print(f"{name} memory verdicts at a budget of {budget / 2**20:.3f} MiB (the median measured peak): "
+          f"{agree} of {len(results)} agree")
 
 
 def _madpipe_order(profile: Any) -> None:
     """A chain whose first block keeps 8x the activations: time-balanced vs memory-aware partition, measured."""
     from lightning_pipe.madpipe import madpipe_partition
 
-    heavy = profile_blocks(HoldChain(heavy_first=True), torch.randn(2, DIM), [1, 2], repeats=2)
+    heavy = profile_concurrently(functools.partial(HoldChain, True), torch.randn(2, DIM), [1, 2], 4, repeats=2,
+                                 optimizer=Chain().optimizer)  # fmt: skip
     heavy.__dict__.update({k: getattr(profile, k) for k in ("link_latency", "link_bandwidth", "allreduce_bandwidth")})
     plan = PipelinePlan(1, 4, 8, "1f1b", partition=planner.time_balanced(heavy, 4, 2))
     balanced = planner.predict(heavy, plan, 2)
@@ -189,7 +253,7 @@ def _madpipe_order(profile: Any) -> None:
     aware = planner.predict(heavy, plan.replace(partition=found.sizes), 2)
     rows = []
     for name, predicted in (("time-balanced", balanced), ("memory-aware", aware)):
-        out = run_gloo(_measure, 4, predicted.plan, 2, 4, True, timeout=300.0)
+        out = run_gloo(_measure, 4, "chain", predicted.plan, 2, 4, True, timeout=300.0)
         assert all(s == "ok" for s, _ in out), [v for s, v in out if s != "ok"]
         peaks = [max(v["peak"] for _, v in out if v["stage"] == s) for s in range(4)]
         rows.append((name, predicted, max(v["step"] for _, v in out), max(peaks)))
@@ -202,5 +266,39 @@ def _madpipe_order(profile: Any) -> None:
     print(f"  measured order of step times matches the predicted one: {same}")
 
 
+def synthetic_profile(blocks: int, seed: int = 0) -> Any:
+    """A profile of ``blocks`` blocks with times and bytes varying up to 2x, linear in b (samples at 1 and 8)."""
+    import random
+
+    from lightning_pipe.profiler import BlockProfile, BlockSample, Profile
+
+    rng = random.Random(seed)
+
+    def block(i: int) -> BlockProfile:
+        t, a = rng.uniform(1e-3, 2e-3), rng.randint(2**20, 2**21)
+        samples = [BlockSample(k, k * t, 2 * k * t, k * t, k * t, k * a, k * 2**16) for k in (1, 8)]
+        return BlockProfile(f"b{i}", samples, 2**22, 2**22, 2**23)
+
+    return Profile([block(i) for i in range(blocks)], optimizer_step=0.01, link_latency=1e-4, link_bandwidth=1e9,
+                   allreduce_bandwidth=1e9)  # fmt: skip
+
+
+def planning_time() -> None:
+    """Seconds of a whole search (every candidate simulated), with and without a memory limit (MadPipe too)."""
+    for blocks, devices, batch in ((8, 8, 64), (64, 64, 512)):
+        profile = synthetic_profile(blocks)
+        for limit in (None, 2**30):
+            start = time.perf_counter()
+            found = planner.search(profile, devices, batch, memory_limit=limit, allow_stale=True)
+            seconds = time.perf_counter() - start
+            print(f"planning time: {blocks} blocks on {devices} devices, global batch {batch}, "
+                  f"memory limit {'none' if limit is None else '1 GiB'}: {len(found)} candidates in {seconds:.2f} s "
+                  f"(first run: programs compiled)", flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["--planning-time"]:
+        planning_time()
+    else:
+        main()
+        planning_time()
