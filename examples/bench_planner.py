@@ -293,7 +293,7 @@ def planning_time() -> None:
             seconds = time.perf_counter() - start
             print(f"planning time: {blocks} blocks on {devices} devices, global batch {batch}, "
                   f"memory limit {'none' if limit is None else '1 GiB'}: {len(found)} candidates in {seconds:.2f} s "
-                  f"(first run: programs compiled)", flush=True)
+                  f"({'programs built and compiled' if limit is None else 'programs cached by the search above'})", flush=True)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 from lightning_pipe.partition import balanced
 from lightning_pipe.layout import PipelinePlan
 from lightning_pipe.profiler import BlockSample, Profile
-from lightning_pipe.schedules import SCHEDULE_NAMES, Action, Kind, build_schedule, two_bw_run
+from lightning_pipe.schedules import SCHEDULE_NAMES, Action, Kind, build_schedule, two_bw_drain, two_bw_window
 from lightning_pipe.simulate import CompiledProgram, compile_program
 from lightning_pipe.stage_memory import HeldCounts, program_held_counts, stage_memory_terms, stage_peak_bytes  # noqa: F401
 
@@ -45,7 +45,8 @@ def _first_backward(samples: Sequence[BlockSample], grads: Sequence[int]) -> int
     tensors of the blocks not yet run, the gradients created so far, the running block's temporaries."""
     stash = [x.saved_bytes for x in samples]
     stash[1:] = [s + max(b.saved_input_bytes - a.saved_output_bytes, 0) for s, a, b in zip(stash[1:], samples, samples[1:])]
-    return max(sum(stash[: j + 1]) + sum(grads[j:]) + samples[j].backward_workspace_bytes for j in range(len(samples)))
+    saved, created = list(itertools.accumulate(stash)), list(itertools.accumulate(reversed(grads)))[::-1]
+    return max(saved[j] + created[j] + samples[j].backward_workspace_bytes for j in range(len(samples)))
 
 
 def _inner_inputs(samples: Sequence[BlockSample]) -> int:
@@ -125,9 +126,16 @@ def _program_key(plan: PipelinePlan, steps: int) -> tuple:
 
 @functools.lru_cache(maxsize=1024)
 def _program(schedule: str, depth: int, m: int, split: bool, max_pending: Optional[int], steps: int) -> list[list[Action]]:
-    if schedule == "2bw":
-        return two_bw_run(depth, m, steps, split)
+    if schedule == "2bw":  # two_bw_run, from windows shared between the runs of 2 and 3 windows
+        parts = [_two_bw_part(depth, m, t, split, False) for t in range(steps)]
+        parts.append(_two_bw_part(depth, m, steps - 1, split, True))
+        return [[a for part in parts for a in part[s]] for s in range(depth)]
     return build_schedule(schedule, depth, m, split, max_pending)
+
+
+@functools.lru_cache(maxsize=1024)
+def _two_bw_part(depth: int, m: int, step: int, split: bool, drain: bool) -> list[list[Action]]:
+    return (two_bw_drain if drain else two_bw_window)(depth, m, step, split)
 
 
 @functools.lru_cache(maxsize=1024)

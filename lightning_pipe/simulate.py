@@ -184,7 +184,8 @@ def compile_program(schedule: list[list[Action]]) -> CompiledProgram:
         ScheduleError: if the ranks deadlock.
     """
     senders = {kind._value_: (sender._value_, offset) for kind, (sender, offset) in _SENDER.items()}
-    position: dict[tuple[int, str, Optional[int]], int] = {}
+    sends = {sender for sender, _ in senders.values()}
+    position: dict[tuple[int, str, Optional[int]], int] = {}  # of each send
     keys: dict[tuple[int, str], int] = {}
     first: list[Action] = []
     order: list[tuple[int, int, int]] = []
@@ -193,20 +194,21 @@ def compile_program(schedule: list[list[Action]]) -> CompiledProgram:
     while moved:
         moved = False
         for rank, actions in enumerate(schedule):
-            p = ptrs[rank]
-            while p < len(actions):
+            p, n = ptrs[rank], len(actions)
+            while p < n:
                 a = actions[p]
-                kind, dep = a.kind._value_, -1
+                stage, kind, dep = a.stage, a.kind._value_, -1
                 if kind in senders:
                     sender, offset = senders[kind]
-                    dep = position.get((a.stage + offset, sender, a.microbatch), -2)
+                    dep = position.get((stage + offset, sender, a.microbatch), -2)
                     if dep == -2:
                         break
-                key = keys.get((a.stage, kind))
+                elif kind in sends:
+                    position[(stage, kind, a.microbatch)] = len(order)
+                key = keys.get((stage, kind))
                 if key is None:
-                    key = keys[(a.stage, kind)] = len(first)
+                    key = keys[(stage, kind)] = len(first)
                     first.append(a)
-                position[(a.stage, kind, a.microbatch)] = len(order)
                 order.append((rank, key, dep))
                 p += 1
             moved |= p != ptrs[rank]
