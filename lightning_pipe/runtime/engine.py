@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_pipe.layout import PipelinePlan
+from lightning_pipe.runtime import p2p
 from lightning_pipe.runtime.executor import Executor, Hooks, Position, StepState
 from lightning_pipe.runtime.groups import PipelineGroups
 from lightning_pipe.runtime.microbatch import split_batch
@@ -53,6 +54,7 @@ class PipelineEngine:
         self.last_peak_stash = 0
         self.last_peak_stash_bytes = 0
         self.trace = Trace(rank)
+        self.links = p2p.Links()  # what each link last carried: payload receives are posted ahead
         self._loss_work: Any = None
         self._programs: dict[tuple[bool, int], list[Action]] = {}
         self._restart()
@@ -138,7 +140,7 @@ class PipelineEngine:
         )  # fmt: skip
 
     def _run(self, actions: list[Action], state: StepState, wait: bool = True, trace: Optional[Trace] = None) -> StepState:
-        return Executor(self.stage, self.position, self.device, self._hooks(), trace=trace).run(actions, state, wait)
+        return Executor(self.stage, self.position, self.device, self._hooks(), trace=trace, links=self.links).run(actions, state, wait)
 
     # -- steps -----------------------------------------------------------------------------
     def train_step(self, batch: Any, optimizer: Optimizer, on_step: Optional[Callable[[], None]] = None) -> Tensor:

@@ -166,12 +166,14 @@ class Executor:
         hooks: user inputs/loss and the engine's all-reduce and optimizer step.
         abort_timeout: how long to wait for abort notices to reach neighbours on failure.
         trace: where to record each action's start and end time, if anywhere.
+        links: what each link last carried (kept by the engine across programs, see :class:`p2p.Links`).
     """
 
     def __init__(self, stage: Stage, position: Position, device: torch.device, hooks: Hooks,
-                 abort_timeout: float = 10.0, trace: Optional[Trace] = None) -> None:  # fmt: skip
+                 abort_timeout: float = 10.0, trace: Optional[Trace] = None, links: Optional[p2p.Links] = None) -> None:  # fmt: skip
         self.stage, self.position, self.device, self.hooks = stage, position, device, hooks
         self.abort_timeout, self.trace = abort_timeout, trace
+        self.links = links if links is not None else p2p.Links()
         self._left: Counter[int] = Counter()
         self._incoming: dict[int, p2p.Incoming] = {}
         self._handlers: dict[Kind, Callable[[Action, StepState], Optional[float]]] = {
@@ -291,7 +293,8 @@ class Executor:
     # -- communication ---------------------------------------------------------------------
     def _send(self, tensors: Tensors, dst: int, st: StepState) -> None:
         box = st.sent.setdefault(dst, Outbox())
-        box.post(p2p.send_tensors(tensors, dst, self.device, ack=st.received[dst]), tensors)
+        box.post(p2p.send_tensors(tensors, dst, self.device, ack=st.received[dst], posted=self.links.sent.get(dst)), tensors)
+        self.links.sent[dst] = p2p.specs_of(tensors)
 
     def _send_act(self, a: Action, st: StepState) -> None:
         outputs = st.outputs[a.microbatch] if st.train else st.outputs.pop(a.microbatch)
@@ -310,18 +313,26 @@ class Executor:
         """
         sources = {Kind.RECV_ACT: self.position.prev_rank, Kind.RECV_GRAD: self.position.next_rank}
         self._left = Counter(sources[a.kind] for a in actions if a.kind in sources)
-        self._incoming = {src: p2p.Incoming(src, self.device) for src in self._left}
+        self._incoming = {src: self._incoming_from(src) for src in self._left}
+
+    def _incoming_from(self, src: int) -> p2p.Incoming:
+        return p2p.Incoming(src, self.device, expected=self.links.received.get(src))
 
     def _receive(self, src: Optional[int], st: StepState) -> Tensors:
         assert src is not None
         incoming = self._incoming.pop(src)
-        received = incoming.wait()
+        try:
+            received = incoming.wait()
+        except p2p.PipelineAbortedError:
+            self.links.received.pop(src, None)
+            raise
+        self.links.received[src] = p2p.specs_of(received)
         st.received[src] += 1
         if src in st.sent:
             st.sent[src].release(incoming.ack)
         self._left[src] -= 1
         if self._left[src]:
-            self._incoming[src] = p2p.Incoming(src, self.device)
+            self._incoming[src] = self._incoming_from(src)
         return received
 
     def _recv_act(self, a: Action, st: StepState) -> None:
@@ -348,7 +359,7 @@ class Executor:
             if peer is None or peer == source:
                 continue
             try:
-                for work in p2p.send_abort(message, peer, self.device):
+                for work in p2p.send_abort(message, peer, self.device, posted=self.links.sent.pop(peer, None)):
                     work.wait(timedelta(seconds=self.abort_timeout))
             except Exception:  # noqa: BLE001 - the peer may already be gone; the original error matters
                 pass

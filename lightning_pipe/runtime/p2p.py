@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -43,7 +44,10 @@ def encode_header(tensors: Sequence[Tensor], ack: int = 0) -> Tensor:
     return torch.tensor(fields + [0] * (HEADER_LEN - len(fields)), dtype=torch.int64)
 
 
-def decode_header(header: Tensor) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+Specs = list[tuple[torch.dtype, tuple[int, ...]]]
+
+
+def decode_header(header: Tensor) -> Specs:
     """Inverse of :func:`encode_header` for an OK header: (dtype, shape) of each tensor."""
     fields = header.tolist()
     specs, pos = [], 3
@@ -54,30 +58,57 @@ def decode_header(header: Tensor) -> list[tuple[torch.dtype, tuple[int, ...]]]:
     return specs
 
 
+def specs_of(tensors: Sequence[Tensor]) -> Specs:
+    """(dtype, shape) of each tensor, as a header describes them."""
+    return [(t.dtype, tuple(t.shape)) for t in tensors]
+
+
 def _wire(t: Tensor) -> Tensor:
     """Gloo has no bool: move bools as bytes of the same size."""
     return t.view(torch.uint8) if t.dtype == torch.bool else t
 
 
-def send_tensors(tensors: Sequence[Tensor], dst: int, device: torch.device, ack: int = 0) -> list[dist.Work]:
-    """Post non-blocking sends of a header (carrying ``ack``) and each tensor to global rank ``dst``."""
+def _empty(specs: Specs, device: torch.device) -> list[Tensor]:
+    return [torch.empty(shape, dtype=dtype, device=device) for dtype, shape in specs]
+
+
+def _fillers(posted: Optional[Specs], specs: Optional[Specs], device: torch.device) -> list[Tensor]:
+    """What fills the payload receives the peer posted ahead for ``posted`` when the message does not match them."""
+    return [] if posted is None or posted == specs else _empty(posted, device)
+
+
+def send_tensors(tensors: Sequence[Tensor], dst: int, device: torch.device, ack: int = 0,
+                 posted: Optional[Specs] = None) -> list[dist.Work]:  # fmt: skip
+    """Post non-blocking sends of a header (carrying ``ack``) and each tensor to global rank ``dst``.
+
+    ``posted`` are the specs the receiver posted its payload receives for before the header came
+    (those of the previous message on this link, see :class:`Incoming`): if the tensors differ,
+    placeholders of those specs are sent first, and the receiver posts new receives.
+    """
     tensors = [t.detach().contiguous() for t in tensors]
     header = encode_header(tensors, ack).to(device)
-    return [dist.isend(header, dst)] + [dist.isend(_wire(t), dst) for t in tensors]
+    fillers = _fillers(posted, specs_of(tensors), device)
+    return [dist.isend(header, dst)] + [dist.isend(_wire(t), dst) for t in fillers + tensors]
 
 
 class Incoming:
-    """One tuple on its way from global rank ``src``: the header receive is posted at once, the
-    payload receives as soon as the header is in (:meth:`advance`) or when needed (:meth:`wait`)."""
+    """One tuple on its way from global rank ``src``: the header receive is posted at once, and
+    so are the payload receives when ``expected`` says what the payload will be (the specs of
+    the previous message on this link: a payload whose receive is posted only after its
+    header arrived waits milliseconds longer under gloo). Otherwise the payload receives are
+    posted as soon as the header is in (:meth:`advance`) or when needed (:meth:`wait`)."""
 
-    def __init__(self, src: int, device: torch.device) -> None:
-        self.src, self.device = src, device
+    def __init__(self, src: int, device: torch.device, expected: Optional[Specs] = None) -> None:
+        self.src, self.device, self.expected = src, device, expected
         self.header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
         self.header_work = dist.irecv(self.header, src)
+        self.early = _empty(expected, device) if expected is not None else []
+        self.early_works = [dist.irecv(_wire(b), src) for b in self.early]
         self.buffers: Optional[list[Tensor]] = None
         self.works: list[dist.Work] = []
         self.aborted = False
         self.ack = 0
+        self.specs: Optional[Specs] = None
 
     def advance(self) -> None:
         """Post the payload receives if the header has arrived; never blocks."""
@@ -88,11 +119,15 @@ class Incoming:
         header = self.header.cpu()
         if int(header[0]) == _ABORT:
             self.aborted = True
-            self.buffers = [torch.empty(int(header[1]), dtype=torch.uint8, device=self.device)]
+            specs: Specs = [(torch.uint8, (int(header[1]),))]
         else:
             self.ack = int(header[2])
-            self.buffers = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in decode_header(header)]
-        self.works = [dist.irecv(_wire(b), self.src) for b in self.buffers]
+            specs = self.specs = decode_header(header)
+        if self.expected is not None and not self.aborted and specs == self.expected:
+            self.buffers, self.works = self.early, self.early_works
+            return
+        self.buffers = _empty(specs, self.device)
+        self.works = self.early_works + [dist.irecv(_wire(b), self.src) for b in self.buffers]
 
     def wait(self) -> tuple[Tensor, ...]:
         """The received tuple; raise if ``src`` sent an abort notice instead."""
@@ -108,9 +143,21 @@ class Incoming:
         return tuple(self.buffers)
 
 
-def send_abort(message: str, dst: int, device: torch.device) -> list[dist.Work]:
-    """Tell rank ``dst`` that this pipeline failed, in place of the next tensor tuple it awaits."""
+def send_abort(message: str, dst: int, device: torch.device, posted: Optional[Specs] = None) -> list[dist.Work]:
+    """Tell rank ``dst`` that this pipeline failed, in place of the next tensor tuple it awaits
+    (``posted``: as for :func:`send_tensors`)."""
     data = torch.tensor(list(message.encode("utf-8")), dtype=torch.uint8, device=device)
     header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
     header[0], header[1] = _ABORT, data.numel()
-    return [dist.isend(header, dst), dist.isend(data, dst)]
+    return [dist.isend(header, dst)] + [dist.isend(_wire(t), dst) for t in _fillers(posted, None, device) + [data]]
+
+
+@dataclass
+class Links:
+    """What each link of a rank last carried, so that payload receives can be posted before their
+    header arrives: the receiver expects the specs it last received from a peer, and the sender
+    knows them as the specs it last sent. Both ends must keep (or reset) theirs together: one
+    per engine, new when the layout changes."""
+
+    sent: dict[int, Specs] = field(default_factory=dict)
+    received: dict[int, Specs] = field(default_factory=dict)
