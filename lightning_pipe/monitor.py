@@ -79,7 +79,7 @@ class PipelineMonitor(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Count the batch; every N steps gather every rank's record and log (and draw) it."""
         engine: PipelineEngine = trainer.strategy.engine
-        samples, tokens = self._count(engine, batch)
+        samples, tokens = self._count(engine, trainer.strategy.replica_batch(batch))
         self._steps, self._samples, self._tokens = self._steps + 1, self._samples + samples, self._tokens + tokens
         step = trainer.global_step
         log = step % (self.log_every_n_steps or trainer.log_every_n_steps or 1) == 0

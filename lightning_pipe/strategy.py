@@ -16,7 +16,9 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
 from torch.optim import Optimizer
+from torch.utils._pytree import tree_map
 from typing_extensions import override
 
 from lightning_pipe import checkpoint as _checkpoint
@@ -24,6 +26,7 @@ from lightning_pipe.data import ResumableLoader, per_replica_loader
 from lightning_pipe.layout import PartitionArg, PipelinePlan, RecomputeArg
 from lightning_pipe.runtime.engine import PipelineEngine
 from lightning_pipe.runtime.groups import PipelineGroups
+from lightning_pipe.runtime import reshard
 from lightning_pipe.runtime.placement import Placement, pipeline_blocks_of
 from lightning_pipe.topology import Topology
 
@@ -118,6 +121,7 @@ class PipelineStrategy(DDPStrategy):
         self._requested_plan = plan
         self._plan: Optional[PipelinePlan] = None
         self._groups: Optional[PipelineGroups] = None
+        self._global_batches = False  # every rank loads the global batch and keeps its replica's rows
 
     @property
     def is_distributed(self) -> bool:
@@ -149,8 +153,33 @@ class PipelineStrategy(DDPStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Every stage of a pipeline reads the same shard; replicas read different shards."""
+        """Every stage of a pipeline reads the same shard; replicas read different shards (or,
+        once :meth:`enable_reconfiguration` was called, every rank reads every batch)."""
+        if self._global_batches:
+            return {"num_replicas": 1, "rank": 0}
         return {"num_replicas": self.topology.width, "rank": self.topology.replica_of(self.global_rank)}
+
+    def enable_reconfiguration(self) -> None:
+        """Let :meth:`reconfigure` change the width during fit: call before the data is set up
+        (a callback's ``setup``). Every rank then loads the whole global batch and trains on its
+        replica's rows (``replica_batch``), so a global batch holds the same samples under any
+        width; evaluation runs the whole evaluation set on every replica.
+
+        Raises:
+            ValueError: without ``global_batch_size`` (the global batch must stay fixed).
+        """
+        if self.global_batch_size is None:
+            raise ValueError("reconfiguring the layout during fit needs PipelineStrategy(global_batch_size=...), "
+                             "so that every width trains on the same global batches")  # fmt: skip
+        self._global_batches = True
+
+    def replica_batch(self, batch: Any) -> Any:
+        """This replica's rows of a global batch (rows ``r, r + w, ...``: the samples Lightning's
+        distributed sampler would give replica ``r``), or ``batch`` itself without reconfiguration."""
+        if not self._global_batches:
+            return batch
+        width, replica = self.topology.width, self.topology.replica_of(self.global_rank)
+        return tree_map(lambda t: t[replica::width] if isinstance(t, Tensor) and t.dim() > 0 else t, batch)
 
     @property
     @override
@@ -260,6 +289,58 @@ class PipelineStrategy(DDPStrategy):
         the real update inside ``pipeline_step``, where its place in the schedule is known."""
         return closure()
 
+    # -- reconfiguration -------------------------------------------------------------------
+    def reconfigure(self, plan: PipelinePlan) -> PipelinePlan:
+        """Move the running job to ``plan`` between two training steps, without restarting processes.
+
+        Drains a 2BW stream, moves each rank's weights and optimizer state by name to the ranks
+        of the new layout, rebuilds the process groups, places the new stages and engine, then
+        re-creates the optimizer and LR schedulers from ``configure_optimizers`` (their counters
+        carried over) and imports the state. ``trainer.global_step``, loggers and callbacks go
+        on. A collective: every rank calls it with the same plan.
+
+        Returns:
+            The plan now in use (partition resolved).
+
+        Raises:
+            ValueError: for a plan of another process count, or a new width without
+                :meth:`enable_reconfiguration`.
+        """
+        module = self._module_checked(self.lightning_module)
+        old, new = self.plan, self.placement.resolved(plan)
+        if new.world_size != old.world_size:
+            raise ValueError(f"plan {new.describe()} needs {new.world_size} processes, this run has {old.world_size}")
+        if new.width != old.width and not self._global_batches:
+            raise ValueError(f"changing the width from {old.width} to {new.width} during fit needs "
+                             "strategy.enable_reconfiguration() before the data is set up (AutoPlanner does it)")  # fmt: skip
+        self._drain()
+        exported = self.placement.export_state(self._optimizer())
+        flat = {f"{part}.{k}": v for part in ("model", "optimizer") for k, v in exported[part].items()}
+        schedulers = [config.scheduler.state_dict() for config in module.trainer.lr_scheduler_configs]
+        block_of = lambda key: self.placement.block_of(reshard.key_name(key))  # noqa: E731
+        moved = reshard.exchange(flat, block_of, old, new, self.global_rank, self.root_device)
+        self.placement.undo()
+        self._plan = new
+        self._groups = PipelineGroups.build(new.topology, self.global_rank, self.root_device.type)
+        module._pipeline_engine = self._place(module)
+        self._rebind_optimizers(module.trainer, schedulers)
+        self.placement.import_state({part: {k[len(part) + 1 :]: v for k, v in moved.items() if k.startswith(part + ".")}
+                                     for part in ("model", "optimizer")}, self._optimizer())  # fmt: skip
+        return self.plan
+
+    def _optimizer(self) -> Optimizer:
+        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        if len(optimizers) != 1:
+            raise ValueError(f"pipeline training supports one optimizer, configure_optimizers returned {len(optimizers)}")
+        return optimizers[0]
+
+    def _rebind_optimizers(self, trainer: Trainer, schedulers: list[dict[str, Any]]) -> None:
+        """A new optimizer and LR schedulers over this rank's new parameters, the schedulers' counters restored."""
+        self.setup_optimizers(trainer)
+        _optimizers_to_device(self.optimizers, self.root_device)
+        for config, state in zip(self.lr_scheduler_configs, schedulers):
+            config.scheduler.load_state_dict(state)
+
     # -- data --------------------------------------------------------------------------------
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -268,7 +349,8 @@ class PipelineStrategy(DDPStrategy):
         if trainer is None or trainer.state.stage != RunningStage.TRAINING or not hasattr(dataloader, "batch_sampler"):
             return dataloader
         if self.global_batch_size is not None:
-            dataloader = per_replica_loader(dataloader, self.global_batch_size, self.topology.width)  # type: ignore[arg-type]
+            width = 1 if self._global_batches else self.topology.width
+            dataloader = per_replica_loader(dataloader, self.global_batch_size, width)  # type: ignore[arg-type]
         progress = trainer.fit_loop.epoch_loop.batch_progress.current
         return ResumableLoader(dataloader, lambda: progress.processed)  # type: ignore[arg-type]
 

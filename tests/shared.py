@@ -20,6 +20,7 @@ MODULES = (
     "tests.test_split_runtime",
     "tests.test_trainer",
     "tests.test_checkpoint",
+    "tests.test_reconfigure",
 )
 
 SCENARIOS: dict[int, dict[str, tuple[Callable[..., Any], tuple]]] = {}

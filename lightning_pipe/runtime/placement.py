@@ -61,6 +61,12 @@ def _parents(module: nn.Module, blocks: list[nn.Module]) -> list[tuple[nn.Module
     return [index[id(b)] for b in blocks]
 
 
+def _names_by_block(module: nn.Module, blocks: list[nn.Module]) -> dict[str, int]:
+    """Block index of every state name of ``module`` (blocks not placed yet: their paths are real)."""
+    paths = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
+    return {f"{paths[id(b)]}.{k}": i for i, b in enumerate(blocks) for k in b.state_dict()}
+
+
 def _check_parameters(module: nn.Module, blocks: list[nn.Module], ranges: list[range]) -> None:
     owner: dict[int, int] = {}
     for stage, rng in enumerate(ranges):
@@ -103,6 +109,7 @@ class Placement:
         self.module = module
         self.blocks = pipeline_blocks_of(module)
         self._parents = _parents(module, self.blocks)
+        self._block_of_name = _names_by_block(module, self.blocks)
         self.plan: Optional[PipelinePlan] = None
         self.stage_index = -1
         self._dropped: set[int] = set()
@@ -117,7 +124,7 @@ class Placement:
         """
         if self.plan is not None:
             raise RuntimeError("a plan is already placed on this module; call undo() before applying another")
-        plan = plan if plan.is_resolved else plan.resolve(block_costs(self.module, self.blocks))
+        plan = self.resolved(plan)
         ranges = plan.stage_ranges()
         if ranges[-1].stop != len(self.blocks):
             raise ValueError(f"partition {list(plan.partition)} covers {ranges[-1].stop} blocks, the chain has {len(self.blocks)}")
@@ -144,6 +151,17 @@ class Placement:
             self.unfilled.add(i)
         else:
             block.to(device)
+
+    def resolved(self, plan: PipelinePlan) -> PipelinePlan:
+        """``plan`` with a "balanced" or "uniform" partition turned into block counts for this chain."""
+        return plan if plan.is_resolved else plan.resolve(block_costs(self.module, self.blocks))
+
+    def block_of(self, name: str) -> int:
+        """Index of the block that owns parameter or buffer ``name`` (a name of the unplaced module)."""
+        try:
+            return self._block_of_name[name]
+        except KeyError:
+            raise KeyError(f"{name!r} is not a parameter or buffer of any pipeline block") from None
 
     def undo(self) -> None:
         """Put every original block back into the module (blocks of other stages hold no weights)."""
@@ -184,7 +202,8 @@ class Placement:
     def import_state(self, state: Mapping[str, Any], optimizer: Optional[Optimizer] = None) -> None:
         """Load this rank's parameters, buffers and optimizer state from ``state`` (keyed as :meth:`export_state`).
 
-        ``state`` may hold other stages' names too; only this rank's are read.
+        ``state`` may hold other stages' names too; only this rank's are read. Gradients left
+        by an earlier step are dropped.
 
         Raises:
             KeyError / ValueError: naming the first weights of this stage that are missing or shaped otherwise.
@@ -197,6 +216,8 @@ class Placement:
                 if v.data_ptr() != model[k].data_ptr():  # a checkpoint load may have filled it in place
                     v.copy_(model[k])
         self.unfilled.clear()
+        for p in self.module.parameters():  # a finished step's gradients: DCP initialises optimizer
+            p.grad = None  # state only for parameters without one, and would load none
         if optimizer is not None and "optimizer" in state:
             set_optimizer_state_dict(self.module, optimizer, optim_state_dict=_own_optimizer_keys(state["optimizer"], own), options=FLAT)
 

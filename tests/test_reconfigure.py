@@ -1,0 +1,112 @@
+"""Reconfiguring a running fit in place (PipelineStrategy.reconfigure) on 4 processes, against a
+single-process reference on the same global batches."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_pipe import PipelinePlan, PipelineStrategy
+from tests.models import ToyChain, assert_close_dicts, load_plain, reference_train
+from tests.scripts.train_toy import Indexed, Recorder, WithScheduler
+from tests.shared import scenario, scenario_dir
+
+GLOBAL, SWITCH, STEPS = 16, 2, 5  # the switch after step 2, then 3 more steps
+START = PipelinePlan(1, 4, 4, "1f1b", partition="uniform")
+TARGETS = {
+    "1f1b": PipelinePlan(2, 2, 8, "1f1b", partition="uniform", recompute=(True, False)),
+    "2bw": PipelinePlan(2, 2, 8, "2bw", partition="uniform"),
+}
+
+
+class SwitchAt(L.Callback):
+    """Lets the strategy reconfigure (global batches), and moves the job to ``plan`` after step ``step``."""
+
+    def __init__(self, step: int, plan: PipelinePlan) -> None:
+        self.step, self.plan = step, plan
+        self.plans: list[PipelinePlan] = []
+
+    def setup(self, trainer: L.Trainer, pl_module: Any, stage: str) -> None:
+        trainer.strategy.enable_reconfiguration()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            trainer.strategy.reconfigure(self.plan)
+        self.plans.append(trainer.strategy.plan)
+
+
+def _fit_switching(rank: int, world: int, target: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = WithScheduler() if target == "1f1b" else ToyChain()
+    recorder, switch = Recorder(), SwitchAt(SWITCH, TARGETS[target])
+    out = scenario_dir()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, max_steps=STEPS, max_epochs=-1, num_sanity_val_steps=0, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        callbacks=[recorder, switch, L.pytorch.callbacks.ModelCheckpoint(dirpath=out / "ckpt", save_last=True)],
+        strategy=PipelineStrategy(plan=START, global_batch_size=GLOBAL, timeout=timedelta(seconds=60)),
+    )  # fmt: skip
+    trainer.fit(model, DataLoader(Indexed(GLOBAL * STEPS, 0), batch_size=GLOBAL))
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "indices": recorder.indices,
+        "lrs": recorder.lrs,
+        "plans": switch.plans,
+        "global_step": trainer.global_step,
+        "stage": trainer.strategy.engine.stage_index,
+    }
+
+
+for _target in TARGETS:
+    scenario(4, f"reconfigure_{_target}", _fit_switching, _target)
+
+
+def _batches(indices: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    data = Indexed(GLOBAL * STEPS, 0)
+    return [(data.x[torch.tensor(i)], data.y[torch.tensor(i)]) for i in indices]
+
+
+def _check_layout_and_steps(ranks: list[dict[str, Any]], target: str) -> dict[str, torch.Tensor]:
+    """Every rank ran the start plan, then the target; the global batches agree; replicas agree; merged params."""
+    start, after = START.replace(partition=(2, 2, 1, 1)), TARGETS[target].replace(partition=(3, 3))
+    for rank in ranks:  # the plan in use after each step
+        assert rank["plans"] == [start] * (SWITCH - 1) + [after] * (STEPS - SWITCH + 1)
+        assert rank["global_step"] == STEPS
+        assert rank["indices"] == ranks[0]["indices"] and all(len(i) == GLOBAL for i in rank["indices"])
+    merged: dict[str, torch.Tensor] = {}
+    for rank in ranks:
+        for name, value in rank["params"].items():
+            if name in merged:  # replicas of a stage hold the same weights
+                torch.testing.assert_close(value, merged[name], rtol=0, atol=0)
+            merged[name] = value
+    return merged
+
+
+def test_switch_from_1x4_to_2x2_with_recompute_matches_single_process(launched) -> None:
+    ranks = launched(4).ok("reconfigure_1f1b")
+    got = _check_layout_and_steps(ranks, "1f1b")
+    torch.manual_seed(0)
+    want = reference_train(ToyChain(), _batches(ranks[0]["indices"]), step_lr=True)
+    assert_close_dicts(got, want, rtol=1e-5)
+    # The LR schedule went on across the switch: StepLR(step_size=2, gamma=0.5) after each step.
+    assert ranks[0]["lrs"] == [1e-2 * 0.5 ** ((t + 1) // 2) for t in range(STEPS)]
+    # ModelCheckpoint went on too: the last checkpoint, saved under the new layout, holds the weights.
+    restored = load_plain(ToyChain, launched(4).dir("reconfigure_1f1b") / "ckpt" / "last.ckpt")
+    assert_close_dicts(dict(restored.named_parameters()), want, rtol=1e-5)
+
+
+def test_switch_to_2bw_follows_the_2bw_rule_from_the_switch(launched) -> None:
+    ranks = launched(4).ok("reconfigure_2bw")
+    got = _check_layout_and_steps(ranks, "2bw")
+    batches = _batches(ranks[0]["indices"])
+    torch.manual_seed(0)
+    model = ToyChain()
+    opt = torch.optim.Adam(model.parameters(), lr=model.lr)
+    reference_train(model, batches[:SWITCH], opt=opt)  # flushed 1F1B steps
+    # The stream starts at the switch: batch t runs on W(max(t - 1, SWITCH)) (seed 000, section 3.1).
+    want = reference_train(model, batches[SWITCH:], delay=1, opt=opt)
+    assert_close_dicts(got, want, rtol=1e-5)
