@@ -1,5 +1,6 @@
 """lightning_pipe: pipeline-parallel training (GPipe, 1F1B, PipeDream-2BW, split backward) as a Lightning strategy."""
 
+from lightning_pipe.autoplan import AutoPlanner
 from lightning_pipe.module import PipelineMixin
 from lightning_pipe.monitor import PipelineMonitor
 from lightning_pipe.layout import PipelinePlan
@@ -12,6 +13,7 @@ from lightning_pipe.strategy import PipelineStrategy
 from lightning_pipe.topology import Topology
 
 __all__ = [
+    "AutoPlanner",
     "PipelineAbortedError",
     "PipelineEngine",
     "PipelineGroups",

@@ -310,18 +310,52 @@ def _profile_microbatch(module: nn.Module, blocks: list[nn.Module], mb: Any, los
                         device: torch.device) -> list[BlockSample]:  # fmt: skip
     """Every block run in chain order on microbatch ``mb``, ``repeats`` times after a warm-up
     run that also measures each block's workspace; the median sample of each block."""
+    return _profile_chain(blocks, lambda: as_tuple(module.pipeline_inputs(mb), "pipeline_inputs"), True, loss, repeats, device)
+
+
+def _profile_chain(blocks: list[nn.Module], start: Callable[[], tuple[Tensor, ...]], first: bool, loss: Loss,
+                   repeats: int, device: torch.device) -> list[BlockSample]:  # fmt: skip
+    """:func:`_profile_microbatch` from the inputs ``start()`` gives the first block (``first``: the
+    chain's first block, whose inputs need no gradient); ``loss`` follows the last block if given."""
     runs: list[list[BlockSample]] = [[] for _ in blocks]
     workspace = [(0, 0)] * len(blocks)
     for run in range(repeats + 1):
-        x = as_tuple(module.pipeline_inputs(mb), "pipeline_inputs")
+        x = start()
         for i, block in enumerate(blocks):
             last = loss if i == len(blocks) - 1 else None
             if run == 0:
-                workspace[i] = _workspace(block, x, i == 0, last)
-            sample, x = _measure_block(block, x, i == 0, device, last)
+                workspace[i] = _workspace(block, x, first and i == 0, last)
+            sample, x = _measure_block(block, x, first and i == 0, device, last)
             runs[i].append(sample)
     return [dataclasses.replace(_median(measured[1:]), forward_workspace_bytes=fw, backward_workspace_bytes=bw)
             for measured, (fw, bw) in zip(runs, workspace)]
+
+
+def profile_stage(blocks: Sequence[nn.Module], first_block: int, inputs: Sequence[tuple[Tensor, ...]],
+                  loss: Optional[Callable[[int, tuple[Tensor, ...]], Tensor]], repeats: int = 2,
+                  optimizer: Optional[Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = None,
+                  device: Optional[torch.device] = None) -> list[BlockProfile]:  # fmt: skip
+    """Profile one stage's blocks on inputs captured from real training steps (the autoplanner:
+    every rank profiles its own blocks, inside the running job).
+
+    Args:
+        blocks: the stage's blocks, in order.
+        first_block: index of ``blocks[0]`` in the whole chain (0: inputs need no gradient).
+        inputs: the stage's inputs at two or more microbatch sizes (e.g. one microbatch and two
+            concatenated), as the stage received them.
+        loss: on the last stage, ``loss(size, output)`` gives the loss of a microbatch of that size.
+        repeats, optimizer, device: as for :func:`profile_blocks`.
+    """
+    device = device or torch.device("cpu")
+    by_size: list[list[BlockSample]] = [[] for _ in blocks]
+    for x in inputs:
+        size = batch_size(x)
+        last = functools.partial(loss, size) if loss is not None else None
+        samples = _profile_chain(list(blocks), lambda: tuple(t.detach() for t in x), first_block == 0, last, repeats, device)
+        for i, sample in enumerate(samples):
+            by_size[i].append(sample)
+    return [BlockProfile(f"{first_block + i}:{type(b).__name__}", by_size[i], *_state_bytes(b, optimizer))
+            for i, b in enumerate(blocks)]
 
 
 def _profile_worker(rank: int, world: int, factory: Callable[[], nn.Module], batch: Any, sizes: Sequence[int],

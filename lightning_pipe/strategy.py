@@ -355,6 +355,10 @@ class PipelineStrategy(DDPStrategy):
         return ResumableLoader(dataloader, lambda: progress.processed)  # type: ignore[arg-type]
 
     # -- lifecycle -------------------------------------------------------------------------
+    def drain(self) -> None:
+        """Finish every in-flight microbatch and apply the outstanding update (2BW; no-op otherwise)."""
+        self._drain()
+
     def _drain(self) -> None:
         module = self.lightning_module
         if module is not None and getattr(module, "_pipeline_engine", None) is not None:

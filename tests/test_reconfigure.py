@@ -65,8 +65,8 @@ for _target in TARGETS:
     scenario(4, f"reconfigure_{_target}", _fit_switching, _target)
 
 
-def _batches(indices: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    data = Indexed(GLOBAL * STEPS, 0)
+def _batches(indices: list[list[int]], steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    data = Indexed(GLOBAL * steps, 0)
     return [(data.x[torch.tensor(i)], data.y[torch.tensor(i)]) for i in indices]
 
 
@@ -110,3 +110,60 @@ def test_switch_to_2bw_follows_the_2bw_rule_from_the_switch(launched) -> None:
     # The stream starts at the switch: batch t runs on W(max(t - 1, SWITCH)) (seed 000, section 3.1).
     want = reference_train(model, batches[SWITCH:], delay=1, opt=opt)
     assert_close_dicts(got, want, rtol=1e-5)
+
+
+def _fit_auto(rank: int, world: int, memory: Any) -> dict[str, Any]:
+    from lightning_pipe import AutoPlanner
+
+    torch.manual_seed(0)
+    model, recorder, auto = ToyChain(), Recorder(), AutoPlanner(memory=memory, profile_steps=3, min_gain=0.0)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, max_steps=STEPS + 2, max_epochs=-1, num_sanity_val_steps=0,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, enable_checkpointing=False,
+        callbacks=[recorder, auto], logger=L.pytorch.loggers.TensorBoardLogger(scenario_dir() / "tb", name="run"),
+        strategy=PipelineStrategy(plan=START, global_batch_size=GLOBAL, timeout=timedelta(seconds=60)),
+    )  # fmt: skip
+    try:
+        trainer.fit(model, DataLoader(Indexed(GLOBAL * (STEPS + 2), 0), batch_size=GLOBAL))
+    except RuntimeError as err:
+        return {"error": str(err), "steps": trainer.global_step}
+    decision = auto.decisions[0]
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "indices": recorder.indices,
+        "plan": trainer.strategy.plan,
+        "decision": {k: decision[k] for k in ("step", "reason", "table", "switch_seconds", "measured_step_s")},
+        "chosen": decision["chosen"].plan,
+        "current": decision["current"].plan,
+        "feasible": decision["chosen"].feasible,
+    }
+
+
+scenario(4, "autoplan_fit", _fit_auto, None)
+scenario(4, "autoplan_no_plan_fits", _fit_auto, 1)
+
+
+def test_autoplanner_profiles_plans_switches_and_matches_single_process(launched) -> None:
+    ranks = launched(4).ok("autoplan_fit")
+    for rank in ranks:
+        assert rank["decision"]["step"] == 3  # after the 3 profiled steps
+        assert rank["current"] == START.replace(partition=(2, 2, 1, 1))
+        assert rank["plan"] == rank["chosen"] == ranks[0]["chosen"]  # every rank runs the plan it decided on
+        assert rank["decision"]["table"] == ranks[0]["decision"]["table"]
+    assert ranks[0]["chosen"] != ranks[0]["current"], ranks[0]["decision"]  # min_gain=0: a faster plan exists
+    assert ranks[0]["decision"]["switch_seconds"] > 0 and ranks[0]["decision"]["measured_step_s"] > 0
+    assert "current" in ranks[0]["decision"]["table"] and "candidates" in ranks[0]["decision"]["table"]
+    # Whatever it chose (no stale schedule without allow_stale), training is exact.
+    merged: dict[str, torch.Tensor] = {}
+    for rank in ranks:
+        merged.update(rank["params"])
+    torch.manual_seed(0)
+    want = reference_train(ToyChain(), _batches(ranks[0]["indices"], STEPS + 2))
+    assert_close_dicts(merged, want, rtol=1e-5)
+
+
+def test_autoplanner_budget_no_plan_meets_is_a_clear_error(launched) -> None:
+    ranks = launched(4).ok("autoplan_no_plan_fits")
+    for rank in ranks:
+        assert "no plan fits the memory budget of 1 B per device" in rank["error"], rank
+        assert "smallest predicted peak is" in rank["error"]

@@ -1,0 +1,267 @@
+"""AutoPlanner: profile the first training steps on every rank, plan, and move the running job to the best plan that fits memory."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections import defaultdict
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+from torch.utils._pytree import tree_leaves, tree_map
+
+from lightning_pipe import planner
+from lightning_pipe.layout import PipelinePlan
+from lightning_pipe.profiler import BlockProfile, BlockSample, Profile, _link_worker, _loss_of, profile_stage
+from lightning_pipe.runtime.microbatch import batch_size
+from lightning_pipe.schedules import Kind
+
+
+class AutoPlanner(Callback):
+    """Profile the first ``profile_steps`` real training steps, run the planner on the gathered
+    profile, and move the job in place (``PipelineStrategy.reconfigure``) to the fastest plan that
+    fits ``memory``, when it beats the current plan by ``min_gain`` or the current plan does not fit.
+
+    Every rank profiles its own blocks on the inputs it received in a training step, and each
+    stage's profiled times are scaled so that they reproduce the F and B times the trace of those
+    steps measured (contention, the executor's own costs). The plan space covers every
+    ``(w, d)`` with ``w * d`` = the job's processes, every microbatch size with the global batch
+    fixed, every schedule (2BW only with ``allow_stale``), split backward, recompute per stage and
+    the partition (time-balanced, and MadPipe's under a memory budget). Needs
+    ``PipelineStrategy(global_batch_size=...)``: every rank then loads the global batch and trains
+    on its replica's rows, so a width change keeps the samples of every global batch.
+
+    Args:
+        memory: bytes each device may hold (stage peak); ``None``: a CUDA device's total memory,
+            unlimited on CPU.
+        profile_steps: training steps to measure before deciding (the first is a warm-up);
+            they train as usual.
+        allow_stale: let the planner choose PipeDream-2BW (its update is 1-stale).
+        min_gain: least predicted throughput gain (0.05: 5%) worth a switch.
+        recheck_every_n_steps: profile and plan again every N steps after a decision (``None``: once).
+
+    Attributes:
+        decisions: one record per decision (step, table of candidates, chosen plan, reason,
+            switch seconds, predicted and measured step time after it).
+    """
+
+    def __init__(self, memory: Optional[float] = None, profile_steps: int = 5, allow_stale: bool = False,
+                 min_gain: float = 0.05, recheck_every_n_steps: Optional[int] = None) -> None:  # fmt: skip
+        if profile_steps < 2:
+            raise ValueError(f"profile_steps must be >= 2 (the first step is a warm-up), got {profile_steps}")
+        if min_gain < 0:
+            raise ValueError(f"min_gain must be >= 0, got {min_gain}")
+        self.memory, self.profile_steps, self.allow_stale = memory, profile_steps, allow_stale
+        self.min_gain, self.recheck_every_n_steps = min_gain, recheck_every_n_steps
+        self.decisions: list[dict[str, Any]] = []
+        self._start_step, self._steps_seen = 0, 0
+        self._times: dict[str, list[float]] = defaultdict(list)
+        self._captured: list[tuple[Tensor, ...]] = []
+        self._hook: Any = None
+        self._batch: Any = None
+        self._after: Optional[list[float]] = None
+        self._step_start = 0.0
+
+    # -- Lightning hooks -------------------------------------------------------------------
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Let the strategy change the layout during fit (global batches on every rank)."""
+        if stage == "fit":
+            if not callable(getattr(trainer.strategy, "reconfigure", None)):
+                raise TypeError("AutoPlanner needs Trainer(strategy=PipelineStrategy(global_batch_size=...))")
+            trainer.strategy.enable_reconfiguration()
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        """Capture this stage's inputs in the last profiled step; start the step clock."""
+        self._step_start = time.perf_counter()
+        if self._profiling(trainer) and self._steps_seen == self.profile_steps - 1:
+            self._batch = trainer.strategy.replica_batch(batch)
+            self._captured = []
+            self._hook = trainer.strategy.engine.stage.blocks[0].register_forward_pre_hook(self._capture)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Collect the step's trace; decide after the profiled steps; time the steps after a switch."""
+        elapsed = time.perf_counter() - self._step_start
+        if self._after is not None:
+            self._record_after(trainer, elapsed)
+        if not self._profiling(trainer):
+            if self.recheck_every_n_steps and trainer.global_step - self._start_step >= self.recheck_every_n_steps + self.profile_steps:
+                self._start_step, self._steps_seen = trainer.global_step, 0
+            return
+        self._steps_seen += 1
+        if self._steps_seen > 1:  # the first is a warm-up
+            self._collect(trainer.strategy.engine)
+        if self._steps_seen == self.profile_steps:
+            self._hook.remove()
+            self._decide(trainer, pl_module)
+
+    # -- profiling -------------------------------------------------------------------------
+    def _profiling(self, trainer: Trainer) -> bool:
+        return self._steps_seen < self.profile_steps
+
+    def _capture(self, module: Any, args: tuple) -> None:
+        if len(self._captured) < 2:
+            self._captured.append(tuple(a.detach().clone() for a in args if isinstance(a, Tensor)))
+
+    def _collect(self, engine: Any) -> None:
+        """Seconds of each F, B, I, W and optimizer step of this rank in the step just run."""
+        for interval in engine.trace.intervals:
+            kind = interval.action.kind
+            if kind in (Kind.FORWARD, Kind.BACKWARD, Kind.INPUT_GRAD, Kind.WEIGHT_GRAD, Kind.OPTIMIZER_STEP):
+                self._times[kind.value].append(interval.end - interval.start)
+
+    def _measured(self) -> tuple[float, float, float]:
+        """Mean F, B (or I + W) and optimizer-step seconds of this rank over the profiled steps."""
+        mean = lambda k: statistics.fmean(self._times[k]) if self._times[k] else 0.0  # noqa: E731
+        backward = mean("B") if self._times["B"] else mean("I") + mean("W")
+        return mean("F"), backward, mean("OPT")
+
+    def _stage_profile(self, trainer: Trainer, module: Any) -> Optional[tuple[int, list[BlockProfile], float]]:
+        """This stage's calibrated block profiles and its optimizer-step seconds (first replicas only)."""
+        strategy = trainer.strategy
+        engine, plan = strategy.engine, strategy.plan
+        if plan.topology.replica_of(strategy.global_rank) != 0:
+            return None
+        inputs = self._captured[:1] + ([tuple(torch.cat(p) for p in zip(*self._captured))] if len(self._captured) > 1 else [])
+        rows = self._batch
+        loss = (lambda size, out: _loss_of(module, _rows(rows, size), out)) if engine.position.is_last else None
+        optimizer = trainer.optimizers[0]
+        factory = lambda params: type(optimizer)(params, **optimizer.defaults)  # noqa: E731
+        with torch.random.fork_rng():
+            profiles = profile_stage(engine.stage.blocks, engine.stage.first_index, inputs, loss, 2, factory, strategy.root_device)
+        stage = engine.stage_index
+        b = batch_size(inputs[0])
+        forward, backward, step = self._measured()
+        return stage, _calibrated(profiles, b, plan.recompute[stage], forward, backward), step
+
+    def _gather_profile(self, trainer: Trainer, module: Any) -> Profile:
+        """Every stage's calibrated blocks, gathered on every rank, with the job's measured links."""
+        strategy = trainer.strategy
+        strategy.drain()
+        mine = self._stage_profile(trainer, module)
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+        stages = sorted(p for p in parts if p is not None)
+        blocks = [b for _, profiles, _ in stages for b in profiles]
+        measured = [_link_worker(strategy.global_rank, dist.get_world_size(), 1024, 2**20, 3)]
+        dist.broadcast_object_list(measured, src=0)  # rank 0's: every rank must plan on the same numbers
+        links = measured[0]
+        rows = self._batch
+        data = tree_leaves(module.pipeline_inputs(rows))
+        own = {t.untyped_storage().data_ptr() for t in tree_leaves(rows) if isinstance(t, Tensor)}
+        n = batch_size(rows)
+        return Profile(blocks, optimizer_step=sum(step for _, _, step in stages),
+                       input_bytes_per_sample=sum(t.numel() * t.element_size() for t in data
+                                                  if isinstance(t, Tensor) and t.untyped_storage().data_ptr() not in own) / n,
+                       batch_bytes_per_sample=sum(t.numel() * t.element_size() for t in tree_leaves(rows) if isinstance(t, Tensor)) / n,
+                       device=str(strategy.root_device), **links)  # fmt: skip
+
+    # -- deciding --------------------------------------------------------------------------
+    def _budget(self, trainer: Trainer) -> Optional[float]:
+        if self.memory is not None:
+            return float(self.memory)
+        device = trainer.strategy.root_device
+        return float(torch.cuda.get_device_properties(device).total_memory) if device.type == "cuda" else None
+
+    def _decide(self, trainer: Trainer, module: Any) -> None:
+        strategy = trainer.strategy
+        profile = self._gather_profile(trainer, module)
+        plan, budget = strategy.plan, self._budget(trainer)
+        global_batch = strategy.global_batch_size
+        current = planner.predict(profile, plan, global_batch // (plan.width * plan.microbatches), budget)
+        ranked = planner.search(profile, plan.world_size, global_batch, budget, self.allow_stale)
+        if not ranked or not ranked[0].feasible:
+            smallest = min((max(p.stage_memory) for p in ranked), default=float("nan"))
+            raise RuntimeError(f"no plan fits the memory budget of {planner._size(budget or 0)} per device; the smallest "
+                               f"predicted peak is {planner._size(smallest)} (raise AutoPlanner(memory=...) or shrink the batch)")  # fmt: skip
+        best, reason = _choose(current, ranked[0], self.min_gain)
+        record = {"step": trainer.global_step, "current": current, "chosen": best, "reason": reason,
+                  "table": _table(current, ranked), "switch_seconds": 0.0, "measured_step_s": None}  # fmt: skip
+        if best is not current:
+            start = time.perf_counter()
+            strategy.reconfigure(best.plan)
+            record["switch_seconds"] = time.perf_counter() - start
+        self.decisions.append(record)
+        self._report(trainer, record)
+        self._start_step, self._times, self._after = trainer.global_step, defaultdict(list), []
+        self._captured, self._batch = [], None
+
+    def _record_after(self, trainer: Trainer, elapsed: float) -> None:
+        """Time the steps after a decision (the first is a warm-up); report the median of three."""
+        assert self._after is not None
+        self._after.append(elapsed)
+        if len(self._after) == 4:
+            measured = statistics.median(self._after[1:])
+            record = self.decisions[-1]
+            record["measured_step_s"] = measured
+            rank_zero_info(f"AutoPlanner: after the decision, measured step {measured:.4f} s "
+                           f"(predicted {record['chosen'].step_time:.4f} s)")  # fmt: skip
+            _log_scalars(trainer, {"autoplan/measured_step_s": measured, "autoplan/predicted_step_s": record["chosen"].step_time})
+            self._after = None
+
+    def _report(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        text = (f"AutoPlanner at step {record['step']}: {record['reason']}\n"
+                f"chosen: {record['chosen'].plan.describe()}, switch took {record['switch_seconds']:.3f} s\n{record['table']}")
+        rank_zero_info(text)
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                experiment = getattr(logger, "experiment", None)
+                if callable(getattr(experiment, "add_text", None)):
+                    experiment.add_text("autoplan/decision", f"```\n{text}\n```", record["step"])
+        _log_scalars(trainer, {"autoplan/switch_s": record["switch_seconds"],
+                               "autoplan/predicted_step_s": record["chosen"].step_time,
+                               "autoplan/current_predicted_step_s": record["current"].step_time})  # fmt: skip
+
+
+def _rows(batch: Any, size: int) -> Any:
+    """The first ``size`` samples of ``batch`` (microbatches are contiguous rows)."""
+    return tree_map(lambda t: t[:size] if isinstance(t, Tensor) and t.dim() > 0 else t, batch)
+
+
+def _calibrated(profiles: list[BlockProfile], b: int, recompute: bool, forward: float, backward: float) -> list[BlockProfile]:
+    """Scale the stage's profiled times so that at microbatch size ``b`` its F and B equal the
+    measured ones (``forward``/``backward`` seconds per microbatch; a recomputed B includes a forward)."""
+    at = [p.at(b) for p in profiles]
+    f_pred = sum(s.forward for s in at)
+    b_pred = sum(s.backward + (s.forward if recompute else 0.0) for s in at)
+    f_scale = forward / f_pred if forward > 0 and f_pred > 0 else 1.0
+    b_scale = backward / b_pred if backward > 0 and b_pred > 0 else 1.0
+
+    def scaled(s: BlockSample) -> BlockSample:
+        return dataclasses.replace(s, forward=s.forward * f_scale, backward=s.backward * b_scale,
+                                   input_grad=s.input_grad * b_scale, weight_grad=s.weight_grad * b_scale)  # fmt: skip
+
+    return [dataclasses.replace(p, samples=[scaled(s) for s in p.samples]) for p in profiles]
+
+
+def _choose(current: planner.Prediction, best: planner.Prediction, min_gain: float) -> tuple[planner.Prediction, str]:
+    """The plan to run and why."""
+    if not current.feasible:
+        return best, f"the current plan does not fit ({current.why_infeasible()}); switching to the fastest that does"
+    gain = best.samples_per_second / current.samples_per_second - 1
+    if best.plan != current.plan and gain >= min_gain:
+        return best, f"the best plan is predicted {gain:.1%} faster than the current one (min_gain {min_gain:.0%})"
+    return current, f"keeping the current plan: the best is predicted {gain:.1%} faster (min_gain {min_gain:.0%})"
+
+
+def _table(current: planner.Prediction, ranked: list[planner.Prediction], rows: int = 12) -> str:
+    """The candidate table: plan, microbatch size, predicted step and throughput, peak memory, verdict."""
+    lines = ["rank | plan | b | step (s) | samples/s | peak per stage | verdict"]
+    shown = ranked[:rows] + ([current] if current not in ranked[:rows] else [])
+    for i, p in enumerate(shown):
+        verdict = "current" if p.plan == current.plan else ("fits" if p.feasible else "rejected: " + p.why_infeasible())
+        lines.append(f"{i + 1 if i < rows else '-'} | {p.plan.describe()} | {p.microbatch_size} | {p.step_time:.4f} | "
+                     f"{p.samples_per_second:.1f} | {planner._size(max(p.stage_memory))} | {verdict}")  # fmt: skip
+    rejected = sum(not p.feasible for p in ranked)
+    lines.append(f"({len(ranked)} candidates, {rejected} rejected for memory)")
+    return "\n".join(lines)
+
+
+def _log_scalars(trainer: Trainer, metrics: dict[str, float]) -> None:
+    if trainer.is_global_zero:
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
