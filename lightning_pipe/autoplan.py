@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import os
 import statistics
 import time
 from collections import defaultdict
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -129,8 +131,7 @@ class AutoPlanner(Callback):
         inputs = self._captured[:1] + ([tuple(torch.cat(p) for p in zip(*self._captured))] if len(self._captured) > 1 else [])
         rows = self._batch
         loss = (lambda size, out: _loss_of(module, _rows(rows, size), out)) if engine.position.is_last else None
-        optimizer = trainer.optimizers[0]
-        factory = lambda params: type(optimizer)(params, **optimizer.defaults)  # noqa: E731
+        factory = _same_kind(trainer.optimizers[0])
         with torch.random.fork_rng():
             profiles = profile_stage(engine.stage.blocks, engine.stage.first_index, inputs, loss, 2, factory, strategy.root_device)
         stage = engine.stage_index
@@ -158,7 +159,7 @@ class AutoPlanner(Callback):
                        input_bytes_per_sample=sum(t.numel() * t.element_size() for t in data
                                                   if isinstance(t, Tensor) and t.untyped_storage().data_ptr() not in own) / n,
                        batch_bytes_per_sample=sum(t.numel() * t.element_size() for t in tree_leaves(rows) if isinstance(t, Tensor)) / n,
-                       device=str(strategy.root_device), **links)  # fmt: skip
+                       cores=_shared_cores(trainer), device=str(strategy.root_device), **links)  # fmt: skip
 
     # -- deciding --------------------------------------------------------------------------
     def _budget(self, trainer: Trainer) -> Optional[float]:
@@ -215,6 +216,21 @@ class AutoPlanner(Callback):
         _log_scalars(trainer, {"autoplan/switch_s": record["switch_seconds"],
                                "autoplan/predicted_step_s": record["chosen"].step_time,
                                "autoplan/current_predicted_step_s": record["current"].step_time})  # fmt: skip
+
+
+def _same_kind(optimizer: torch.optim.Optimizer) -> Callable[[list[Any]], torch.optim.Optimizer]:
+    """Builds an optimizer of ``optimizer``'s class and settings over other parameters (its state bytes)."""
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    settings = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return lambda params: type(optimizer)(params, **settings)
+
+
+def _shared_cores(trainer: Trainer) -> Optional[int]:
+    """CPU cores the job's processes share (all hosts), or ``None`` on accelerators (a device each)."""
+    if trainer.strategy.root_device.type != "cpu":
+        return None
+    per_host = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return per_host * trainer.num_nodes
 
 
 def _rows(batch: Any, size: int) -> Any:

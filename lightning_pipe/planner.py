@@ -153,20 +153,34 @@ def held(plan: PipelinePlan) -> list[HeldCounts]:
     return _held(*_program_key(plan, 3 if plan.schedule == "2bw" else 1))
 
 
-def step_time(plan: PipelinePlan, cost: Callable[[Action], float]) -> float:
+#: What keeps a CPU core busy: compute and the optimizer step.
+_CPU_KINDS = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.INPUT_GRAD, Kind.WEIGHT_GRAD, Kind.OPTIMIZER_STEP})
+
+
+def step_time(plan: PipelinePlan, cost: Callable[[Action], float], cores: Optional[int] = None) -> float:
     """Seconds of one step of ``plan``'s program under ``cost`` (the simulator's makespan, on the
     program compiled once). 2BW never flushes: its step is one steady-state window, the
-    difference of runs of 3 and 2 windows."""
+    difference of runs of 3 and 2 windows.
+
+    ``cores``: the job's processes share this many CPU cores (one host, CPU device); a step then
+    takes at least the compute of every rank of every replica divided by the cores (processes
+    that all compute at once share the cores: 4 data-parallel ranks on 2 cores run at half speed)."""
     if plan.schedule == "2bw":
         longer, shorter = _compiled(*_program_key(plan, 3)), _compiled(*_program_key(plan, 2))
-        return longer.makespan(longer.costs_from(cost)) - shorter.makespan(shorter.costs_from(cost))
-    compiled = _compiled(*_program_key(plan, 1))
-    return compiled.makespan(compiled.costs_from(cost))
+        long_costs, short_costs = longer.costs_from(cost), shorter.costs_from(cost)
+        seconds = longer.makespan(long_costs) - shorter.makespan(short_costs)
+        busy = longer.busy(long_costs, _CPU_KINDS) - shorter.busy(short_costs, _CPU_KINDS)
+    else:
+        compiled = _compiled(*_program_key(plan, 1))
+        costs = compiled.costs_from(cost)
+        seconds, busy = compiled.makespan(costs), compiled.busy(costs, _CPU_KINDS)
+    return max(seconds, plan.width * busy / cores) if cores else seconds
 
 
 def predict_step(profile: Profile, plan: PipelinePlan, microbatch_size: int) -> tuple[float, list[HeldCounts]]:
     """Predicted seconds of one training step (:func:`step_time`), and the microbatches each stage holds (:func:`held`)."""
-    return step_time(plan, action_cost(profile, plan, stage_costs(profile, plan, microbatch_size))), held(plan)
+    cost = action_cost(profile, plan, stage_costs(profile, plan, microbatch_size))
+    return step_time(plan, cost, profile.cores), held(plan)
 
 
 def weight_versions(plan: PipelinePlan) -> int:

@@ -99,6 +99,8 @@ class Profile:
         link_latency: seconds of a point-to-point transfer of an empty message.
         link_bandwidth: bytes per second of a point-to-point transfer.
         allreduce_bandwidth: bytes per second of a gradient all-reduce across replicas (0: unknown).
+        cores: CPU cores the job's processes share (CPU jobs on one host; ``None``: each process
+            computes on a device of its own), see :func:`lightning_pipe.planner.step_time`.
         device: where it was measured.
     """
 
@@ -110,6 +112,7 @@ class Profile:
     link_latency: float = 0.0
     link_bandwidth: float = float("inf")
     allreduce_bandwidth: float = 0.0
+    cores: Optional[int] = None
     device: str = "cpu"
     meta: dict[str, Any] = field(default_factory=dict)
 

@@ -159,6 +159,7 @@ class CompiledProgram:
     ranks: int
     keys: tuple[Action, ...]
     order: tuple[tuple[int, int, int], ...]
+    counts: tuple[int, ...] = ()  # actions of each key
 
     def makespan(self, key_costs: list[float]) -> float:
         """The same makespan :func:`simulate` finds when every action costs ``key_costs[key]``."""
@@ -169,6 +170,10 @@ class CompiledProgram:
                 start = end[dep]
             clock[rank] = end[i] = start + key_costs[key]
         return max(clock, default=0.0)
+
+    def busy(self, key_costs: list[float], kinds: frozenset[Kind] = COMPUTE_KINDS) -> float:
+        """Seconds all ranks together spend in actions of ``kinds`` (compute, by default)."""
+        return sum(n * c for n, c, a in zip(self.counts, key_costs, self.keys) if a.kind in kinds)
 
     def costs_from(self, cost: Callable[[Action], float]) -> list[float]:
         """``cost`` evaluated once per key."""
@@ -216,4 +221,7 @@ def compile_program(schedule: list[list[Action]]) -> CompiledProgram:
     stuck = {r: str(schedule[r][p]) for r, p in enumerate(ptrs) if p < len(schedule[r])}
     if stuck:
         raise ScheduleError(f"deadlock: ranks wait at {stuck}\n{grid(schedule)}")
-    return CompiledProgram(len(schedule), tuple(first), tuple(order))
+    counts = [0] * len(first)
+    for _, key, _ in order:
+        counts[key] += 1
+    return CompiledProgram(len(schedule), tuple(first), tuple(order), tuple(counts))

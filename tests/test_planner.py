@@ -269,3 +269,25 @@ def test_compiled_program_makespan_equals_the_simulator(schedule: str) -> None:
             return table.setdefault((a.stage, a.kind), rng.uniform(0.0, 2.0))
 
         assert compiled.makespan(compiled.costs_from(cost)) == pytest.approx(simulate(program, cost).makespan, rel=1e-12)
+        busy = compiled.busy(compiled.costs_from(cost))
+        assert busy == pytest.approx(sum(simulate(program, cost).busy), rel=1e-12)
+
+
+@pytest.mark.parametrize("width,depth", [(4, 1), (2, 2), (1, 4)])
+def test_processes_sharing_cores_cannot_compute_faster_than_the_cores(width: int, depth: int) -> None:
+    # 4 processes on 2 cores: a step takes at least every rank's compute (and optimizer step)
+    # divided by the cores; written out from the stage costs, against the simulator's makespan.
+    from lightning_pipe.schedules import build_schedule
+    from lightning_pipe.simulate import simulate
+
+    profile = _uniform(4)
+    profile.optimizer_step = 0.5
+    plan = PipelinePlan(width, depth, 4, "1f1b", partition=planner.time_balanced(profile, depth, 1))
+    cost = planner.action_cost(profile, plan, planner.stage_costs(profile, plan, 1))
+    stages = planner.stage_costs(profile, plan, 1)
+    compute = width * sum(4 * (s.forward + s.backward) for s in stages) + width * profile.optimizer_step
+    alone = simulate(build_schedule("1f1b", depth, 4), cost).makespan
+    profile.cores = 2
+    assert planner.predict(profile, plan, 1).step_time == pytest.approx(max(alone, compute / 2), rel=1e-12)
+    profile.cores = None
+    assert planner.predict(profile, plan, 1).step_time == pytest.approx(alone, rel=1e-12)

@@ -1,0 +1,119 @@
+"""AutoPlanner on the GPT example over 4 processes: throughput after its switch against a measured sweep, and the switch's cost.
+
+    python examples/bench_autoplan.py   # about 3 minutes on 2 cores
+
+One ``torchrun`` launch of 4 gloo processes runs, through ``Trainer.fit`` (the same harness for
+every row): a sweep of fixed 4-process plans of the GPT example (configs/gpt_auto.yaml's model
+and global batch of 32), then the AutoPlanner started from the poor plan ``(1,4)``, uniform
+partition, ``m = 2``. Step time is the median wall time between consecutive training steps
+(data loading, Lightning and the step), after a warm-up.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpt import GPT, StdlibText  # noqa: E402
+from lightning_pipe import AutoPlanner, PipelinePlan, PipelineStrategy  # noqa: E402
+
+GLOBAL, WARMUP, MEASURED = 32, 3, 15
+POOR = PipelinePlan(1, 4, 2, "1f1b", partition="uniform")
+#: The sweep: the poor start, and plans across every (w, d) with w * d = 4.
+SWEEP = [
+    POOR,
+    PipelinePlan(1, 4, 2, "1f1b", partition=(2, 1, 1, 2)),
+    PipelinePlan(1, 4, 4, "1f1b", partition=(2, 1, 1, 2)),
+    PipelinePlan(1, 4, 2, "1f1b", True, partition=(2, 1, 1, 2)),
+    PipelinePlan(1, 4, 8, "1f1b", partition=(2, 1, 1, 2)),
+    PipelinePlan(2, 2, 1, "1f1b", partition=(3, 3)),
+    PipelinePlan(2, 2, 2, "1f1b", partition=(3, 3)),
+    PipelinePlan(2, 2, 4, "1f1b", partition=(3, 3)),
+    PipelinePlan(2, 2, 1, "gpipe", True, partition=(3, 3)),
+    PipelinePlan(4, 1, 1, "gpipe"),
+    PipelinePlan(4, 1, 2, "1f1b"),
+]
+
+
+class StepClock(L.Callback):
+    """Wall seconds between consecutive training-step ends."""
+
+    def __init__(self) -> None:
+        self.ends: list[float] = []
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.ends.append(time.perf_counter())
+
+    def steps(self, first: int = 0) -> list[float]:
+        """Durations of the steps after step ``first``."""
+        return [b - a for a, b in zip(self.ends[first:], self.ends[first + 1 :])]
+
+
+def _fit(plan: PipelinePlan, steps: int, auto: Optional[AutoPlanner] = None) -> tuple[StepClock, Any]:
+    torch.manual_seed(0)
+    clock = StepClock()
+    callbacks = [clock] + ([auto] if auto is not None else [])
+    trainer = L.Trainer(
+        accelerator="cpu", devices=4, max_steps=steps, max_epochs=-1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+        callbacks=callbacks, strategy=PipelineStrategy(plan=plan, global_batch_size=GLOBAL, timeout=timedelta(seconds=120)),
+    )  # fmt: skip
+    trainer.fit(GPT(n_layer=4, n_embd=128, n_head=4, block_size=64), StdlibText(block_size=64, batch_size=8))
+    return clock, trainer
+
+
+def worker() -> None:
+    """Runs on every rank under torchrun; rank 0 prints."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    rank0 = dist.get_rank() == 0
+    say = (lambda text: print(text, flush=True)) if rank0 else (lambda text: None)
+    measured = {}
+    for i, plan in enumerate(SWEEP):
+        clock, _ = _fit(plan, WARMUP + MEASURED + 1)
+        measured[plan.describe()] = statistics.median(clock.steps(WARMUP))
+        say(f"[sweep {i + 1}/{len(SWEEP)}] {plan.describe()}: {measured[plan.describe()]:.4f} s per step")
+    auto = AutoPlanner(profile_steps=5, min_gain=0.05)
+    clock, trainer = _fit(POOR, 5 + 1 + WARMUP + MEASURED, auto)
+    decision = auto.decisions[0]
+    after = statistics.median(clock.steps(5 + WARMUP))
+    before = statistics.median(clock.steps(1)[:4])  # steps 2-5, on the poor plan
+    best_name = min(measured, key=measured.get)
+    chosen = decision["chosen"].plan.describe()
+    say(f"\nAutoPlanner from {POOR.describe()}: chose {chosen} ({decision['reason']})")
+    say(f"  predicted step {decision['chosen'].step_time:.4f} s, measured after the switch {after:.4f} s "
+        f"(poor plan before it: {before:.4f} s)")
+    say(f"  best measured in the sweep: {best_name} at {measured[best_name]:.4f} s; throughput after the switch / best: "
+        f"{measured[best_name] / after:.3f}")
+    if chosen in measured:
+        say(f"  the chosen plan in the sweep: {measured[chosen]:.4f} s")
+    say(f"  switch (drain, state move, rebuild): {decision['switch_seconds']:.3f} s = "
+        f"{decision['switch_seconds'] / after:.2f} steps of the new plan, {decision['switch_seconds'] / before:.2f} of the poor one")
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    print(f"{datetime.date.today()} on {platform.node()}, torch {torch.__version__}, 4 gloo processes", flush=True)
+    env = {**os.environ, "BENCH_AUTOPLAN_WORKER": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", __file__]
+    subprocess.run(cmd, env=env, check=True)
+
+
+if __name__ == "__main__":
+    worker() if os.environ.get("BENCH_AUTOPLAN_WORKER") else main()
