@@ -46,6 +46,9 @@ class AutoPlanner(Callback):
         allow_stale: let the planner choose PipeDream-2BW (its update is 1-stale).
         min_gain: least predicted throughput gain (0.05: 5%) worth a switch.
         recheck_every_n_steps: profile and plan again every N steps after a decision (``None``: once).
+        headroom: fraction of ``memory`` kept free when planning: plans must fit
+            ``memory * (1 - headroom)``. The memory model's predictions were measured up to 11%
+            low on a chain whose activations dominate (README), so the default is 0.15.
 
     Attributes:
         decisions: one record per decision (step, table of candidates, chosen plan, reason,
@@ -53,11 +56,14 @@ class AutoPlanner(Callback):
     """
 
     def __init__(self, memory: Optional[float] = None, profile_steps: int = 5, allow_stale: bool = False,
-                 min_gain: float = 0.05, recheck_every_n_steps: Optional[int] = None) -> None:  # fmt: skip
+                 min_gain: float = 0.05, recheck_every_n_steps: Optional[int] = None, headroom: float = 0.15) -> None:  # fmt: skip
         if profile_steps < 2:
             raise ValueError(f"profile_steps must be >= 2 (the first step is a warm-up), got {profile_steps}")
         if min_gain < 0:
             raise ValueError(f"min_gain must be >= 0, got {min_gain}")
+        if not 0 <= headroom < 1:
+            raise ValueError(f"headroom must be in [0, 1), got {headroom}")
+        self.headroom = headroom
         self.memory, self.profile_steps, self.allow_stale = memory, profile_steps, allow_stale
         self.min_gain, self.recheck_every_n_steps = min_gain, recheck_every_n_steps
         self.decisions: list[dict[str, Any]] = []
@@ -68,6 +74,7 @@ class AutoPlanner(Callback):
         self._batch: Any = None
         self._after: Optional[list[float]] = None
         self._step_start = 0.0
+        self._prechecked = False
 
     # -- Lightning hooks -------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -79,6 +86,8 @@ class AutoPlanner(Callback):
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         """Capture this stage's inputs in the last profiled step; start the step clock."""
+        if not self._prechecked:
+            self._precheck(trainer, pl_module, batch)
         self._step_start = time.perf_counter()
         if self._profiling(trainer) and self._steps_seen == self.profile_steps - 1:
             self._batch = trainer.strategy.replica_batch(batch)
@@ -159,37 +168,75 @@ class AutoPlanner(Callback):
                        input_bytes_per_sample=sum(t.numel() * t.element_size() for t in data
                                                   if isinstance(t, Tensor) and t.untyped_storage().data_ptr() not in own) / n,
                        batch_bytes_per_sample=sum(t.numel() * t.element_size() for t in tree_leaves(rows) if isinstance(t, Tensor)) / n,
-                       cores=_shared_cores(trainer), device=str(strategy.root_device), **links)  # fmt: skip
+                       loads_global_batch=True, cores=_shared_cores(trainer), device=str(strategy.root_device), **links)  # fmt: skip
 
     # -- deciding --------------------------------------------------------------------------
     def _budget(self, trainer: Trainer) -> Optional[float]:
-        if self.memory is not None:
-            return float(self.memory)
+        """Bytes a stage may be predicted to use: the memory budget less the headroom (``None``: unlimited)."""
         device = trainer.strategy.root_device
-        return float(torch.cuda.get_device_properties(device).total_memory) if device.type == "cuda" else None
+        if self.memory is not None:
+            memory = float(self.memory)
+        elif device.type == "cuda":
+            memory = float(torch.cuda.get_device_properties(device).total_memory)
+        else:
+            return None
+        return memory * (1 - self.headroom)
 
-    def _decide(self, trainer: Trainer, module: Any) -> None:
+    def _precheck(self, trainer: Trainer, module: Any, batch: Any) -> None:
+        """Under a memory budget, before the first step: profile every stage on the inputs of one
+        forward-only pass of the first batch, and leave a starting plan predicted not to fit."""
+        self._prechecked = True
+        if self._budget(trainer) is None:
+            return
+        engine = trainer.strategy.engine
+        self._batch, self._captured = trainer.strategy.replica_batch(batch), []
+        hook = engine.stage.blocks[0].register_forward_pre_hook(self._capture)
+        try:
+            with torch.no_grad():
+                engine.forward(self._batch)
+        finally:
+            hook.remove()
+        current, ranked = self._search(trainer, self._gather_profile(trainer, module))
+        if not current.feasible:
+            reason = f"before the first step: the starting plan does not fit ({current.why_infeasible()})"
+            self._switch(trainer, current, ranked[0], reason, ranked)
+
+    def _search(self, trainer: Trainer, profile: Profile) -> tuple[planner.Prediction, list[planner.Prediction]]:
+        """The current plan's prediction and every candidate ranked; raise if none fits the budget."""
         strategy = trainer.strategy
-        profile = self._gather_profile(trainer, module)
-        plan, budget = strategy.plan, self._budget(trainer)
-        global_batch = strategy.global_batch_size
-        current = planner.predict(profile, plan, global_batch // (plan.width * plan.microbatches), budget)
+        plan, budget, global_batch = strategy.plan, self._budget(trainer), strategy.global_batch_size
+        current = planner.predict(profile, plan, max(global_batch // (plan.width * plan.microbatches), 1), budget)
         ranked = planner.search(profile, plan.world_size, global_batch, budget, self.allow_stale)
         if not ranked or not ranked[0].feasible:
             smallest = min((max(p.stage_memory) for p in ranked), default=float("nan"))
-            raise RuntimeError(f"no plan fits the memory budget of {planner._size(budget or 0)} per device; the smallest "
+            raise RuntimeError(f"no plan fits the memory budget of {planner._size(budget or 0)} per device (after "
+                               f"{self.headroom:.0%} headroom); the smallest "
                                f"predicted peak is {planner._size(smallest)} (raise AutoPlanner(memory=...) or shrink the batch)")  # fmt: skip
+        return current, ranked
+
+    def _decide(self, trainer: Trainer, module: Any) -> None:
+        current, ranked = self._search(trainer, self._gather_profile(trainer, module))
+        measured = _measured_peak(trainer)
+        budget = self._budget(trainer)
+        if measured is not None and budget is not None and measured > budget:
+            current = dataclasses.replace(current, stage_memory=tuple(max(m, measured) for m in current.stage_memory))
         best, reason = _choose(current, ranked[0], self.min_gain)
+        self._switch(trainer, current, best, reason, ranked)
+        self._start_step, self._times = trainer.global_step, defaultdict(list)
+        self._captured, self._batch = [], None
+
+    def _switch(self, trainer: Trainer, current: planner.Prediction, best: planner.Prediction, reason: str,
+                ranked: list[planner.Prediction]) -> None:  # fmt: skip
+        """Move to ``best`` unless it is ``current``; record and report the decision."""
         record = {"step": trainer.global_step, "current": current, "chosen": best, "reason": reason,
                   "table": _table(current, ranked), "switch_seconds": 0.0, "measured_step_s": None}  # fmt: skip
         if best is not current:
             start = time.perf_counter()
-            strategy.reconfigure(best.plan)
+            trainer.strategy.reconfigure(best.plan)
             record["switch_seconds"] = time.perf_counter() - start
         self.decisions.append(record)
         self._report(trainer, record)
-        self._start_step, self._times, self._after = trainer.global_step, defaultdict(list), []
-        self._captured, self._batch = [], None
+        self._after = []
 
     def _record_after(self, trainer: Trainer, elapsed: float) -> None:
         """Time the steps after a decision (the first is a warm-up); report the median of three."""
@@ -264,17 +311,30 @@ def _choose(current: planner.Prediction, best: planner.Prediction, min_gain: flo
     return current, f"keeping the current plan: the best is predicted {gain:.1%} faster (min_gain {min_gain:.0%})"
 
 
-def _table(current: planner.Prediction, ranked: list[planner.Prediction], rows: int = 12) -> str:
-    """The candidate table: plan, microbatch size, predicted step and throughput, peak memory, verdict."""
+def _table(current: planner.Prediction, ranked: list[planner.Prediction], rows: int = 10, rejected_rows: int = 6) -> str:
+    """The candidate table: the fastest plans that fit, the fastest rejected for memory (and why),
+    and the current plan; each with its microbatch size, predicted step, throughput and peak memory."""
+    fits = [p for p in ranked if p.feasible]
+    rejected = [p for p in ranked if not p.feasible]
     lines = ["rank | plan | b | step (s) | samples/s | peak per stage | verdict"]
-    shown = ranked[:rows] + ([current] if current not in ranked[:rows] else [])
-    for i, p in enumerate(shown):
-        verdict = "current" if p.plan == current.plan else ("fits" if p.feasible else "rejected: " + p.why_infeasible())
-        lines.append(f"{i + 1 if i < rows else '-'} | {p.plan.describe()} | {p.microbatch_size} | {p.step_time:.4f} | "
-                     f"{p.samples_per_second:.1f} | {planner._size(max(p.stage_memory))} | {verdict}")  # fmt: skip
-    rejected = sum(not p.feasible for p in ranked)
-    lines.append(f"({len(ranked)} candidates, {rejected} rejected for memory)")
+    for p in fits[:rows] + rejected[:rejected_rows] + [current]:
+        verdict = "fits" if p.feasible else "rejected: " + p.why_infeasible()
+        place = ranked.index(p) + 1 if p in ranked else "-"
+        lines.append(f"{place} | {p.plan.describe()} | {p.microbatch_size} | {p.step_time:.4f} | "
+                     f"{p.samples_per_second:.1f} | {planner._size(max(p.stage_memory))} | "
+                     f"{'current, ' if p is current else ''}{verdict}")  # fmt: skip
+    lines.append(f"({len(ranked)} candidates, {len(rejected)} rejected for memory)")
     return "\n".join(lines)
+
+
+def _measured_peak(trainer: Trainer) -> Optional[float]:
+    """The most device memory any rank allocated so far (CUDA), or ``None`` (not measured on CPU)."""
+    device = trainer.strategy.root_device
+    if device.type != "cuda":
+        return None
+    peaks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(device))
+    return float(max(peaks))
 
 
 def _log_scalars(trainer: Trainer, metrics: dict[str, float]) -> None:

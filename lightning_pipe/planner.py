@@ -189,8 +189,10 @@ def weight_versions(plan: PipelinePlan) -> int:
 
 
 def batch_bytes(profile: Profile, plan: PipelinePlan, microbatch_size: int) -> int:
-    """Bytes of one replica's batch (``m * b`` samples)."""
-    return int(profile.batch_bytes_per_sample * plan.microbatches * microbatch_size)
+    """Bytes of the batch a rank holds: its replica's (``m * b`` samples), or the whole global batch
+    when every rank loads it (``profile.loads_global_batch``)."""
+    replicas = plan.width if profile.loads_global_batch else 1
+    return int(profile.batch_bytes_per_sample * plan.microbatches * microbatch_size * replicas)
 
 
 def predict_memory(profile: Profile, plan: PipelinePlan, microbatch_size: int, held: Sequence[HeldCounts]) -> list[int]:

@@ -99,6 +99,8 @@ class Profile:
         link_latency: seconds of a point-to-point transfer of an empty message.
         link_bandwidth: bytes per second of a point-to-point transfer.
         allreduce_bandwidth: bytes per second of a gradient all-reduce across replicas (0: unknown).
+        loads_global_batch: every rank loads the whole global batch and trains on its replica's
+            rows (``PipelineStrategy.enable_reconfiguration``), so holds all of it.
         cores: CPU cores the job's processes share (CPU jobs on one host; ``None``: each process
             computes on a device of its own), see :func:`lightning_pipe.planner.step_time`.
         device: where it was measured.
@@ -112,6 +114,7 @@ class Profile:
     link_latency: float = 0.0
     link_bandwidth: float = float("inf")
     allreduce_bandwidth: float = 0.0
+    loads_global_batch: bool = False
     cores: Optional[int] = None
     device: str = "cpu"
     meta: dict[str, Any] = field(default_factory=dict)

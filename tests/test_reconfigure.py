@@ -140,7 +140,7 @@ def _fit_auto(rank: int, world: int, memory: Any) -> dict[str, Any]:
 
 
 scenario(4, "autoplan_fit", _fit_auto, None)
-scenario(4, "autoplan_no_plan_fits", _fit_auto, 1)
+scenario(4, "autoplan_no_plan_fits", _fit_auto, 1)  # 0.85 bytes after the headroom
 
 
 def test_autoplanner_profiles_plans_switches_and_matches_single_process(launched) -> None:
@@ -162,8 +162,127 @@ def test_autoplanner_profiles_plans_switches_and_matches_single_process(launched
     assert_close_dicts(merged, want, rtol=1e-5)
 
 
-def test_autoplanner_budget_no_plan_meets_is_a_clear_error(launched) -> None:
+def test_autoplanner_budget_no_plan_meets_is_a_clear_error_before_any_step(launched) -> None:
     ranks = launched(4).ok("autoplan_no_plan_fits")
     for rank in ranks:
-        assert "no plan fits the memory budget of 1 B per device" in rank["error"], rank
+        assert "no plan fits the memory budget of 0 B per device (after 15% headroom)" in rank["error"], rank
         assert "smallest predicted peak is" in rank["error"]
+        assert rank["steps"] == 0
+
+
+# -- memory: a starting plan over the budget is left before its first step ------------------------
+
+WIDE, WIDE_BATCH = 2048, 64
+
+
+class Keep(torch.nn.Module):
+    """``tanh(x * w)``: keeps two activations of ``WIDE`` floats per sample for its backward, few weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(WIDE) + 0.01 * torch.randn(WIDE))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x * self.w)
+
+
+class WideChain(ToyChain):
+    """8 :class:`Keep` blocks: activations, not weights, fill memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = None, None  # type: ignore[assignment]
+        self.blocks = torch.nn.ModuleList(Keep() for _ in range(8))
+
+    def pipeline_blocks(self) -> list[torch.nn.Module]:
+        return list(self.blocks)
+
+    def pipeline_inputs(self, batch: Any) -> torch.Tensor:
+        return batch[0]
+
+    def pipeline_loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
+        return output.pow(2).mean()
+
+
+class Wide(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return WIDE_BATCH * 8
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return torch.randn(WIDE, generator=torch.Generator().manual_seed(i)), i
+
+
+class StepPeaks:
+    """Test-side tracker of each training step's peak tensor bytes on this rank (tests/test_planner.py's
+    _TrackedBytes: every storage created during the step, plus weights, gradients, optimizer state
+    and the batch), independent of the planner. ``opener`` enters at a batch's start and ``closer``
+    leaves at its end: list them around the AutoPlanner, ``[closer, auto, opener]``, to measure the
+    steps and not the planner's own work between them."""
+
+    def __init__(self) -> None:
+        self.peaks: list[int] = []
+        self._tracker: Any = None
+        peaks = self
+
+        class Opener(L.Callback):
+            def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+                peaks._open(trainer, pl_module, batch)
+
+        class Closer(L.Callback):
+            def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+                peaks._tracker.__exit__(None, None, None)
+                peaks.peaks.append(peaks._tracker.peak)
+
+        self.opener, self.closer = Opener(), Closer()
+
+    def _open(self, trainer: L.Trainer, pl_module: Any, batch: Any) -> None:
+        from lightning_pipe.monitor import held_tensors
+        from tests.test_planner import _TrackedBytes
+
+        held = held_tensors(list(pl_module.parameters()), trainer.optimizers)
+        self._tracker = _TrackedBytes(held + [t for t in batch if isinstance(t, torch.Tensor)])
+        self._tracker.__enter__()
+
+
+def _fit_wide(plan: PipelinePlan, steps: int, callbacks: list[Any]) -> L.Trainer:
+    torch.manual_seed(0)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=4, max_steps=steps, max_epochs=-1, num_sanity_val_steps=0, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, enable_checkpointing=False,
+        callbacks=callbacks, strategy=PipelineStrategy(plan=plan, global_batch_size=WIDE_BATCH, timeout=timedelta(seconds=60)),
+    )  # fmt: skip
+    trainer.fit(WideChain(), DataLoader(Wide(), batch_size=WIDE_BATCH))
+    return trainer
+
+
+WIDE_START = PipelinePlan(1, 4, 16, "gpipe", partition="uniform")
+
+
+def _fit_over_budget(rank: int, world: int) -> dict[str, Any]:
+    from lightning_pipe import AutoPlanner
+
+    plain = StepPeaks()
+    _fit_wide(WIDE_START, 2, [plain.closer, plain.opener])
+    peak = torch.tensor(float(max(plain.peaks)))
+    torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+    budget = 0.6 * float(peak)  # the starting plan measured above it
+    tracked, auto = StepPeaks(), AutoPlanner(memory=budget, profile_steps=3, min_gain=0.05)
+    trainer = _fit_wide(WIDE_START, 6, [tracked.closer, auto, tracked.opener])
+    return {"start_peak": float(peak), "budget": budget, "peaks": tracked.peaks, "steps": trainer.global_step,
+            "decisions": [{k: d[k] for k in ("step", "reason", "table")} for d in auto.decisions],
+            "predicted": [d["chosen"].stage_memory for d in auto.decisions],
+            "plan": trainer.strategy.plan, "stage": trainer.strategy.engine.stage_index,
+            "plans": [d["chosen"].plan for d in auto.decisions]}  # fmt: skip
+
+
+scenario(4, "autoplan_over_budget", _fit_over_budget)
+
+
+def test_autoplanner_leaves_a_plan_over_the_budget_before_its_first_step(launched) -> None:
+    ranks = launched(4).ok("autoplan_over_budget")
+    for rank in ranks:
+        assert rank["steps"] == 6 and len(rank["peaks"]) == 6  # it finished
+        assert max(rank["peaks"]) <= rank["budget"], (rank["peaks"], rank["budget"], rank["predicted"], ranks[0]["decisions"])
+    first = ranks[0]["decisions"][0]
+    assert first["step"] == 0 and "before the first step: the starting plan does not fit" in first["reason"]
+    assert "rejected: stage" in first["table"] and "over the budget" in first["table"], first["table"]
