@@ -75,10 +75,37 @@ class AutoPlanner(Callback):
         self._after: Optional[list[float]] = None
         self._step_start = 0.0
         self._prechecked = False
+        self._resumed_plan: Optional[PipelinePlan] = None
+        self._trainer: Optional[Trainer] = None
 
     # -- Lightning hooks -------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the plan in use (a resumed fit starts on it) and the decisions made."""
+        plan = self._plan_in_use
+        return {"plan": dataclasses.asdict(plan) if plan is not None else None, "decisions": len(self.decisions)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume: the fit starts on the checkpoint's plan, already decided (no new profiling unless re-checking)."""
+        if state_dict.get("plan") is not None:
+            self._resumed_plan = PipelinePlan(**state_dict["plan"])
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """After a resume, move to the plan the checkpoint was saved under (its weights already loaded by name)."""
+        if self._resumed_plan is not None:
+            if self._resumed_plan != trainer.strategy.plan:
+                trainer.strategy.reconfigure(self._resumed_plan)
+            rank_zero_info(f"AutoPlanner: resumed on the checkpoint's plan {trainer.strategy.plan.describe()}")
+            self._steps_seen, self._prechecked = self.profile_steps, True
+            self._start_step, self._resumed_plan = trainer.global_step, None
+
+    @property
+    def _plan_in_use(self) -> Optional[PipelinePlan]:
+        return self._trainer.strategy.plan if self._trainer is not None else None
+
+
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Let the strategy change the layout during fit (global batches on every rank)."""
+        self._trainer = trainer
         if stage == "fit":
             if not callable(getattr(trainer.strategy, "reconfigure", None)):
                 raise TypeError("AutoPlanner needs Trainer(strategy=PipelineStrategy(global_batch_size=...))")

@@ -286,3 +286,50 @@ def test_autoplanner_leaves_a_plan_over_the_budget_before_its_first_step(launche
     first = ranks[0]["decisions"][0]
     assert first["step"] == 0 and "before the first step: the starting plan does not fit" in first["reason"]
     assert "rejected: stage" in first["table"] and "over the budget" in first["table"], first["table"]
+
+
+class PlanAtStart(L.Callback):
+    """The plan in use at each training step's start."""
+
+    def __init__(self) -> None:
+        self.plans: list[PipelinePlan] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.plans.append(trainer.strategy.plan)
+
+
+def _fit_resume(rank: int, world: int) -> dict[str, Any]:
+    from lightning_pipe import AutoPlanner
+
+    out = scenario_dir()
+    records = []
+    for steps, resume in ((5, None), (STEPS + 2, out / "ckpt" / "last.ckpt")):
+        torch.manual_seed(0)
+        model, recorder, seen = ToyChain(), Recorder(), PlanAtStart()
+        auto = AutoPlanner(profile_steps=3, min_gain=0.0)
+        trainer = L.Trainer(
+            accelerator="cpu", devices=world, max_steps=steps, max_epochs=-1, num_sanity_val_steps=0, logger=False,
+            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+            callbacks=[recorder, seen, auto, L.pytorch.callbacks.ModelCheckpoint(dirpath=out / "ckpt", save_last=True)],
+            strategy=PipelineStrategy(plan=START, global_batch_size=GLOBAL, timeout=timedelta(seconds=60)),
+        )  # fmt: skip
+        trainer.fit(model, DataLoader(Indexed(GLOBAL * (STEPS + 2), 0), batch_size=GLOBAL), ckpt_path=resume)
+        records.append({"indices": recorder.indices, "plans": seen.plans, "decisions": len(auto.decisions),
+                        "plan": trainer.strategy.plan, "params": {n: p.detach().clone() for n, p in model.named_parameters()}})  # fmt: skip
+    return {"first": records[0], "resumed": records[1]}
+
+
+scenario(4, "autoplan_resume", _fit_resume)
+
+
+def test_resuming_an_autoplanned_fit_starts_on_the_checkpoints_plan(launched) -> None:
+    ranks = launched(4).ok("autoplan_resume")
+    first, resumed = ranks[0]["first"], ranks[0]["resumed"]
+    assert first["decisions"] == 1 and first["plan"] != START.replace(partition=(2, 2, 1, 1))
+    assert resumed["decisions"] == 0 and resumed["plans"] == [first["plan"]] * (STEPS + 2 - 5)
+    merged: dict[str, torch.Tensor] = {}
+    for rank in ranks:
+        merged.update(rank["resumed"]["params"])
+    torch.manual_seed(0)
+    want = reference_train(ToyChain(), _batches(first["indices"] + resumed["indices"], STEPS + 2))
+    assert_close_dicts(merged, want, rtol=1e-5)
