@@ -127,8 +127,8 @@ class AutoPlanner(Callback):
         if self._after is not None:
             self._record_after(trainer, elapsed)
         if not self._profiling(trainer):
-            if self.recheck_every_n_steps and trainer.global_step - self._start_step >= self.recheck_every_n_steps + self.profile_steps:
-                self._start_step, self._steps_seen = trainer.global_step, 0
+            if self.recheck_every_n_steps and trainer.global_step - self._start_step >= self.recheck_every_n_steps:
+                self._start_step, self._steps_seen = trainer.global_step, 0  # profile (and decide) again
             return
         self._steps_seen += 1
         if self._steps_seen > 1:  # the first is a warm-up

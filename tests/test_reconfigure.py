@@ -116,7 +116,8 @@ def _fit_auto(rank: int, world: int, memory: Any) -> dict[str, Any]:
     from lightning_pipe import AutoPlanner
 
     torch.manual_seed(0)
-    model, recorder, auto = ToyChain(), Recorder(), AutoPlanner(memory=memory, profile_steps=3, min_gain=0.0)
+    auto = AutoPlanner(memory=memory, profile_steps=3, min_gain=0.0, recheck_every_n_steps=1)
+    model, recorder = ToyChain(), Recorder()
     trainer = L.Trainer(
         accelerator="cpu", devices=world, max_steps=STEPS + 2, max_epochs=-1, num_sanity_val_steps=0,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, enable_checkpointing=False,
@@ -132,6 +133,8 @@ def _fit_auto(rank: int, world: int, memory: Any) -> dict[str, Any]:
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},
         "indices": recorder.indices,
         "plan": trainer.strategy.plan,
+        "decided_at": [d["step"] for d in auto.decisions],
+        "last_chosen": auto.decisions[-1]["chosen"].plan,
         "decision": {k: decision[k] for k in ("step", "reason", "table", "switch_seconds", "measured_step_s")},
         "chosen": decision["chosen"].plan,
         "current": decision["current"].plan,
@@ -148,7 +151,9 @@ def test_autoplanner_profiles_plans_switches_and_matches_single_process(launched
     for rank in ranks:
         assert rank["decision"]["step"] == 3  # after the 3 profiled steps
         assert rank["current"] == START.replace(partition=(2, 2, 1, 1))
-        assert rank["plan"] == rank["chosen"] == ranks[0]["chosen"]  # every rank runs the plan it decided on
+        # Re-checked one step after the decision: profiled again for 3 steps, decided again at step 7.
+        assert rank["decided_at"] == [3, 7]
+        assert rank["plan"] == rank["last_chosen"] == ranks[0]["last_chosen"]  # every rank runs the plan it decided on
         assert rank["decision"]["table"] == ranks[0]["decision"]["table"]
     assert ranks[0]["chosen"] != ranks[0]["current"], ranks[0]["decision"]  # min_gain=0: a faster plan exists
     assert ranks[0]["decision"]["switch_seconds"] > 0 and ranks[0]["decision"]["measured_step_s"] > 0
