@@ -7,6 +7,7 @@ from datetime import timedelta
 from typing import Any
 
 import lightning as L
+import pytest
 import torch
 from torch.utils.data import DataLoader
 
@@ -338,3 +339,21 @@ def test_resuming_an_autoplanned_fit_starts_on_the_checkpoints_plan(launched) ->
     torch.manual_seed(0)
     want = reference_train(ToyChain(), _batches(first["indices"] + resumed["indices"], STEPS + 2))
     assert_close_dicts(merged, want, rtol=1e-5)
+
+
+def test_autoplanner_reports_to_tensorboard(launched) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ranks = launched(4).ok("autoplan_fit")
+    files = list((launched(4).dir("autoplan_fit") / "tb").rglob("events.out.tfevents.*"))
+    assert len(files) == 1, files  # rank 0 only
+    acc = EventAccumulator(str(files[0]), size_guidance={"tensors": 0})
+    acc.Reload()
+    texts = [t for t in acc.Tags()["tensors"] if t.startswith("autoplan/decision")]
+    assert texts, acc.Tags()
+    logged = [e.tensor_proto.string_val[0].decode() for e in acc.Tensors(texts[0])]
+    assert len(logged) == 2 and ranks[0]["decision"]["table"] in logged[0]  # both decisions, with their tables
+    scalars = acc.Tags()["scalars"]
+    for tag in ("autoplan/switch_s", "autoplan/predicted_step_s", "autoplan/measured_step_s"):
+        assert tag in scalars, scalars
+    assert acc.Scalars("autoplan/switch_s")[0].value == pytest.approx(ranks[0]["decision"]["switch_seconds"], rel=1e-6)
