@@ -38,6 +38,9 @@ class AutoPlanner(Callback):
     ``PipelineStrategy(global_batch_size=...)``: every rank then loads the global batch and trains
     on its replica's rows, so a width change keeps the samples of every global batch.
 
+    The profiled steps run under the strategy's layout or, when the user gave none, under a safe
+    start: recompute on every stage and one sample per microbatch.
+
     Args:
         memory: bytes each device may hold (stage peak); ``None``: a CUDA device's total memory,
             unlimited on CPU.
@@ -110,6 +113,8 @@ class AutoPlanner(Callback):
             if not callable(getattr(trainer.strategy, "reconfigure", None)):
                 raise TypeError("AutoPlanner needs Trainer(strategy=PipelineStrategy(global_batch_size=...))")
             trainer.strategy.enable_reconfiguration()
+            if not trainer.strategy.layout_given:
+                trainer.strategy.start_with(_safe_start(trainer.strategy.plan, trainer.strategy.global_batch_size))
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         """Capture this stage's inputs in the last profiled step; start the step clock."""
@@ -297,6 +302,12 @@ def _same_kind(optimizer: torch.optim.Optimizer) -> Callable[[list[Any]], torch.
     accepted = inspect.signature(type(optimizer).__init__).parameters
     settings = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     return lambda params: type(optimizer)(params, **settings)
+
+
+def _safe_start(plan: PipelinePlan, global_batch: int) -> PipelinePlan:
+    """Where a job with no layout of its own starts: the same processes, recompute on every stage,
+    the smallest microbatch (one sample: ``m`` = the replica's batch), so the profiled steps fit."""
+    return plan.replace(microbatches=max(global_batch // plan.width, 1), recompute=True)
 
 
 def _shared_cores(trainer: Trainer) -> Optional[int]:

@@ -159,6 +159,27 @@ class PipelineStrategy(DDPStrategy):
             return {"num_replicas": 1, "rank": 0}
         return {"num_replicas": self.topology.width, "rank": self.topology.replica_of(self.global_rank)}
 
+    @property
+    def layout_given(self) -> bool:
+        """Whether the user chose a layout (``plan=`` or any layout argument off its default)."""
+        return self._requested_plan is not None or any(v != _LAYOUT_DEFAULTS[k] for k, v in self._layout.items())
+
+    def start_with(self, plan: PipelinePlan) -> None:
+        """Use ``plan`` instead of the configured layout; only before the model is placed (a callback's ``setup``).
+
+        Raises:
+            RuntimeError: once the model is placed (use :meth:`reconfigure` then).
+            ValueError: for a plan of another process count.
+        """
+        module = self.lightning_module
+        if module is not None and getattr(module, "_pipeline_engine", None) is not None:
+            raise RuntimeError("the model is already placed; use reconfigure() to change the layout of a running job")
+        if self._plan is not None and plan.world_size != self._plan.world_size:
+            raise ValueError(f"plan {plan.describe()} needs {plan.world_size} processes, this run has {self._plan.world_size}")
+        if self._groups is not None and (plan.width, plan.depth, plan.inner) != (self.plan.width, self.plan.depth, self.plan.inner):
+            self._groups = PipelineGroups.build(plan.topology, self.global_rank, self.root_device.type)
+        self._plan = plan
+
     def enable_reconfiguration(self) -> None:
         """Let :meth:`reconfigure` change the width during fit: call before the data is set up
         (a callback's ``setup``). Every rank then loads the whole global batch and trains on its

@@ -357,3 +357,34 @@ def test_autoplanner_reports_to_tensorboard(launched) -> None:
     for tag in ("autoplan/switch_s", "autoplan/predicted_step_s", "autoplan/measured_step_s"):
         assert tag in scalars, scalars
     assert acc.Scalars("autoplan/switch_s")[0].value == pytest.approx(ranks[0]["decision"]["switch_seconds"], rel=1e-6)
+
+
+def _fit_no_layout(rank: int, world: int) -> dict[str, Any]:
+    from lightning_pipe import AutoPlanner
+
+    torch.manual_seed(0)
+    model, recorder, seen = ToyChain(), Recorder(), PlanAtStart()
+    auto = AutoPlanner(profile_steps=2, min_gain=0.0)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, max_steps=4, max_epochs=-1, num_sanity_val_steps=0, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, enable_checkpointing=False,
+        callbacks=[recorder, seen, auto], strategy=PipelineStrategy(global_batch_size=GLOBAL, timeout=timedelta(seconds=60)),
+    )  # fmt: skip
+    trainer.fit(model, DataLoader(Indexed(GLOBAL * 4, 0), batch_size=GLOBAL))
+    return {"plans": seen.plans, "decided_at": [d["step"] for d in auto.decisions], "indices": recorder.indices,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}  # fmt: skip
+
+
+scenario(4, "autoplan_safe_start", _fit_no_layout)
+
+
+def test_without_a_layout_the_profiled_steps_run_on_a_safe_start(launched) -> None:
+    ranks = launched(4).ok("autoplan_safe_start")
+    safe = ranks[0]["plans"][0]
+    assert (safe.width, safe.depth, safe.microbatches, safe.recompute) == (1, 4, GLOBAL, (True,) * 4)
+    assert ranks[0]["plans"][:2] == [safe, safe] and ranks[0]["decided_at"] == [2]
+    merged: dict[str, torch.Tensor] = {}
+    for rank in ranks:
+        merged.update(rank["params"])
+    torch.manual_seed(0)
+    assert_close_dicts(merged, reference_train(ToyChain(), _batches(ranks[0]["indices"], 4)), rtol=1e-5)
