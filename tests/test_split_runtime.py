@@ -85,7 +85,7 @@ def _memory_worker(rank: int, world: int) -> dict:
     topo = Topology(world, world)
     groups = PipelineGroups.build(topo, rank)
     peaks = {}
-    for split, bound in ((False, None), (True, None), (True, 1)):
+    for split, bound in ((False, None), (True, 2 * world), (True, 1), (True, None)):
         torch.manual_seed(0)
         model = ToyChain()
         plan = PipelinePlan(1, world, 2 * world, "1f1b", split, bound, partition="uniform")
@@ -99,13 +99,14 @@ scenario(2, "split_stash", _memory_worker)
 
 
 def test_runtime_reports_stash_and_bounded_split_lowers_it(launched) -> None:
-    # 1F1B-2 (m = 2d): unbounded split holds every microbatch until its W; a bound of one
-    # pending W (seed 001, Figure 5) brings the peak back towards plain 1F1B's.
+    # 1F1B-2 (m = 2d): 2BP's unbounded split holds every microbatch until its W; a bound of one
+    # pending W (seed 001, Figure 5) brings the peak back towards plain 1F1B's; the default,
+    # ZB-H1, holds d on every stage (1F1B's first-stage peak).
     out = launched(2)["split_stash"]
     assert all(status == "ok" for status, _ in out), out
     for stage, (_, peaks) in enumerate(out):
-        plain, split, bounded = peaks[(False, None)], peaks[(True, None)], peaks[(True, 1)]
-        assert plain[0] == 2 - stage and split[0] == 4  # microbatches awaiting B / W
+        plain, split, bounded, zb = peaks[(False, None)], peaks[(True, 4)], peaks[(True, 1)], peaks[(True, None)]
+        assert plain[0] == 2 - stage and split[0] == 4 and zb[0] == 2  # microbatches awaiting B / W
         assert bounded[0] < split[0]
         assert plain[1] > 0 and split[1] > plain[1] > 0
         assert bounded[1] < split[1]

@@ -32,6 +32,8 @@ def test_simulator_reproduces_table_1(row: str) -> None:
 
 def test_golden_split_and_placement() -> None:
     assert format_actions(split_backward(one_f_one_b(0, 2, 2), "cooldown")) == "0F0 0F1 0I0 0W0 0I1 0W1"
+    assert format_actions(split_backward(one_f_one_b(1, 2, 3), "cooldown")) == "1F0 1I0 1F1 1I1 1F2 1I2 1W0 1W1 1W2"
+    assert format_actions(split_backward(one_f_one_b(1, 2, 3), "zb-h1")) == "1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1W2"
     gpipe = [a for a in build_schedule("gpipe", 2, 2, split=True)[0] if a.kind in (Kind.INPUT_GRAD, Kind.WEIGHT_GRAD)]
     assert format_actions(gpipe) == "0I0 0I1 0W0 0W1"  # GPipe: all W after all I (seed 001, 3.2)
     assert format_actions(build_schedule("1f1b", 2, 1, split=True)[1]) == "1RF0 1F0 1I0 1SB0 1W0 1AR 1OPT"
@@ -55,7 +57,7 @@ def test_memory_bounded_split_brings_1f1b_2_back_towards_1f1b_1() -> None:
     # Seed 001, Figure 5: running W part-way through 1F1B-2 lowers its peak stash.
     stash = StashModel(activation=1.0, after_input_grad=0.5)
     n = 4
-    unbounded = simulate(build_schedule("1f1b", n, 2 * n, split=True), EQUAL, stash)
+    unbounded = simulate(build_schedule("1f1b", n, 2 * n, split=True, max_pending=2 * n), EQUAL, stash)  # 2BP
     bounded = simulate(build_schedule("1f1b", n, 2 * n, split=True, max_pending=1), EQUAL, stash)
     one_f_one_b_1 = simulate(build_schedule("1f1b", n, n, split=True), EQUAL, stash)
     plain = simulate(build_schedule("1f1b", n, 2 * n), EQUAL, stash)
@@ -66,6 +68,20 @@ def test_memory_bounded_split_brings_1f1b_2_back_towards_1f1b_1() -> None:
     assert bounded.total_bubble < plain.total_bubble  # still fills bubbles
     # Split keeps microbatches stashed until W: more than the d - s of plain 1F1B.
     assert unbounded.peak_stash == [2 * n] * n and plain.peak_stash == [n - s for s in range(n)]
+
+
+@pytest.mark.parametrize("f, i, w", [(1.0, 1.0, 1.0), (2.0, 2.0, 1.0), (1.0, 2.0, 1.0), (3.0, 2.0, 2.0)])
+def test_split_1f1b_is_zero_bubble_h1(f: float, i: float, w: float) -> None:
+    # Zero Bubble (Qi et al., 2023), section 2.1, ZB-H1 with T_W <= T_F: each stage idles
+    # (p-1)(T_F + T_B - T_W) (their B is our I), and every stage holds at most p microbatches,
+    # the peak of 1F1B's first stage, so no stage needs more than 1F1B's peak memory.
+    costs = {Kind.FORWARD: f, Kind.INPUT_GRAD: i, Kind.WEIGHT_GRAD: w}
+    for p in range(2, 9):
+        for m in range(p, 3 * p + 1):
+            result = simulate(build_schedule("1f1b", p, m, split=True), costs)
+            assert result.makespan == pytest.approx(m * (f + i + w) + (p - 1) * (f + i - w))
+            assert all(b == pytest.approx((p - 1) * (f + i - w)) for b in (result.makespan - x for x in result.busy))
+            assert result.peak_stash == [p] * p == [max(simulate(build_schedule("1f1b", p, m), costs).peak_stash)] * p
 
 
 @pytest.mark.parametrize("depth", range(1, 7))
