@@ -121,6 +121,8 @@ class AutoPlanner(Callback):
         if not self._prechecked:
             self._precheck(trainer, pl_module, batch)
         self._step_start = time.perf_counter()
+        if self._profiling(trainer):
+            trainer.strategy.engine.instrument = True  # the executor's trace calibrates the profile
         if self._profiling(trainer) and self._steps_seen == self.profile_steps - 1:
             self._batch = trainer.strategy.replica_batch(batch)
             self._captured = []
@@ -138,6 +140,7 @@ class AutoPlanner(Callback):
         self._steps_seen += 1
         if self._steps_seen > 1:  # the first is a warm-up
             self._collect(trainer.strategy.engine)
+        trainer.strategy.engine.instrument = False  # a PipelineMonitor turns it on again for its steps
         if self._steps_seen == self.profile_steps:
             self._hook.remove()
             self._decide(trainer, pl_module)

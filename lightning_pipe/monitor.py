@@ -76,6 +76,10 @@ class PipelineMonitor(Callback):
         self._folder = self.dirpath or os.path.join(trainer.log_dir or trainer.default_root_dir, "pipeline_timeline")
         self._reset(time.perf_counter())
 
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        """Have the engine record the step's trace and the bytes it holds for backward (off by default)."""
+        trainer.strategy.engine.instrument = True
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Count the batch; every N steps gather every rank's record and log (and draw) it."""
         engine: PipelineEngine = trainer.strategy.engine

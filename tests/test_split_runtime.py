@@ -90,6 +90,7 @@ def _memory_worker(rank: int, world: int) -> dict:
         model = ToyChain()
         plan = PipelinePlan(1, world, 2 * world, "1f1b", split, bound, partition="uniform")
         engine = place(model, plan, rank, groups=groups)
+        engine.instrument = True  # count the bytes held for backward, as the monitor does
         engine.train_step(make_data(4 * world * 8, seed=0), torch.optim.SGD(model.parameters(), lr=0.0))
         peaks[(split, bound)] = (engine.last_peak_stash, engine.last_peak_stash_bytes)
     return peaks

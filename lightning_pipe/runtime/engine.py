@@ -54,6 +54,7 @@ class PipelineEngine:
         self.last_peak_stash = 0
         self.last_peak_stash_bytes = 0
         self.trace = Trace(rank)
+        self.instrument = False  # record the trace and the bytes held for backward (monitor, AutoPlanner)
         self.links = p2p.Links()  # what each link last carried: payload receives are posted ahead
         self._loss_work: Any = None
         self._programs: dict[tuple[bool, int], list[Action]] = {}
@@ -136,11 +137,12 @@ class PipelineEngine:
             self.module.pipeline_inputs, self.module.pipeline_loss, self.update.all_reduce,
             lambda: self.update.optimizer_step(self._optimizer, self._on_step),
             lambda first: self.versions.weights(first // self.microbatches),
-            lambda loss_sum: self._share_loss(torch.tensor(loss_sum, device=self.device)),
+            lambda loss_sum: self._share_loss(loss_sum.to(self.device, torch.float32)),
         )  # fmt: skip
 
     def _run(self, actions: list[Action], state: StepState, wait: bool = True, trace: Optional[Trace] = None) -> StepState:
-        return Executor(self.stage, self.position, self.device, self._hooks(), trace=trace, links=self.links).run(actions, state, wait)
+        return Executor(self.stage, self.position, self.device, self._hooks(), trace=trace if self.instrument else None,
+                        links=self.links, account=self.instrument).run(actions, state, wait)  # fmt: skip
 
     # -- steps -----------------------------------------------------------------------------
     def train_step(self, batch: Any, optimizer: Optimizer, on_step: Optional[Callable[[], None]] = None) -> Tensor:
@@ -167,7 +169,7 @@ class PipelineEngine:
         self._run(self._window(), self._state, wait=not self.streaming, trace=self.trace)
         self._batches += 1
         if self.position.is_last:
-            loss.fill_(self._state.loss_sum)
+            loss = self._shared_loss
         if self._loss_work is not None:
             self._loss_work.wait()
         self.last_peak_stash = self._state.peak_stash
@@ -183,7 +185,7 @@ class PipelineEngine:
         hook), mid-window; the others post at the start and wait only at the end. Waiting in
         the middle of a 2BW window would stall stage 0 until the last stage's window ended.
         """
-        self._loss_work = None
+        self._loss_work, self._shared_loss = None, loss
         if self.groups is not None and self.topology.depth > 1:
             self._loss_work = dist.broadcast(loss, src=self.last_rank, group=self.groups.pp, async_op=True)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter, deque
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Iterable, Iterator, Optional
@@ -47,7 +47,7 @@ class Hooks:
     all_reduce: Callable[[], None] = lambda: None
     optimizer_step: Callable[[], Optional[float]] = lambda: None
     weights: Callable[[int], Optional[list[Tensor]]] = lambda first_microbatch: None
-    loss_done: Callable[[float], None] = lambda loss_sum: None
+    loss_done: Callable[[Tensor], None] = lambda loss_sum: None
 
 
 class Outbox:
@@ -102,7 +102,7 @@ class StepState:
     input_grads: dict[int, Tensors] = field(default_factory=dict)
     weight_work: dict[int, split.WeightWork] = field(default_factory=dict)
     results: dict[int, Any] = field(default_factory=dict)
-    loss_sum: float = 0.0
+    loss_sum: Optional[Tensor] = None  # on the loss's device: read once per step, never per microbatch
     losses_left: int = 0
     sent: dict[int, Outbox] = field(default_factory=dict)
     received: Counter[int] = field(default_factory=Counter)
@@ -116,7 +116,7 @@ class StepState:
         """Admit a batch whose microbatches are numbered from ``first``."""
         self.microbatches.update(enumerate(microbatches, start=first))
         self.shares.update(enumerate(shares, start=first))
-        self.loss_sum = 0.0
+        self.loss_sum = None
         self.losses_left = len(microbatches)
 
     def stash(self, delta: int) -> None:
@@ -166,13 +166,16 @@ class Executor:
         hooks: user inputs/loss and the engine's all-reduce and optimizer step.
         abort_timeout: how long to wait for abort notices to reach neighbours on failure.
         trace: where to record each action's start and end time, if anywhere.
+        account: count the bytes autograd saves for backward (``StepState.peak_stash_bytes``);
+            a saved-tensor hook per forward, so only when a monitor asks.
         links: what each link last carried (kept by the engine across programs, see :class:`p2p.Links`).
     """
 
     def __init__(self, stage: Stage, position: Position, device: torch.device, hooks: Hooks,
-                 abort_timeout: float = 10.0, trace: Optional[Trace] = None, links: Optional[p2p.Links] = None) -> None:  # fmt: skip
+                 abort_timeout: float = 10.0, trace: Optional[Trace] = None, links: Optional[p2p.Links] = None,
+                 account: bool = False) -> None:  # fmt: skip
         self.stage, self.position, self.device, self.hooks = stage, position, device, hooks
-        self.abort_timeout, self.trace = abort_timeout, trace
+        self.abort_timeout, self.trace, self.account = abort_timeout, trace, account
         self.links = links if links is not None else p2p.Links()
         self._left: Counter[int] = Counter()
         self._incoming: dict[int, p2p.Incoming] = {}
@@ -222,7 +225,7 @@ class Executor:
         inputs = as_tuple(self.hooks.inputs(mb), "pipeline_inputs") if self.position.is_first else st.inputs.pop(k)
         if st.train:
             st.inputs[k] = inputs
-        with saved_bytes(self.stage.parameters()) as counted:
+        with saved_bytes(self.stage.parameters()) if self.account and st.train else nullcontext([0]) as counted:
             outputs = self.stage(inputs, st.weights)
         if st.train:
             st.stash(1)
@@ -231,7 +234,7 @@ class Executor:
             st.outputs[k] = outputs
         elif st.train:
             loss = self._loss(outputs, mb) * st.shares[k]
-            st.loss_sum += float(loss.detach())
+            st.loss_sum = loss.detach() if st.loss_sum is None else st.loss_sum + loss.detach()
             st.losses_left -= 1
             if st.losses_left == 0:  # the newest batch's loss is complete: share it now
                 self.hooks.loss_done(st.loss_sum)
@@ -283,7 +286,8 @@ class Executor:
         by_input = {id(x): g for x, g in zip(needing, found)}
         self._keep_input_grads(k, st, floats, [by_input.get(id(x)) for x in floats])
         st.weight_work[k] = work
-        st.hold(k, sum(g.numel() * g.element_size() for group in work.grads for g in group if g is not None))
+        if self.account:
+            st.hold(k, sum(g.numel() * g.element_size() for group in work.grads for g in group if g is not None))
 
     def _weight_grad(self, a: Action, st: StepState) -> None:
         split.weight_grads(st.weight_work.pop(a.microbatch))
