@@ -54,6 +54,11 @@ class PipelineStrategy(DDPStrategy):
         gradient_clip_val: clip gradients to this global norm, computed over all stages
             (Lightning's own ``Trainer(gradient_clip_val=...)`` is not available with manual
             optimization). Steps with a non-finite gradient are always skipped, on every rank.
+        loss: what ``pipeline_step`` returns (and the example logs as ``train_loss``):
+            ``"current"``, the step's own mean loss, for which every stage waits until the last
+            stage has it; ``"previous"``, the previous step's, already on every stage, so no
+            stage waits (under 2BW the stream then never synchronises at window ends). The
+            first step after the layout is placed returns its own.
         split_backward: split each backward into input gradients (sent upstream at once) and
             weight gradients (delayed into idle time), 2BP; any module, through autograd.
         split_max_pending: with ``split_backward``, the most microbatches waiting for their
@@ -86,6 +91,7 @@ class PipelineStrategy(DDPStrategy):
         partition: PartitionArg = "balanced",
         recompute: RecomputeArg = False,
         gradient_clip_val: Optional[float] = None,
+        loss: str = "current",
         split_backward: bool = False,
         split_max_pending: Optional[int] = None,
         inner: str = "pp",
@@ -117,7 +123,9 @@ class PipelineStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        self.gradient_clip_val = gradient_clip_val
+        if loss not in PipelineEngine.LOSS_MODES:
+            raise ValueError(f"loss must be one of {PipelineEngine.LOSS_MODES}, got {loss!r}")
+        self.gradient_clip_val, self.loss = gradient_clip_val, loss
         self.save_distributed_checkpoint, self.global_batch_size = save_distributed_checkpoint, global_batch_size
         self._requested_plan = plan
         self._plan: Optional[PipelinePlan] = None
@@ -253,7 +261,8 @@ class PipelineStrategy(DDPStrategy):
         self._plan = placement.plan
         module._pipeline_placement = placement
         rank_zero_info(placement.summary())
-        return PipelineEngine(module, stage, self.plan, self.global_rank, self._groups, self.root_device, self.gradient_clip_val)
+        return PipelineEngine(module, stage, self.plan, self.global_rank, self._groups, self.root_device,
+                              self.gradient_clip_val, self.loss)  # fmt: skip
 
     def _profiled_partition(self, module: Any) -> tuple[int, ...]:
         """Blocks per stage balancing the profiled F + B time, measured on rank 0 and sent to all ranks.

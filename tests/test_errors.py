@@ -20,6 +20,11 @@ def test_unknown_schedule() -> None:
         PipelineStrategy(schedule="pipedream-9")
 
 
+def test_unknown_loss_mode() -> None:
+    with pytest.raises(ValueError, match="loss must be one of"):
+        PipelineStrategy(loss="last")
+
+
 def test_more_stages_than_blocks() -> None:
     with pytest.raises(ValueError, match="cannot split 6 pipeline blocks over pipeline_depth=8"):
         place(ToyChain(depth=4), PipelinePlan(depth=8), rank=0)

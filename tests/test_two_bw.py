@@ -224,3 +224,40 @@ def test_a_two_bw_stream_does_not_keep_its_sent_tensors(launched) -> None:
     assert all(status == "ok" for status, _ in out), [v for s, v in out if s != "ok"]
     for _, held in out:
         assert max(held) <= 2 and held[-1] <= held[0], held
+
+
+def _loss_mode_worker(rank: int, world: int) -> dict:
+    """Losses ``train_step`` returns on every stage under each loss mode, and the final weights."""
+    groups = PipelineGroups.build(Topology(world, world), rank)
+    out = {}
+    for mode in ("current", "previous"):
+        torch.manual_seed(0)
+        model = ToyChain()
+        engine = place(model, PipelinePlan(1, world, M, "2bw", partition="uniform"), rank, groups=groups, loss=mode)
+        opt = make_optimizer(model.parameters(), "sgd", model.lr)
+        losses = [float(engine.train_step(batch, opt)) for batch in _batches(None)]
+        engine.drain()
+        out[mode] = (losses, {n: p.detach().clone() for n, p in model.named_parameters()})
+    return out
+
+
+scenario(2, "two_bw_loss_modes", _loss_mode_worker)
+
+
+def test_previous_loss_mode_returns_the_last_steps_loss_and_trains_alike(launched) -> None:
+    out = launched(2)["two_bw_loss_modes"]
+    assert all(status == "ok" for status, _ in out), [v for s, v in out if s != "ok"]
+    torch.manual_seed(0)
+    want: list[float] = []
+    final = reference_train(ToyChain(), _batches(None), losses=want, delay=1, optimizer="sgd")
+    for _, result in out:  # every stage returns the loss the last stage computed
+        current, previous = result["current"][0], result["previous"][0]
+        assert current == pytest.approx(want, rel=1e-5)
+        assert previous == pytest.approx([want[0]] + want[:-1], rel=1e-5)  # the first step has no previous one
+    merged = {**out[0][1]["previous"][1], **out[1][1]["previous"][1]}
+    assert_close_dicts(merged, final, rtol=1e-5)
+
+
+def test_an_unknown_loss_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match="loss must be one of"):
+        place(ToyChain(), PipelinePlan(1, 1, 2, "2bw", partition="uniform"), 0, loss="mean")

@@ -36,11 +36,19 @@ class PipelineEngine:
         groups: the layout's process groups; ``None`` only when running one process.
         device: device of this rank's stage.
         gradient_clip_val: clip the gradient to this global norm (over all stages) before a step.
+        loss: what :meth:`train_step` returns: ``"current"``, the step's own loss (every stage
+            waits until the last stage has it); ``"previous"``, the loss of the step before,
+            whose broadcast has long arrived, so no stage waits (2BW: no synchronisation at
+            window ends). An engine's first step has no previous one and returns its own.
     """
+
+    LOSS_MODES = ("current", "previous")
 
     def __init__(self, module: nn.Module, stage: Stage, plan: PipelinePlan, rank: int,
                  groups: Optional[PipelineGroups] = None, device: Optional[torch.device] = None,
-                 gradient_clip_val: Optional[float] = None) -> None:  # fmt: skip
+                 gradient_clip_val: Optional[float] = None, loss: str = "current") -> None:  # fmt: skip
+        if loss not in self.LOSS_MODES:
+            raise ValueError(f"loss must be one of {self.LOSS_MODES}, got {loss!r}")
         if groups is None and plan.world_size > 1:
             raise ValueError(f"a {plan.width} x {plan.depth} plan needs its process groups (PipelineGroups.build)")
         self.module, self.stage, self.plan, self.rank, self.groups = module, stage, plan, rank, groups
@@ -56,7 +64,9 @@ class PipelineEngine:
         self.trace = Trace(rank)
         self.instrument = False  # record the trace and the bytes held for backward (monitor, AutoPlanner)
         self.links = p2p.Links()  # what each link last carried: payload receives are posted ahead
+        self.loss_mode = loss
         self._loss_work: Any = None
+        self._previous: Optional[tuple[Tensor, Any]] = None  # the last step's loss and its broadcast
         self._programs: dict[tuple[bool, int], list[Action]] = {}
         self._restart()
         if self.streaming:
@@ -170,12 +180,22 @@ class PipelineEngine:
         self._batches += 1
         if self.position.is_last:
             loss = self._shared_loss
-        if self._loss_work is not None:
-            self._loss_work.wait()
+        loss = self._returned_loss(loss)
         self.last_peak_stash = self._state.peak_stash
         self.last_peak_stash_bytes = self._state.peak_stash_bytes
         if not self.streaming:
             self._restart()  # a flushed step leaves nothing in flight
+        return loss
+
+    def _returned_loss(self, loss: Tensor) -> Tensor:
+        """This step's loss once its broadcast is in, or (``loss="previous"``) the last step's."""
+        previous, self._previous = self._previous, (loss, self._loss_work)
+        if self.loss_mode == "previous" and previous is not None:
+            loss, work = previous
+        else:
+            work = self._loss_work
+        if work is not None:
+            work.wait()
         return loss
 
     def _share_loss(self, loss: Tensor) -> None:
@@ -200,6 +220,9 @@ class PipelineEngine:
         Lightning calls this before validation, checkpoints and the end of fit, so weights are
         consistent there. The next training step starts a fresh warm-up from the newest weights.
         """
+        if self._previous is not None and self._previous[1] is not None:  # loss="previous": settle the last broadcast
+            self._previous[1].wait()
+            self._previous = (self._previous[0], None)
         if not self.streaming or self._batches == 0:
             return
         last = self._batches - 1

@@ -229,7 +229,7 @@ def _own_optimizer_keys(flat: Mapping[str, Any], own: Mapping[str, Tensor]) -> d
 
 
 def place(module: nn.Module, plan: PipelinePlan, rank: int, device: Optional[torch.device] = None,
-          groups: Optional[Any] = None, gradient_clip_val: Optional[float] = None) -> "PipelineEngine":  # fmt: skip
+          groups: Optional[Any] = None, gradient_clip_val: Optional[float] = None, loss: str = "current") -> "PipelineEngine":  # fmt: skip
     """Place ``plan`` on ``rank`` and return the engine that runs its steps (scripts, tests, benchmarks).
 
     Args:
@@ -240,8 +240,9 @@ def place(module: nn.Module, plan: PipelinePlan, rank: int, device: Optional[tor
         groups: the layout's :class:`~lightning_pipe.runtime.groups.PipelineGroups` (a collective
             to build); ``None`` in one process.
         gradient_clip_val: clip to this global norm before each step.
+        loss: what ``train_step`` returns, ``"current"`` or ``"previous"`` (see :class:`PipelineEngine`).
     """
     from lightning_pipe.runtime.engine import PipelineEngine
 
     stage = Placement(module).apply(plan, rank, device)
-    return PipelineEngine(module, stage, plan, rank, groups, device, gradient_clip_val)
+    return PipelineEngine(module, stage, plan, rank, groups, device, gradient_clip_val, loss)
