@@ -4,9 +4,11 @@
     python examples/bench_pipelines.py --workload costmodel --depths 4
 
 Contenders, interleaved round by round so that machine drift hits them all alike: one process
-with no pipeline; torch.distributed.pipelining ScheduleGPipe, Schedule1F1B and
-ScheduleInterleavedZeroBubble (one stage per rank); lightning_pipe gpipe, 1f1b and 2bw, each
-with and without split backward. Same model, partition, global batch and microbatches.
+with no pipeline; torch.distributed.pipelining ScheduleGPipe, Schedule1F1B,
+ScheduleInterleavedZeroBubble (one stage per rank) and ScheduleInterleaved1F1B (two stages per
+rank); lightning_pipe gpipe, 1f1b and 2bw (with loss="previous": no wait at window ends), each
+with and without split backward. Same model, global batch and microbatches; the same partition
+for every one-stage-per-rank contender. Rank 0 shows progress (one tick per timed contender).
 
 Workloads:
   (a) costmodel: blocks sleep a set time in F, I and W, so d = 4 and d = 8 fit on 2 cores and
@@ -36,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -49,7 +52,9 @@ from lightning_pipe.schedules import build_schedule, two_bw_run  # noqa: E402
 from lightning_pipe.spawn import run_gloo  # noqa: E402
 
 OURS = [(s, split) for s in ("gpipe", "1f1b", "2bw") for split in (False, True)]
-TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zb": "ScheduleInterleavedZeroBubble"}
+TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zb": "ScheduleInterleavedZeroBubble",
+         "interleaved": "ScheduleInterleaved1F1B"}  # fmt: skip
+VIRTUAL = {"interleaved": 2}  # stages per rank; the others run one
 # The torch.distributed.pipelining schedule each of ours is compared with: the same schedule,
 # zero bubble (1F1B with split backward, ZB-H1) for split 1F1B, and 1F1B for 2BW, whose steady
 # state is 1F1B without the flush.
@@ -84,10 +89,11 @@ class Workload:
         tokens = torch.randint(0, 256, (self.batch_size, self.spec[3] + 1), generator=g)
         return tokens[:, :-1], tokens[:, 1:]
 
-    def partition(self, model: nn.Module) -> list[int]:
-        """Blocks per stage, shared by every pipelined contender."""
+    def partition(self, model: nn.Module, virtual: int = 1) -> list[int]:
+        """Blocks per stage, shared by every pipelined contender (``virtual`` stages per rank)."""
         blocks = model.pipeline_blocks()
-        return partition_sizes("uniform" if self.name == "costmodel" else "balanced", [block_cost(b) for b in blocks], self.depth)
+        method = "uniform" if self.name == "costmodel" else "balanced"
+        return partition_sizes(method, [block_cost(b) for b in blocks], self.depth * virtual)
 
     def predicted_step(self, schedule: str, split: bool) -> Optional[float]:
         """Simulator step time on the cost model (2BW: one steady-state window)."""
@@ -137,7 +143,7 @@ def _ours(rank: int, work: Workload, groups: Any, schedule: str, split: bool) ->
     """A lightning_pipe engine; ``finish`` drains 2BW, whose sends run on into the next window."""
     model = work.model()
     plan = PipelinePlan(1, work.depth, work.microbatches, schedule, split, partition=work.partition(model))
-    engine = place(model, plan, rank, groups=groups)
+    engine = place(model, plan, rank, groups=groups, loss="previous" if schedule == "2bw" else "current")
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     versions = lambda: [p for slot in engine.versions.slots for p in slot or ()]  # noqa: E731 - both 2BW versions
     return Contender(lambda batch: engine.train_step(batch, opt), lambda: held_tensors(versions(), [opt]), engine.drain)
@@ -148,12 +154,15 @@ def _torch(rank: int, work: Workload, kind: str) -> Contender:
     from torch.distributed import pipelining
 
     model = work.model()
-    blocks = model.pipeline_blocks()
-    mine = stage_ranges(work.partition(model))[rank]
-    stage_module = nn.Sequential(*(blocks[i] for i in mine))
-    stage = pipelining.PipelineStage(stage_module, rank, work.depth, torch.device("cpu"))
+    blocks, virtual = model.pipeline_blocks(), VIRTUAL.get(kind, 1)
+    ranges = stage_ranges(work.partition(model, virtual))
+    ids = [rank + v * work.depth for v in range(virtual)]  # interleaved: rank r holds stages r, r + d, ...
+    modules = [nn.Sequential(*(blocks[i] for i in ranges[s])) for s in ids]
+    stages = [pipelining.PipelineStage(m, s, work.depth * virtual, torch.device("cpu")) for m, s in zip(modules, ids)]
     cls = getattr(pipelining, TORCH[kind])
-    schedule = cls([stage] if kind == "zb" else stage, work.microbatches, loss_fn=_torch_loss(work, model))
+    multi = kind in ("zb", "interleaved")  # schedules that take a list of stages
+    schedule = cls(stages if multi else stages[0], work.microbatches, loss_fn=_torch_loss(work, model))
+    stage_module = nn.ModuleList(modules)
     opt = torch.optim.SGD(stage_module.parameters(), lr=1e-4)
     first, last = rank == 0, rank == work.depth - 1
 
@@ -185,7 +194,8 @@ def _builders(rank: int, work: Workload, groups: Any) -> dict[str, Callable[[], 
 
 
 def _name(schedule: str, split: bool) -> str:
-    return f"lightning_pipe {schedule}" + (" + split" if split else "")
+    loss = " (loss=previous)" if schedule == "2bw" else ""
+    return f"lightning_pipe {schedule}" + (" + split" if split else "") + loss
 
 
 # -- measurement -----------------------------------------------------------------------------
@@ -263,6 +273,7 @@ def _worker(rank: int, world: int, work: Workload, rounds: int, steps: int, thre
     batch, names = work.batch(), list(builders)
     times: dict[str, list[float]] = {name: [] for name in names}
     peaks: dict[str, int] = {}
+    progress = tqdm(total=rounds * len(names), desc=f"{work.name} d={work.depth}", disable=rank != 0, file=sys.stderr)
     for r in range(rounds):
         shift = r * len(names) // rounds
         order = names[shift:] + names[:shift]
@@ -272,10 +283,13 @@ def _worker(rank: int, world: int, work: Workload, rounds: int, steps: int, thre
             _finish(step)
         for name in order:
             times[name].append(_time(contenders[name], batch, steps))
+            progress.set_postfix_str(f"round {r + 1}: {name} {times[name][-1]:.3f} s/step")
+            progress.update()
         if r == rounds - 1:
             peaks = {name: _peak_bytes(step, batch) for name, step in contenders.items()}
         del contenders
         gc.collect()
+    progress.close()
     return {"times": {n: statistics.median(t) for n, t in times.items()}, "peaks": peaks}
 
 
