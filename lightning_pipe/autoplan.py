@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from lightning_pipe import planner
 from lightning_pipe.layout import PipelinePlan
+from lightning_pipe.monitor import held_tensors
 from lightning_pipe.profiler import BlockProfile, BlockSample, Profile, _link_worker, _loss_of, profile_stage
 from lightning_pipe.runtime.microbatch import batch_size
 from lightning_pipe.schedules import Kind
@@ -187,12 +188,14 @@ class AutoPlanner(Callback):
         """Every stage's calibrated blocks, gathered on every rank, with the job's measured links."""
         strategy = trainer.strategy
         strategy.drain()
+        data = [t for t in tree_leaves(self._batch) if isinstance(t, Tensor)]
+        device_bytes = _device_bytes(trainer, [t for inputs in self._captured for t in inputs] + data)
         mine = self._stage_profile(trainer, module)
         parts: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(parts, mine)
         stages = sorted(p for p in parts if p is not None)
         blocks = [b for _, profiles, _ in stages for b in profiles]
-        measured = [_link_worker(strategy.global_rank, dist.get_world_size(), 1024, 2**20, 3)]
+        measured = [_link_worker(strategy.global_rank, dist.get_world_size(), 1024, 2**20, 3, strategy.root_device)]
         dist.broadcast_object_list(measured, src=0)  # rank 0's: every rank must plan on the same numbers
         links = measured[0]
         rows = self._batch
@@ -203,7 +206,8 @@ class AutoPlanner(Callback):
                        input_bytes_per_sample=sum(t.numel() * t.element_size() for t in data
                                                   if isinstance(t, Tensor) and t.untyped_storage().data_ptr() not in own) / n,
                        batch_bytes_per_sample=sum(t.numel() * t.element_size() for t in tree_leaves(rows) if isinstance(t, Tensor)) / n,
-                       loads_global_batch=True, cores=_shared_cores(trainer), device=str(strategy.root_device), **links)  # fmt: skip
+                       loads_global_batch=True, cores=_shared_cores(trainer), device=str(strategy.root_device),
+                       device_bytes=device_bytes, **links)  # fmt: skip
 
     # -- deciding --------------------------------------------------------------------------
     def _budget(self, trainer: Trainer) -> Optional[float]:
@@ -376,6 +380,21 @@ def _measured_peak(trainer: Trainer) -> Optional[float]:
     peaks: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(device))
     return float(max(peaks))
+
+
+def _device_bytes(trainer: Trainer, extra: list[Tensor]) -> int:
+    """Bytes any rank's CUDA device holds between steps beyond its stage's weights, gradients,
+    optimizer state and ``extra`` (library workspaces, communication buffers); 0 off CUDA."""
+    device = trainer.strategy.root_device
+    if device.type != "cuda":
+        return 0
+    engine = trainer.strategy.engine
+    params = [p for slot in engine.versions.slots for p in slot or ()]
+    known = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+             for t in held_tensors(params, trainer.optimizers) + extra if t.device == device}  # fmt: skip
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, max(torch.cuda.memory_allocated(device) - sum(known.values()), 0))
+    return int(max(gathered))
 
 
 def _log_scalars(trainer: Trainer, metrics: dict[str, float]) -> None:

@@ -199,7 +199,8 @@ def predict_memory(profile: Profile, plan: PipelinePlan, microbatch_size: int, h
     """Predicted peak tensor bytes of every stage (:func:`~lightning_pipe.stage_memory.stage_peak_bytes`)."""
     costs, versions, batch = stage_costs(profile, plan, microbatch_size), weight_versions(plan), batch_bytes(profile, plan, microbatch_size)
     last = len(costs) - 1
-    return [stage_peak_bytes(st, held[s], versions, plan.recompute[s], s == 0, s == last, batch) for s, st in enumerate(costs)]
+    return [stage_peak_bytes(st, held[s], versions, plan.recompute[s], s == 0, s == last, batch) + profile.device_bytes
+            for s, st in enumerate(costs)]  # fmt: skip
 
 
 def traffic(profile: Profile, plan: PipelinePlan, microbatch_size: int) -> tuple[float, float]:

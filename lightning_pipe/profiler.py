@@ -104,6 +104,9 @@ class Profile:
         cores: CPU cores the job's processes share (CPU jobs on one host; ``None``: each process
             computes on a device of its own), see :func:`lightning_pipe.planner.step_time`.
         device: where it was measured.
+        device_bytes: bytes every device holds beyond the model's tensors (on CUDA: the math
+            libraries' workspaces, e.g. 32 MiB per cuBLAS handle; communication buffers),
+            measured between two steps; added to every stage's predicted peak.
     """
 
     blocks: list[BlockProfile]
@@ -117,6 +120,7 @@ class Profile:
     loads_global_batch: bool = False
     cores: Optional[int] = None
     device: str = "cpu"
+    device_bytes: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -460,13 +464,19 @@ def _optimizer_step_seconds(module: nn.Module, optimizer: Optional[Callable], de
     return seconds
 
 
-def _ping(nbytes: int, repeats: int) -> float:
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _ping(nbytes: int, repeats: int, device: torch.device) -> float:
     """Median seconds of one transfer between ranks 0 and 1 (half a round trip)."""
     import torch.distributed as dist
 
-    t = torch.zeros(max(nbytes // 4, 1))
+    t = torch.zeros(max(nbytes // 4, 1), device=device)
     times = []
     for _ in range(repeats + 1):
+        _synchronize(device)
         start = time.perf_counter()
         if dist.get_rank() == 0:
             dist.send(t, 1)
@@ -474,21 +484,29 @@ def _ping(nbytes: int, repeats: int) -> float:
         elif dist.get_rank() == 1:
             dist.recv(t, 0)
             dist.send(t, 0)
+        _synchronize(device)
         times.append((time.perf_counter() - start) / 2)
         dist.barrier()
     return statistics.median(times[1:])
 
 
-def _link_worker(rank: int, world: int, small: int, large: int, repeats: int) -> dict[str, float]:
+def _link_worker(rank: int, world: int, small: int, large: int, repeats: int,
+                 device: torch.device = torch.device("cpu")) -> dict[str, float]:  # fmt: skip
+    """Latency, bandwidth and all-reduce bandwidth between this job's ranks, with tensors on
+    ``device`` (the backend's: NCCL moves CUDA tensors only); nothing to measure for one rank."""
     import torch.distributed as dist
 
-    t_small, t_large = _ping(small, repeats), _ping(large, repeats)
-    flat = torch.zeros(large // 4)
+    if world < 2:
+        return {}
+    t_small, t_large = _ping(small, repeats, device), _ping(large, repeats, device)
+    flat = torch.zeros(large // 4, device=device)
     times = []
     for _ in range(repeats + 1):
         dist.barrier()
+        _synchronize(device)
         start = time.perf_counter()
         dist.all_reduce(flat)
+        _synchronize(device)
         times.append(time.perf_counter() - start)
     ring = 2 * (world - 1) / world * large  # bytes each rank moves in a ring all-reduce
     return {"link_latency": t_small, "link_bandwidth": (large - small) / max(t_large - t_small, 1e-9),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import weakref
 from typing import Any
@@ -45,6 +46,19 @@ def test_profile_measures_bytes_and_round_trips_json() -> None:
     assert profile.input_bytes_per_sample == 0  # pipeline_inputs returns the batch's own features: no new bytes
     assert profile.batch_bytes_per_sample == 6 * 4 + 8  # six float32 features and an int64 label per sample
     assert Profile.from_json(profile.to_json()) == profile
+
+
+def test_device_bytes_add_to_every_stage_and_survive_json() -> None:
+    # What a device holds beyond the model's tensors (cuBLAS workspaces on CUDA) is paid once
+    # per device, whatever the plan: every stage's peak moves by exactly that much.
+    plain = _uniform(8)
+    held = Profile.from_json(dataclasses.replace(plain, device_bytes=64 * 2**20).to_json())
+    assert held.device_bytes == 64 * 2**20
+    for plan in (PipelinePlan(1, 4, 8, "1f1b"), PipelinePlan(2, 2, 4, "2bw"), PipelinePlan(1, 2, 2, "gpipe", recompute=True)):
+        plan = plan.resolve([1.0] * 8)
+        base, shifted = planner.predict(plain, plan, 2), planner.predict(held, plan, 2)
+        assert [b + 64 * 2**20 for b in base.stage_memory] == list(shifted.stage_memory)
+        assert shifted.step_time == base.step_time
 
 
 @pytest.mark.parametrize("depth", [1, 2, 4, 8])
