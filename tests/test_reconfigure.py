@@ -288,7 +288,7 @@ def test_autoplanner_leaves_a_plan_over_the_budget_before_its_first_step(launche
     ranks = launched(4).ok("autoplan_over_budget")
     for rank in ranks:
         assert rank["steps"] == 6 and len(rank["peaks"]) == 6  # it finished
-        assert max(rank["peaks"]) <= rank["budget"], (rank["peaks"], rank["budget"], rank["predicted"], ranks[0]["decisions"])
+        assert max(rank["peaks"]) <= rank["budget"], (rank["peaks"], rank["budget"], rank["predicted"], rank["plans"], rank["stage"])
     first = ranks[0]["decisions"][0]
     assert first["step"] == 0 and "before the first step: the starting plan does not fit" in first["reason"]
     assert "rejected: stage" in first["table"] and "over the budget" in first["table"], first["table"]
