@@ -148,19 +148,6 @@ def _held(*key: Any) -> list[HeldCounts]:
     return program_held_counts(_program(*key), warm=key[0] == "2bw")
 
 
-@functools.lru_cache(maxsize=1024)
-def _waiting_for_w(*key: Any) -> list[int]:
-    """Most microbatches each stage holds between their I and their W (split backward)."""
-    out = []
-    for actions in _program(*key):
-        waiting, most = 0, 0
-        for a in actions:
-            waiting += (a.kind is Kind.INPUT_GRAD) - (a.kind is Kind.WEIGHT_GRAD)
-            most = max(most, waiting)
-        out.append(most)
-    return out
-
-
 def held(plan: PipelinePlan) -> list[HeldCounts]:
     """Microbatches each stage of ``plan``'s program holds at each kind of moment (cost-free, cached)."""
     return _held(*_program_key(plan, 3 if plan.schedule == "2bw" else 1))
@@ -212,12 +199,8 @@ def predict_memory(profile: Profile, plan: PipelinePlan, microbatch_size: int, h
     """Predicted peak tensor bytes of every stage (:func:`~lightning_pipe.stage_memory.stage_peak_bytes`)."""
     costs, versions, batch = stage_costs(profile, plan, microbatch_size), weight_versions(plan), batch_bytes(profile, plan, microbatch_size)
     last = len(costs) - 1
-    # A microbatch waiting for its W also holds the gradients I captured where the weight
-    # subgraphs hang off (runtime/split.py), about one more copy of its saved activations: not
-    # profiled yet, so counted as that, an upper bound for chains of weight ops.
-    waiting = _waiting_for_w(*_program_key(plan, 3 if plan.schedule == "2bw" else 1)) if plan.split_backward else [0] * len(costs)
     return [stage_peak_bytes(st, held[s], versions, plan.recompute[s], s == 0, s == last, batch) + profile.device_bytes
-            + waiting[s] * st.stash_bytes for s, st in enumerate(costs)]  # fmt: skip
+            for s, st in enumerate(costs)]  # fmt: skip
 
 
 def traffic(profile: Profile, plan: PipelinePlan, microbatch_size: int) -> tuple[float, float]:

@@ -242,14 +242,15 @@ class _TrackedBytes(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("schedule,recompute", [("1f1b", False), ("gpipe", False), ("gpipe", True)])
-def test_predicted_peak_matches_a_tracked_step_in_one_process(schedule: str, recompute: bool) -> None:
+@pytest.mark.parametrize("schedule,recompute,split", [("1f1b", False, False), ("gpipe", False, False), ("gpipe", True, False),
+                                                     ("1f1b", False, True)])  # fmt: skip
+def test_predicted_peak_matches_a_tracked_step_in_one_process(schedule: str, recompute: bool, split: bool) -> None:
     # One stage holds everything the cost model counts except links: state, held microbatches,
     # the batch, the loss and the blocks' temporaries. The tracker counts storages, not the model.
     torch.manual_seed(0)
     model, batch = ToyChain(), make_data(64)
     profile = profile_blocks(model, batch, [8, 16], repeats=1)
-    plan = PipelinePlan(1, 1, 4, schedule, partition=(6,), recompute=recompute)
+    plan = PipelinePlan(1, 1, 4, schedule, split, partition=(6,), recompute=recompute)
     predicted = planner.predict(profile, plan, 16).stage_memory[0]
     engine = place(ToyChain(), plan, 0)
     opt = torch.optim.Adam(engine.stage.parameters(), lr=1e-3)
