@@ -106,7 +106,6 @@ class AutoPlanner(Callback):
     def _plan_in_use(self) -> Optional[PipelinePlan]:
         return self._trainer.strategy.plan if self._trainer is not None else None
 
-
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Let the strategy change the layout during fit (global batches on every rank)."""
         self._trainer = trainer
@@ -122,9 +121,10 @@ class AutoPlanner(Callback):
         if not self._prechecked:
             self._precheck(trainer, pl_module, batch)
         self._step_start = time.perf_counter()
-        if self._profiling(trainer):
-            trainer.strategy.engine.instrument = True  # the executor's trace calibrates the profile
-        if self._profiling(trainer) and self._steps_seen == self.profile_steps - 1:
+        if not self._profiling(trainer):
+            return
+        trainer.strategy.engine.instrument = True  # the executor's trace calibrates the profile
+        if self._steps_seen == self.profile_steps - 1:
             self._batch = trainer.strategy.replica_batch(batch)
             self._captured = []
             self._hook = trainer.strategy.engine.stage.blocks[0].register_forward_pre_hook(self._capture)
@@ -188,8 +188,8 @@ class AutoPlanner(Callback):
         """Every stage's calibrated blocks, gathered on every rank, with the job's measured links."""
         strategy = trainer.strategy
         strategy.drain()
-        data = [t for t in tree_leaves(self._batch) if isinstance(t, Tensor)]
-        device_bytes = _device_bytes(trainer, [t for inputs in self._captured for t in inputs] + data)
+        batch_tensors = [t for t in tree_leaves(self._batch) if isinstance(t, Tensor)]
+        device_bytes = _device_bytes(trainer, [t for inputs in self._captured for t in inputs] + batch_tensors)
         mine = self._stage_profile(trainer, module)
         parts: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(parts, mine)
