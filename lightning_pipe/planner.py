@@ -38,6 +38,7 @@ class StageCosts:
     forward_workspace_bytes: int = 0  # the largest block's temporaries during its forward
     backward_workspace_bytes: int = 0  # the largest block's temporaries during its backward
     first_backward_bytes: int = 0  # one microbatch's saved tensors and the gradients during the step's first backward
+    captured_bytes: int = 0  # split backward: the gradients one microbatch's I captures for its W
 
 
 def _first_backward(samples: Sequence[BlockSample], grads: Sequence[int]) -> int:
@@ -78,6 +79,7 @@ def range_costs(profile: Profile, blocks: range, microbatch_size: int, recompute
         forward_workspace_bytes=max(x.forward_workspace_bytes for x in mine),
         backward_workspace_bytes=max(x.backward_workspace_bytes for x in mine),
         first_backward_bytes=_first_backward(mine, [b.gradient_bytes for b in states]),
+        captured_bytes=sum(x.captured_bytes for x in mine),
     )  # fmt: skip
 
 

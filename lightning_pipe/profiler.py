@@ -37,6 +37,7 @@ class BlockSample:
     saved_output_bytes: int = 0  # of the block's output, if autograd saves it (part of saved_bytes)
     forward_workspace_bytes: int = 0  # peak temporaries of its forward (see ``_workspace``)
     backward_workspace_bytes: int = 0  # peak temporaries of its backward
+    captured_bytes: int = 0  # gradients split backward's I captures for the block's W (held until W)
 
     @property
     def recompute(self) -> float:
@@ -68,7 +69,7 @@ class BlockProfile:
 
 
 _FIELDS = ("forward", "backward", "input_grad", "weight_grad", "saved_bytes", "output_bytes", "saved_input_bytes",
-           "saved_output_bytes", "forward_workspace_bytes", "backward_workspace_bytes")
+           "saved_output_bytes", "forward_workspace_bytes", "backward_workspace_bytes", "captured_bytes")
 
 
 def _interpolate(lo: BlockSample, hi: BlockSample, size: int) -> BlockSample:
@@ -209,12 +210,20 @@ def _measure_block(block: nn.Module, x: tuple[Tensor, ...], first: bool, device:
     inputs = _inputs_for(x, first)
     _, (roots, grads) = _forward(block, inputs, loss, name)
     needing = [t for t in inputs if t.requires_grad]
-    t_i, (_, work) = _timed(lambda: split.input_grads(roots, grads, needing), device)
+    t_i, (found, work) = _timed(lambda: split.input_grads(roots, grads, needing), device)
+    captured = _captured_bytes(work, found)
     t_w, _ = _timed(lambda: split.weight_grads(work), device)
     block.zero_grad(set_to_none=True)
     sample = BlockSample(batch_size(x), t_f, t_b, t_i, t_w, saved.other_bytes(), _tensor_bytes(out),
-                         saved.bytes_of(inputs), saved_output_bytes=saved.bytes_of(out))
+                         saved.bytes_of(inputs), saved_output_bytes=saved.bytes_of(out), captured_bytes=captured)
     return sample, tuple(o.detach() for o in out)
+
+
+def _captured_bytes(work: split.WeightWork, input_grads: Sequence[Optional[Tensor]]) -> int:
+    """Bytes of the gradients I captured for W, each storage once (the input gradients are sent on, not kept)."""
+    sent = {g.untyped_storage().data_ptr() for g in input_grads if g is not None}
+    kept = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for group in work.grads for g in group if g is not None}
+    return sum(n for key, n in kept.items() if key not in sent)
 
 
 def _forward(block: nn.Module, inputs: tuple[Tensor, ...], loss: Loss, name: str) -> tuple[tuple, tuple[list, list]]:

@@ -29,8 +29,10 @@ def _stage_memory(profile: Profile, a: int, z: int, s: int, depth: int, m: int, 
     held with gradients; a last backward of a step holds k - 1 more at most otherwise. At any
     moment: weights and optimizer state, gradients once a backward ran, per held microbatch the
     saved activations, the stage input and (not last) its output; an input and a gradient
-    buffer from each neighbour and two 512-byte headers per neighbour. During the first backward
-    the microbatch being run frees block by block (last first) while the gradients appear."""
+    buffer from each neighbour, an input gradient sent upstream until acknowledged, and two
+    512-byte headers per neighbour; during a backward (not last) the gradient it started from.
+    During the first backward the microbatch being run frees block by block (last first) while
+    the gradients appear."""
     samples = [profile.blocks[i].at(1) for i in range(a, z)]
     grads = [profile.blocks[i].gradient_bytes for i in range(a, z)]
     weights = sum(profile.blocks[i].parameter_bytes + profile.blocks[i].optimizer_bytes for i in range(a, z))
@@ -41,10 +43,10 @@ def _stage_memory(profile: Profile, a: int, z: int, s: int, depth: int, m: int, 
     k = m if schedule == "gpipe" else min(depth - s, m)
     warm = (m - 1) if schedule == "gpipe" else (k if m > k else k - 1)
     first_backward = max(sum(x.saved_bytes for x in samples[: j + 1]) + sum(grads[j:]) for j in range(len(samples)))
-    moments = [weights + k * kept, weights + (k - 1) * kept + inp + first_backward + out]
+    moments = [weights + k * kept, weights + (k - 1) * kept + inp + first_backward + out + out]
     if warm:
-        moments.append(weights + sum(grads) + warm * kept)
-    return max(moments) + (0 if first else inp) + out + 1024 * ((not first) + (not last))
+        moments.append(weights + sum(grads) + warm * kept + out)
+    return max(moments) + (0 if first else 2 * inp) + out + 1024 * ((not first) + (not last))
 
 
 def _brute_force(profile: Profile, schedule: str, depth: int, m: int, limit: float) -> tuple[float, tuple[int, ...]] | None:

@@ -227,17 +227,21 @@ class _TrackedBytes(TorchDispatchMode):
 
     def __init__(self, persistent: list[torch.Tensor]) -> None:
         super().__init__()
-        self.alive = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in persistent}
-        self.peak = sum(self.alive.values())
+        self.alive: dict[int, int] = {}
         self.refs: list = []
+        for t in persistent:  # until freed: a step may drop what it found (the last step's gradients)
+            self._track(t.untyped_storage())
+        self.peak = sum(self.alive.values())
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        self.alive[storage.data_ptr()] = storage.nbytes()
+        self.refs.append(weakref.ref(storage, lambda _, key=storage.data_ptr(): self.alive.pop(key, None)))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.alive:
-                storage = t.untyped_storage()
-                self.alive[storage.data_ptr()] = storage.nbytes()
-                self.refs.append(weakref.ref(storage, lambda _, key=storage.data_ptr(): self.alive.pop(key, None)))
+                self._track(t.untyped_storage())
                 self.peak = max(self.peak, sum(self.alive.values()))
         return out
 
