@@ -76,6 +76,10 @@ class PipelineStrategy(DDPStrategy):
         global_batch_size: samples per training step over all replicas; the training
             DataLoader's batch size is set to ``global_batch_size / w``, so any width trains on
             the same global batches.
+        bucket_cap_mb: with ``w > 1``, each stage's gradients are averaged over its replicas in
+            buckets of at most this many MiB, each all-reduce posted during the backward as soon
+            as its gradients are final, as DDP does (default 25, DDP's); 0: one blocking
+            all-reduce after the stage's last backward.
         timeout: timeout of every collective and transfer; a stuck rank fails after it.
         process_group_backend: "gloo" or "nccl"; default from the device.
         start_method: Lightning launcher start method; "popen" (default) re-runs the script.
@@ -98,6 +102,7 @@ class PipelineStrategy(DDPStrategy):
         plan: Optional[PipelinePlan] = None,
         save_distributed_checkpoint: bool = True,
         global_batch_size: Optional[int] = None,
+        bucket_cap_mb: float = 25,
         timeout: Optional[timedelta] = default_pg_timeout,
         process_group_backend: Optional[str] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -126,6 +131,9 @@ class PipelineStrategy(DDPStrategy):
         if loss not in PipelineEngine.LOSS_MODES:
             raise ValueError(f"loss must be one of {PipelineEngine.LOSS_MODES}, got {loss!r}")
         self.gradient_clip_val, self.loss = gradient_clip_val, loss
+        if bucket_cap_mb < 0:
+            raise ValueError(f"bucket_cap_mb must be >= 0, got {bucket_cap_mb}")
+        self.bucket_bytes = int(bucket_cap_mb * 2**20)
         self.save_distributed_checkpoint, self.global_batch_size = save_distributed_checkpoint, global_batch_size
         self._requested_plan = plan
         self._plan: Optional[PipelinePlan] = None
@@ -253,6 +261,7 @@ class PipelineStrategy(DDPStrategy):
             if _same_layout(placement.plan, self.plan) and module._pipeline_engine.rank == self.global_rank:
                 self._plan = placement.plan
                 return module._pipeline_engine
+            module._pipeline_engine.close()
             placement.undo()
         placement = placement or Placement(module)
         if self.plan.partition == "profile":
@@ -262,7 +271,7 @@ class PipelineStrategy(DDPStrategy):
         module._pipeline_placement = placement
         rank_zero_info(placement.summary())
         return PipelineEngine(module, stage, self.plan, self.global_rank, self._groups, self.root_device,
-                              self.gradient_clip_val, self.loss)  # fmt: skip
+                              self.gradient_clip_val, self.loss, self.bucket_bytes)  # fmt: skip
 
     def _profiled_partition(self, module: Any) -> tuple[int, ...]:
         """Blocks per stage balancing the profiled F + B time, measured on rank 0 and sent to all ranks.
@@ -350,6 +359,7 @@ class PipelineStrategy(DDPStrategy):
         schedulers = [config.scheduler.state_dict() for config in module.trainer.lr_scheduler_configs]
         block_of = lambda key: self.placement.block_of(reshard.key_name(key))  # noqa: E731
         moved = reshard.exchange(flat, block_of, old, new, self.global_rank, self.root_device)
+        module._pipeline_engine.close()
         self.placement.undo()
         self._plan = new
         self._groups = PipelineGroups.build(new.topology, self.global_rank, self.root_device.type)

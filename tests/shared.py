@@ -21,6 +21,7 @@ MODULES = (
     "tests.test_trainer",
     "tests.test_checkpoint",
     "tests.test_reconfigure",
+    "tests.test_buckets",
 )
 
 SCENARIOS: dict[int, dict[str, tuple[Callable[..., Any], tuple]]] = {}

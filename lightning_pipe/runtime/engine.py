@@ -21,6 +21,10 @@ from lightning_pipe.schedules import Action, build_inference, build_schedule, tw
 from lightning_pipe.timeline import Trace
 
 
+#: Bytes of one replica all-reduce bucket (DDP's default bucket_cap_mb, 25).
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
 class PipelineEngine:
     """Runs training and inference steps of one rank of a ``w x d`` pipeline.
 
@@ -40,13 +44,17 @@ class PipelineEngine:
             waits until the last stage has it); ``"previous"``, the loss of the step before,
             whose broadcast has long arrived, so no stage waits (2BW: no synchronisation at
             window ends). An engine's first step has no previous one and returns its own.
+        bucket_bytes: with replicas, gradients are averaged in buckets of at most this many
+            bytes, each posted during the backward once final (0: one blocking all-reduce at
+            the AR action); see :class:`~lightning_pipe.runtime.update.UpdatePath`.
     """
 
     LOSS_MODES = ("current", "previous")
 
     def __init__(self, module: nn.Module, stage: Stage, plan: PipelinePlan, rank: int,
                  groups: Optional[PipelineGroups] = None, device: Optional[torch.device] = None,
-                 gradient_clip_val: Optional[float] = None, loss: str = "current") -> None:  # fmt: skip
+                 gradient_clip_val: Optional[float] = None, loss: str = "current",
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:  # fmt: skip
         if loss not in self.LOSS_MODES:
             raise ValueError(f"loss must be one of {self.LOSS_MODES}, got {loss!r}")
         if groups is None and plan.world_size > 1:
@@ -58,7 +66,8 @@ class PipelineEngine:
         self.position = self._position()
         self.streaming = plan.schedule == "2bw"  # the stream of microbatches runs on across steps
         self.versions = WeightVersions(self.stage.parameters(), double=self.streaming)
-        self.update = UpdatePath(self.versions, plan.width, groups, self.device, gradient_clip_val)
+        self.update = UpdatePath(self.versions, plan.width, groups, self.device, gradient_clip_val, bucket_bytes)
+        self.update.watch(self.versions.slots[0])
         self.last_peak_stash = 0
         self.last_peak_stash_bytes = 0
         self.trace = Trace(rank)
@@ -146,9 +155,28 @@ class PipelineEngine:
         return Hooks(
             self.module.pipeline_inputs, self.module.pipeline_loss, self.update.all_reduce,
             lambda: self.update.optimizer_step(self._optimizer, self._on_step),
-            lambda first: self.versions.weights(first // self.microbatches),
-            lambda loss_sum: self._share_loss(loss_sum.to(self.device, torch.float32)),
+            self._weights_of, lambda loss_sum: self._share_loss(loss_sum.to(self.device, torch.float32)),
+            self.update.gradients_accumulated,
         )  # fmt: skip
+
+    def _weights_of(self, first_microbatch: int) -> Optional[list[Tensor]]:
+        """The weight version the batch starting at ``first_microbatch`` runs on (2BW's V action)."""
+        batch = first_microbatch // self.microbatches
+        weights = self.versions.weights(batch)
+        self.update.watch(self.versions.grads_of(batch))
+        return weights
+
+    def _train(self, actions: list[Action], wait: bool, trace: Optional[Trace] = None) -> None:
+        """Run a training program: gradient buckets count accumulations only meanwhile."""
+        self.update.arm(self.microbatches)
+        try:
+            self._run(actions, self._state, wait=wait, trace=trace)
+        finally:
+            self.update.arm(0)
+
+    def close(self) -> None:
+        """Release what outlives a step (gradient hooks on the parameters) before another layout is placed."""
+        self.update.close()
 
     def _run(self, actions: list[Action], state: StepState, wait: bool = True, trace: Optional[Trace] = None) -> StepState:
         return Executor(self.stage, self.position, self.device, self._hooks(), trace=trace if self.instrument else None,
@@ -176,7 +204,7 @@ class PipelineEngine:
         loss, self._loss_work = torch.zeros((), device=self.device), None
         if not self.position.is_last:
             self._share_loss(loss)  # posted now, filled when the last stage has the loss
-        self._run(self._window(), self._state, wait=not self.streaming, trace=self.trace)
+        self._train(self._window(), wait=not self.streaming, trace=self.trace)
         self._batches += 1
         if self.position.is_last:
             loss = self._shared_loss
@@ -228,7 +256,7 @@ class PipelineEngine:
         last = self._batches - 1
         program = two_bw_drain(self.topology.depth, self.microbatches, last, self.split_backward)[self.stage_index]
         with torch.inference_mode(False), torch.enable_grad():  # Lightning may call this from evaluation
-            self._run(program, self._state)
+            self._train(program, wait=True)
         self.versions.collapse(self._optimizer, self._batches - 1)
         self._restart()
 

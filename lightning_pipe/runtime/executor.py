@@ -48,6 +48,7 @@ class Hooks:
     optimizer_step: Callable[[], Optional[float]] = lambda: None
     weights: Callable[[int], Optional[list[Tensor]]] = lambda first_microbatch: None
     loss_done: Callable[[Tensor], None] = lambda loss_sum: None
+    weights_accumulated: Callable[[list[Tensor]], None] = lambda weights: None
 
 
 class Outbox:
@@ -290,7 +291,7 @@ class Executor:
             st.hold(k, sum(g.numel() * g.element_size() for group in work.grads for g in group if g is not None))
 
     def _weight_grad(self, a: Action, st: StepState) -> None:
-        split.weight_grads(st.weight_work.pop(a.microbatch))
+        self.hooks.weights_accumulated(split.weight_grads(st.weight_work.pop(a.microbatch)))
         st.stash(-1)
         st.release(a.microbatch)
 

@@ -229,7 +229,8 @@ def _own_optimizer_keys(flat: Mapping[str, Any], own: Mapping[str, Tensor]) -> d
 
 
 def place(module: nn.Module, plan: PipelinePlan, rank: int, device: Optional[torch.device] = None,
-          groups: Optional[Any] = None, gradient_clip_val: Optional[float] = None, loss: str = "current") -> "PipelineEngine":  # fmt: skip
+          groups: Optional[Any] = None, gradient_clip_val: Optional[float] = None, loss: str = "current",
+          bucket_bytes: Optional[int] = None) -> "PipelineEngine":  # fmt: skip
     """Place ``plan`` on ``rank`` and return the engine that runs its steps (scripts, tests, benchmarks).
 
     Args:
@@ -241,8 +242,10 @@ def place(module: nn.Module, plan: PipelinePlan, rank: int, device: Optional[tor
             to build); ``None`` in one process.
         gradient_clip_val: clip to this global norm before each step.
         loss: what ``train_step`` returns, ``"current"`` or ``"previous"`` (see :class:`PipelineEngine`).
+        bucket_bytes: replica all-reduce bucket size (0: one blocking all-reduce); ``None``: the engine's default.
     """
     from lightning_pipe.runtime.engine import PipelineEngine
 
     stage = Placement(module).apply(plan, rank, device)
-    return PipelineEngine(module, stage, plan, rank, groups, device, gradient_clip_val, loss)
+    options = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+    return PipelineEngine(module, stage, plan, rank, groups, device, gradient_clip_val, loss, **options)

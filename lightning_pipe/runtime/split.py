@@ -118,13 +118,30 @@ def input_grads(roots: Sequence[Tensor], grads: Sequence[Optional[Tensor]], inpu
     return list(result[: len(inputs)]), WeightWork(edges, grouped, [w for _, w in front])
 
 
-def weight_grads(work: WeightWork) -> None:
-    """W: run the weight parts from the gradients captured by I; accumulate into ``.grad``."""
+def weight_grads(work: WeightWork) -> list[Tensor]:
+    """W: run the weight parts from the gradients captured by I; accumulate into ``.grad``.
+
+    A gradient that existed before is added to in place, as autograd does (one that is a view
+    of a replica all-reduce bucket stays one); one set by this call may be a tensor autograd
+    still uses for another frontier node, so it is never written in place here.
+
+    Returns:
+        The weights whose gradient received this microbatch's contribution, each once.
+    """
+    updated: dict[int, tuple[Tensor, bool]] = {}  # weight, and whether this call set its gradient
     for edges, grads, weights in zip(work.edges, work.grads, work.weights):
         pairs = [(e, g) for e, g in zip(edges, grads) if g is not None]
         if not pairs or not weights:
             continue
         results = torch.autograd.grad([e for e, _ in pairs], weights, [g for _, g in pairs], allow_unused=True)
         for w, g in zip(weights, results):
-            if g is not None:
-                w.grad = g if w.grad is None else w.grad + g
+            if g is None:
+                continue
+            if w.grad is None:
+                w.grad = g
+            elif id(w) in updated and updated[id(w)][1]:
+                w.grad = w.grad + g
+            else:
+                w.grad.add_(g)
+            updated.setdefault(id(w), (w, w.grad is g))
+    return [w for w, _ in updated.values()]

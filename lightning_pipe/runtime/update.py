@@ -1,4 +1,4 @@
-"""The update path of a batch: replica all-reduce, global gradient norm, clipping, non-finite skip, optimizer step."""
+"""The update path of a batch: replica all-reduce (bucketed, overlapped), global gradient norm, clipping, non-finite skip, optimizer step."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.optim import Optimizer
 
+from lightning_pipe.runtime.buckets import GradientBuckets
 from lightning_pipe.runtime.groups import PipelineGroups
 from lightning_pipe.runtime.versions import WeightVersions
 from lightning_pipe.timeline import now
@@ -26,31 +27,69 @@ class UpdatePath:
         groups: the layout's process groups (``None`` in a single process).
         device: where the norm is accumulated.
         gradient_clip_val: clip to this global norm (over all stages) before stepping.
+        bucket_bytes: with replicas, average the gradients in buckets of at most this many
+            bytes, each all-reduce posted during the backward as soon as its gradients are
+            final (:class:`~lightning_pipe.runtime.buckets.GradientBuckets`); 0: one blocking
+            all-reduce of every gradient at the AR action.
     """
 
     def __init__(self, versions: WeightVersions, width: int, groups: Optional[PipelineGroups], device: torch.device,
-                 gradient_clip_val: Optional[float] = None) -> None:  # fmt: skip
+                 gradient_clip_val: Optional[float] = None, bucket_bytes: int = 0) -> None:  # fmt: skip
         self.versions, self.width, self.groups, self.device = versions, width, groups, device
-        self.gradient_clip_val = gradient_clip_val
+        self.gradient_clip_val, self.bucket_bytes = gradient_clip_val, bucket_bytes
         self.skipped_steps = 0
+        self._buckets: dict[int, GradientBuckets] = {}
+        self._armed = 0
         self.restart()
 
     def restart(self) -> None:
         """Forget in-flight batches: the next AR and OPT belong to batch 0."""
         self.reduced = self.stepped = 0
         self._norms: deque[tuple[Tensor, Any]] = deque()
+        for buckets in self._buckets.values():
+            buckets.discard()
+
+    def watch(self, params: list[Tensor]) -> None:
+        """Average ``params``' gradients (one weight slot) in overlapped buckets from now on, when
+        there are replicas and ``bucket_bytes``; a no-op for a slot already watched."""
+        if self.groups is None or self.width == 1 or not self.bucket_bytes or not params or id(params[0]) in self._buckets:
+            return
+        buckets = GradientBuckets(params, self.groups.dp, self.width, self.bucket_bytes)
+        buckets.expected = self._armed  # a slot first used inside a running program (2BW's second version)
+        self._buckets[id(params[0])] = buckets
+
+    def arm(self, microbatches: int) -> None:
+        """A training program runs: a gradient is final after ``microbatches`` accumulations (0: none runs)."""
+        self._armed = microbatches
+        for buckets in self._buckets.values():
+            buckets.expected = microbatches
+
+    def gradients_accumulated(self, params: list[Tensor]) -> None:
+        """Split backward's W added one microbatch's gradient to each of ``params`` (no autograd hook fires)."""
+        for buckets in self._buckets.values():
+            buckets.accumulated(params)
+
+    def close(self) -> None:
+        """Remove the buckets' gradient hooks (the engine is being replaced)."""
+        for buckets in self._buckets.values():
+            buckets.close()
+        self._buckets.clear()
 
     def all_reduce(self) -> None:
         """AR: average the batch's gradients over the stage's replicas, then start the global
         (all-stage) squared-norm sum that the batch's optimizer step will read."""
         params = self.versions.grads_of(self.reduced)
         self.reduced += 1
+        buckets = self._buckets.get(id(params[0])) if params else None
+        if buckets is not None:
+            buckets.finish()
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        self._average_over_replicas([p.grad for p in params])
-        squares = [p.grad.detach().float().pow(2).sum() for p in params]
-        local = torch.stack(squares).sum() if squares else torch.zeros((), device=self.device)
+        if buckets is None:
+            self._average_over_replicas([p.grad for p in params])
+        norms = [torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32) for p in params]  # no squared copy
+        local = torch.stack(norms).pow(2).sum() if norms else torch.zeros((), device=self.device)
         norm_group = self.groups.norm if self.groups is not None else None
         work = dist.all_reduce(local, group=norm_group, async_op=True) if norm_group is not None else None
         self._norms.append((local, work))
