@@ -34,7 +34,8 @@ class PipelinePlan:
             "uniform" until :meth:`resolve` turns it into counts for a given chain, or "profile"
             (balanced by profiled time; :class:`~lightning_pipe.PipelineStrategy` resolves it).
         recompute: activation recomputation, one flag for all stages or one per stage; kept
-            as one flag per stage.
+            as one flag per stage. With ``split_backward`` a recomputed stage's forward keeps no
+            graph, and I reruns it once; W reuses that graph.
         inner: which dimension's ranks are neighbours (and so share a node): "pp" (the stages
             of a pipeline, default) or "dp" (the replicas of a stage); see :class:`Topology`.
     """
@@ -71,8 +72,6 @@ class PipelinePlan:
         flags = (bool(flags),) * self.depth if isinstance(flags, bool) else tuple(bool(f) for f in flags)
         if len(flags) != self.depth:
             raise ValueError(f"recompute needs one flag per stage ({self.depth}), got {len(flags)}")
-        if self.split_backward and any(flags):
-            raise ValueError("split_backward with recompute would recompute each forward twice (in I and W); use one")
         object.__setattr__(self, "recompute", flags)
 
     def _normalise_partition(self) -> None:

@@ -20,8 +20,13 @@ Point = tuple[int, int]
 
 
 def _dominant(points: Sequence[Point]) -> tuple[Point, ...]:
-    """The points no other point dominates in both counts (the only ones that can be a peak)."""
-    return tuple(sorted(p for p in set(points) if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in points)))
+    """The points no other point dominates in both counts (the only ones that can be a peak):
+    by held, most first, each kept if it waits for more W's than every point holding more."""
+    kept: list[Point] = []
+    for point in sorted(set(points), reverse=True):
+        if not kept or point[1] > kept[-1][1]:
+            kept.append(point)
+    return tuple(sorted(kept))
 
 
 @dataclass(frozen=True)
@@ -87,7 +92,8 @@ def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, re
     - ``state``: weights times the versions the schedule keeps (2 under 2BW, seed 000 section
       3.1), optimizer state and, once they exist, gradients (one per version).
     - ``activations``: per held microbatch what autograd saved plus the stage input (with
-      recompute: the inputs only, plus one microbatch's activations during its backward); per
+      recompute: the inputs only, plus one microbatch's activations during its backward, or
+      under split backward every pending microbatch's, recomputed before its I); per
       pending microbatch (split backward) but the one whose I or W runs (its captured gradients
       take the place of a backward's temporaries, measured), also the gradients its I captured for its W. During
       the step's first backward the microbatch being run frees its saved tensors block by
@@ -113,16 +119,19 @@ def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, re
     out = _kept_output_bytes(st, recompute, last)
     one = st.stash_bytes if recompute else 0  # recomputed for the backward that runs
     fws, bws = st.forward_workspace_bytes, st.backward_workspace_bytes + (0 if last else st.output_bytes)
+    # Recomputed graphs: the one a backward runs on, and under split backward each pending
+    # microbatch's (rebuilt before its I, kept for its W).
     moments = [
-        (held.forward_cold, weights, lambda h: h * per_held, fws),
-        (held.forward_warm, weights + grads, lambda h: h * per_held, fws),
-        (held.backward_first, weights, lambda h: max(h - 1, 0) * per_held + st.input_bytes + st.first_backward_bytes,
+        (held.forward_cold, weights, lambda h, p: h * per_held + p * one, fws),
+        (held.forward_warm, weights + grads, lambda h, p: h * per_held + p * one, fws),
+        (held.backward_first, weights, lambda h, p: max(h - 1, 0) * per_held + st.input_bytes + st.first_backward_bytes,
          bws - st.backward_workspace_bytes),
-        (held.backward_warm, weights + grads, lambda h: h * per_held + one, bws),
-        (held.input_cold, weights, lambda h: h * per_held + one, bws),
+        (held.backward_warm, weights + grads, lambda h, p: h * per_held + max(p, 1) * one, bws),
+        (held.input_cold, weights, lambda h, p: h * per_held + max(p, 1) * one, bws),
     ]  # fmt: skip
     candidates = [
-        {"state": state, "activations": act(h) + max(p - 1, 0) * st.captured_bytes, "outputs": (h - p) * out, "workspace": ws, **common}
+        {"state": state, "activations": act(h, p) + max(p - 1, 0) * st.captured_bytes, "outputs": (h - p) * out,
+         "workspace": ws, **common}
         for points, state, act, ws in moments for h, p in points
     ]  # fmt: skip
     default = {"state": weights + grads, "activations": 0, "outputs": 0, "workspace": 0, **common}

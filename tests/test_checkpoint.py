@@ -303,7 +303,6 @@ def test_plan_validates_once_and_the_strategy_takes_it() -> None:
         (dict(depth=4, schedule="2bw", microbatches=2), "needs microbatches >= pipeline_depth"),
         (dict(depth=2, recompute=[True]), "one flag per stage"),
         (dict(depth=2, partition=[3]), "must list 2 positive block counts"),
-        (dict(split_backward=True, recompute=True), "recompute each forward twice"),
         (dict(split_max_pending=2), "only applies with split_backward"),
         (dict(schedule="zb"), "unknown pipeline schedule"),
     ):

@@ -12,6 +12,7 @@ from tests.models import ToyChain, make_data
 
 BATCH, M, STEPS = 16, 4, 3
 SCHEDULES = ("gpipe", "1f1b", "2bw")
+VARIANTS = [(False, False), (True, False), (True, True)]  # (split backward, recompute)
 
 
 def test_transformer_block_split_matches_backward_and_runs_no_forward() -> None:
@@ -34,15 +35,49 @@ def test_transformer_block_split_matches_backward_and_runs_no_forward() -> None:
         torch.testing.assert_close(split[n], p.grad, rtol=1e-6, atol=1e-7)
 
 
+class _Scale(torch.autograd.Function):
+    """``x * w`` as one custom Function: an activation and a weight meet in one backward."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[no-untyped-def]
+        _Scale.calls += 1
+        x, w = ctx.saved_tensors
+        return grad * w, (grad * x).sum(0)
+
+
+def test_custom_function_taking_activation_and_weight_warns_and_stays_correct() -> None:
+    torch.manual_seed(0)
+    w, x = torch.randn(5, requires_grad=True), torch.randn(3, 5, requires_grad=True)
+    grad = torch.randn(3, 5)
+    _Scale.calls = 0
+    with pytest.warns(UserWarning, match="custom autograd.Function _Scale takes both an activation and a weight"):
+        (gx,), work = input_grads([_Scale.apply(x, w)], [grad], [x])
+    weight_grads(work)
+    assert _Scale.calls == 2  # I and W each ran the whole backward: what the warning says
+    x2 = x.detach().requires_grad_()
+    w2 = w.detach().requires_grad_()
+    (x2 * w2).backward(grad)
+    torch.testing.assert_close(gx, x2.grad)
+    torch.testing.assert_close(w.grad, w2.grad)
+
+
 def _split_worker(rank: int, world: int, depth: int) -> dict:
     topo = Topology(world, depth)
     groups = PipelineGroups.build(topo, rank)
     replica, results = topo.replica_of(rank), {}
     for schedule in SCHEDULES:
-        for split in (False, True):
+        for split, recompute in VARIANTS:
             torch.manual_seed(0)
             model = ToyChain()
-            engine = place(model, PipelinePlan(topo.width, depth, M, schedule, split, partition="uniform"), rank, groups=groups)
+            plan = PipelinePlan(topo.width, depth, M, schedule, split, partition="uniform", recompute=recompute)
+            engine = place(model, plan, rank, groups=groups)
             forwards = [0]
             for block in engine.stage.blocks:
                 block.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
@@ -56,7 +91,7 @@ def _split_worker(rank: int, world: int, depth: int) -> dict:
                     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
             engine.drain()
             weights.append({k: v.clone() for k, v in engine.current_weights().items()})
-            results[(schedule, split)] = (grads, weights, forwards[0] / len(engine.stage.blocks))
+            results[(schedule, split, recompute)] = (grads, weights, forwards[0] / len(engine.stage.blocks))
     return results
 
 
@@ -70,15 +105,19 @@ def test_split_backward_matches_full_backward(launched, width: int, depth: int) 
     assert all(status == "ok" for status, _ in out), [v for s, v in out if s != "ok"]
     for rank in range(width * depth):
         for schedule in SCHEDULES:
-            plain, split = out[rank][1][(schedule, False)], out[rank][1][(schedule, True)]
-            # float32 sums the same terms in another order: 1e-6 relative, plus 1e-8 for values near 0
-            if schedule != "2bw":
-                for name, g in plain[0].items():
-                    torch.testing.assert_close(split[0][name], g, rtol=1e-6, atol=1e-8)
-            for want, got in zip(plain[1], split[1]):
-                for name in want:
-                    torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-8)
-            assert split[2] == plain[2] == STEPS * M  # each block ran one forward per microbatch
+            plain = out[rank][1][(schedule, False, False)]
+            for variant in VARIANTS[1:]:
+                split = out[rank][1][(schedule, *variant)]
+                # float32 sums the same terms in another order: 1e-6 relative, plus 1e-8 for values near 0
+                if schedule != "2bw":
+                    for name, g in plain[0].items():
+                        torch.testing.assert_close(split[0][name], g, rtol=1e-6, atol=1e-8)
+                for want, got in zip(plain[1], split[1]):
+                    for name in want:
+                        torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-8)
+            assert plain[2] == out[rank][1][(schedule, True, False)][2] == STEPS * M  # one forward per microbatch
+            # With recompute: the forward, then its one recomputation before I; W reuses that graph.
+            assert out[rank][1][(schedule, True, True)][2] == 2 * STEPS * M
 
 
 def _memory_worker(rank: int, world: int) -> dict:

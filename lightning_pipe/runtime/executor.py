@@ -102,6 +102,7 @@ class StepState:
     grads: dict[int, Tensors] = field(default_factory=dict)
     input_grads: dict[int, Tensors] = field(default_factory=dict)
     weight_work: dict[int, split.WeightWork] = field(default_factory=dict)
+    replay: dict[int, "Replay"] = field(default_factory=dict)  # split backward with recompute: how to rerun F
     results: dict[int, Any] = field(default_factory=dict)
     loss_sum: Optional[Tensor] = None  # on the loss's device: read once per step, never per microbatch
     losses_left: int = 0
@@ -134,6 +135,30 @@ class StepState:
     def release(self, k: int) -> None:
         """Microbatch ``k``'s backward is complete: its bytes are freed."""
         self.live_bytes -= self.held_bytes.pop(k, 0)
+
+
+@dataclass
+class Replay:
+    """What rerunning a microbatch's forward needs (split backward with recompute): the weight
+    version it ran on and the random state it started from (dropout draws the same masks)."""
+
+    weights: Optional[list[Tensor]]
+    rng: Tensor
+    device_rng: Optional[Tensor]
+
+    @classmethod
+    def capture(cls, weights: Optional[list[Tensor]], device: torch.device) -> "Replay":
+        """The state before a forward."""
+        return cls(weights, torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+    @contextmanager
+    def restored(self, device: torch.device) -> Iterator[None]:
+        """Run with the random state the forward started from; the caller's state is kept."""
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.set_rng_state(self.rng)
+            if self.device_rng is not None:
+                torch.cuda.set_rng_state(self.device_rng, device)
+            yield
 
 
 @contextmanager
@@ -179,6 +204,7 @@ class Executor:
         self.abort_timeout, self.trace, self.account = abort_timeout, trace, account
         self.links = links if links is not None else p2p.Links()
         self._left: Counter[int] = Counter()
+        self._replay_forward = False  # split backward on a recomputed stage: F keeps no graph, I reruns it
         self._incoming: dict[int, p2p.Incoming] = {}
         self._handlers: dict[Kind, Callable[[Action, StepState], Optional[float]]] = {
             Kind.FORWARD: self._forward,
@@ -203,6 +229,7 @@ class Executor:
             wait: wait for every posted send before returning. 2BW windows pass ``False``:
                 a neighbour receives the last sends of a window only in its next window.
         """
+        self._replay_forward = self.stage.recompute and any(a.kind is Kind.INPUT_GRAD for a in actions)
         try:
             self._post_receives(actions)
             for action in actions:
@@ -226,7 +253,11 @@ class Executor:
         inputs = as_tuple(self.hooks.inputs(mb), "pipeline_inputs") if self.position.is_first else st.inputs.pop(k)
         if st.train:
             st.inputs[k] = inputs
-        with saved_bytes(self.stage.parameters()) if self.account and st.train else nullcontext([0]) as counted:
+        replay = self._replay_forward and st.train
+        if replay:  # the graph is built once, by I's recomputation, and W reuses it
+            st.replay[k] = Replay.capture(st.weights, self.device)
+        with saved_bytes(self.stage.parameters()) if self.account and st.train else nullcontext([0]) as counted, \
+                torch.no_grad() if replay else nullcontext():  # fmt: skip
             outputs = self.stage(inputs, st.weights)
         if st.train:
             st.stash(1)
@@ -278,9 +309,24 @@ class Executor:
         st.stash(-1)
         st.release(k)
 
+    def _replayed_roots(self, k: int, st: StepState) -> tuple[list[Tensor], list[Optional[Tensor]]]:
+        """Split backward with recompute: run microbatch ``k``'s forward again, with its graph,
+        on the weights and random state of its first run, and return what I starts from."""
+        replay = st.replay.pop(k)
+        with replay.restored(self.device), saved_bytes(self.stage.parameters()) if self.account else nullcontext([0]) as counted:
+            outputs = self.stage.recompute_forward(st.inputs[k], replay.weights)
+        if self.account:
+            st.hold(k, counted[0])
+        if self.position.is_last:
+            st.losses.pop(k)
+            st.losses[k] = self._loss(outputs, st.microbatches[k]) * st.shares[k]
+        else:
+            st.outputs[k] = outputs
+        return self._roots(k, st)
+
     def _input_grad(self, a: Action, st: StepState) -> None:
         k = a.microbatch
-        roots, grads = self._roots(k, st)
+        roots, grads = self._replayed_roots(k, st) if k in st.replay else self._roots(k, st)
         floats = [x for x in st.inputs.pop(k) if x.is_floating_point()]
         needing = [x for x in floats if x.requires_grad]
         found, work = split.input_grads(roots, grads, needing) if roots else ([], split.WeightWork([], [], []))

@@ -11,11 +11,12 @@ runs once, and no forward is re-run.
 Built-in operators compute only the gradients a pass asks for. A custom
 ``torch.autograd.Function`` that takes both an activation and a weight cannot: its
 ``ctx.needs_input_grad`` is fixed at forward time, so its backward runs in full in I and
-again in W (results stay correct; that node's work is done twice).
+again in W (results stay correct; that node's work is done twice, and a warning says so).
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -91,6 +92,24 @@ def _frontier(roots: Sequence[Node], inputs: set[int]) -> list[tuple[Node, list[
     return front
 
 
+_WARNED: set[str] = set()
+
+
+def _warn_custom_functions(front: list[tuple[Node, list[Tensor]]]) -> None:
+    """Warn, once per class, of a custom ``autograd.Function`` on the frontier: its backward runs in I and again in W."""
+    for node, _ in front:
+        name = type(node).__name__
+        if isinstance(node, torch.autograd.function.BackwardCFunction) and name not in _WARNED:
+            _WARNED.add(name)
+            warnings.warn(
+                f"split backward: the custom autograd.Function {name.removesuffix('Backward')} takes both an activation "
+                "and a weight, so its backward runs twice (in I for the input gradient, in W for the weight "
+                "gradient; ctx.needs_input_grad is fixed at forward time). Gradients stay correct; to run it once, "
+                "split it into an activation part and a weight part, or train without split_backward.",
+                stacklevel=3,
+            )
+
+
 def _outputs(node: Node) -> int:
     return max(len(getattr(node, "_input_metadata", ())), 1)
 
@@ -105,6 +124,7 @@ def input_grads(roots: Sequence[Tensor], grads: Sequence[Optional[Tensor]], inpu
     """
     nodes = [r.grad_fn for r in roots if r.grad_fn is not None]
     front = _frontier(nodes, {id(t) for t in inputs})
+    _warn_custom_functions(front)
     edges = [[GradientEdge(node, i) for i in range(_outputs(node))] for node, _ in front]
     flat = [e for group in edges for e in group]
     result = torch.autograd.grad(

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from functools import partial
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -33,12 +34,15 @@ class Stage:
         first_index: index of ``blocks[0]`` in the whole chain (for error messages).
         recompute: keep only the stage input and recompute activations in backward
             (:func:`torch.utils.checkpoint.checkpoint`).
+        ties: every parameter of the layout that blocks on several stages share
+            (:class:`~lightning_pipe.runtime.ties.Tie`), this stage's or not.
     """
 
-    def __init__(self, blocks: Sequence[nn.Module], first_index: int, recompute: bool = False) -> None:
+    def __init__(self, blocks: Sequence[nn.Module], first_index: int, recompute: bool = False, ties: tuple = ()) -> None:
         self.blocks = list(blocks)
         self.first_index = first_index
         self.recompute = recompute
+        self.ties = ties
         unique = {id(p): p for block in self.blocks for p in block.parameters() if p.requires_grad}
         self._params = list(unique.values())
         position = {id(p): i for i, p in enumerate(self._params)}
@@ -66,6 +70,45 @@ class Stage:
         """Forward ``inputs`` through the stage's blocks, on ``weights`` (aligned with
         :meth:`parameters`) instead of the blocks' own parameters when given."""
         run = partial(self._run, weights)
+        if torch.is_grad_enabled():
+            self.renew_buffers()
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(run, *inputs, use_reentrant=False)
+            contexts = lambda: (nullcontext(), self.buffers_kept())  # noqa: E731 - the recomputation updates no buffer
+            return checkpoint(run, *inputs, use_reentrant=False, context_fn=contexts)
         return run(*inputs)
+
+    def recompute_forward(self, inputs: Tensors, weights: Optional[list[Tensor]] = None) -> Tensors:
+        """Run the forward again with its graph (split backward's recomputation before I); the
+        blocks' buffers (running statistics) keep the values the first forward left."""
+        with self.buffers_kept():
+            return self._run(weights, *inputs)
+
+    def _buffer_slots(self, running_only: bool = False) -> list[tuple[nn.Module, str, Tensor]]:
+        modules = [m for block in self.blocks for m in block.modules() if not running_only or _keeps_running_stats(m)]
+        return [(m, name, b) for m in modules for name, b in m._buffers.items() if b is not None]
+
+    def renew_buffers(self) -> None:
+        """Give running statistics a fresh tensor of the same value before a forward that records
+        a graph. BatchNorm updates them in place and saves them for its backward; with several
+        microbatches in flight the next forward's update would change what an earlier
+        microbatch's backward saved (autograd refuses that)."""
+        for module, name, b in self._buffer_slots(running_only=True):
+            module._buffers[name] = b.detach().clone()
+
+    @contextmanager
+    def buffers_kept(self) -> Iterator[None]:
+        """Run on copies of every buffer, and put the originals back on exit: a recomputed forward
+        must not update running statistics a second time (nor touch tensors a graph saved)."""
+        slots = self._buffer_slots()
+        for module, name, b in slots:
+            module._buffers[name] = b.detach().clone()
+        try:
+            yield
+        finally:
+            for module, name, b in slots:
+                module._buffers[name] = b
+
+
+def _keeps_running_stats(module: nn.Module) -> bool:
+    """A BatchNorm-style module that updates its running statistics in a training forward."""
+    return isinstance(module, nn.modules.batchnorm._NormBase) and module.training and module.track_running_stats
