@@ -89,6 +89,20 @@ class PipelineMixin:
         """
         return self.pipeline_engine.forward(batch, with_loss=with_loss)
 
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint keeps a tied parameter once, under its first name; give its other names
+        the same tensor, since a plain ``load_state_dict`` wants every name."""
+        state = checkpoint.get("state_dict")
+        if state is not None:
+            names: dict[int, list[str]] = {}
+            for name, p in self.named_parameters(remove_duplicate=False):
+                names.setdefault(id(p), []).append(name)
+            for first, *others in names.values():
+                for other in others:
+                    if first in state and other not in state:
+                        state[other] = state[first]
+        super().on_load_checkpoint(checkpoint)  # type: ignore[misc]
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drain a 2BW pipeline first: its in-flight gradients live in ``.grad`` until their
         deferred step (Lightning clears gradients when evaluation starts)."""

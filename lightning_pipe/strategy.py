@@ -357,8 +357,8 @@ class PipelineStrategy(DDPStrategy):
         exported = self.placement.export_state(self._optimizer())
         flat = {f"{part}.{k}": v for part in ("model", "optimizer") for k, v in exported[part].items()}
         schedulers = [config.scheduler.state_dict() for config in module.trainer.lr_scheduler_configs]
-        block_of = lambda key: self.placement.block_of(reshard.key_name(key))  # noqa: E731
-        moved = reshard.exchange(flat, block_of, old, new, self.global_rank, self.root_device)
+        blocks_of = lambda key: self.placement.blocks_of(reshard.key_name(key))  # noqa: E731
+        moved = reshard.exchange(flat, blocks_of, old, new, self.global_rank, self.root_device)
         module._pipeline_engine.close()
         self.placement.undo()
         self._plan = new

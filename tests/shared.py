@@ -22,6 +22,8 @@ MODULES = (
     "tests.test_checkpoint",
     "tests.test_reconfigure",
     "tests.test_buckets",
+    "tests.test_buffers",
+    "tests.test_ties",
 )
 
 SCENARIOS: dict[int, dict[str, tuple[Callable[..., Any], tuple]]] = {}

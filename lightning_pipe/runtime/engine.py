@@ -15,6 +15,7 @@ from lightning_pipe.runtime.executor import Executor, Hooks, Position, StepState
 from lightning_pipe.runtime.groups import PipelineGroups
 from lightning_pipe.runtime.microbatch import split_batch
 from lightning_pipe.runtime.stage import Stage
+from lightning_pipe.runtime.ties import TiedGradients
 from lightning_pipe.runtime.update import UpdatePath
 from lightning_pipe.runtime.versions import WeightVersions
 from lightning_pipe.schedules import Action, build_inference, build_schedule, two_bw_drain, two_bw_run, two_bw_window, verify
@@ -68,6 +69,9 @@ class PipelineEngine:
         self.versions = WeightVersions(self.stage.parameters(), double=self.streaming)
         self.update = UpdatePath(self.versions, plan.width, groups, self.device, gradient_clip_val, bucket_bytes)
         self.update.watch(self.versions.slots[0])
+        if stage.ties and groups is not None:  # every rank builds every tie's groups
+            names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+            self.update.ties = TiedGradients(stage.ties, [names[id(p)] for p in stage.parameters()], self.topology, rank)
         self.last_peak_stash = 0
         self.last_peak_stash_bytes = 0
         self.trace = Trace(rank)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Container, Mapping, Optional
 
 import torch
 from torch import Tensor, nn
@@ -12,6 +12,7 @@ from torch.optim import Optimizer
 from lightning_pipe.partition import block_cost
 from lightning_pipe.layout import PipelinePlan
 from lightning_pipe.runtime.stage import Stage
+from lightning_pipe.runtime.ties import Tie, alias_names, find_ties, retie, untie_remote
 
 if TYPE_CHECKING:
     from lightning_pipe.runtime.engine import PipelineEngine
@@ -67,17 +68,9 @@ def _names_by_block(module: nn.Module, blocks: list[nn.Module]) -> dict[str, int
     return {f"{paths[id(b)]}.{k}": i for i, b in enumerate(blocks) for k in b.state_dict()}
 
 
-def _check_parameters(module: nn.Module, blocks: list[nn.Module], ranges: list[range]) -> None:
-    owner: dict[int, int] = {}
-    for stage, rng in enumerate(ranges):
-        for i in rng:
-            for p in blocks[i].parameters():
-                if owner.setdefault(id(p), stage) != stage:
-                    raise ValueError(
-                        f"a parameter of pipeline block {i} is shared with stage {owner[id(p)]} (tied weights across "
-                        "stages are not supported); keep tied blocks on one stage with an explicit partition"
-                    )
-    stray = [n for n, p in module.named_parameters() if id(p) not in owner]
+def _check_parameters(module: nn.Module, blocks: list[nn.Module]) -> None:
+    owned = {id(p) for block in blocks for p in block.parameters()}
+    stray = [n for n, p in module.named_parameters() if id(p) not in owned]
     if stray:
         raise ValueError(f"parameters outside every pipeline block would never train: {stray[:5]}; move them into a block")
 
@@ -114,6 +107,9 @@ class Placement:
         self.stage_index = -1
         self._dropped: set[int] = set()
         self.unfilled: set[int] = set()
+        self.ties: list[Tie] = []
+        self._aliases = alias_names(module)  # other name of a tied parameter -> the name state is kept under
+        self._untied: list[tuple[nn.Module, str, nn.Parameter]] = []
 
     def apply(self, plan: PipelinePlan, rank: int, device: Optional[torch.device] = None) -> Stage:
         """Place ``plan`` on ``rank``: returns the stage it runs; the module keeps only that stage's blocks.
@@ -128,15 +124,17 @@ class Placement:
         ranges = plan.stage_ranges()
         if ranges[-1].stop != len(self.blocks):
             raise ValueError(f"partition {list(plan.partition)} covers {ranges[-1].stop} blocks, the chain has {len(self.blocks)}")
-        _check_parameters(self.module, self.blocks, ranges)
+        _check_parameters(self.module, self.blocks)
         stage = plan.topology.stage_of(rank)
         device = device or torch.device("cpu")
+        self.ties = find_ties(self.module, self.blocks, ranges)
+        mine = ranges[stage]
+        self._untied = untie_remote(self.blocks, mine, [i for i in range(len(self.blocks)) if i not in mine], self.ties)
         for s, rng in enumerate(ranges):
             for i in rng:
                 self._place_block(i, s if s != stage else None, device)
         self.plan, self.stage_index = plan, stage
-        mine = ranges[stage]
-        return Stage([self.blocks[i] for i in mine], mine.start, plan.recompute[stage])
+        return Stage([self.blocks[i] for i in mine], mine.start, plan.recompute[stage], tuple(self.ties))
 
     def _place_block(self, i: int, remote_stage: Optional[int], device: torch.device) -> None:
         parent, name = self._parents[i]
@@ -156,15 +154,19 @@ class Placement:
         """``plan`` with a "balanced" or "uniform" partition turned into block counts for this chain."""
         return plan if plan.is_resolved else plan.resolve(block_costs(self.module, self.blocks))
 
-    def block_of(self, name: str) -> int:
-        """Index of the block that owns parameter or buffer ``name`` (a name of the unplaced module)."""
-        try:
-            return self._block_of_name[name]
-        except KeyError:
-            raise KeyError(f"{name!r} is not a parameter or buffer of any pipeline block") from None
+    def blocks_of(self, name: str) -> list[int]:
+        """Indices of the blocks that hold parameter or buffer ``name`` (a name of the unplaced
+        module): one, or for a tied parameter every block that uses it."""
+        names = [name] + [alias for alias, kept in self._aliases.items() if kept == name]
+        found = sorted({self._block_of_name[n] for n in names if n in self._block_of_name})
+        if not found:
+            raise KeyError(f"{name!r} is not a parameter or buffer of any pipeline block")
+        return found
 
     def undo(self) -> None:
         """Put every original block back into the module (blocks of other stages hold no weights)."""
+        retie(self._untied)
+        self._untied = []
         for (parent, name), block in zip(self._parents, self.blocks):
             parent._modules[name] = block
         self.plan, self.stage_index = None, -1
@@ -181,8 +183,9 @@ class Placement:
         return "\n".join(lines)
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        """Name and shape of every tensor this rank's state holds (parameters and buffers)."""
-        return {k: tuple(v.shape) for k, v in self.module.state_dict().items()}
+        """Name and shape of every tensor this rank's state holds (parameters and buffers; a tied
+        parameter under the one name it is kept under)."""
+        return {self._aliases.get(k, k): tuple(v.shape) for k, v in self.module.state_dict().items()}
 
     def export_state(self, optimizer: Optional[Optimizer] = None) -> dict[str, Any]:
         """This rank's state by original names: ``{"model": ..., "optimizer": ...}`` (no copies).
@@ -190,14 +193,15 @@ class Placement:
         The optimizer's state is flattened to one key per parameter name and field. Under
         2BW, drain first so the module holds the newest weights and the optimizer points at them.
         """
-        state: dict[str, Any] = {"model": {k: v.detach() for k, v in self.module.state_dict().items()}}
+        state: dict[str, Any] = {"model": {self._aliases.get(k, k): v.detach() for k, v in self.module.state_dict().items()}}
         if optimizer is not None:
-            state["optimizer"] = get_optimizer_state_dict(self.module, optimizer, options=FLAT)
+            state["optimizer"] = self.optimizer_template(optimizer)
         return state
 
     def optimizer_template(self, optimizer: Optimizer) -> dict[str, Any]:
         """This rank's optimizer state by name, to be filled in place (e.g. by a checkpoint load)."""
-        return get_optimizer_state_dict(self.module, optimizer, options=FLAT)
+        flat = get_optimizer_state_dict(self.module, optimizer, options=FLAT)
+        return {_renamed(k, self._aliases): v for k, v in flat.items()}
 
     def import_state(self, state: Mapping[str, Any], optimizer: Optional[Optimizer] = None) -> None:
         """Load this rank's parameters, buffers and optimizer state from ``state`` (keyed as :meth:`export_state`).
@@ -213,19 +217,29 @@ class Placement:
         own = self.module.state_dict()
         with torch.no_grad():
             for k, v in own.items():
-                if v.data_ptr() != model[k].data_ptr():  # a checkpoint load may have filled it in place
-                    v.copy_(model[k])
+                value = model[self._aliases.get(k, k)]
+                if v.data_ptr() != value.data_ptr():  # a checkpoint load may have filled it in place
+                    v.copy_(value)
         self.unfilled.clear()
         for p in self.module.parameters():  # a finished step's gradients: DCP initialises optimizer
             p.grad = None  # state only for parameters without one, and would load none
         if optimizer is not None and "optimizer" in state:
-            set_optimizer_state_dict(self.module, optimizer, optim_state_dict=_own_optimizer_keys(state["optimizer"], own), options=FLAT)
+            flat = _own_optimizer_keys(state["optimizer"], {self._aliases.get(k, k) for k in own})
+            back = {kept: alias for alias, kept in self._aliases.items() if alias in own}  # this rank's name for it
+            set_optimizer_state_dict(self.module, optimizer, optim_state_dict={_renamed(k, back): v for k, v in flat.items()},
+                                     options=FLAT)  # fmt: skip
 
 
-def _own_optimizer_keys(flat: Mapping[str, Any], own: Mapping[str, Tensor]) -> dict[str, Any]:
+def _own_optimizer_keys(flat: Mapping[str, Any], own: Container[str]) -> dict[str, Any]:
     """The entries of a flattened optimizer state dict (``"state.<name>.<field>"``,
     ``"param_groups.<name>.<field>"``; fields hold no dots) that belong to names in ``own``."""
     return {k: v for k, v in flat.items() if k[k.index(".") + 1 : k.rindex(".")] in own}
+
+
+def _renamed(key: str, names: Mapping[str, str]) -> str:
+    """A flattened optimizer key with its parameter name mapped through ``names`` (others unchanged)."""
+    kind, name, field = key[: key.index(".")], key[key.index(".") + 1 : key.rindex(".")], key[key.rindex(".") + 1 :]
+    return f"{kind}.{names.get(name, name)}.{field}" if name in names else key
 
 
 def place(module: nn.Module, plan: PipelinePlan, rank: int, device: Optional[torch.device] = None,

@@ -46,22 +46,22 @@ def _wire(t: Tensor) -> Tensor:
     return t.view(torch.uint8) if t.dtype == torch.bool else t
 
 
-def _transfers(described: dict[str, Description], block_of: Callable[[str], int], old: PipelinePlan,
+def _transfers(described: dict[str, Description], blocks_of: Callable[[str], list[int]], old: PipelinePlan,
                new: PipelinePlan) -> list[tuple[str, int, int]]:  # fmt: skip
     """(key, source rank, destination rank) of every key a rank gains, in one order every rank agrees on."""
     old_stage, new_stage = stage_of_block(old), stage_of_block(new)
     out = []
     for key in sorted(described):
-        block = block_of(key)
-        holders = {old.topology.rank_of(r, old_stage[block]) for r in range(old.width)}
+        blocks = blocks_of(key)  # several for a tied parameter: every stage using it holds a copy
+        source = old_stage[blocks[0]]
+        holders = {old.topology.rank_of(r, old_stage[b]) for r in range(old.width) for b in blocks}
         for replica in range(new.width):
-            dst = new.topology.rank_of(replica, new_stage[block])
-            if dst not in holders:
-                out.append((key, old.topology.rank_of(replica % old.width, old_stage[block]), dst))
+            for dst in sorted({new.topology.rank_of(replica, new_stage[b]) for b in blocks} - holders):
+                out.append((key, old.topology.rank_of(replica % old.width, source), dst))
     return out
 
 
-def exchange(state: Mapping[str, Any], block_of: Callable[[str], int], old: PipelinePlan, new: PipelinePlan,
+def exchange(state: Mapping[str, Any], blocks_of: Callable[[str], list[int]], old: PipelinePlan, new: PipelinePlan,
              rank: int, device: Optional[torch.device] = None) -> dict[str, Any]:  # fmt: skip
     """The state this rank holds under ``new``: its own keys that stay, plus those sent to it.
 
@@ -70,7 +70,7 @@ def exchange(state: Mapping[str, Any], block_of: Callable[[str], int], old: Pipe
 
     Args:
         state: this rank's keys under ``old`` (see the module docstring for the key forms).
-        block_of: the block index a key belongs to.
+        blocks_of: the indices of the blocks a key belongs to (several for a tied parameter).
         old, new: the layouts (same world size, partitions resolved).
         rank: this process's global rank.
         device: where received tensors are allocated.
@@ -89,9 +89,9 @@ def exchange(state: Mapping[str, Any], block_of: Callable[[str], int], old: Pipe
     described = {k: d for part in gathered for k, d in part.items()}
     new_stage = stage_of_block(new)
     here = new.topology.stage_of(rank)
-    result = {k: v for k, v in state.items() if new_stage[block_of(k)] == here}
+    result = {k: v for k, v in state.items() if here in {new_stage[b] for b in blocks_of(k)}}
     ops, received = [], {}
-    for key, src, dst in _transfers(described, block_of, old, new):
+    for key, src, dst in _transfers(described, blocks_of, old, new):
         kind, shape = described[key]
         if kind == "value":
             if dst == rank:

@@ -14,6 +14,7 @@ from torch.optim import Optimizer
 
 from lightning_pipe.runtime.buckets import GradientBuckets
 from lightning_pipe.runtime.groups import PipelineGroups
+from lightning_pipe.runtime.ties import TiedGradients
 from lightning_pipe.runtime.versions import WeightVersions
 from lightning_pipe.timeline import now
 
@@ -40,6 +41,7 @@ class UpdatePath:
         self.skipped_steps = 0
         self._buckets: dict[int, GradientBuckets] = {}
         self._armed = 0
+        self.ties: Optional[TiedGradients] = None  # parameters tied across stages: their copies' gradients summed
         self.restart()
 
     def restart(self) -> None:
@@ -48,6 +50,8 @@ class UpdatePath:
         self._norms: deque[tuple[Tensor, Any]] = deque()
         for buckets in self._buckets.values():
             buckets.discard()
+        if getattr(self, "ties", None) is not None:
+            self.ties.discard()
 
     def watch(self, params: list[Tensor]) -> None:
         """Average ``params``' gradients (one weight slot) in overlapped buckets from now on, when
@@ -88,7 +92,11 @@ class UpdatePath:
                 p.grad = torch.zeros_like(p)
         if buckets is None:
             self._average_over_replicas([p.grad for p in params])
-        norms = [torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32) for p in params]  # no squared copy
+        tied: set[int] = set()
+        if self.ties is not None:
+            self.ties.post(params)  # summed by the optimizer step, which counts them in the norm once
+            tied = self.ties.tied
+        norms = [torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32) for i, p in enumerate(params) if i not in tied]
         local = torch.stack(norms).pow(2).sum() if norms else torch.zeros((), device=self.device)
         norm_group = self.groups.norm if self.groups is not None else None
         work = dist.all_reduce(local, group=norm_group, async_op=True) if norm_group is not None else None
@@ -120,6 +128,8 @@ class UpdatePath:
         squared, work = self._norms.popleft()
         if work is not None:
             work.wait()
+        if self.ties is not None:
+            squared = squared + self._tied_squares(params)
         ready = now()
         norm = float(squared.sqrt())
         if math.isfinite(norm):
@@ -130,6 +140,17 @@ class UpdatePath:
         self.versions.end_step(batch)
         on_step()
         return ready
+
+    def _tied_squares(self, params: list[Tensor]) -> Tensor:
+        """Wait for the tied gradients' sums; their squared norm, each tied parameter counted once
+        (by the first stage holding it), summed over the pipeline."""
+        assert self.ties is not None
+        self.ties.wait()
+        counted = [torch.linalg.vector_norm(params[i].grad.detach(), dtype=torch.float32) for i in sorted(self.ties.counted)]
+        squares = torch.stack(counted).pow(2).sum() if counted else torch.zeros((), device=self.device)
+        if self.groups is not None and self.groups.norm is not None:
+            dist.all_reduce(squares, group=self.groups.norm)
+        return squares
 
     def _clip(self, params: list[Tensor], norm: float) -> None:
         if self.gradient_clip_val is None:

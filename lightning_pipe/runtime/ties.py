@@ -1,0 +1,146 @@
+"""Parameters tied across stages (an input embedding reused by the output head), found from shared Parameter objects.
+
+Each stage whose blocks use a tied parameter holds a copy. The copies start equal; after the
+replica all-reduce their gradients are summed over exactly the ranks of those stages (one group
+per replica), so every copy takes the same step and they stay bitwise equal (Megatron's
+"embedding group" for the word embeddings, here for any parameter). The global gradient norm
+counts each tied parameter once, on the first stage that holds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from lightning_pipe.topology import Topology
+
+
+@dataclass(frozen=True)
+class Tie:
+    """One parameter that blocks on several stages share.
+
+    Attributes:
+        name: its name in the unplaced module (the first :meth:`~torch.nn.Module.named_parameters` gives):
+            the one name checkpoints keep it under.
+        aliases: its other names there (e.g. ``head.weight`` for ``embed.weight``).
+        stages: the stages whose blocks use it, ascending.
+    """
+
+    name: str
+    aliases: tuple[str, ...]
+    stages: tuple[int, ...]
+
+
+def find_ties(module: nn.Module, blocks: Sequence[nn.Module], ranges: Sequence[range]) -> list[Tie]:
+    """Every parameter used by blocks of more than one stage, by name (the same list on every rank)."""
+    stages: dict[int, set[int]] = {}
+    for s, rng in enumerate(ranges):
+        for i in rng:
+            for p in blocks[i].parameters():
+                stages.setdefault(id(p), set()).add(s)
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    ties = [Tie(names[key][0], tuple(names[key][1:]), tuple(sorted(used))) for key, used in stages.items() if len(used) > 1]
+    return sorted(ties, key=lambda t: t.name)
+
+
+def alias_names(module: nn.Module) -> dict[str, str]:
+    """Every other name of a parameter the module holds under several names (tied within or
+    across stages), mapped to its first: the one name checkpoints keep it under."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if first.setdefault(id(p), name) != name:
+            aliases[name] = first[id(p)]
+    return aliases
+
+
+class TiedGradients:
+    """Sums the gradients of this rank's tied copies over the ranks that hold the other copies.
+
+    Creating it is a collective: every rank of the job creates the groups of every tie (one per
+    set of stages and replica), in the same order.
+
+    Args:
+        ties: every tie of the layout (:func:`find_ties`).
+        names: the name of each of this stage's parameters (aligned with ``Stage.parameters()``).
+        topology: the layout.
+        rank: this process's global rank.
+    """
+
+    def __init__(self, ties: Sequence[Tie], names: Sequence[str], topology: Topology, rank: int) -> None:
+        stage, replica = topology.stage_of(rank), topology.replica_of(rank)
+        index = {name: i for i, name in enumerate(names)}
+        self.any = bool(ties)
+        self._groups: list[tuple[Any, list[int]]] = []
+        self.counted: set[int] = set()  # tied parameters this stage counts in the global norm
+        self.tied: set[int] = set()
+        for stages in sorted({t.stages for t in ties}):
+            groups = [dist.new_group([topology.rank_of(r, s) for s in stages]) for r in range(topology.width)]
+            if stage not in stages:
+                continue
+            mine = [_local_index(t, index) for t in ties if t.stages == stages]
+            self._groups.append((groups[replica], mine))
+            self.tied.update(mine)
+            if stage == stages[0]:
+                self.counted.update(mine)
+        self._works: list[tuple[Tensor, Any, list[Tensor]]] = []
+
+    def post(self, params: Sequence[Tensor]) -> None:
+        """Start summing the tied gradients of one weight slot (``params`` aligned with the stage's)."""
+        for group, mine in self._groups:
+            grads = [params[i].grad for i in mine]
+            flat = _flatten_dense_tensors(grads)
+            self._works.append((flat, dist.all_reduce(flat, group=group, async_op=True), grads))
+
+    def wait(self) -> None:
+        """Finish the sums :meth:`post` started: every copy holds the summed gradient."""
+        for flat, work, grads in self._works:
+            work.wait()
+            for g, summed in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(summed)
+        self._works = []
+
+    def discard(self) -> None:
+        """Forget sums in flight (a failed or restarted step)."""
+        self._works = []
+
+
+def _local_index(tie: Tie, index: dict[str, int]) -> int:
+    for name in (tie.name, *tie.aliases):
+        if name in index:
+            return index[name]
+    raise KeyError(f"tied parameter {tie.name} is used on this stage but none of its names is")
+
+
+def untie_remote(blocks: Sequence[nn.Module], local: Sequence[int], remote: Sequence[int],
+                 ties: Sequence[Tie]) -> list[tuple[nn.Module, str, nn.Parameter]]:  # fmt: skip
+    """In the blocks of other stages, replace each parameter a local block also uses by a meta
+    placeholder, so dropping those blocks' weights leaves the local copy alone.
+
+    Returns:
+        ``(submodule, attribute, original)`` for each replacement (:func:`retie` undoes them).
+    """
+    if not ties:
+        return []
+    here = {id(p) for i in local for p in blocks[i].parameters()}
+    replaced = []
+    for i in remote:
+        for sub in blocks[i].modules():
+            for attr, p in list(sub._parameters.items()):
+                if p is not None and id(p) in here:
+                    sub._parameters[attr] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                    replaced.append((sub, attr, p))
+    return replaced
+
+
+def retie(replaced: Sequence[tuple[nn.Module, str, nn.Parameter]]) -> None:
+    """Put back the parameters :func:`untie_remote` replaced."""
+    for sub, attr, p in replaced:
+        sub._parameters[attr] = p

@@ -1,0 +1,191 @@
+"""Weights tied across stages (a GPT-2-style input embedding reused by the output head): each stage holds a copy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place
+from tests.models import ToyChain, assert_close_dicts, reference_train
+from tests.shared import scenario_per_layout
+
+VOCAB, WIDTH, BATCH, M, STEPS = 11, 8, 16, 4, 5
+#: (schedule, split backward, gradient clip)
+VARIANTS = [("gpipe", False, None), ("gpipe", True, None), ("1f1b", False, None), ("1f1b", True, None),
+            ("2bw", False, None), ("2bw", True, None), ("1f1b", False, 0.05)]  # fmt: skip
+
+
+class Embed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(VOCAB, WIDTH)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.table(ids)
+
+
+class Mix(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return h + torch.tanh(self.fc(h))
+
+
+class Head(nn.Module):
+    """Logits through the embedding table: its weight is the embedding's (tied), no annotation."""
+
+    def __init__(self, table: nn.Embedding) -> None:
+        super().__init__()
+        self.out = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.out.weight = table.weight
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.out(h)
+
+
+class TiedChain(ToyChain):
+    """Embedding, two mixing blocks, a head tied to the embedding: the tie spans the first and last stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = Embed()  # type: ignore[assignment]
+        self.blocks = nn.ModuleList(Mix() for _ in range(2))
+        self.head = Head(self.embed.table)  # type: ignore[assignment]
+        self.lr = 0.5
+
+    def pipeline_loss(self, output: Tensor, batch: Any) -> Tensor:
+        return F.cross_entropy(output.flatten(0, 1), batch[1].flatten())
+
+
+def _data(step: int, n: int = BATCH) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, VOCAB, (n, 5), generator=g)
+    return ids, torch.roll(ids, -1, dims=1)
+
+
+def _worker(rank: int, world: int, depth: int) -> dict:
+    topo = Topology(world, depth)
+    groups = PipelineGroups.build(topo, rank)
+    replica, results = topo.replica_of(rank), {}
+    for schedule, split, clip in VARIANTS:
+        torch.manual_seed(0)
+        model = TiedChain()
+        plan = PipelinePlan(topo.width, depth, M, schedule, split, partition=[1] * (depth - 1) + [4 - depth + 1])
+        engine = place(model, plan, rank, groups=groups, gradient_clip_val=clip, bucket_bytes=1)
+        opt = torch.optim.SGD(engine.stage.parameters(), lr=model.lr, momentum=0.9)
+        copies = []
+        for step in range(STEPS):
+            engine.train_step(tuple(t.chunk(topo.width)[replica] for t in _data(step)), opt)
+            copies.append({k: v.clone() for k, v in engine.current_weights().items() if k in ("embed.table.weight", "head.out.weight")})
+        engine.drain()
+        results[(schedule, split, clip)] = {"copies": copies, "weights": dict(engine.current_weights()), "stage": engine.stage_index}
+    return results
+
+
+LAYOUTS = [(1, 2), (1, 4), (2, 2)]
+scenario_per_layout("ties", _worker, LAYOUTS)
+
+
+@pytest.mark.parametrize("width,depth", LAYOUTS)
+def test_tied_embedding_trains_as_one_process_and_its_copies_stay_equal(launched, width: int, depth: int) -> None:
+    ranks = launched(width * depth).ok(f"ties_{width}x{depth}")
+    batches = [_data(s) for s in range(STEPS)]
+    for variant in VARIANTS:
+        schedule, _, clip = variant
+        torch.manual_seed(0)
+        want = reference_train(TiedChain(), batches, delay=1 if schedule == "2bw" else 0, optimizer="sgd", clip=clip)
+        first, last = ranks[0][variant], ranks[depth - 1][variant]
+        assert first["stage"] == 0 and last["stage"] == depth - 1
+        # The first stage holds the table under its own name, the last under the head's: a copy each.
+        assert "embed.table.weight" in first["weights"] and "head.out.weight" in last["weights"]
+        for step, (a, b) in enumerate(zip(first["copies"], last["copies"])):
+            assert torch.equal(a["embed.table.weight"], b["head.out.weight"]), (variant, step)  # bitwise, every step
+        merged: dict = {}
+        for rank in ranks[:depth]:
+            merged.update({k: v for k, v in rank[variant]["weights"].items() if k != "head.out.weight"})
+        assert_close_dicts(merged, want, rtol=1e-5, atol=1e-6)
+        for rank in ranks[depth:]:  # replicas agree bit for bit with replica 0's rank of their stage
+            twin = ranks[rank[variant]["stage"]][variant]["weights"]
+            assert all(torch.equal(v, twin[k]) for k, v in rank[variant]["weights"].items())
+
+
+# -- through Trainer.fit: a checkpoint keeps one copy, resumes under another layout, loads plainly --------
+
+
+class Tokens(torch.utils.data.Dataset):
+    """(ids, targets, index): the test sees which samples each step read."""
+
+    def __init__(self) -> None:
+        self.ids, self.targets = _data(STEPS, BATCH * STEPS)  # a seed no engine-level step uses
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor, int]:
+        return self.ids[i], self.targets[i], i
+
+
+class TiedModule(TiedChain):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+def _fit(world: int, depth: int, steps: int, out: Any, resume: Any = None) -> dict:
+    import lightning as L
+
+    from lightning_pipe import PipelineStrategy
+
+    from tests.scripts.train_toy import Recorder
+
+    torch.manual_seed(0)
+    model, recorder = TiedModule(), Recorder()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, max_steps=steps, max_epochs=-1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=out, save_last=True), recorder],
+        strategy=PipelineStrategy(schedule="1f1b", pipeline_depth=depth, microbatches=M, partition=[1, 3] if depth == 2 else [4],
+                                  global_batch_size=BATCH),
+    )  # fmt: skip
+    trainer.fit(model, torch.utils.data.DataLoader(Tokens(), batch_size=BATCH), ckpt_path=resume)
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "indices": recorder.indices}
+
+
+def _fit_worker(rank: int, world: int) -> dict:
+    from tests.shared import scenario_dir
+
+    out = scenario_dir() / "ckpt"
+    first = _fit(world, 2, 3, out)  # (1,2): the tie spans both stages
+    resumed = _fit(world, 1, STEPS, out, out / "last.ckpt")  # (2,1): one stage holds the table once
+    return {"first": first, "resumed": resumed}
+
+
+from tests.shared import scenario  # noqa: E402
+
+scenario(2, "ties_fit", _fit_worker)
+
+
+def test_tied_checkpoint_keeps_one_copy_and_resumes_under_another_layout(launched) -> None:
+    from lightning_pipe.checkpoint import saved_shapes
+    from tests.models import load_plain
+
+    ranks = launched(2).ok("ties_fit")
+    path = launched(2).dir("ties_fit") / "ckpt" / "last.ckpt"
+    names = set(saved_shapes(path))
+    assert "embed.table.weight" in names and "head.out.weight" not in names, sorted(names)  # one copy, its first name
+    data, run = Tokens(), ranks[0]
+    # The global batches: (1,2) read whole ones; at (2,1) each replica read half of each (the union).
+    indices = run["first"]["indices"] + [a + b for a, b in zip(run["resumed"]["indices"], ranks[1]["resumed"]["indices"])]
+    assert len(indices) == STEPS and all(sorted(i) == sorted(set(i)) and len(i) == BATCH for i in indices), indices
+    torch.manual_seed(0)
+    want = reference_train(TiedModule(), [(data.ids[i], data.targets[i]) for i in map(torch.tensor, indices)], optimizer="sgd")
+    merged = {**ranks[1]["resumed"]["params"], **ranks[0]["resumed"]["params"]}
+    assert_close_dicts({k: merged[k] for k in want}, want, rtol=1e-5, atol=1e-6)  # 3 steps at (1,2), 2 more at (2,1)
+    plain = load_plain(TiedModule, path)  # a plain load_state_dict wants both names: the mixin gives them
+    assert plain.head.out.weight is plain.embed.table.weight
+    assert_close_dicts(dict(plain.named_parameters()), want, rtol=1e-5, atol=1e-6)
