@@ -44,3 +44,24 @@ def test_gpt_config_trains_logs_and_checkpoints(tmp_path: Path, schedule: str) -
             out = block(out)
         val = float(model.pipeline_loss(out, (x, y)))
     assert val < torch.log(torch.tensor(256.0)).item()  # better than uniform: the weights trained
+
+
+def test_hf_llama_config_trains_with_tied_embeddings(tmp_path: Path) -> None:
+    # transformers' Llama from a config, its embedding tied to the head across the 2 stages.
+    launch(
+        [str(ROOT / "examples" / "hf_llama.py"), "fit", f"--config={ROOT / 'configs' / 'hf_llama.yaml'}",
+         "--trainer.max_steps=12", "--trainer.val_check_interval=12", "--trainer.limit_val_batches=2",
+         "--trainer.log_every_n_steps=1", f"--trainer.logger.init_args.save_dir={tmp_path}",
+         "--model.num_hidden_layers=2", "--model.hidden_size=32", "--model.intermediate_size=64",
+         "--data.batch_size=8", "--data.max_bytes=200000"],
+        timeout=300,
+    )  # fmt: skip
+    from hf_llama import HFLlama
+
+    run = tmp_path / "hf_llama" / "version_0"
+    acc = EventAccumulator(str(run))
+    acc.Reload()
+    losses = [e.value for e in acc.Scalars("train_loss")]
+    assert len(losses) == 12 and losses[-1] < losses[0] < 6.0, losses  # it learns from about ln 256 = 5.55
+    model = load_plain(HFLlama, next((run / "checkpoints").glob("*.ckpt")))
+    assert model.tokens_out.head.weight is model.tokens_in.embed.weight  # one copy saved, tied again on load
