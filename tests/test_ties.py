@@ -189,3 +189,50 @@ def test_tied_checkpoint_keeps_one_copy_and_resumes_under_another_layout(launche
     plain = load_plain(TiedModule, path)  # a plain load_state_dict wants both names: the mixin gives them
     assert plain.head.out.weight is plain.embed.table.weight
     assert_close_dicts(dict(plain.named_parameters()), want, rtol=1e-5, atol=1e-6)
+
+
+def _fit_layout_worker(rank: int, world: int, depth: int) -> dict:
+    """Every schedule, with and without split, through Trainer.fit at this layout (5 steps, SGD)."""
+    import lightning as L
+
+    from lightning_pipe import PipelineStrategy
+    from tests.scripts.train_toy import Recorder
+
+    results = {}
+    for schedule, split, _ in VARIANTS[:-1]:
+        torch.manual_seed(0)
+        model, recorder = TiedModule(), Recorder()
+        trainer = L.Trainer(
+            accelerator="cpu", devices=world, max_steps=STEPS, max_epochs=-1, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, enable_checkpointing=False,
+            callbacks=[recorder],
+            strategy=PipelineStrategy(schedule=schedule, pipeline_depth=depth, microbatches=M, split_backward=split,
+                                      partition=[1] * (depth - 1) + [5 - depth], global_batch_size=BATCH),
+        )  # fmt: skip
+        trainer.fit(model, torch.utils.data.DataLoader(Tokens(), batch_size=BATCH))
+        results[(schedule, split)] = {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+                                      "indices": recorder.indices, "stage": trainer.strategy.engine.stage_index}  # fmt: skip
+    return results
+
+
+scenario_per_layout("ties_trainer", _fit_layout_worker, LAYOUTS)
+
+
+@pytest.mark.parametrize("width,depth", LAYOUTS)
+def test_tied_embedding_through_trainer_fit_matches_one_process(launched, width: int, depth: int) -> None:
+    ranks = launched(width * depth).ok(f"ties_trainer_{width}x{depth}")
+    data = Tokens()
+    for schedule, split, _ in VARIANTS[:-1]:
+        runs = [rank[(schedule, split)] for rank in ranks]
+        # Replica r's ranks are r * depth .. (r + 1) * depth - 1; a global batch is the union of the replicas'.
+        indices = [sum((runs[r * depth]["indices"][t] for r in range(width)), []) for t in range(STEPS)]
+        assert all(len(set(i)) == BATCH for i in indices), indices
+        torch.manual_seed(0)
+        batches = [(data.ids[i], data.targets[i]) for i in map(torch.tensor, indices)]
+        want = reference_train(TiedModule(), batches, delay=1 if schedule == "2bw" else 0, optimizer="sgd")
+        merged: dict = {}
+        for run in runs[:depth]:
+            merged.update({k: v for k, v in run["params"].items() if k in want})
+        assert_close_dicts(merged, want, rtol=1e-5, atol=1e-6)
+        first, last = runs[0]["params"], runs[depth - 1]["params"]
+        assert torch.equal(first["embed.table.weight"], last["head.out.weight"]), (schedule, split)  # the copies

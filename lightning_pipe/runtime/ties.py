@@ -9,6 +9,7 @@ counts each tied parameter once, on the first stage that holds it.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -90,26 +91,33 @@ class TiedGradients:
             self.tied.update(mine)
             if stage == stages[0]:
                 self.counted.update(mine)
-        self._works: list[tuple[Tensor, Any, list[Tensor]]] = []
+        self._batches: deque[list[tuple[Tensor, Any, list[Tensor]]]] = deque()  # sums in flight, oldest batch first
+        # The tied parameters' share of the global norm is summed over the pipeline at each
+        # optimizer step, on a group of its own: the norm group's posts come in another order
+        # on different stages under 2BW (each posts at its AR).
+        pipelines = [dist.new_group([topology.rank_of(r, s) for s in range(topology.depth)]) for r in range(topology.width)]
+        self.norm_group = pipelines[replica]
 
     def post(self, params: Sequence[Tensor]) -> None:
-        """Start summing the tied gradients of one weight slot (``params`` aligned with the stage's)."""
+        """Start summing one batch's tied gradients (``params``: its weight slot, aligned with the stage's)."""
+        works = []
         for group, mine in self._groups:
             grads = [params[i].grad for i in mine]
             flat = _flatten_dense_tensors(grads)
-            self._works.append((flat, dist.all_reduce(flat, group=group, async_op=True), grads))
+            works.append((flat, dist.all_reduce(flat, group=group, async_op=True), grads))
+        self._batches.append(works)
 
     def wait(self) -> None:
-        """Finish the sums :meth:`post` started: every copy holds the summed gradient."""
-        for flat, work, grads in self._works:
+        """Finish the oldest batch's sums: every copy holds the summed gradient. Only that batch's:
+        under 2BW the next batch's sum may already be posted here and not yet on the other stage."""
+        for flat, work, grads in self._batches.popleft():
             work.wait()
             for g, summed in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 g.copy_(summed)
-        self._works = []
 
     def discard(self) -> None:
         """Forget sums in flight (a failed or restarted step)."""
-        self._works = []
+        self._batches.clear()
 
 
 def _local_index(tie: Tie, index: dict[str, int]) -> int:

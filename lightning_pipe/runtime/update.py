@@ -148,8 +148,7 @@ class UpdatePath:
         self.ties.wait()
         counted = [torch.linalg.vector_norm(params[i].grad.detach(), dtype=torch.float32) for i in sorted(self.ties.counted)]
         squares = torch.stack(counted).pow(2).sum() if counted else torch.zeros((), device=self.device)
-        if self.groups is not None and self.groups.norm is not None:
-            dist.all_reduce(squares, group=self.groups.norm)
+        dist.all_reduce(squares, group=self.ties.norm_group)
         return squares
 
     def _clip(self, params: list[Tensor], norm: float) -> None:
