@@ -27,6 +27,7 @@ from lightning_pipe.layout import PartitionArg, PipelinePlan, RecomputeArg
 from lightning_pipe.runtime.engine import PipelineEngine
 from lightning_pipe.runtime.groups import PipelineGroups
 from lightning_pipe.runtime import reshard
+from lightning_pipe.runtime.deferred_norm import convert_deferred_batch_norm
 from lightning_pipe.runtime.placement import Placement, pipeline_blocks_of
 from lightning_pipe.topology import Topology
 
@@ -80,6 +81,11 @@ class PipelineStrategy(DDPStrategy):
             buckets of at most this many MiB, each all-reduce posted during the backward as soon
             as its gradients are final, as DDP does (default 25, DDP's); 0: one blocking
             all-reduce after the stage's last backward.
+        deferred_batch_norm: replace every BatchNorm in the blocks by a
+            :class:`~lightning_pipe.runtime.deferred_norm.DeferredBatchNorm` (torchgpipe's): each
+            microbatch is still normalised with its own statistics, but the running statistics
+            are updated once per batch, from the whole batch. Default: they are updated once per
+            microbatch, in order, as gradient accumulation over the microbatches would.
         timeout: timeout of every collective and transfer; a stuck rank fails after it.
         process_group_backend: "gloo" or "nccl"; default from the device.
         start_method: Lightning launcher start method; "popen" (default) re-runs the script.
@@ -103,6 +109,7 @@ class PipelineStrategy(DDPStrategy):
         save_distributed_checkpoint: bool = True,
         global_batch_size: Optional[int] = None,
         bucket_cap_mb: float = 25,
+        deferred_batch_norm: bool = False,
         timeout: Optional[timedelta] = default_pg_timeout,
         process_group_backend: Optional[str] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -134,6 +141,7 @@ class PipelineStrategy(DDPStrategy):
         if bucket_cap_mb < 0:
             raise ValueError(f"bucket_cap_mb must be >= 0, got {bucket_cap_mb}")
         self.bucket_bytes = int(bucket_cap_mb * 2**20)
+        self.deferred_batch_norm = deferred_batch_norm
         self.save_distributed_checkpoint, self.global_batch_size = save_distributed_checkpoint, global_batch_size
         self._requested_plan = plan
         self._plan: Optional[PipelinePlan] = None
@@ -266,6 +274,9 @@ class PipelineStrategy(DDPStrategy):
         placement = placement or Placement(module)
         if self.plan.partition == "profile":
             self._plan = self.plan.replace(partition=self._profiled_partition(module))
+        if self.deferred_batch_norm:  # a batch is this plan's microbatches
+            for block in placement.blocks:
+                convert_deferred_batch_norm(block, self.plan.microbatches)
         stage = placement.apply(self.plan, self.global_rank, self.root_device)
         self._plan = placement.plan
         module._pipeline_placement = placement

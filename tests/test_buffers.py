@@ -93,3 +93,66 @@ def test_running_statistics_follow_the_microbatches_in_order(launched, variant: 
     params = {**ranks[0][variant]["params"], **ranks[1][variant]["params"]}
     for name, value in want.named_parameters():
         torch.testing.assert_close(params[name], value.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+# -- deferred batch norm (torchgpipe): running statistics of the whole batch, once per batch -------------
+
+DEFERRED = [False, True]  # recompute
+
+
+def _deferred_worker(rank: int, world: int) -> dict:
+    from lightning_pipe.runtime.deferred_norm import convert_deferred_batch_norm
+
+    groups = PipelineGroups.build(Topology(world, world), rank)
+    results = {}
+    for recompute in DEFERRED:
+        torch.manual_seed(0)
+        model = convert_deferred_batch_norm(NormChain(), M)
+        engine = place(model, PipelinePlan(1, world, M, "1f1b", partition="uniform", recompute=recompute), rank, groups=groups)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(STEPS):
+            engine.train_step(make_data(BATCH, seed=step), opt)
+        results[recompute] = {"stats": {k: v.clone() for k, v in model.state_dict().items() if "running" in k or "tracked" in k},
+                              "params": {n: p.detach().clone() for n, p in model.named_parameters()}}  # fmt: skip
+    return results
+
+
+scenario(2, "buffers_deferred_1x2", _deferred_worker)
+
+
+def _deferred_reference(model: NormChain, batches: list[tuple[Tensor, Tensor]]) -> tuple[dict, dict]:
+    """Each microbatch normalised with its own statistics (plain BatchNorm in training mode,
+    gradient accumulation); running statistics from each BatchNorm's input over the whole batch,
+    updated once per batch: ``r <- (1 - momentum) r + momentum * stat`` (unbiased variance)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    norms = {name: m for name, m in model.named_modules() if isinstance(m, nn.BatchNorm1d)}
+    stats = {f"{name}.{k}": getattr(m, k).clone() for name, m in norms.items() for k in ("running_mean", "running_var", "num_batches_tracked")}
+    for x, y in batches:
+        seen: dict[str, list[Tensor]] = {name: [] for name in norms}
+        hooks = [m.register_forward_pre_hook(lambda mod, args, name=name: seen[name].append(args[0].detach())) for name, m in norms.items()]
+        model.zero_grad()
+        for mx, my in zip(x.tensor_split(M), y.tensor_split(M)):
+            (model.pipeline_loss(model(mx), (mx, my)) * len(mx) / len(x)).backward()
+        for hook in hooks:
+            hook.remove()
+        for name, m in norms.items():
+            whole = torch.cat(seen[name])
+            for key, value in (("running_mean", whole.mean(0)), ("running_var", whole.var(0, unbiased=True))):
+                stats[f"{name}.{key}"] = (1 - m.momentum) * stats[f"{name}.{key}"] + m.momentum * value
+            stats[f"{name}.num_batches_tracked"] += 1
+        opt.step()
+    return stats, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("recompute", DEFERRED)
+def test_deferred_batch_norm_keeps_whole_batch_statistics(launched, recompute: bool) -> None:
+    ranks = launched(2).ok("buffers_deferred_1x2")
+    torch.manual_seed(0)
+    want_stats, want_params = _deferred_reference(NormChain(), [make_data(BATCH, seed=s) for s in range(STEPS)])
+    got = {**ranks[0][recompute]["stats"], **ranks[1][recompute]["stats"]}
+    assert sorted(got) == sorted(want_stats)
+    for name, value in want_stats.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    params = {**ranks[0][recompute]["params"], **ranks[1][recompute]["params"]}
+    for name, value in want_params.items():
+        torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
