@@ -154,9 +154,14 @@ class GPT(PipelineMixin, L.LightningModule):
         self.log("val_loss", self.pipeline_forward(batch, with_loss=True), prog_bar=True, sync_dist=True)
 
     def configure_optimizers(self) -> Any:
-        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
-        schedule = partial(warmup_cosine, total=max(self.trainer.max_steps, 1))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, schedule), "interval": "step"}}
+        return adamw_warmup_cosine(self)
+
+
+def adamw_warmup_cosine(module: L.LightningModule) -> dict[str, Any]:
+    """AdamW at ``module.hparams.lr`` (weight decay 0.01) under :func:`warmup_cosine` over ``max_steps``, stepped every step."""
+    opt = torch.optim.AdamW(module.parameters(), lr=module.hparams.lr, weight_decay=0.01)
+    schedule = partial(warmup_cosine, total=max(module.trainer.max_steps, 1))
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, schedule), "interval": "step"}}
 
 
 def warmup_cosine(step: int, total: int) -> float:

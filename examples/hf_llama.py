@@ -13,7 +13,6 @@ the Python standard library's source (vocabulary 256), so nothing is downloaded.
 from __future__ import annotations
 
 import sys
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from lightning_pipe import PipelineMixin
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpt import StdlibText, warmup_cosine  # noqa: E402
+from gpt import StdlibText, adamw_warmup_cosine  # noqa: E402
 
 
 class TokensIn(nn.Module):
@@ -105,9 +104,7 @@ class HFLlama(PipelineMixin, L.LightningModule):
         self.log("val_loss", self.pipeline_forward(batch, with_loss=True), prog_bar=True, sync_dist=True)
 
     def configure_optimizers(self) -> Any:
-        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
-        schedule = partial(warmup_cosine, total=max(self.trainer.max_steps, 1))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, schedule), "interval": "step"}}
+        return adamw_warmup_cosine(self)
 
 
 def main() -> None:
