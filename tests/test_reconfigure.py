@@ -19,6 +19,10 @@ from tests.shared import scenario, scenario_dir
 
 GLOBAL, SWITCH, STEPS = 16, 2, 5  # the switch after step 2, then 3 more steps
 START = PipelinePlan(1, 4, 4, "1f1b", partition="uniform")
+#: Where the AutoPlanner tests start: one microbatch through 4 stages, so no stage ever overlaps
+#: another and a faster plan always exists (from START the best plan was predicted only ~0% faster
+#: in one CI run, and the planner rightly kept it).
+POOR_START = PipelinePlan(1, 4, 1, "1f1b", partition="uniform")
 TARGETS = {
     "1f1b": PipelinePlan(2, 2, 8, "1f1b", partition="uniform", recompute=(True, False)),
     "2bw": PipelinePlan(2, 2, 8, "2bw", partition="uniform"),
@@ -124,7 +128,7 @@ def _fit_auto(rank: int, world: int, memory: Any) -> dict[str, Any]:
         accelerator="cpu", devices=world, max_steps=STEPS + 2, max_epochs=-1, num_sanity_val_steps=0,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, enable_checkpointing=False,
         callbacks=[recorder, auto], logger=L.pytorch.loggers.TensorBoardLogger(scenario_dir() / "tb", name="run"),
-        strategy=PipelineStrategy(plan=START, global_batch_size=GLOBAL, timeout=timedelta(seconds=60)),
+        strategy=PipelineStrategy(plan=POOR_START, global_batch_size=GLOBAL, timeout=timedelta(seconds=60)),
     )  # fmt: skip
     try:
         trainer.fit(model, DataLoader(Indexed(GLOBAL * (STEPS + 2), 0), batch_size=GLOBAL))
@@ -152,7 +156,7 @@ def test_autoplanner_profiles_plans_switches_and_matches_single_process(launched
     ranks = launched(4).ok("autoplan_fit")
     for rank in ranks:
         assert rank["decision"]["step"] == 3  # after the 3 profiled steps
-        assert rank["current"] == START.replace(partition=(2, 2, 1, 1))
+        assert rank["current"] == POOR_START.replace(partition=(2, 2, 1, 1))
         # Re-checked one step after the decision: profiled again for 3 steps, decided again at step 7.
         assert rank["decided_at"] == [3, 7]
         assert rank["plan"] == rank["last_chosen"] == ranks[0]["last_chosen"]  # every rank runs the plan it decided on
@@ -372,7 +376,7 @@ def _fit_resume(rank: int, world: int) -> dict[str, Any]:
             accelerator="cpu", devices=world, max_steps=steps, max_epochs=-1, num_sanity_val_steps=0, logger=False,
             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
             callbacks=[recorder, seen, auto, L.pytorch.callbacks.ModelCheckpoint(dirpath=out / "ckpt", save_last=True)],
-            strategy=PipelineStrategy(plan=START, global_batch_size=GLOBAL, timeout=timedelta(seconds=60)),
+            strategy=PipelineStrategy(plan=POOR_START, global_batch_size=GLOBAL, timeout=timedelta(seconds=60)),
         )  # fmt: skip
         trainer.fit(model, DataLoader(Indexed(GLOBAL * (STEPS + 2), 0), batch_size=GLOBAL), ckpt_path=resume)
         records.append({"indices": recorder.indices, "plans": seen.plans, "decisions": len(auto.decisions),
@@ -386,7 +390,7 @@ scenario(4, "autoplan_resume", _fit_resume)
 def test_resuming_an_autoplanned_fit_starts_on_the_checkpoints_plan(launched) -> None:
     ranks = launched(4).ok("autoplan_resume")
     first, resumed = ranks[0]["first"], ranks[0]["resumed"]
-    assert first["decisions"] == 1 and first["plan"] != START.replace(partition=(2, 2, 1, 1))
+    assert first["decisions"] == 1 and first["plan"] != POOR_START.replace(partition=(2, 2, 1, 1))
     assert resumed["decisions"] == 0 and resumed["plans"] == [first["plan"]] * (STEPS + 2 - 5)
     merged: dict[str, torch.Tensor] = {}
     for rank in ranks:
