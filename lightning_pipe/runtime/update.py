@@ -50,7 +50,7 @@ class UpdatePath:
         self._norms: deque[tuple[Tensor, Any]] = deque()
         for buckets in self._buckets.values():
             buckets.discard()
-        if getattr(self, "ties", None) is not None:
+        if self.ties is not None:
             self.ties.discard()
 
     def watch(self, params: list[Tensor]) -> None:
