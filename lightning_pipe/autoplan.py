@@ -127,7 +127,7 @@ class AutoPlanner(Callback):
         if self._steps_seen == self.profile_steps - 1:
             self._batch = trainer.strategy.replica_batch(batch)
             self._captured = []
-            self._hook = trainer.strategy.engine.stage.blocks[0].register_forward_pre_hook(self._capture)
+            self._hook = trainer.strategy.engine.stage.register_input_hook(self._capture)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Collect the step's trace; decide after the profiled steps; time the steps after a switch."""
@@ -150,7 +150,8 @@ class AutoPlanner(Callback):
     def _profiling(self, trainer: Trainer) -> bool:
         return self._steps_seen < self.profile_steps
 
-    def _capture(self, module: Any, args: tuple) -> None:
+    def _capture(self, args: tuple) -> None:
+        """Keep this stage's inputs of the step's first two microbatches (recomputations are not forwards)."""
         if len(self._captured) < 2:
             self._captured.append(tuple(a.detach().clone() for a in args if isinstance(a, Tensor)))
 
@@ -229,7 +230,7 @@ class AutoPlanner(Callback):
             return
         engine = trainer.strategy.engine
         self._batch, self._captured = trainer.strategy.replica_batch(batch), []
-        hook = engine.stage.blocks[0].register_forward_pre_hook(self._capture)
+        hook = engine.stage.register_input_hook(self._capture)
         try:
             with torch.no_grad():
                 engine.forward(self._batch)
@@ -245,7 +246,8 @@ class AutoPlanner(Callback):
         strategy = trainer.strategy
         plan, budget, global_batch = strategy.plan, self._budget(trainer), strategy.global_batch_size
         current = planner.predict(profile, plan, max(global_batch // (plan.width * plan.microbatches), 1), budget)
-        ranked = planner.search(profile, plan.world_size, global_batch, budget, self.allow_stale)
+        # The running partition is a candidate too: keeping it (less what costs time) is always an option.
+        ranked = planner.search(profile, plan.world_size, global_batch, budget, self.allow_stale, partitions=[plan.partition])
         if not ranked or not ranked[0].feasible:
             smallest = min((max(p.stage_memory) for p in ranked), default=float("nan"))
             raise RuntimeError(f"no plan fits the memory budget of {planner._size(budget or 0)} per device (after "

@@ -133,9 +133,11 @@ class PipelinePlan:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
     def describe(self) -> str:
-        """One line: ``w x d``, microbatches, schedule, split and partition."""
+        """One line: ``w x d``, microbatches, schedule, split, partition and the recomputing stages."""
         split = " + split backward" if self.split_backward else ""
         ranks = ", replicas on neighbouring ranks" if self.inner == "dp" else ""
+        stages = [s for s, on in enumerate(self.recompute) if on]
+        recompute = f", recompute stages {stages}" if stages else ""
         return (f"w={self.width} x d={self.depth}, m={self.microbatches}, {self.schedule}{split}, "
-                f"partition {list(self.partition) if self.is_resolved else self.partition}{ranks}")  # fmt: skip
+                f"partition {list(self.partition) if self.is_resolved else self.partition}{recompute}{ranks}")  # fmt: skip
 

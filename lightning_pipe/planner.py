@@ -305,12 +305,14 @@ class Candidate:
 
 
 def candidates(profile: Profile, devices: int, global_batch: int, allow_stale: bool = False,
-               schedules: Optional[Sequence[str]] = None, memory_limit: Optional[float] = None) -> Iterator[Candidate]:  # fmt: skip
+               schedules: Optional[Sequence[str]] = None, memory_limit: Optional[float] = None,
+               partitions: Sequence[tuple[int, ...]] = ()) -> Iterator[Candidate]:  # fmt: skip
     """Every ``(w, d)`` with ``w * d = devices``; every microbatch size ``b`` with
     ``m = global_batch / (w * b)`` whole; every registered schedule (2BW only with
     ``allow_stale``: its update is 1-stale; a schedule registered later is covered with no change
     here); split backward on and off; the time-balanced partition and, under a memory limit,
-    the memory-aware one (:func:`lightning_pipe.madpipe.madpipe_partition`) when they differ."""
+    the memory-aware one (:func:`lightning_pipe.madpipe.madpipe_partition`) when they differ;
+    and each of ``partitions`` (a running job's own, for example) at its depth."""
     names = [s for s in (schedules or SCHEDULE_NAMES) if allow_stale or s != "2bw"]
     balanced_for = functools.lru_cache(maxsize=None)(lambda d, b: time_balanced(profile, d, b))
     for (width, depth), name, split in itertools.product(_layouts(devices, len(profile.blocks)), names, (False, True)):
@@ -319,10 +321,10 @@ def candidates(profile: Profile, devices: int, global_batch: int, allow_stale: b
             if name == "2bw" and m < depth:
                 continue
             plan = PipelinePlan(width, depth, m, name, split, partition=balanced_for(depth, b))
-            yield Candidate(plan, b)
             memory_aware = _memory_aware(profile, plan, b, memory_limit)
-            if memory_aware is not None and memory_aware != plan.partition:
-                yield Candidate(plan.replace(partition=memory_aware), b)
+            extra = [p for p in partitions if len(p) == depth]
+            for partition in dict.fromkeys([plan.partition, *([memory_aware] if memory_aware else []), *extra]):
+                yield Candidate(plan.replace(partition=partition), b)
 
 
 def _memory_aware(profile: Profile, plan: PipelinePlan, b: int, memory_limit: Optional[float]) -> Optional[tuple[int, ...]]:
@@ -345,10 +347,11 @@ def rank(predictions: Iterable[Prediction]) -> list[Prediction]:
 
 
 def search(profile: Profile, devices: int, global_batch: int, memory_limit: Optional[float] = None,
-           allow_stale: bool = False, schedules: Optional[Sequence[str]] = None) -> list[Prediction]:  # fmt: skip
+           allow_stale: bool = False, schedules: Optional[Sequence[str]] = None,
+           partitions: Sequence[tuple[int, ...]] = ()) -> list[Prediction]:  # fmt: skip
     """Every :func:`candidates` plan evaluated and ranked, best first (see :func:`rank`); each
     infeasible one says which stage exceeds the budget and by how much."""
-    found = candidates(profile, devices, global_batch, allow_stale, schedules, memory_limit)
+    found = candidates(profile, devices, global_batch, allow_stale, schedules, memory_limit, partitions)
     return rank(evaluate(profile, c, memory_limit) for c in found)
 
 

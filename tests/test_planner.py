@@ -122,6 +122,23 @@ def test_search_covers_every_layout_and_schedule_and_ranks_by_predicted_throughp
     assert all(p.plan.schedule != "2bw" for p in planner.search(profile, 4, 16, limit))  # 2BW only when allowed
 
 
+def test_a_given_partition_is_a_candidate_at_its_depth_and_can_win() -> None:
+    # Block 0 is slow: the time-balanced 2-stage split is [1, 3]; the given [3, 1] is far worse,
+    # and [2, 2] (also given) is between them.
+    profile = _uniform(4)
+    slow = profile.blocks[0]
+    profile.blocks[0] = dataclasses.replace(slow, samples=[dataclasses.replace(s, forward=s.forward * 6, backward=s.backward * 6)
+                                                           for s in slow.samples])  # fmt: skip
+    ranked = planner.search(profile, 2, 8, schedules=["1f1b"], partitions=[(3, 1), (2, 2), (1, 1, 1, 1)])
+    by_partition = {p.plan.partition for p in ranked if p.plan.depth == 2}
+    assert by_partition == {(1, 3), (3, 1), (2, 2)}
+    assert {p.plan.partition for p in ranked if p.plan.depth == 1} == {(4,)}  # (1, 1, 1, 1) fits no layout of 2 devices
+    for b in {p.microbatch_size for p in ranked if p.plan.depth == 2 and p.plan.microbatches > 1}:  # m = 1 runs stages in turn
+        rate = {p.plan.partition: p.samples_per_second for p in ranked if p.plan.depth == 2 and p.microbatch_size == b
+                and not p.plan.split_backward}  # fmt: skip
+        assert rate[(1, 3)] > rate[(2, 2)] > rate[(3, 1)]
+
+
 def test_recompute_is_turned_on_only_where_a_stage_would_not_fit() -> None:
     profile = _uniform(4, saved=20_000)
     plan = PipelinePlan(depth=2, microbatches=4, schedule="1f1b", partition=[2, 2])

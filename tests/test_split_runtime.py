@@ -52,6 +52,26 @@ class _Scale(torch.autograd.Function):
         return grad * w, (grad * x).sum(0)
 
 
+def test_input_hooks_see_first_forwards_only_never_recomputations() -> None:
+    from lightning_pipe.runtime.stage import Stage
+
+    torch.manual_seed(0)
+    blocks = [torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4)]
+    runs: list[int] = []
+    blocks[0].register_forward_pre_hook(lambda *_: runs.append(1))  # counts every forward, recomputed or not
+    stage = Stage(blocks, 0, recompute=True)
+    seen: list[torch.Tensor] = []
+    handle = stage.register_input_hook(lambda inputs: seen.append(inputs[0]))
+    xs = [torch.randn(3, 4, requires_grad=True) for _ in range(2)]
+    for x in xs:
+        stage((x,))[0].sum().backward()  # checkpoint recomputes in backward
+    stage.recompute_forward((xs[0],))  # split backward's recomputation
+    assert len(runs) == 5 and [id(t) for t in seen] == [id(x) for x in xs]
+    handle.remove()
+    stage((xs[0],))
+    assert len(seen) == 2
+
+
 def test_custom_function_taking_activation_and_weight_warns_and_stays_correct() -> None:
     torch.manual_seed(0)
     w, x = torch.randn(5, requires_grad=True), torch.randn(3, 5, requires_grad=True)

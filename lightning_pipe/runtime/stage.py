@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from contextlib import contextmanager, nullcontext
 from functools import partial
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
+from torch.utils.hooks import RemovableHandle
 
 Tensors = tuple[Tensor, ...]
 
@@ -49,6 +51,14 @@ class Stage:
         self._names = [
             [(name, position[id(p)]) for name, p in block.named_parameters() if id(p) in position] for block in self.blocks
         ]
+        self._input_hooks: OrderedDict[int, Callable[[Tensors], None]] = OrderedDict()  # weakly referenced by handles
+
+    def register_input_hook(self, hook: Callable[[Tensors], None]) -> RemovableHandle:
+        """Call ``hook(inputs)`` on every microbatch's first forward through the stage (never on a
+        recomputation); ``.remove()`` the returned handle to stop."""
+        handle = RemovableHandle(self._input_hooks)
+        self._input_hooks[handle.id] = hook
+        return handle
 
     def parameters(self) -> list[nn.Parameter]:
         """Trainable parameters of this stage, without duplicates."""
@@ -69,6 +79,8 @@ class Stage:
     def __call__(self, inputs: Tensors, weights: Optional[list[Tensor]] = None) -> Tensors:
         """Forward ``inputs`` through the stage's blocks, on ``weights`` (aligned with
         :meth:`parameters`) instead of the blocks' own parameters when given."""
+        for hook in list(self._input_hooks.values()):
+            hook(inputs)
         run = partial(self._run, weights)
         if torch.is_grad_enabled():
             self.renew_buffers()
