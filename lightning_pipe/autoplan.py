@@ -151,9 +151,11 @@ class AutoPlanner(Callback):
         return self._steps_seen < self.profile_steps
 
     def _capture(self, args: tuple) -> None:
-        """Keep this stage's inputs of the step's first two microbatches (recomputations are not forwards)."""
+        """Keep this stage's inputs of the step's first two microbatches (recomputations are not
+        forwards). Not copied: the stage holds them until their backward anyway, and received
+        tensors are never reused."""
         if len(self._captured) < 2:
-            self._captured.append(tuple(a.detach().clone() for a in args if isinstance(a, Tensor)))
+            self._captured.append(tuple(a.detach() for a in args if isinstance(a, Tensor)))
 
     def _collect(self, engine: Any) -> None:
         """Seconds of each F, B, I, W and optimizer step of this rank in the step just run."""
@@ -196,7 +198,9 @@ class AutoPlanner(Callback):
         dist.all_gather_object(parts, mine)
         stages = sorted(p for p in parts if p is not None)
         blocks = [b for _, profiles, _ in stages for b in profiles]
-        measured = [_link_worker(strategy.global_rank, dist.get_world_size(), 1024, 2**20, 3, strategy.root_device)]
+        large = _link_bytes(self._captured, strategy.root_device)
+        self._captured = []  # the link measurement reuses their memory
+        measured = [_link_worker(strategy.global_rank, dist.get_world_size(), 1024, large, 3, strategy.root_device)]
         dist.broadcast_object_list(measured, src=0)  # rank 0's: every rank must plan on the same numbers
         links = measured[0]
         rows = self._batch
@@ -233,10 +237,11 @@ class AutoPlanner(Callback):
         hook = engine.stage.register_input_hook(self._capture)
         try:
             with torch.no_grad():
-                engine.forward(self._batch)
+                engine.forward(self._batch, first=2)  # the two microbatches the profile needs, not the whole batch
         finally:
             hook.remove()
         current, ranked = self._search(trainer, self._gather_profile(trainer, module))
+        self._batch, self._captured = None, []
         if not current.feasible:
             reason = f"before the first step: the starting plan does not fit ({current.why_infeasible()})"
             self._switch(trainer, current, ranked[0], reason, ranked)
@@ -317,6 +322,16 @@ def _safe_start(plan: PipelinePlan, global_batch: int) -> PipelinePlan:
     """Where a job with no layout of its own starts: the same processes, recompute on every stage,
     the smallest microbatch (one sample: ``m`` = the replica's batch), so the profiled steps fit."""
     return plan.replace(microbatches=max(global_batch // plan.width, 1), recompute=True)
+
+
+def _link_bytes(captured: list[tuple[Tensor, ...]], device: torch.device, most: int = 2**20, least: int = 2**14) -> int:
+    """Size of the large message of the link measurement: one microbatch's stage input (the smallest
+    over ranks, so every rank agrees), at most ``most`` and at least ``least``: the messages the
+    plans send, in memory the captured inputs free (a fixed 1 MiB took a small job over its budget)."""
+    mine = sum(t.numel() * t.element_size() for t in captured[0]) if captured else most
+    size = torch.tensor([min(mine, most)], dtype=torch.float64, device=device)
+    dist.all_reduce(size, op=dist.ReduceOp.MIN)
+    return max(int(size.item()), least)
 
 
 def _shared_cores(trainer: Trainer) -> Optional[int]:

@@ -207,15 +207,17 @@ def _measure_block(block: nn.Module, x: tuple[Tensor, ...], first: bool, device:
         t_f, (out, (roots, grads)) = _timed(lambda: _forward(block, inputs, loss, name), device)
     t_b, _ = _timed(lambda: torch.autograd.backward(roots, grads) if roots else None, device)
     block.zero_grad(set_to_none=True)
+    out_bytes, saved_output = _tensor_bytes(out), saved.bytes_of(out)
+    del out, roots, grads  # not alive during the second forward: profiling stays within a step's memory
     inputs = _inputs_for(x, first)
-    _, (roots, grads) = _forward(block, inputs, loss, name)
+    out, (roots, grads) = _forward(block, inputs, loss, name)
     needing = [t for t in inputs if t.requires_grad]
     t_i, (found, work) = _timed(lambda: split.input_grads(roots, grads, needing), device)
     captured = _captured_bytes(work, found)
     t_w, _ = _timed(lambda: split.weight_grads(work), device)
     block.zero_grad(set_to_none=True)
-    sample = BlockSample(batch_size(x), t_f, t_b, t_i, t_w, saved.other_bytes(), _tensor_bytes(out),
-                         saved.bytes_of(inputs), saved_output_bytes=saved.bytes_of(out), captured_bytes=captured)
+    sample = BlockSample(batch_size(x), t_f, t_b, t_i, t_w, saved.other_bytes(), out_bytes,
+                         saved.bytes_of(inputs), saved_output_bytes=saved_output, captured_bytes=captured)
     return sample, tuple(o.detach() for o in out)
 
 

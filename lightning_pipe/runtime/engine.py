@@ -264,10 +264,12 @@ class PipelineEngine:
         self.versions.collapse(self._optimizer, self._batches - 1)
         self._restart()
 
-    def forward(self, batch: Any, with_loss: bool = False) -> Any:
-        """Forward-only pass; returns the model output (or mean loss) on every stage of the pipeline."""
+    def forward(self, batch: Any, with_loss: bool = False, first: Optional[int] = None) -> Any:
+        """Forward-only pass; returns the model output (or mean loss) on every stage of the pipeline.
+        ``first``: run only the batch's first ``first`` microbatches (their output, their share of the loss)."""
         self.drain()
         microbatches, shares = split_batch(batch, self.microbatches)
+        microbatches, shares = microbatches[:first], shares[:first]
         state = StepState({}, {}, train=False)
         state.add_batch(0, microbatches, shares)
         state = self._run(self.inference_program(len(microbatches)), state)
