@@ -8,7 +8,7 @@ import os
 import statistics
 import time
 from collections import defaultdict
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -95,6 +95,8 @@ class AutoPlanner(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """After a resume, move to the plan the checkpoint was saved under (its weights already loaded by name)."""
+        if self._resumed_plan is None and trainer.global_step == 0:
+            _check_steps(self.profile_steps, trainer.estimated_stepping_batches, "the fit has")
         if self._resumed_plan is not None:
             if self._resumed_plan != trainer.strategy.plan:
                 trainer.strategy.reconfigure(self._resumed_plan)
@@ -112,6 +114,7 @@ class AutoPlanner(Callback):
         if stage == "fit":
             if not callable(getattr(trainer.strategy, "reconfigure", None)):
                 raise TypeError("AutoPlanner needs Trainer(strategy=PipelineStrategy(global_batch_size=...))")
+            _check_steps(self.profile_steps, trainer.max_steps)
             trainer.strategy.enable_reconfiguration()
             if not trainer.strategy.layout_given:
                 trainer.strategy.start_with(_safe_start(trainer.strategy.plan, trainer.strategy.global_batch_size))
@@ -322,6 +325,13 @@ def _safe_start(plan: PipelinePlan, global_batch: int) -> PipelinePlan:
     """Where a job with no layout of its own starts: the same processes, recompute on every stage,
     the smallest microbatch (one sample: ``m`` = the replica's batch), so the profiled steps fit."""
     return plan.replace(microbatches=max(global_batch // plan.width, 1), recompute=True)
+
+
+def _check_steps(profile_steps: int, steps: Union[int, float], what: str = "Trainer(max_steps=...) allows") -> None:
+    """Refuse a fit too short to profile: it would end before the AutoPlanner decides anything."""
+    if 0 <= steps < profile_steps:
+        raise ValueError(f"AutoPlanner(profile_steps={profile_steps}) profiles that many training steps before "
+                         f"deciding, but {what} only {int(steps)}: lower profile_steps or train longer")  # fmt: skip
 
 
 def _link_bytes(captured: list[tuple[Tensor, ...]], device: torch.device, most: int = 2**20, least: int = 2**14) -> int:

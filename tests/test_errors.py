@@ -71,10 +71,38 @@ def test_block_returning_non_tensor() -> None:
         engine.train_step(make_data(4), _frozen(engine))
 
 
+def test_autoplanner_without_pipeline_strategy_is_refused() -> None:
+    import lightning as L
+
+    from lightning_pipe import AutoPlanner
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, callbacks=[AutoPlanner()])  # fmt: skip
+    x, y = make_data(16)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    with pytest.raises(TypeError, match=r"AutoPlanner needs Trainer\(strategy=PipelineStrategy\(global_batch_size=...\)\)"):
+        trainer.fit(ToyChain(), loader)
+
+
+def test_autoplanner_refuses_a_fit_shorter_than_its_profiling() -> None:
+    # max_steps is checked at setup (a launch below); an epoch-bounded fit when training starts.
+    from types import SimpleNamespace
+
+    from lightning_pipe import AutoPlanner
+
+    short = SimpleNamespace(estimated_stepping_batches=4, global_step=0)
+    with pytest.raises(ValueError, match=r"AutoPlanner\(profile_steps=5\) profiles .* but the fit has only 4"):
+        AutoPlanner(profile_steps=5).on_train_start(short, None)  # type: ignore[arg-type]
+    endless = SimpleNamespace(estimated_stepping_batches=float("inf"), global_step=0)
+    AutoPlanner(profile_steps=5).on_train_start(endless, None)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("case,devices,message", [
     ("auto_opt", 1, "needs manual optimization"),
     ("no_blocks", 1, "has no pipeline_blocks"),
     ("indivisible", 3, "world size 3 is not divisible by pipeline_depth=2"),
+    ("short_autoplan", 1, "AutoPlanner(profile_steps=5) profiles that many training steps before deciding, but "
+                          "Trainer(max_steps=...) allows only 2"),
 ])  # fmt: skip
 def test_trainer_refuses_misuse(case: str, devices: int, message: str) -> None:
     proc = launch([str(SCRIPTS / "misuse.py"), case, str(devices)], timeout=120, check=False)
