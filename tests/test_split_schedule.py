@@ -6,6 +6,8 @@ import pytest
 
 from lightning_pipe.schedules import build_schedule, format_actions, one_f_one_b, two_bw_run, verify
 from lightning_pipe.schedules.actions import Kind
+from lightning_pipe.schedules.generators import gpipe
+from lightning_pipe.schedules.passes import add_communication, add_optimizer
 from lightning_pipe.schedules.split import split_backward
 from lightning_pipe.simulate import StashModel, simulate
 
@@ -35,10 +37,29 @@ def test_golden_split_and_placement() -> None:
     assert format_actions(split_backward(one_f_one_b(1, 2, 3), "cooldown")) == "1F0 1I0 1F1 1I1 1F2 1I2 1W0 1W1 1W2"
     assert format_actions(split_backward(one_f_one_b(1, 2, 3), "zb-h1")) == "1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1W2"
     gpipe = [a for a in build_schedule("gpipe", 2, 2, split=True)[0] if a.kind in (Kind.INPUT_GRAD, Kind.WEIGHT_GRAD)]
-    assert format_actions(gpipe) == "0I0 0I1 0W0 0W1"  # GPipe: all W after all I (seed 001, 3.2)
+    assert format_actions(gpipe) == "0I0 0W0 0I1 0W1"  # GPipe: a W in each wait of the backward phase
+    at_end = [a for a in split_backward(build_schedule("gpipe", 2, 2)[0], "end") if a.kind in (Kind.INPUT_GRAD, Kind.WEIGHT_GRAD)]
+    assert format_actions(at_end) == "0I0 0I1 0W0 0W1"  # seed 001, 3.2: all W after all I
     assert format_actions(build_schedule("1f1b", 2, 1, split=True)[1]) == "1RF0 1F0 1I0 1SB0 1W0 1AR 1OPT"
     with pytest.raises(ValueError, match="unknown W placement"):
         split_backward([], "sometime")
+
+
+def test_gpipe_split_is_not_slower_than_gpipe_when_the_first_stage_has_no_input_gradient() -> None:
+    # Stage 0's I computes nothing (its inputs need no gradient) and its W is a whole backward.
+    # Deferring every W to the end (seed 001's GPipe placement) idles stage 0 while gradients
+    # arrive, then runs them in a row: slower than no split. One W per wait is not.
+    def cost(a) -> float:  # noqa: ANN001
+        first = a.stage == 0
+        return {Kind.FORWARD: 0.5, Kind.BACKWARD: 1.0, Kind.INPUT_GRAD: 0.0 if first else 0.55,
+                Kind.WEIGHT_GRAD: 1.0 if first else 0.45}.get(a.kind, 0.0)  # fmt: skip
+
+    for d in (2, 4, 8):
+        for m in (d, 2 * d):
+            plain = simulate(build_schedule("gpipe", d, m), cost).makespan
+            split = simulate(build_schedule("gpipe", d, m, split=True), cost).makespan
+            programs = [add_optimizer(add_communication(split_backward(gpipe(s, d, m), "end"), d), s) for s in range(d)]
+            assert split <= plain < simulate(programs, cost).makespan, (d, m)
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
