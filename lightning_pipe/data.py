@@ -9,22 +9,24 @@ from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwarg
 from torch.utils.data import BatchSampler, DataLoader, Sampler
 
 
-class SkipSampler(Sampler):
-    """Yields ``sampler``'s indices after the first ``skip`` (the epoch order is ``sampler``'s own)."""
+class EpochSampler(Sampler):
+    """Yields ``sampler``'s order for the epoch ``epoch()`` names, after its first ``skip``
+    indices (set for one pass, then back to 0). The epoch is read when a pass starts."""
 
-    def __init__(self, sampler: Sampler, skip: int) -> None:
-        self.sampler, self.skip = sampler, skip
+    def __init__(self, sampler: Sampler, epoch: Callable[[], int]) -> None:
+        self.sampler, self.epoch, self.skip = sampler, epoch, 0
 
     def __iter__(self) -> Iterator[Any]:
-        return itertools.islice(iter(self.sampler), self.skip, None)
+        if callable(getattr(self.sampler, "set_epoch", None)):
+            self.sampler.set_epoch(self.epoch())
+        skip, self.skip = self.skip, 0
+        return itertools.islice(iter(self.sampler), skip, None)
 
     def __len__(self) -> int:
-        return max(len(self.sampler) - self.skip, 0)  # type: ignore[arg-type]
+        return len(self.sampler)  # type: ignore[arg-type]
 
     def set_epoch(self, epoch: int) -> None:
-        """Forward the epoch to the wrapped sampler (it decides the shuffle)."""
-        if callable(getattr(self.sampler, "set_epoch", None)):
-            self.sampler.set_epoch(epoch)
+        """Ignored: the epoch is ``epoch()`` (see :class:`ResumableLoader` for why not Lightning's count)."""
 
 
 class ResumableLoader:
@@ -38,13 +40,24 @@ class ResumableLoader:
     loaded (their indices are dropped); otherwise they are loaded and discarded. Every other
     attribute is the wrapped DataLoader's.
 
+    Each epoch's order is the sampler's for ``epoch()`` (the trainer's ``current_epoch``).
+    Lightning gives the sampler its count of *processed* epochs instead, which runs one ahead
+    after a fit stopped at ``max_steps`` in the middle of an epoch: resumed from that
+    checkpoint, the rest of the epoch came from the next epoch's shuffle (samples of the
+    unfinished epoch never trained, others trained twice).
+
     Args:
         loader: the training DataLoader (with Lightning's distributed sampler already injected).
         trained_batches: batches of the current epoch whose training step has finished.
+        epoch: the epoch being trained.
     """
 
-    def __init__(self, loader: DataLoader, trained_batches: Callable[[], int]) -> None:
-        self.loader, self._trained = loader, trained_batches
+    def __init__(self, loader: DataLoader, trained_batches: Callable[[], int], epoch: Callable[[], int]) -> None:
+        self._sampler: Optional[EpochSampler] = None
+        if type(loader.batch_sampler) is BatchSampler and loader.batch_size is not None:
+            self._sampler = EpochSampler(loader.sampler, epoch)
+            loader = _rebuild(loader, self._sampler)
+        self.loader, self._trained, self._epoch = loader, trained_batches, epoch
         self._skip = 0
 
     def __getattr__(self, name: str) -> Any:
@@ -55,12 +68,12 @@ class ResumableLoader:
 
     def __iter__(self) -> Iterator[Any]:
         skip, self._skip = self._skip, 0
-        if not skip:
+        if self._sampler is not None:
+            self._sampler.skip = skip * self.loader.batch_size
             return iter(self.loader)
-        batch_sampler = self.loader.batch_sampler
-        if type(batch_sampler) is BatchSampler and self.loader.batch_size is not None:
-            sampler = SkipSampler(self.loader.sampler, skip * self.loader.batch_size)
-            return iter(_rebuild(self.loader, sampler))
+        for sampler in (self.loader.sampler, getattr(self.loader.batch_sampler, "sampler", None)):
+            if callable(getattr(sampler, "set_epoch", None)):  # its own batch sampler: set the epoch now
+                sampler.set_epoch(self._epoch())
         return itertools.islice(iter(self.loader), skip, None)
 
     def state_dict(self) -> dict[str, int]:

@@ -404,7 +404,7 @@ class PipelineStrategy(DDPStrategy):
             width = 1 if self._global_batches else self.topology.width
             dataloader = per_replica_loader(dataloader, self.global_batch_size, width)  # type: ignore[arg-type]
         progress = trainer.fit_loop.epoch_loop.batch_progress.current
-        return ResumableLoader(dataloader, lambda: progress.processed)  # type: ignore[arg-type]
+        return ResumableLoader(dataloader, lambda: progress.processed, lambda: trainer.current_epoch)  # type: ignore[arg-type]
 
     # -- lifecycle -------------------------------------------------------------------------
     def drain(self) -> None:

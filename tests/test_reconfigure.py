@@ -423,6 +423,8 @@ def test_resuming_an_autoplanned_fit_starts_on_the_checkpoints_plan(launched) ->
     first, resumed = ranks[0]["first"], ranks[0]["resumed"]
     assert first["decisions"] == 1 and first["plan"] != POOR_START.replace(partition=(2, 2, 1, 1))
     assert resumed["decisions"] == 0 and resumed["plans"] == [first["plan"]] * (STEPS + 2 - 5)
+    # One epoch of STEPS + 2 global batches, stopped at max_steps after 5 and resumed: every sample once.
+    assert sorted(sum(first["indices"] + resumed["indices"], [])) == list(range(GLOBAL * (STEPS + 2)))
     merged: dict[str, torch.Tensor] = {}
     for rank in ranks:
         merged.update(rank["resumed"]["params"])

@@ -182,6 +182,8 @@ def test_tied_checkpoint_keeps_one_copy_and_resumes_under_another_layout(launche
     # The global batches: (1,2) read whole ones; at (2,1) each replica read half of each (the union).
     indices = run["first"]["indices"] + [a + b for a, b in zip(run["resumed"]["indices"], ranks[1]["resumed"]["indices"])]
     assert len(indices) == STEPS and all(sorted(i) == sorted(set(i)) and len(i) == BATCH for i in indices), indices
+    # One epoch of STEPS batches, stopped at max_steps after 3 and resumed at another width: every sample once.
+    assert sorted(sum(indices, [])) == list(range(len(data))), indices
     torch.manual_seed(0)
     want = reference_train(TiedModule(), [(data.ids[i], data.targets[i]) for i in map(torch.tensor, indices)], optimizer="sgd")
     merged = {**ranks[1]["resumed"]["params"], **ranks[0]["resumed"]["params"]}
