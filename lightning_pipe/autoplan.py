@@ -388,13 +388,15 @@ def _table(current: planner.Prediction, ranked: list[planner.Prediction], rows: 
     and the current plan; each with its microbatch size, predicted step, throughput and peak memory."""
     fits = [p for p in ranked if p.feasible]
     rejected = [p for p in ranked if not p.feasible]
+    shown = fits[:rows] + rejected[:rejected_rows]
+    is_current = lambda p: (p.plan, p.microbatch_size) == (current.plan, current.microbatch_size)  # noqa: E731
     lines = ["rank | plan | b | step (s) | samples/s | peak per stage | verdict"]
-    for p in fits[:rows] + rejected[:rejected_rows] + [current]:
+    for p in shown + ([] if any(map(is_current, shown)) else [current]):  # the current plan once
         verdict = "fits" if p.feasible else "rejected: " + p.why_infeasible()
         place = ranked.index(p) + 1 if p in ranked else "-"
         lines.append(f"{place} | {p.plan.describe()} | {p.microbatch_size} | {p.step_time:.4f} | "
                      f"{p.samples_per_second:.1f} | {planner._size(max(p.stage_memory))} | "
-                     f"{'current, ' if p is current else ''}{verdict}")  # fmt: skip
+                     f"{'current, ' if is_current(p) else ''}{verdict}")  # fmt: skip
     lines.append(f"({len(ranked)} candidates, {len(rejected)} rejected for memory)")
     return "\n".join(lines)
 

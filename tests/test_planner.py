@@ -139,6 +139,19 @@ def test_a_given_partition_is_a_candidate_at_its_depth_and_can_win() -> None:
         assert rate[(1, 3)] > rate[(2, 2)] > rate[(3, 1)]
 
 
+def test_autoplanner_table_lists_the_current_plan_once() -> None:
+    from lightning_pipe.autoplan import _table
+
+    profile = _uniform(4)
+    ranked = planner.search(profile, 2, 8, schedules=["1f1b"], partitions=[(3, 1)])
+    for current in (ranked[1], planner.predict(profile, PipelinePlan(1, 2, 8, "gpipe", partition=(3, 1)), 1)):
+        rows = _table(current, ranked).splitlines()[1:-1]
+        marked = [r for r in rows if "| current, " in r]
+        assert len(marked) == 1 and current.plan.describe() in marked[0], rows
+        assert sum(current.plan.describe() in r and f"| {current.microbatch_size} |" in r for r in rows) == 1, rows
+    assert _table(ranked[1], ranked).splitlines()[2].startswith("2 | ")  # shown in its ranked place
+
+
 def test_recompute_is_turned_on_only_where_a_stage_would_not_fit() -> None:
     profile = _uniform(4, saved=20_000)
     plan = PipelinePlan(depth=2, microbatches=4, schedule="1f1b", partition=[2, 2])
