@@ -11,7 +11,7 @@ all-reduce and the optimizer step, so it is delayed into time the stage would id
   leaves the stage idle while gradients arrive and then runs them all in a row. With the GPT
   example's costs at d = 2, m = 8 the simulator gives ``"end"`` 1.25x plain GPipe's step and
   ``"cooldown"`` 0.97x (equal F, I, W: both the same as seed 001's Table 1); measured on 2
-  CPU processes, ``"end"`` ran at 0.71-0.79x plain GPipe and ``"cooldown"`` at 0.89-0.99x.
+  CPU processes, ``"end"`` ran at 0.71-0.79x plain GPipe and ``"cooldown"`` at 0.79-0.92x.
 - ``"zb-h1"`` (1F1B and 2BW by default): ``"cooldown"`` with stage ``s`` keeping at most ``s``
   W's waiting, so W of microbatch ``k`` runs right after the I of microbatch ``k + s``. This
   is Zero Bubble's ZB-H1 (Qi et al., 2023, section 2.1): the start of W is delayed by the
