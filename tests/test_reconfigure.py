@@ -150,6 +150,29 @@ def _fit_auto(rank: int, world: int, memory: Any) -> dict[str, Any]:
     }
 
 
+def _fit_too_short(rank: int, world: int) -> str:
+    from lightning_pipe import AutoPlanner
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, max_steps=2, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+        callbacks=[AutoPlanner(profile_steps=5)], strategy=PipelineStrategy(pipeline_depth=2, global_batch_size=GLOBAL),
+    )  # fmt: skip
+    try:
+        trainer.fit(ToyChain(), DataLoader(Indexed(GLOBAL * 4, 0), batch_size=GLOBAL))
+    except ValueError as err:
+        return str(err)
+    return f"no error; trained {trainer.global_step} steps"
+
+
+scenario(2, "autoplan_too_short", _fit_too_short)
+
+
+def test_autoplanner_refuses_max_steps_shorter_than_its_profiling(launched) -> None:
+    for message in launched(2).ok("autoplan_too_short"):
+        assert ("AutoPlanner(profile_steps=5) profiles that many training steps before deciding, but "
+                "Trainer(max_steps=...) allows only 2") in message, message  # fmt: skip
+
+
 scenario(4, "autoplan_fit", _fit_auto, None)
 scenario(4, "autoplan_no_plan_fits", _fit_auto, 1)  # 0.85 bytes after the headroom
 

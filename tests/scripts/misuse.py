@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_pipe import AutoPlanner, PipelineStrategy  # noqa: E402
+from lightning_pipe import PipelineStrategy  # noqa: E402
 from tests.models import ToyChain, make_data  # noqa: E402
 
 
@@ -58,27 +58,23 @@ class FailsMidStep(ToyChain):
         self.blocks.insert(2, Boom())
 
 
-CASES: dict[str, Any] = {"auto_opt": AutoOpt, "no_blocks": NoBlocks, "indivisible": ToyChain, "mid_step": FailsMidStep,
-                         "short_autoplan": ToyChain}
+CASES: dict[str, Any] = {"auto_opt": AutoOpt, "no_blocks": NoBlocks, "indivisible": ToyChain, "mid_step": FailsMidStep}
 
 
 def main() -> None:
     case, devices = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1
     x, y = make_data(64)
-    autoplan = case == "short_autoplan"  # profiles 5 steps of a fit of 2
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
         strategy=PipelineStrategy(pipeline_depth=2 if case == "indivisible" else None, microbatches=4,
-                                  partition="uniform", timeout=timedelta(seconds=30),
-                                  global_batch_size=16 if autoplan else None),
-        callbacks=[AutoPlanner(profile_steps=5)] if autoplan else None,
+                                  partition="uniform", timeout=timedelta(seconds=30)),
         max_steps=2,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
     )  # fmt: skip
-    trainer.fit(CASES[case](), DataLoader(TensorDataset(x, y), batch_size=16 if autoplan else 8))
+    trainer.fit(CASES[case](), DataLoader(TensorDataset(x, y), batch_size=8))
 
 
 if __name__ == "__main__":
