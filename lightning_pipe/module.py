@@ -7,6 +7,7 @@ from typing import Any, Optional
 from torch import Tensor, nn
 
 from lightning_pipe.runtime.engine import PipelineEngine
+from lightning_pipe.runtime.ties import alias_names
 
 
 class PipelineMixin:
@@ -94,13 +95,9 @@ class PipelineMixin:
         the same tensor, since a plain ``load_state_dict`` wants every name."""
         state = checkpoint.get("state_dict")
         if state is not None:
-            names: dict[int, list[str]] = {}
-            for name, p in self.named_parameters(remove_duplicate=False):
-                names.setdefault(id(p), []).append(name)
-            for first, *others in names.values():
-                for other in others:
-                    if first in state and other not in state:
-                        state[other] = state[first]
+            for alias, kept in alias_names(self).items():  # type: ignore[arg-type]
+                if kept in state and alias not in state:
+                    state[alias] = state[kept]
         super().on_load_checkpoint(checkpoint)  # type: ignore[misc]
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -32,10 +32,12 @@ class PipelineGroups:
     def build(cls, topology: Topology, rank: int, device_type: str = "cpu") -> "PipelineGroups":
         """Create the groups of ``topology`` (a collective: every rank of the job calls it)."""
         mesh = topology.build_mesh(device_type)
-        norm = None
-        if topology.depth > 1:
-            pipelines = [
-                dist.new_group([topology.rank_of(r, s) for s in range(topology.depth)]) for r in range(topology.width)
-            ]
-            norm = pipelines[topology.replica_of(rank)]
+        norm = pipeline_group(topology, rank) if topology.depth > 1 else None
         return cls(mesh, mesh.get_group("dp"), mesh.get_group("pp"), norm)
+
+
+def pipeline_group(topology: Topology, rank: int) -> Any:
+    """A new group over the stages of ``rank``'s pipeline, apart from the mesh's "pp" group (a
+    collective: every rank of the job creates every replica's group, in the same order)."""
+    groups = [dist.new_group([topology.rank_of(r, s) for s in range(topology.depth)]) for r in range(topology.width)]
+    return groups[topology.replica_of(rank)]

@@ -79,8 +79,9 @@ class Stage:
     def __call__(self, inputs: Tensors, weights: Optional[list[Tensor]] = None) -> Tensors:
         """Forward ``inputs`` through the stage's blocks, on ``weights`` (aligned with
         :meth:`parameters`) instead of the blocks' own parameters when given."""
-        for hook in list(self._input_hooks.values()):
-            hook(inputs)
+        if self._input_hooks:
+            for hook in list(self._input_hooks.values()):
+                hook(inputs)
         run = partial(self._run, weights)
         if torch.is_grad_enabled():
             self.renew_buffers()

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from lightning_pipe.runtime.groups import pipeline_group
 from lightning_pipe.topology import Topology
 
 
@@ -95,8 +96,7 @@ class TiedGradients:
         # The tied parameters' share of the global norm is summed over the pipeline at each
         # optimizer step, on a group of its own: the norm group's posts come in another order
         # on different stages under 2BW (each posts at its AR).
-        pipelines = [dist.new_group([topology.rank_of(r, s) for s in range(topology.depth)]) for r in range(topology.width)]
-        self.norm_group = pipelines[replica]
+        self.norm_group = pipeline_group(topology, rank)
 
     def post(self, params: Sequence[Tensor]) -> None:
         """Start summing one batch's tied gradients (``params``: its weight slot, aligned with the stage's)."""
