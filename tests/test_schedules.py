@@ -82,3 +82,43 @@ def test_simulator_uses_cost_model() -> None:
     result = simulate(build_schedule("gpipe", 4, 8), costs)
     assert result.makespan == pytest.approx(3 * (8 + 4 - 1))
     assert result.total_bubble == pytest.approx(3 / 11)
+
+
+def test_interleaved_golden_schedule() -> None:
+    # The diagram in schedules/interleaved.py: stages 0 and 2 on rank 0, 1 and 3 on rank 1.
+    program = build_schedule("1f1b", 2, 2, virtual=2)
+    compute = [" ".join(str(a) for a in acts if a.kind in (Kind.FORWARD, Kind.BACKWARD)) for acts in program]
+    assert compute == ["0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1", "1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1"]
+    # Stage 1 -> 2 crosses from rank 1 back to rank 0; the last stage (3) sends no activation.
+    assert "1SF0" in format_actions(program[1]) and "2RF0" in format_actions(program[0])
+    assert "3SF" not in format_actions(program[1]) and "0SB" not in format_actions(program[0])
+
+
+@pytest.mark.parametrize("virtual", [2, 3, 4])
+def test_interleaved_bubble_is_megatrons(virtual: int) -> None:
+    # Megatron-LM (SC 2021) section 2.2.2: with per-chunk costs F = B = 1, the bubble is
+    # (d - 1)(F + B) against an ideal step of v m (F + B), so idle / busy = (d - 1) / (v m).
+    for d in range(2, 9):
+        for m in range(d, 5 * d, d):
+            program = build_schedule("1f1b", d, m, virtual=virtual)
+            verify(program, m, virtual=virtual)
+            verify(build_inference(d, m, virtual), m, train=False, virtual=virtual)
+            result = simulate(program, unit_costs())
+            assert result.busy == [2 * m * virtual] * d
+            assert result.makespan - result.busy[0] == pytest.approx(2 * (d - 1))
+            assert (result.makespan - result.busy[0]) / result.busy[0] == pytest.approx((d - 1) / (virtual * m))
+            # Rank r holds its warm-up forwards plus one (Megatron's 2(d-1-r) + (v-1)d + 1 chunks).
+            assert result.peak_stash == [min(2 * (d - 1 - r) + (virtual - 1) * d + 1, m * virtual) for r in range(d)]
+
+
+def test_interleaved_misuse_is_refused() -> None:
+    with pytest.raises(ValueError, match="multiple of it"):
+        build_schedule("1f1b", 4, 6, virtual=2)
+    with pytest.raises(ValueError, match="schedule='1f1b' without split_backward"):
+        build_schedule("gpipe", 2, 2, virtual=2)
+    with pytest.raises(ValueError, match="schedule='1f1b' without split_backward"):
+        build_schedule("1f1b", 2, 2, split=True, virtual=2)
+    with pytest.raises(ValueError, match="pipeline_depth >= 2"):
+        build_schedule("1f1b", 1, 2, virtual=2)
+    with pytest.raises(ScheduleError, match="does not run"):
+        verify(build_schedule("1f1b", 2, 2, virtual=2), 2)  # stages 2 and 3 need virtual=2

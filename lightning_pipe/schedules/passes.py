@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from lightning_pipe.schedules.actions import Action, Kind
-from lightning_pipe.schedules import two_bw
+from lightning_pipe.schedules import interleaved, two_bw
 from lightning_pipe.schedules.generators import TRAINING_SCHEDULES, Generator, forward_only
 from lightning_pipe.schedules.split import W_PLACEMENT, split_backward
 
@@ -20,11 +20,11 @@ _COMM: dict[Kind, tuple[Kind, Kind, bool]] = {
 }
 
 
-def _with_comm(action: Action, depth: int) -> list[Action]:
+def _with_comm(action: Action, stages: int) -> list[Action]:
     if action.kind not in _COMM:
         return [action]
     before, after, before_needs_prev = _COMM[action.kind]
-    has_prev, has_next = action.stage > 0, action.stage < depth - 1
+    has_prev, has_next = action.stage > 0, action.stage < stages - 1
     out = []
     if has_prev if before_needs_prev else has_next:
         out.append(Action(action.stage, before, action.microbatch))
@@ -34,9 +34,29 @@ def _with_comm(action: Action, depth: int) -> list[Action]:
     return out
 
 
-def add_communication(actions: list[Action], depth: int) -> list[Action]:
-    """Insert receives before and (non-blocking) sends after each F and B."""
-    return [c for a in actions for c in _with_comm(a, depth)]
+def add_communication(actions: list[Action], stages: int) -> list[Action]:
+    """Insert receives before and (non-blocking) sends after each F and B of a ``stages``-stage chain."""
+    return [c for a in actions for c in _with_comm(a, stages)]
+
+
+#: What each send delivers: the receive it matches, on the stage ``offset`` away.
+_DELIVERS: dict[Kind, tuple[Kind, int]] = {Kind.SEND_ACT: (Kind.RECV_ACT, +1), Kind.SEND_GRAD: (Kind.RECV_GRAD, -1)}
+
+
+def receive_order(schedule: Schedule, rank: int) -> dict[int, list[Action]]:
+    """Pipeline rank ``rank``'s receives from each rank (by index in ``schedule``), in the order
+    that rank sends them: messages between two ranks arrive in the order they were sent, which
+    is not the order the receiver reads them when one rank sends another both activations and
+    gradients (interleaved 1F1B at ``d = 2``)."""
+    depth = len(schedule)
+    order: dict[int, list[Action]] = {}
+    for sender, actions in enumerate(schedule):
+        for a in actions:
+            if a.kind in _DELIVERS:
+                kind, offset = _DELIVERS[a.kind]
+                if (a.stage + offset) % depth == rank:
+                    order.setdefault(sender, []).append(Action(a.stage + offset, kind, a.microbatch))
+    return order
 
 
 def add_optimizer(actions: list[Action], stage: int) -> list[Action]:
@@ -62,18 +82,37 @@ def resolve(name: str) -> Generator:
     return TRAINING_SCHEDULES[name]
 
 
+def check_virtual(name: str, depth: int, microbatches: int, virtual: int, split: bool) -> None:
+    """Raise a clear error unless ``virtual`` stages per rank can run under schedule ``name``."""
+    if virtual > 1 and (name != "1f1b" or split):
+        raise ValueError(
+            f"virtual_stages={virtual} runs interleaved 1F1B: use schedule='1f1b' without split_backward "
+            f"(got schedule={name!r}, split_backward={split})"
+        )
+    interleaved.check(depth, microbatches, virtual)
+
+
 def build_schedule(
-    name: str, depth: int, microbatches: int, split: bool = False, max_pending: Optional[int] = None
-) -> Schedule:
-    """Full training program of every stage: compute, communication and the optimizer flush.
+    name: str, depth: int, microbatches: int, split: bool = False, max_pending: Optional[int] = None,
+    virtual: int = 1,
+) -> Schedule:  # fmt: skip
+    """Full training program of every rank: compute, communication and the optimizer flush.
 
     Args:
         name: "gpipe" or "1f1b".
-        depth: stages ``d``.
+        depth: pipeline ranks ``d``.
         microbatches: microbatches ``m``.
         split: split each backward into I and W (2BP, see schedules/split.py).
         max_pending: with ``split``, most microbatches that may wait for their W.
+        virtual: stages per rank ``v``; above 1, interleaved 1F1B over ``d * v`` stages
+            (schedules/interleaved.py), rank ``r`` running stages ``r, r + d, ...``.
     """
+    check_virtual(name, depth, microbatches, virtual, split)
+    if virtual > 1:
+        return [
+            add_optimizer(add_communication(interleaved.interleaved_one_f_one_b(r, depth, microbatches, virtual), depth * virtual), r)
+            for r in range(depth)
+        ]
     generator = resolve(name)
     programs = []
     for s in range(depth):
@@ -84,8 +123,11 @@ def build_schedule(
     return programs
 
 
-def build_inference(depth: int, microbatches: int) -> Schedule:
-    """Forward-only program of every stage (validation, test, predict)."""
+def build_inference(depth: int, microbatches: int, virtual: int = 1) -> Schedule:
+    """Forward-only program of every rank (validation, test, predict); with ``virtual`` stages
+    per rank, the forwards in interleaved 1F1B's order."""
+    if virtual > 1:
+        return [add_communication(interleaved.forwards(r, depth, microbatches, virtual), depth * virtual) for r in range(depth)]
     return [add_communication(forward_only(s, depth, microbatches), depth) for s in range(depth)]
 
 

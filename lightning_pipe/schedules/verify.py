@@ -15,11 +15,15 @@ def _kinds(actions: list[Action], train: bool) -> tuple[Kind, ...]:
     return (Kind.FORWARD, Kind.INPUT_GRAD, Kind.WEIGHT_GRAD) if split else (Kind.FORWARD, Kind.BACKWARD)
 
 
-def _check_stage(stage: int, actions: list[Action], microbatches: int, train: bool) -> None:
-    wrong = [str(a) for a in actions if a.stage != stage]
+def _check_rank(rank: int, actions: list[Action], microbatches: int, train: bool, depth: int, virtual: int) -> None:
+    wrong = [str(a) for a in actions if a.stage % depth != rank or a.stage >= depth * virtual]
     if wrong:
-        raise ScheduleError(f"rank {stage} holds actions of other stages: {wrong}")
-    kinds = _kinds(actions, train)
+        raise ScheduleError(f"rank {rank} holds actions of stages it does not run: {wrong}")
+    for stage in range(rank, depth * virtual, depth):
+        _check_stage(stage, [a for a in actions if a.stage == stage], microbatches, _kinds(actions, train))
+
+
+def _check_stage(stage: int, actions: list[Action], microbatches: int, kinds: tuple[Kind, ...]) -> None:
     counts = Counter((a.kind, a.microbatch) for a in actions if a.kind in COMPUTE_KINDS)
     for kind in kinds:
         for k in range(microbatches):
@@ -32,12 +36,15 @@ def _check_stage(stage: int, actions: list[Action], microbatches: int, train: bo
             raise ScheduleError(f"stage {stage} runs {after.value} before {before.value} for microbatches {late}")
 
 
-def verify(schedule: list[list[Action]], microbatches: int, train: bool = True) -> None:
+def verify(schedule: list[list[Action]], microbatches: int, train: bool = True, virtual: int = 1) -> None:
     """Raise :class:`ScheduleError` unless every stage runs each F (and B, or I and W) once,
-    in that order, and the whole program runs to completion without deadlock."""
+    in that order, and the whole program runs to completion without deadlock.
+
+    ``schedule[r]`` is pipeline rank ``r``'s program; with ``virtual`` stages per rank it runs
+    stages ``r, r + d, ...`` (``d = len(schedule)``)."""
     try:
-        for stage, actions in enumerate(schedule):
-            _check_stage(stage, actions, microbatches, train)
+        for rank, actions in enumerate(schedule):
+            _check_rank(rank, actions, microbatches, train, len(schedule), virtual)
     except ScheduleError as err:
         raise ScheduleError(f"{err}\n{grid(schedule)}") from None
     simulate(schedule, unit_costs())

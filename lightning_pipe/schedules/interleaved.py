@@ -1,0 +1,76 @@
+"""Interleaved 1F1B: each rank runs ``v`` non-adjacent stages ("virtual stages", model chunks).
+
+Megatron-LM's interleaved schedule (Narayanan et al., "Efficient Large-Scale Language Model
+Training on GPU Clusters Using Megatron-LM", SC 2021, section 2.2.2). The chain is cut into
+``d * v`` stages; stage ``s`` runs on pipeline rank ``s % d``, so rank ``r`` holds stages
+``r, r + d, ..., r + (v - 1) d`` and a microbatch passes every rank ``v`` times. Each action
+costs ``1/v`` of a rank's whole share, which shrinks the bubble by ``v``: with per-chunk
+forward and backward times ``F`` and ``B`` it is ``(d - 1)(F + B)``, a fraction
+``(d - 1) / (v m)`` of the ideal step ``v m (F + B)``, at the price of ``v`` times the messages.
+
+Forwards run in rounds of ``d`` microbatches per chunk: chunk 0 of microbatches ``0..d-1``,
+chunk 1 of the same, ..., chunk ``v-1``, then chunk 0 of microbatches ``d..2d-1``; backwards
+the same with the chunks in reverse. Rank ``r`` warms up with ``2 (d - 1 - r) + (v - 1) d``
+forwards, then alternates, then cools down. ``m`` must be a multiple of ``d``.
+
+d=2, v=2, m=2 (stages 0 and 2 on rank 0, 1 and 3 on rank 1)::
+
+    rank 0: 0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1
+    rank 1: 1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1
+"""
+
+from __future__ import annotations
+
+from lightning_pipe.schedules.actions import Action, Kind
+
+
+def check(depth: int, microbatches: int, virtual: int) -> None:
+    """Raise a clear error unless ``(d, m, v)`` is a valid interleaved layout."""
+    if virtual < 1:
+        raise ValueError(f"virtual_stages must be >= 1, got {virtual}")
+    if virtual > 1 and depth < 2:
+        raise ValueError("virtual_stages > 1 needs pipeline_depth >= 2 (one rank gains nothing from interleaving)")
+    if virtual > 1 and microbatches % depth:
+        raise ValueError(
+            f"interleaved 1F1B runs microbatches in rounds of pipeline_depth={depth}: "
+            f"microbatches ({microbatches}) must be a multiple of it"
+        )
+
+
+def _chunk_and_microbatch(k: int, depth: int, virtual: int, forward: bool) -> tuple[int, int]:
+    """The chunk and microbatch of a rank's ``k``-th forward (or backward)."""
+    round_, within = divmod(k, depth * virtual)
+    chunk = within // depth
+    return (chunk if forward else virtual - 1 - chunk), round_ * depth + within % depth
+
+
+def _action(rank: int, depth: int, virtual: int, k: int, kind: Kind) -> Action:
+    chunk, microbatch = _chunk_and_microbatch(k, depth, virtual, kind is Kind.FORWARD)
+    return Action(chunk * depth + rank, kind, microbatch)
+
+
+def interleaved_one_f_one_b(rank: int, depth: int, microbatches: int, virtual: int) -> list[Action]:
+    """Rank ``rank``'s compute actions (F and B of its ``virtual`` stages) for one step."""
+    check(depth, microbatches, virtual)
+    total = microbatches * virtual
+    warmup = min(2 * (depth - 1 - rank) + (virtual - 1) * depth, total)
+    out = [_action(rank, depth, virtual, k, Kind.FORWARD) for k in range(warmup)]
+    for k in range(total - warmup):
+        out += [_action(rank, depth, virtual, warmup + k, Kind.FORWARD), _action(rank, depth, virtual, k, Kind.BACKWARD)]
+    out += [_action(rank, depth, virtual, k, Kind.BACKWARD) for k in range(total - warmup, total)]
+    return out
+
+
+def forwards(rank: int, depth: int, microbatches: int, virtual: int) -> list[Action]:
+    """Rank ``rank``'s forwards in the interleaved order, for inference."""
+    return [_action(rank, depth, virtual, k, Kind.FORWARD) for k in range(microbatches * virtual)]
+
+
+def rank_of_stage(stage: int, depth: int) -> int:
+    """Pipeline rank (position in the pipeline) that runs ``stage``."""
+    return stage % depth
+
+
+def stages_of_rank(rank: int, depth: int, virtual: int) -> list[int]:
+    """The stages pipeline rank ``rank`` runs, in chain order."""
+    return [chunk * depth + rank for chunk in range(virtual)]
