@@ -115,6 +115,9 @@ class AutoPlanner(Callback):
             if not callable(getattr(trainer.strategy, "reconfigure", None)):
                 raise TypeError("AutoPlanner needs Trainer(strategy=PipelineStrategy(global_batch_size=...))")
             _check_steps(self.profile_steps, trainer.max_steps)
+            if trainer.strategy.plan.virtual_stages > 1:
+                raise ValueError("AutoPlanner does not plan interleaved layouts yet: drop virtual_stages "
+                                 f"(got {trainer.strategy.plan.virtual_stages}) or the AutoPlanner callback")  # fmt: skip
             trainer.strategy.enable_reconfiguration()
             if not trainer.strategy.layout_given:
                 trainer.strategy.start_with(_safe_start(trainer.strategy.plan, trainer.strategy.global_batch_size))

@@ -8,6 +8,7 @@ from typing import Optional, Sequence, Union
 
 from lightning_pipe.partition import partition_sizes, stage_ranges
 from lightning_pipe.schedules import check_name, two_bw
+from lightning_pipe.schedules.passes import check_virtual
 from lightning_pipe.topology import Topology
 
 PartitionArg = Union[str, Sequence[int]]
@@ -30,14 +31,19 @@ class PipelinePlan:
         split_backward: split each backward into input and weight gradients (2BP).
         split_max_pending: with ``split_backward``, the most microbatches waiting for their W on
             every stage; ``None``: the schedule's placement (1F1B and 2BW: ``s`` on stage ``s``, ZB-H1).
-        partition: blocks per stage (a list of ``depth`` positive counts), or "balanced" /
+        partition: blocks per stage (a list of ``depth * virtual_stages`` positive counts), or "balanced" /
             "uniform" until :meth:`resolve` turns it into counts for a given chain, or "profile"
             (balanced by profiled time; :class:`~lightning_pipe.PipelineStrategy` resolves it).
-        recompute: activation recomputation, one flag for all stages or one per stage; kept
-            as one flag per stage. With ``split_backward`` a recomputed stage's forward keeps no
+        recompute: activation recomputation, one flag for all stages or one per stage
+            (``depth * virtual_stages`` of them); kept as one flag per stage. With ``split_backward`` a recomputed stage's forward keeps no
             graph, and I reruns it once; W reuses that graph.
         inner: which dimension's ranks are neighbours (and so share a node): "pp" (the stages
             of a pipeline, default) or "dp" (the replicas of a stage); see :class:`Topology`.
+        virtual_stages: stages per rank ``v``. Above 1 the chain is cut into ``depth * v``
+            stages, rank ``r`` of a pipeline runs stages ``r, r + depth, ...`` and the schedule
+            is interleaved 1F1B (``schedule="1f1b"``, no split backward, ``microbatches`` a
+            multiple of ``depth``; see ``schedules/interleaved.py``): the bubble shrinks ``v``
+            times for ``v`` times the messages.
     """
 
     width: int = 1
@@ -49,6 +55,7 @@ class PipelinePlan:
     partition: PartitionArg = "balanced"
     recompute: RecomputeArg = False
     inner: str = "pp"
+    virtual_stages: int = 1
 
     def __post_init__(self) -> None:
         Topology(self.width * self.depth, self.depth, self.inner)  # depth and width >= 1, a known orientation
@@ -59,6 +66,7 @@ class PipelinePlan:
         check_name(self.schedule)
         if self.schedule == "2bw":
             two_bw.check_microbatches(self.depth, self.microbatches)
+        check_virtual(self.schedule, self.depth, self.microbatches, self.virtual_stages, self.split_backward)
         self._normalise_recompute()
         self._normalise_partition()
         if self.split_max_pending is not None:
@@ -69,9 +77,9 @@ class PipelinePlan:
 
     def _normalise_recompute(self) -> None:
         flags = self.recompute
-        flags = (bool(flags),) * self.depth if isinstance(flags, bool) else tuple(bool(f) for f in flags)
-        if len(flags) != self.depth:
-            raise ValueError(f"recompute needs one flag per stage ({self.depth}), got {len(flags)}")
+        flags = (bool(flags),) * self.stages if isinstance(flags, bool) else tuple(bool(f) for f in flags)
+        if len(flags) != self.stages:
+            raise ValueError(f"recompute needs one flag per stage ({self.stages}), got {len(flags)}")
         object.__setattr__(self, "recompute", flags)
 
     def _normalise_partition(self) -> None:
@@ -81,8 +89,8 @@ class PipelinePlan:
                 raise ValueError(f"unknown partition {spec!r}; use 'balanced', 'uniform', 'profile' or a list of blocks per stage")
             return
         sizes = tuple(int(s) for s in spec)
-        if len(sizes) != self.depth or min(sizes) < 1:
-            raise ValueError(f"partition {list(sizes)} must list {self.depth} positive block counts, one per stage")
+        if len(sizes) != self.stages or min(sizes) < 1:
+            raise ValueError(f"partition {list(sizes)} must list {self.stages} positive block counts, one per stage")
         object.__setattr__(self, "partition", sizes)
 
     @classmethod
@@ -95,6 +103,15 @@ class PipelinePlan:
         depth = depth or world_size
         topology = Topology(world_size, depth)
         return cls(width=topology.width, depth=depth, **fields)  # type: ignore[arg-type]
+
+    @property
+    def stages(self) -> int:
+        """Stages the chain is cut into: ``depth * virtual_stages``."""
+        return self.depth * self.virtual_stages
+
+    def stages_of(self, pipeline_rank: int) -> list[int]:
+        """The stages the ``pipeline_rank``-th rank of a pipeline runs, in chain order."""
+        return list(range(pipeline_rank, self.stages, self.depth))
 
     @property
     def world_size(self) -> int:
@@ -119,7 +136,7 @@ class PipelinePlan:
         """
         if self.partition == "profile":
             raise ValueError("partition='profile' is resolved from a profile (PipelineStrategy does it at setup)")
-        sizes = partition_sizes(self.partition if isinstance(self.partition, str) else list(self.partition), costs, self.depth)
+        sizes = partition_sizes(self.partition if isinstance(self.partition, str) else list(self.partition), costs, self.stages)
         return self.replace(partition=tuple(sizes))
 
     def stage_ranges(self) -> list[range]:
@@ -136,8 +153,9 @@ class PipelinePlan:
         """One line: ``w x d``, microbatches, schedule, split, partition and the recomputing stages."""
         split = " + split backward" if self.split_backward else ""
         ranks = ", replicas on neighbouring ranks" if self.inner == "dp" else ""
+        virtual = f" interleaved, {self.virtual_stages} stages per rank" if self.virtual_stages > 1 else ""
         stages = [s for s, on in enumerate(self.recompute) if on]
         recompute = f", recompute stages {stages}" if stages else ""
-        return (f"w={self.width} x d={self.depth}, m={self.microbatches}, {self.schedule}{split}, "
+        return (f"w={self.width} x d={self.depth}, m={self.microbatches}, {self.schedule}{virtual}{split}, "
                 f"partition {list(self.partition) if self.is_resolved else self.partition}{recompute}{ranks}")  # fmt: skip
 

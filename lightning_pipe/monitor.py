@@ -126,6 +126,8 @@ class PipelineMonitor(Callback):
         intervals = [i for r in records for i in r["intervals"]]
         _, bubble = timeline.bubble_fraction(intervals)
         split = " + split backward" if engine.split_backward else ""
+        if engine.plan.virtual_stages > 1:
+            split += f", interleaved ({engine.plan.virtual_stages} stages per rank)"
         title = (f"{engine.schedule}{split}, step {step}: w={engine.topology.width}, d={engine.topology.depth}, "
                  f"m={engine.microbatches}, measured bubble {bubble:.0%}")  # fmt: skip
         labels = {r["rank"]: f"rank {r['rank']} (stage {r['stage']})" for r in records}

@@ -32,7 +32,8 @@ from lightning_pipe.runtime.placement import Placement, pipeline_blocks_of
 from lightning_pipe.topology import Topology
 
 _LAYOUT_DEFAULTS: dict[str, Any] = dict(schedule="1f1b", pipeline_depth=None, microbatches=1, partition="balanced",
-                                         recompute=False, split_backward=False, split_max_pending=None, inner="pp")  # fmt: skip
+                                         recompute=False, split_backward=False, split_max_pending=None, inner="pp",
+                                         virtual_stages=1)  # fmt: skip
 
 
 class PipelineStrategy(DDPStrategy):
@@ -69,6 +70,12 @@ class PipelineStrategy(DDPStrategy):
             activations stay inside a node; "dp": the replicas of a stage do, so the gradient
             all-reduce stays inside a node (multi-node jobs; ``python -m lightning_pipe.plan``
             says which carries more bytes).
+        virtual_stages: stages per rank ``v`` (default 1). Above 1 the chain is cut into
+            ``d * v`` stages, each rank runs ``v`` of them (rank ``r``: stages ``r, r + d, ...``)
+            and the schedule is interleaved 1F1B (Megatron-LM's): the bubble is ``v`` times
+            smaller for ``v`` times the messages. Needs ``schedule="1f1b"``, no split backward
+            and ``microbatches`` a multiple of ``d``; ``partition`` and ``recompute`` lists then
+            give one entry per stage (``d * v``).
         plan: the whole layout as one value, instead of the layout arguments above; its
             ``width * depth`` must equal the number of processes.
         save_distributed_checkpoint: write checkpoints as a torch.distributed.checkpoint
@@ -105,6 +112,7 @@ class PipelineStrategy(DDPStrategy):
         split_backward: bool = False,
         split_max_pending: Optional[int] = None,
         inner: str = "pp",
+        virtual_stages: int = 1,
         plan: Optional[PipelinePlan] = None,
         save_distributed_checkpoint: bool = True,
         global_batch_size: Optional[int] = None,
@@ -121,7 +129,7 @@ class PipelineStrategy(DDPStrategy):
     ) -> None:
         layout = dict(schedule=schedule, pipeline_depth=pipeline_depth, microbatches=microbatches, partition=partition,
                       recompute=recompute, split_backward=split_backward, split_max_pending=split_max_pending,
-                      inner=inner)  # fmt: skip
+                      inner=inner, virtual_stages=virtual_stages)  # fmt: skip
         self._layout = _check_layout(layout, plan)
         if global_batch_size is not None and global_batch_size < 1:
             raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
@@ -277,11 +285,11 @@ class PipelineStrategy(DDPStrategy):
         if self.deferred_batch_norm:  # a batch is this plan's microbatches
             for block in placement.blocks:
                 convert_deferred_batch_norm(block, self.plan.microbatches)
-        stage = placement.apply(self.plan, self.global_rank, self.root_device)
+        stages = placement.apply(self.plan, self.global_rank, self.root_device)
         self._plan = placement.plan
         module._pipeline_placement = placement
         rank_zero_info(placement.summary())
-        return PipelineEngine(module, stage, self.plan, self.global_rank, self._groups, self.root_device,
+        return PipelineEngine(module, stages, self.plan, self.global_rank, self._groups, self.root_device,
                               self.gradient_clip_val, self.loss, self.bucket_bytes)  # fmt: skip
 
     def _profiled_partition(self, module: Any) -> tuple[int, ...]:
@@ -304,7 +312,7 @@ class PipelineStrategy(DDPStrategy):
                 microbatch = max(batch_size(example) // self.plan.microbatches, 1)
                 with torch.random.fork_rng():  # every rank's random stream stays the same
                     profile = profile_blocks(module, example, [microbatch], repeats=2, with_loss=False)
-                sizes = planner.time_balanced(profile, self.plan.depth, microbatch)
+                sizes = planner.time_balanced(profile, self.plan.stages, microbatch)
             except Exception as err:  # noqa: BLE001 - every rank must hear of it, not wait for sizes
                 sizes = f"{type(err).__name__}: {err}"
         sizes = self.broadcast(sizes)
@@ -525,8 +533,13 @@ def _check_layout(layout: dict[str, Any], plan: Optional[PipelinePlan]) -> dict[
     depth = layout["pipeline_depth"]
     if depth is not None and depth < 1:
         raise ValueError(f"pipeline_depth must be >= 1, got {depth}")
-    hint = depth or next((len(v) for v in (layout["recompute"], layout["partition"]) if not isinstance(v, (bool, str))), 1)
-    PipelinePlan(depth=hint, **{k: v for k, v in layout.items() if k != "pipeline_depth"})
+    virtual = layout["virtual_stages"]
+    lists = [len(v) // max(virtual, 1) for v in (layout["recompute"], layout["partition"]) if not isinstance(v, (bool, str))]
+    hint = depth or next(iter(lists), None)
+    fields = {k: v for k, v in layout.items() if k != "pipeline_depth"}
+    if hint is None:  # depth comes from the world size: what needs it is checked once that is known
+        hint, fields["virtual_stages"] = 1, 1
+    PipelinePlan(depth=hint, **fields)
     return layout
 
 

@@ -89,9 +89,9 @@ class ToyChain(PipelineMixin, L.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=self.lr)
 
 
-def load_plain(cls: Any, path: Any) -> Any:
-    """``cls.load_from_checkpoint`` in this one process, consolidating a sharded (DCP) checkpoint
-    directory first, as ``python -m lightning.pytorch.utilities.consolidate_checkpoint`` does."""
+def load_plain(cls: Any, path: Any, **init: Any) -> Any:
+    """``cls.load_from_checkpoint`` in this one process (``init``: arguments of ``cls``), consolidating
+    a sharded (DCP) checkpoint directory first, as ``python -m lightning.pytorch.utilities.consolidate_checkpoint`` does."""
     from pathlib import Path
 
     from lightning.fabric.utilities.load import _load_distributed_checkpoint
@@ -102,7 +102,7 @@ def load_plain(cls: Any, path: Any) -> Any:
         file = path.with_suffix(".consolidated")
         torch.save(_format_checkpoint(_load_distributed_checkpoint(path)), file)
         path = file
-    return cls.load_from_checkpoint(path)
+    return cls.load_from_checkpoint(path, **init)
 
 
 def make_data(n: int, seed: int = 0) -> tuple[Tensor, Tensor]:
@@ -179,4 +179,4 @@ def assert_close_dicts(got: dict[str, Tensor], want: dict[str, Tensor], rtol: fl
 
 def frozen(engine: Any) -> torch.optim.Optimizer:
     """An optimizer that leaves the stage's weights unchanged, for tests that read gradients."""
-    return torch.optim.SGD(engine.stage.parameters(), lr=0.0)
+    return torch.optim.SGD(engine.parameters(), lr=0.0)

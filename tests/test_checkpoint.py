@@ -333,7 +333,7 @@ def test_placement_is_reversible_and_moves_state_by_name() -> None:
         placement.apply(PipelinePlan(), rank=0)
     placement.undo()
     assert [m for _, m in model.named_children()][0] is placement.blocks[0]  # the original blocks are back
-    stage = placement.apply(PipelinePlan(), rank=0)  # one stage: this rank now owns blocks it had dropped
+    (stage,) = placement.apply(PipelinePlan(), rank=0)  # one stage: this rank now owns blocks it had dropped
     assert placement.unfilled == {0, 1, 2, 3}
     opt = make_optimizer(model.parameters(), "adam", 1e-2)
     with pytest.raises(KeyError, match="lacks 2 weights of this stage, first: \\['embed.proj.weight'"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -63,6 +64,17 @@ class _Dict(nn.Module):
         return {"h": h}
 
 
+def test_interleaved_layout_misuse() -> None:
+    with pytest.raises(ValueError, match="virtual_stages=2 runs interleaved 1F1B: use schedule='1f1b' without split_backward"):
+        PipelineStrategy(schedule="gpipe", pipeline_depth=2, virtual_stages=2)
+    with pytest.raises(ValueError, match=r"microbatches \(6\) must be a multiple of it"):
+        PipelineStrategy(pipeline_depth=4, microbatches=6, virtual_stages=2)
+    with pytest.raises(ValueError, match=r"partition \[2, 2\] must list 4 positive block counts"):
+        PipelineStrategy(pipeline_depth=2, microbatches=2, virtual_stages=2, partition=[2, 2])
+    with pytest.raises(ValueError, match="cannot split 6 pipeline blocks over"):
+        place(ToyChain(), PipelinePlan(1, 4, 4, virtual_stages=2), rank=0)
+
+
 def test_block_returning_non_tensor() -> None:
     model = ToyChain()
     model.blocks[1] = _Dict()
@@ -120,24 +132,34 @@ class _FailingBlock(nn.Module):
         return h, mask
 
 
-def _fail_mid_step(rank: int, world: int, depth: int) -> None:
+def _fail_mid_step(rank: int, world: int, depth: int, virtual: int) -> None:
     topo = Topology(world, depth)
     groups = PipelineGroups.build(topo, rank)
-    model = ToyChain(depth=3)
+    model = ToyChain(depth=3 if virtual == 1 else 5)
     model.blocks.insert(2, _FailingBlock(at_call=7 if topo.replica_of(rank) == 0 else 0))
-    engine = place(model, PipelinePlan(topo.width, depth, 4, "1f1b", partition=[2, 1, 2, 1] if depth == 4 else "uniform"), rank, groups=groups)
-    for step in range(3):  # fails in step 2, microbatch 2
-        engine.train_step(make_data(8, seed=step), _frozen(engine))
+    partition = [2, 1, 2, 1] if (depth, virtual) == (4, 1) else "uniform"
+    plan = PipelinePlan(topo.width, depth, 4, "1f1b", partition=partition, virtual_stages=virtual)
+    engine = place(model, plan, rank, groups=groups)
+    try:
+        for step in range(3):  # fails in step 2, microbatch 2
+            engine.train_step(make_data(8, seed=step), _frozen(engine))
+    except Exception as err:
+        raise RuntimeError(f"{err} [failed at {time.time()}]") from err
 
 
-@pytest.mark.parametrize("width,depth", [(1, 4), (2, 2)])
-def test_rank_failing_mid_step_stops_every_rank(width: int, depth: int) -> None:
+@pytest.mark.parametrize("width,depth,virtual", [(1, 4, 2), (2, 2, 1)])
+def test_rank_failing_mid_step_stops_every_rank(width: int, depth: int, virtual: int) -> None:
+    # (1, 4) runs interleaved (8 stages, 2 per rank): the notice also crosses from rank 3 back to rank 0.
     start = time.monotonic()
-    out = run_workers(_fail_mid_step, width * depth, depth, timeout=90, pg_timeout=20)
+    out = run_workers(_fail_mid_step, width * depth, depth, virtual, timeout=90, pg_timeout=20)
     assert time.monotonic() - start < 60
     assert all(status == "error" for status, _ in out), out
     pipeline0 = [msg for status, msg in out[:depth]]
     assert all("boom on stage 2" in msg for msg in pipeline0), pipeline0
+    # Neighbours that abort at the same time (the other replica's ranks, failing in the gradient
+    # all-reduce; the ring's ends under interleaving) do not wait abort_timeout (10 s) for each other.
+    ends = [float(re.search(r"\[failed at ([0-9.]+)\]", msg).group(1)) for _, msg in out]  # type: ignore[union-attr]
+    assert max(ends) - min(ends) < 5, ends
 
 
 def test_trainer_rank_failing_mid_step_exits_all(tmp_path) -> None:

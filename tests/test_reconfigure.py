@@ -150,27 +150,33 @@ def _fit_auto(rank: int, world: int, memory: Any) -> dict[str, Any]:
     }
 
 
-def _fit_too_short(rank: int, world: int) -> str:
+def _fit_misused(rank: int, world: int) -> list[str]:
+    """AutoPlanner misuses, each refused at setup: a fit shorter than its profiling, an interleaved layout."""
     from lightning_pipe import AutoPlanner
 
-    trainer = L.Trainer(
-        accelerator="cpu", devices=world, max_steps=2, logger=False, enable_progress_bar=False, enable_checkpointing=False,
-        callbacks=[AutoPlanner(profile_steps=5)], strategy=PipelineStrategy(pipeline_depth=2, global_batch_size=GLOBAL),
-    )  # fmt: skip
-    try:
-        trainer.fit(ToyChain(), DataLoader(Indexed(GLOBAL * 4, 0), batch_size=GLOBAL))
-    except ValueError as err:
-        return str(err)
-    return f"no error; trained {trainer.global_step} steps"
+    messages = []
+    for steps, virtual in ((2, 1), (10, 2)):
+        trainer = L.Trainer(
+            accelerator="cpu", devices=world, max_steps=steps, logger=False, enable_progress_bar=False,
+            enable_checkpointing=False, callbacks=[AutoPlanner(profile_steps=5)],
+            strategy=PipelineStrategy(pipeline_depth=2, microbatches=2, virtual_stages=virtual, global_batch_size=GLOBAL),
+        )  # fmt: skip
+        try:
+            trainer.fit(ToyChain(), DataLoader(Indexed(GLOBAL * 4, 0), batch_size=GLOBAL))
+            messages.append(f"no error; trained {trainer.global_step} steps")
+        except ValueError as err:
+            messages.append(str(err))
+    return messages
 
 
-scenario(2, "autoplan_too_short", _fit_too_short)
+scenario(2, "autoplan_misused", _fit_misused)
 
 
-def test_autoplanner_refuses_max_steps_shorter_than_its_profiling(launched) -> None:
-    for message in launched(2).ok("autoplan_too_short"):
+def test_autoplanner_refuses_a_short_fit_and_interleaved_layouts(launched) -> None:
+    for short, interleaved in launched(2).ok("autoplan_misused"):
         assert ("AutoPlanner(profile_steps=5) profiles that many training steps before deciding, but "
-                "Trainer(max_steps=...) allows only 2") in message, message  # fmt: skip
+                "Trainer(max_steps=...) allows only 2") in short, short  # fmt: skip
+        assert "AutoPlanner does not plan interleaved layouts yet" in interleaved, interleaved
 
 
 scenario(4, "autoplan_fit", _fit_auto, None)

@@ -63,6 +63,19 @@ class TiedChain(ToyChain):
         return F.cross_entropy(output.flatten(0, 1), batch[1].flatten())
 
 
+class SharedChain(TiedChain):
+    """Embedding, four mixing blocks where the third reuses the first's layer and the fourth the
+    second's, a tied head. Interleaved at d = 2 (stages [embed, mix 0], [mix 1], [mix 2], [mix 3,
+    head]) each rank runs both users of one shared layer, and the embedding tie spans the ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Mix() for _ in range(4))
+        for user, owner in ((2, 0), (3, 1)):
+            self.blocks[user].fc.weight, self.blocks[user].fc.bias = self.blocks[owner].fc.weight, self.blocks[owner].fc.bias
+        self.lr = 0.1  # at TiedChain's 0.5 the shared layers' doubled gradients amplify rounding (5e-5 after 5 steps, any layout)
+
+
 def _data(step: int, n: int = BATCH) -> tuple[Tensor, Tensor]:
     g = torch.Generator().manual_seed(step)
     ids = torch.randint(0, VOCAB, (n, 5), generator=g)
@@ -78,14 +91,27 @@ def _worker(rank: int, world: int, depth: int) -> dict:
         model = TiedChain()
         plan = PipelinePlan(topo.width, depth, M, schedule, split, partition=[1] * (depth - 1) + [4 - depth + 1])
         engine = place(model, plan, rank, groups=groups, gradient_clip_val=clip, bucket_bytes=1)
-        opt = torch.optim.SGD(engine.stage.parameters(), lr=model.lr, momentum=0.9)
+        opt = torch.optim.SGD(engine.parameters(), lr=model.lr, momentum=0.9)
         copies = []
         for step in range(STEPS):
             engine.train_step(tuple(t.chunk(topo.width)[replica] for t in _data(step)), opt)
             copies.append({k: v.clone() for k, v in engine.current_weights().items() if k in ("embed.table.weight", "head.out.weight")})
         engine.drain()
         results[(schedule, split, clip)] = {"copies": copies, "weights": dict(engine.current_weights()), "stage": engine.stage_index}
+    if depth == 2:
+        results["interleaved"] = _interleaved(rank, topo, groups)
     return results
+
+
+def _interleaved(rank: int, topo: Topology, groups: PipelineGroups) -> dict:
+    torch.manual_seed(0)
+    model = SharedChain()
+    plan = PipelinePlan(topo.width, 2, M, "1f1b", partition=[2, 1, 1, 2], virtual_stages=2)
+    engine = place(model, plan, rank, groups=groups, bucket_bytes=1)  # buckets count the shared layers' two uses
+    opt = torch.optim.SGD(engine.parameters(), lr=model.lr, momentum=0.9)
+    for step in range(STEPS):
+        engine.train_step(tuple(t.chunk(topo.width)[topo.replica_of(rank)] for t in _data(step)), opt)
+    return {"weights": dict(engine.current_weights()), "stage": engine.stage_index}
 
 
 LAYOUTS = [(1, 2), (1, 4), (2, 2)]
@@ -113,6 +139,22 @@ def test_tied_embedding_trains_as_one_process_and_its_copies_stay_equal(launched
         for rank in ranks[depth:]:  # replicas agree bit for bit with replica 0's rank of their stage
             twin = ranks[rank[variant]["stage"]][variant]["weights"]
             assert all(torch.equal(v, twin[k]) for k, v in rank[variant]["weights"].items())
+
+
+@pytest.mark.parametrize("width", [1, 2])
+def test_layers_shared_by_two_virtual_stages_of_one_rank_train_as_one_process(launched, width: int) -> None:
+    ranks = launched(width * 2).ok(f"ties_{width}x2")
+    torch.manual_seed(0)
+    want = reference_train(SharedChain(), [_data(s) for s in range(STEPS)], optimizer="sgd")
+    merged: dict = {}
+    for rank in ranks[:2]:
+        merged.update({k: v for k, v in rank["interleaved"]["weights"].items() if k != "head.out.weight"})
+    assert_close_dicts(merged, want, rtol=1e-5, atol=1e-6)
+    assert "blocks.0.fc.weight" in ranks[0]["interleaved"]["weights"] and "blocks.1.fc.weight" in ranks[1]["interleaved"]["weights"]
+    assert "blocks.2.fc.weight" not in ranks[0]["interleaved"]["weights"]  # kept once, under its first name
+    for rank in ranks[2:]:
+        twin = ranks[rank["interleaved"]["stage"]]["interleaved"]["weights"]
+        assert all(torch.equal(v, twin[k]) for k, v in rank["interleaved"]["weights"].items())
 
 
 # -- through Trainer.fit: a checkpoint keeps one copy, resumes under another layout, loads plainly --------

@@ -3,6 +3,7 @@ predict, LR schedulers, checkpoints and bf16, all against a single-process refer
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,14 @@ for _w, _d in LAYOUTS:
         _name = f"toy_{_w}x{_d}_" + _tag(_run["schedule"], _run.get("recompute", False), _run.get("split", False),
                                          _run.get("precision", "32-true"))  # fmt: skip
         scenario(_w * _d, _name, fit_toy, _d, *[_run.get(k, v) for k, v in FIT_DEFAULTS.items()])
+
+
+#: Interleaved 1F1B: two stages per rank over a chain of 8 blocks (ToyChain with 6 residual blocks).
+INTERLEAVED_BLOCKS = 6
+for _w, _d in LAYOUTS:
+    for _rc in (False, True) if _w * _d == 2 else (False,):
+        scenario(_w * _d, f"toy_{_w}x{_d}_interleaved{'_rc' if _rc else ''}",
+                 partial(fit_toy, virtual=2, blocks=INTERLEAVED_BLOCKS), _d, "1f1b", _rc)  # fmt: skip
 
 
 class Profiled(ToyChain):
@@ -109,13 +118,14 @@ def _merged(ranks: list[dict], key: str, depth: int) -> dict[str, torch.Tensor]:
     return merged
 
 
-def _check_run(ranks: list[dict], width: int, depth: int, step_lr: bool = False, delay: int = 0) -> dict[str, torch.Tensor]:
+def _check_run(ranks: list[dict], width: int, depth: int, step_lr: bool = False, delay: int = 0,
+               blocks: int = 4) -> dict[str, torch.Tensor]:  # fmt: skip
     batches = _global_batches(ranks, width, depth)
     if delay == 0:  # under 2BW the first batch's gradient is still being accumulated after step 1
         torch.manual_seed(0)
-        assert_close_dicts(_merged(ranks, "grads", depth), reference_grads(ToyChain(), batches[0]), rtol=1e-5)
+        assert_close_dicts(_merged(ranks, "grads", depth), reference_grads(ToyChain(blocks), batches[0]), rtol=1e-5)
     torch.manual_seed(0)
-    model, losses = ToyChain(), []
+    model, losses = ToyChain(blocks), []
     want = reference_train(model, batches, losses, step_lr=step_lr, delay=delay)
     assert_close_dicts(_merged(ranks, "params", depth), want, rtol=1e-5)
     for r, rank in enumerate(ranks):  # every replica of a stage holds the same weights
@@ -159,6 +169,22 @@ def test_fit_matches_single_process(launched, width: int, depth: int) -> None:
             # here) loads into the plain module in one process.
             restored = _restored(launched, width, depth, tag)
             assert_close_dicts(dict(restored.named_parameters()), want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("width,depth", LAYOUTS)
+def test_fit_interleaved_matches_single_process(launched, width: int, depth: int) -> None:
+    for tag in ("interleaved", "interleaved_rc") if width * depth == 2 else ("interleaved",):
+        ranks = _ranks(launched, width, depth, tag)
+        assert all(r["plan"].virtual_stages == 2 and r["plan"].stages == 2 * depth for r in ranks)
+        # Each rank holds two non-adjacent stages: rank 0 of d = 2 trains blocks 0-1 and 4-5.
+        held = {n.split(".")[0] + ("." + n.split(".")[1] if n.startswith("blocks") else "") for n in ranks[0]["params"]}
+        size = (INTERLEAVED_BLOCKS + 2) // (2 * depth)
+        chain = ["embed", *[f"blocks.{i}" for i in range(INTERLEAVED_BLOCKS)], "head"]
+        assert held == {chain[i] for s in (0, depth) for i in range(s * size, (s + 1) * size)}
+        want = _check_run(ranks, width, depth, blocks=INTERLEAVED_BLOCKS)
+        path = launched(width * depth).dir(f"toy_{width}x{depth}_{tag}") / "ckpt" / "last.ckpt"
+        restored = load_plain(ToyChain, path, depth=INTERLEAVED_BLOCKS)
+        assert_close_dicts(dict(restored.named_parameters()), want, rtol=1e-5)
 
 
 def test_fit_through_lightning_launcher_with_scheduler_logs_loss(tmp_path: Path) -> None:

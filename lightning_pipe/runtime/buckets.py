@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,10 +28,14 @@ class GradientBuckets:
         group: the process group of the stage's replicas.
         width: replicas of the stage.
         cap_bytes: most bytes of one bucket.
+        uses: accumulations per microbatch of a parameter, by ``id``, where not one (a parameter
+            that several virtual stages of the rank share).
     """
 
-    def __init__(self, params: Sequence[Tensor], group: Any, width: int, cap_bytes: int) -> None:
+    def __init__(self, params: Sequence[Tensor], group: Any, width: int, cap_bytes: int,
+                 uses: Optional[Mapping[int, int]] = None) -> None:  # fmt: skip
         self.group, self.width = group, width
+        self._uses = dict(uses or {})  # accumulations per microbatch, by id: a parameter two stages share gets two
         self.buckets = _group_by_size([p for p in reversed(list(params)) if p.requires_grad], cap_bytes)
         self._place = {id(p): (i, offset) for i, bucket in enumerate(self.buckets) for p, offset in _offsets(bucket)}
         self.expected = 0  # accumulations that make a gradient final; 0: not armed (no training step running)
@@ -53,13 +57,13 @@ class GradientBuckets:
             if id(p) not in self._place:
                 continue
             i = self._place[id(p)][0]
-            count = self._counts.get(id(p), 0) + 1
-            if count > self.expected:
+            count, final = self._counts.get(id(p), 0) + 1, self.expected * self._uses.get(id(p), 1)
+            if count > final:
                 raise RuntimeError(f"a parameter of shape {tuple(p.shape)} received {count} gradient accumulations in "
                                    f"one batch of {self.expected} microbatches: its bucket was already all-reduced")  # fmt: skip
             self._counts[id(p)] = count
             self._adopt(i, p)
-            if count == self.expected:
+            if count == final:
                 self._ready[i] += 1
         while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next]):
             self._post(self._next)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -18,7 +18,16 @@ from lightning_pipe.runtime.stage import Stage
 from lightning_pipe.runtime.ties import TiedGradients
 from lightning_pipe.runtime.update import UpdatePath
 from lightning_pipe.runtime.versions import WeightVersions
-from lightning_pipe.schedules import Action, build_inference, build_schedule, two_bw_drain, two_bw_run, two_bw_window, verify
+from lightning_pipe.schedules import (
+    Action,
+    build_inference,
+    build_schedule,
+    receive_order,
+    two_bw_drain,
+    two_bw_run,
+    two_bw_window,
+    verify,
+)
 from lightning_pipe.timeline import Trace
 
 
@@ -35,7 +44,8 @@ class PipelineEngine:
 
     Args:
         module: the user's model (its ``pipeline_inputs`` and ``pipeline_loss`` are called).
-        stage: the blocks this rank runs.
+        stage: the blocks this rank runs: one stage, or (``plan.virtual_stages > 1``) its
+            stages in chain order, as :meth:`~lightning_pipe.runtime.placement.Placement.apply` returns them.
         plan: the layout (schedule, microbatches, split backward, depth and width).
         rank: this process's global rank.
         groups: the layout's process groups; ``None`` only when running one process.
@@ -52,7 +62,7 @@ class PipelineEngine:
 
     LOSS_MODES = ("current", "previous")
 
-    def __init__(self, module: nn.Module, stage: Stage, plan: PipelinePlan, rank: int,
+    def __init__(self, module: nn.Module, stage: Union[Stage, Sequence[Stage]], plan: PipelinePlan, rank: int,
                  groups: Optional[PipelineGroups] = None, device: Optional[torch.device] = None,
                  gradient_clip_val: Optional[float] = None, loss: str = "current",
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:  # fmt: skip
@@ -60,18 +70,24 @@ class PipelineEngine:
             raise ValueError(f"loss must be one of {self.LOSS_MODES}, got {loss!r}")
         if groups is None and plan.world_size > 1:
             raise ValueError(f"a {plan.width} x {plan.depth} plan needs its process groups (PipelineGroups.build)")
-        self.module, self.stage, self.plan, self.rank, self.groups = module, stage, plan, rank, groups
+        self.module, self.plan, self.rank, self.groups = module, plan, rank, groups
+        self.stages = [stage] if isinstance(stage, Stage) else list(stage)
         self.topology = plan.topology
         self.device = device or torch.device("cpu")
-        self.stage_index = self.topology.stage_of(rank)
+        self.stage_index = self.topology.stage_of(rank)  # this rank's position in its pipeline
         self.position = self._position()
+        self.positions = [self._stage_position(st.index) for st in self.stages] if plan.virtual_stages > 1 else [self.position]
         self.streaming = plan.schedule == "2bw"  # the stream of microbatches runs on across steps
-        self.versions = WeightVersions(self.stage.parameters(), double=self.streaming)
-        self.update = UpdatePath(self.versions, plan.width, groups, self.device, gradient_clip_val, bucket_bytes)
+        params = {id(p): p for st in self.stages for p in st.parameters()}  # a tie between two of them: once
+        self._parameters = list(params.values())
+        self.versions = WeightVersions(self._parameters, double=self.streaming)
+        uses = [sum(any(q is p for q in st.parameters()) for st in self.stages) for p in self._parameters]
+        self.update = UpdatePath(self.versions, plan.width, groups, self.device, gradient_clip_val, bucket_bytes, uses)
         self.update.watch(self.versions.slots[0])
-        if stage.ties and groups is not None:  # every rank builds every tie's groups
+        ties = self.stages[0].ties
+        if ties and groups is not None:  # every rank builds every tie's groups
             names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
-            self.update.ties = TiedGradients(stage.ties, [names[id(p)] for p in stage.parameters()], self.topology, rank)
+            self.update.ties = TiedGradients(ties, [names[id(p)] for p in params.values()], self.topology, rank)
         self.last_peak_stash = 0
         self.last_peak_stash_bytes = 0
         self.trace = Trace(rank)
@@ -80,10 +96,21 @@ class PipelineEngine:
         self.loss_mode = loss
         self._loss_work: Any = None
         self._previous: Optional[tuple[Tensor, Any]] = None  # the last step's loss and its broadcast
-        self._programs: dict[tuple[bool, int], list[Action]] = {}
+        self._programs: dict[tuple[bool, int], tuple[list[Action], dict[int, list[Action]]]] = {}
         self._restart()
         if self.streaming:
             verify(two_bw_run(plan.depth, plan.microbatches, 3, plan.split_backward), 3 * plan.microbatches)
+
+    @property
+    def stage(self) -> Stage:
+        """The blocks this rank runs (one stage per rank; see :attr:`stages` otherwise)."""
+        if len(self.stages) != 1:
+            raise RuntimeError(f"this rank runs {len(self.stages)} virtual stages; read engine.stages")
+        return self.stages[0]
+
+    def parameters(self) -> list[nn.Parameter]:
+        """Trainable parameters of every stage this rank runs, without duplicates (what its optimizer steps)."""
+        return list(self._parameters)
 
     @property
     def schedule(self) -> str:
@@ -121,6 +148,13 @@ class PipelineEngine:
         nxt = self.topology.rank_of(replica, s + 1) if s < d - 1 else None
         return Position(s, d, prev, nxt)
 
+    def _stage_position(self, stage: int) -> Position:
+        """Where virtual stage ``stage`` sits: its neighbours are on the ranks before and after this one."""
+        stages, d, replica = self.plan.stages, self.topology.depth, self.topology.replica_of(self.rank)
+        prev = self.topology.rank_of(replica, (stage - 1) % d) if stage > 0 else None
+        nxt = self.topology.rank_of(replica, (stage + 1) % d) if stage < stages - 1 else None
+        return Position(stage, stages, prev, nxt)
+
     @property
     def last_rank(self) -> int:
         """Global rank of the last stage of this rank's pipeline."""
@@ -129,31 +163,34 @@ class PipelineEngine:
     # -- programs --------------------------------------------------------------------------
     def train_program(self, microbatches: int) -> list[Action]:
         """This rank's verified actions for one flushed training step."""
-        return self._program(True, microbatches)
+        return self._program(True, microbatches)[0]
 
     def inference_program(self, microbatches: int) -> list[Action]:
         """This rank's verified forward-only actions."""
-        return self._program(False, microbatches)
+        return self._program(False, microbatches)[0]
 
-    def _program(self, train: bool, microbatches: int) -> list[Action]:
+    def _program(self, train: bool, microbatches: int) -> tuple[list[Action], dict[int, list[Action]]]:
+        """This rank's actions and, per source rank, its receives in the order they arrive."""
         key = (train, microbatches)
         if key not in self._programs:
-            d = self.topology.depth
+            d, v = self.topology.depth, self.plan.virtual_stages
             program = (
-                build_schedule(self.schedule, d, microbatches, self.split_backward, self.plan.split_max_pending)
+                build_schedule(self.schedule, d, microbatches, self.split_backward, self.plan.split_max_pending, v)
                 if train
-                else build_inference(d, microbatches)
+                else build_inference(d, microbatches, v)
             )
-            verify(program, microbatches, train=train)
-            self._programs[key] = program[self.stage_index]
+            verify(program, microbatches, train=train, virtual=v)
+            replica = self.topology.replica_of(self.rank)
+            arrivals = {self.topology.rank_of(replica, q): keys for q, keys in receive_order(program, self.stage_index).items()}
+            self._programs[key] = (program[self.stage_index], arrivals)
         return self._programs[key]
 
-    def _window(self) -> list[Action]:
-        if self.streaming:
+    def _window(self) -> tuple[list[Action], Optional[dict[int, list[Action]]]]:
+        if self.streaming:  # a window's receives are read in the order its neighbours send them
             return two_bw_window(self.topology.depth, self.microbatches, self._batches, self.split_backward)[
                 self.stage_index
-            ]
-        return self.train_program(self.microbatches)
+            ], None
+        return self._program(True, self.microbatches)
 
     def _hooks(self) -> Hooks:
         return Hooks(
@@ -170,11 +207,12 @@ class PipelineEngine:
         self.update.watch(self.versions.grads_of(batch))
         return weights
 
-    def _train(self, actions: list[Action], wait: bool, trace: Optional[Trace] = None) -> None:
+    def _train(self, actions: list[Action], wait: bool, trace: Optional[Trace] = None,
+               arrivals: Optional[dict[int, list[Action]]] = None) -> None:  # fmt: skip
         """Run a training program: gradient buckets count accumulations only meanwhile."""
         self.update.arm(self.microbatches)
         try:
-            self._run(actions, self._state, wait=wait, trace=trace)
+            self._run(actions, self._state, wait=wait, trace=trace, arrivals=arrivals)
         finally:
             self.update.arm(0)
 
@@ -182,9 +220,10 @@ class PipelineEngine:
         """Release what outlives a step (gradient hooks on the parameters) before another layout is placed."""
         self.update.close()
 
-    def _run(self, actions: list[Action], state: StepState, wait: bool = True, trace: Optional[Trace] = None) -> StepState:
-        return Executor(self.stage, self.position, self.device, self._hooks(), trace=trace if self.instrument else None,
-                        links=self.links, account=self.instrument).run(actions, state, wait)  # fmt: skip
+    def _run(self, actions: list[Action], state: StepState, wait: bool = True, trace: Optional[Trace] = None,
+             arrivals: Optional[dict[int, list[Action]]] = None) -> StepState:  # fmt: skip
+        return Executor(self.stages, self.positions, self.device, self._hooks(), trace=trace if self.instrument else None,
+                        links=self.links, account=self.instrument).run(actions, state, wait, arrivals)  # fmt: skip
 
     # -- steps -----------------------------------------------------------------------------
     def train_step(self, batch: Any, optimizer: Optimizer, on_step: Optional[Callable[[], None]] = None) -> Tensor:
@@ -208,7 +247,8 @@ class PipelineEngine:
         loss, self._loss_work = torch.zeros((), device=self.device), None
         if not self.position.is_last:
             self._share_loss(loss)  # posted now, filled when the last stage has the loss
-        self._train(self._window(), wait=not self.streaming, trace=self.trace)
+        actions, arrivals = self._window()
+        self._train(actions, wait=not self.streaming, trace=self.trace, arrivals=arrivals)
         self._batches += 1
         if self.position.is_last:
             loss = self._shared_loss
@@ -272,7 +312,8 @@ class PipelineEngine:
         microbatches, shares = microbatches[:first], shares[:first]
         state = StepState({}, {}, train=False)
         state.add_batch(0, microbatches, shares)
-        state = self._run(self.inference_program(len(microbatches)), state)
+        actions, arrivals = self._program(False, len(microbatches))
+        state = self._run(actions, state, arrivals=arrivals)
         if not self.position.is_last:
             return self._from_last_stage(torch.zeros((), device=self.device) if with_loss else None)
         outputs = [state.results[k] for k in range(len(microbatches))]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
 from collections import Counter, deque
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -88,21 +91,25 @@ class Outbox:
         self.messages.clear()
 
 
+Key = tuple[int, int]  # (stage, microbatch): a rank may run several stages (interleaved 1F1B)
+
+
 @dataclass
 class StepState:
-    """Everything kept between actions, keyed by microbatch (2BW keeps it across steps)."""
+    """Everything kept between actions (2BW keeps it across steps): per-stage tensors keyed by
+    (stage, microbatch), the batch's microbatches and the results keyed by microbatch."""
 
     microbatches: dict[int, Any]
     shares: dict[int, float]
     train: bool = True
     weights: Optional[list[Tensor]] = None
-    inputs: dict[int, Tensors] = field(default_factory=dict)
-    outputs: dict[int, Tensors] = field(default_factory=dict)
-    losses: dict[int, Tensor] = field(default_factory=dict)
-    grads: dict[int, Tensors] = field(default_factory=dict)
-    input_grads: dict[int, Tensors] = field(default_factory=dict)
-    weight_work: dict[int, split.WeightWork] = field(default_factory=dict)
-    replay: dict[int, "Replay"] = field(default_factory=dict)  # split backward with recompute: how to rerun F
+    inputs: dict[Key, Tensors] = field(default_factory=dict)
+    outputs: dict[Key, Tensors] = field(default_factory=dict)
+    losses: dict[Key, Tensor] = field(default_factory=dict)
+    grads: dict[Key, Tensors] = field(default_factory=dict)
+    input_grads: dict[Key, Tensors] = field(default_factory=dict)
+    weight_work: dict[Key, split.WeightWork] = field(default_factory=dict)
+    replay: dict[Key, "Replay"] = field(default_factory=dict)  # split backward with recompute: how to rerun F
     results: dict[int, Any] = field(default_factory=dict)
     loss_sum: Optional[Tensor] = None  # on the loss's device: read once per step, never per microbatch
     losses_left: int = 0
@@ -110,7 +117,7 @@ class StepState:
     received: Counter[int] = field(default_factory=Counter)
     live: int = 0
     peak_stash: int = 0
-    held_bytes: dict[int, int] = field(default_factory=dict)
+    held_bytes: dict[Key, int] = field(default_factory=dict)
     live_bytes: int = 0
     peak_stash_bytes: int = 0
 
@@ -126,15 +133,15 @@ class StepState:
         self.live += delta
         self.peak_stash = max(self.peak_stash, self.live)
 
-    def hold(self, k: int, nbytes: int) -> None:
-        """Account ``nbytes`` more held for microbatch ``k`` (saved activations, captured gradients)."""
-        self.held_bytes[k] = self.held_bytes.get(k, 0) + nbytes
+    def hold(self, key: Key, nbytes: int) -> None:
+        """Account ``nbytes`` more held for a stage's microbatch (saved activations, captured gradients)."""
+        self.held_bytes[key] = self.held_bytes.get(key, 0) + nbytes
         self.live_bytes += nbytes
         self.peak_stash_bytes = max(self.peak_stash_bytes, self.live_bytes)
 
-    def release(self, k: int) -> None:
-        """Microbatch ``k``'s backward is complete: its bytes are freed."""
-        self.live_bytes -= self.held_bytes.pop(k, 0)
+    def release(self, key: Key) -> None:
+        """A stage's backward of a microbatch is complete: its bytes are freed."""
+        self.live_bytes -= self.held_bytes.pop(key, 0)
 
 
 @dataclass
@@ -186,8 +193,9 @@ class Executor:
     """Execute a rank's actions; never decides what runs next, only how each kind runs.
 
     Args:
-        stage: the blocks this rank owns.
-        position: the rank's place in its pipeline.
+        stage: the blocks this rank owns: one :class:`Stage`, or several (interleaved 1F1B),
+            each run by the actions that name its ``index``.
+        position: the rank's place in its pipeline, one per stage (aligned with ``stage``).
         device: where received tensors are allocated.
         hooks: user inputs/loss and the engine's all-reduce and optimizer step.
         abort_timeout: how long to wait for abort notices to reach neighbours on failure.
@@ -197,15 +205,20 @@ class Executor:
         links: what each link last carried (kept by the engine across programs, see :class:`p2p.Links`).
     """
 
-    def __init__(self, stage: Stage, position: Position, device: torch.device, hooks: Hooks,
-                 abort_timeout: float = 10.0, trace: Optional[Trace] = None, links: Optional[p2p.Links] = None,
-                 account: bool = False) -> None:  # fmt: skip
-        self.stage, self.position, self.device, self.hooks = stage, position, device, hooks
+    def __init__(self, stage: Union[Stage, Sequence[Stage]], position: Union[Position, Sequence[Position]],
+                 device: torch.device, hooks: Hooks, abort_timeout: float = 10.0, trace: Optional[Trace] = None,
+                 links: Optional[p2p.Links] = None, account: bool = False) -> None:  # fmt: skip
+        stages = [stage] if isinstance(stage, Stage) else list(stage)
+        positions = [position] if isinstance(position, Position) else list(position)
+        self._chunks = {p.stage: (st, p) for st, p in zip(stages, positions, strict=True)}
+        self._lowest = min(self._chunks)  # its backward of a microbatch is this rank's last
+        self.device, self.hooks = device, hooks
         self.abort_timeout, self.trace, self.account = abort_timeout, trace, account
         self.links = links if links is not None else p2p.Links()
-        self._left: Counter[int] = Counter()
-        self._replay_forward = False  # split backward on a recomputed stage: F keeps no graph, I reruns it
+        self._replayed: set[int] = set()  # split backward on a recomputed stage: F keeps no graph, I reruns it
         self._incoming: dict[int, p2p.Incoming] = {}
+        self._expected: dict[int, deque[Action]] = {}  # per source: the receives still to come, in send order
+        self._arrived: dict[Action, Tensors] = {}  # received ahead of the action that reads them
         self._handlers: dict[Kind, Callable[[Action, StepState], Optional[float]]] = {
             Kind.FORWARD: self._forward,
             Kind.BACKWARD: self._backward,
@@ -220,18 +233,29 @@ class Executor:
             Kind.WEIGHT_GRAD: self._weight_grad,
         }
 
-    def run(self, actions: list[Action], state: StepState, wait: bool = True) -> StepState:
-        """Run ``actions`` in order; on any error tell both neighbours, then re-raise.
+    def _stage(self, a: Action) -> Stage:
+        return self._chunks[a.stage][0]
+
+    def _position(self, a: Action) -> Position:
+        return self._chunks[a.stage][1]
+
+    def run(self, actions: list[Action], state: StepState, wait: bool = True,
+            arrivals: Optional[Mapping[int, list[Action]]] = None) -> StepState:  # fmt: skip
+        """Run ``actions`` in order; on any error tell every neighbour, then re-raise.
 
         Args:
             actions: this rank's program.
             state: what the program reads and writes.
             wait: wait for every posted send before returning. 2BW windows pass ``False``:
                 a neighbour receives the last sends of a window only in its next window.
+            arrivals: per source rank, this program's receives from it in the order it sends
+                them (:func:`~lightning_pipe.schedules.receive_order`); default: the order the
+                program reads them, right whenever one rank sends only one kind to another.
         """
-        self._replay_forward = self.stage.recompute and any(a.kind is Kind.INPUT_GRAD for a in actions)
+        split_run = any(a.kind is Kind.INPUT_GRAD for a in actions)
+        self._replayed = {s for s, (stage, _) in self._chunks.items() if stage.recompute and split_run}
         try:
-            self._post_receives(actions)
+            self._post_receives(actions, arrivals)
             for action in actions:
                 start = now()
                 ready = self._handlers[action.kind](action, state)  # when its own work began, if it waited first
@@ -248,29 +272,30 @@ class Executor:
 
     # -- compute ---------------------------------------------------------------------------
     def _forward(self, a: Action, st: StepState) -> None:
-        k = a.microbatch
+        k, key, position = a.microbatch, (a.stage, a.microbatch), self._position(a)
         mb = st.microbatches[k]
-        inputs = as_tuple(self.hooks.inputs(mb), "pipeline_inputs") if self.position.is_first else st.inputs.pop(k)
+        inputs = as_tuple(self.hooks.inputs(mb), "pipeline_inputs") if position.is_first else st.inputs.pop(key)
         if st.train:
-            st.inputs[k] = inputs
-        replay = self._replay_forward and st.train
+            st.inputs[key] = inputs
+        replay = a.stage in self._replayed and st.train
         if replay:  # the graph is built once, by I's recomputation, and W reuses it
-            st.replay[k] = Replay.capture(st.weights, self.device)
-        with saved_bytes(self.stage.parameters()) if self.account and st.train else nullcontext([0]) as counted, \
+            st.replay[key] = Replay.capture(st.weights, self.device)
+        stage = self._stage(a)
+        with saved_bytes(stage.parameters()) if self.account and st.train else nullcontext([0]) as counted, \
                 torch.no_grad() if replay else nullcontext():  # fmt: skip
-            outputs = self.stage(inputs, st.weights)
+            outputs = stage(inputs, st.weights)
         if st.train:
             st.stash(1)
-            st.hold(k, counted[0])
-        if not self.position.is_last:
-            st.outputs[k] = outputs
+            st.hold(key, counted[0])
+        if not position.is_last:
+            st.outputs[key] = outputs
         elif st.train:
             loss = self._loss(outputs, mb) * st.shares[k]
             st.loss_sum = loss.detach() if st.loss_sum is None else st.loss_sum + loss.detach()
             st.losses_left -= 1
             if st.losses_left == 0:  # the newest batch's loss is complete: share it now
                 self.hooks.loss_done(st.loss_sum)
-            st.losses[k] = loss
+            st.losses[key] = loss
         else:
             st.results[k] = _unwrap(outputs)
 
@@ -283,94 +308,120 @@ class Executor:
             raise TypeError(f"pipeline_loss must return a scalar Tensor, got {type(loss).__name__}")
         return loss.reshape(())
 
-    def _roots(self, k: int, st: StepState) -> tuple[list[Tensor], list[Optional[Tensor]]]:
-        """What microbatch ``k``'s backward starts from: the loss, or outputs and their gradients."""
-        if self.position.is_last:
-            pairs: list[tuple[Tensor, Optional[Tensor]]] = [(st.losses.pop(k), None)]
+    def _roots(self, a: Action, st: StepState) -> tuple[list[Tensor], list[Optional[Tensor]]]:
+        """What a stage's backward of a microbatch starts from: the loss, or outputs and their gradients."""
+        key = (a.stage, a.microbatch)
+        if self._position(a).is_last:
+            pairs: list[tuple[Tensor, Optional[Tensor]]] = [(st.losses.pop(key), None)]
         else:
-            floats = [o for o in st.outputs.pop(k) if o.is_floating_point()]
-            pairs = list(zip(floats, st.grads.pop(k)))
+            floats = [o for o in st.outputs.pop(key) if o.is_floating_point()]
+            pairs = list(zip(floats, st.grads.pop(key)))
         pairs = [(root, grad) for root, grad in pairs if root.requires_grad]
         return [r for r, _ in pairs], [g for _, g in pairs]
 
-    def _keep_input_grads(self, k: int, st: StepState, floats: list[Tensor], grads: list[Optional[Tensor]]) -> None:
-        st.microbatches.pop(k, None)
-        st.shares.pop(k, None)
-        if not self.position.is_first:
-            st.input_grads[k] = tuple(g if g is not None else torch.zeros_like(x) for x, g in zip(floats, grads))
+    def _keep_input_grads(self, a: Action, st: StepState, floats: list[Tensor], grads: list[Optional[Tensor]]) -> None:
+        if a.stage == self._lowest:  # no stage of this rank reads the microbatch any more
+            st.microbatches.pop(a.microbatch, None)
+            st.shares.pop(a.microbatch, None)
+        if not self._position(a).is_first:
+            st.input_grads[a.stage, a.microbatch] = tuple(g if g is not None else torch.zeros_like(x) for x, g in zip(floats, grads))
 
     def _backward(self, a: Action, st: StepState) -> None:
-        k = a.microbatch
-        roots, grads = self._roots(k, st)
+        key = (a.stage, a.microbatch)
+        roots, grads = self._roots(a, st)
         if roots:
             torch.autograd.backward(roots, grads)
-        floats = [x for x in st.inputs.pop(k) if x.is_floating_point()]
-        self._keep_input_grads(k, st, floats, [x.grad for x in floats])
+        floats = [x for x in st.inputs.pop(key) if x.is_floating_point()]
+        self._keep_input_grads(a, st, floats, [x.grad for x in floats])
         st.stash(-1)
-        st.release(k)
+        st.release(key)
 
-    def _replayed_roots(self, k: int, st: StepState) -> tuple[list[Tensor], list[Optional[Tensor]]]:
-        """Split backward with recompute: run microbatch ``k``'s forward again, with its graph,
+    def _replayed_roots(self, a: Action, st: StepState) -> tuple[list[Tensor], list[Optional[Tensor]]]:
+        """Split backward with recompute: run a microbatch's forward again, with its graph,
         on the weights and random state of its first run, and return what I starts from."""
-        replay = st.replay.pop(k)
-        with replay.restored(self.device), saved_bytes(self.stage.parameters()) if self.account else nullcontext([0]) as counted:
-            outputs = self.stage.recompute_forward(st.inputs[k], replay.weights)
+        key, stage = (a.stage, a.microbatch), self._stage(a)
+        replay = st.replay.pop(key)
+        with replay.restored(self.device), saved_bytes(stage.parameters()) if self.account else nullcontext([0]) as counted:
+            outputs = stage.recompute_forward(st.inputs[key], replay.weights)
         if self.account:
-            st.hold(k, counted[0])
-        if self.position.is_last:
-            st.losses.pop(k)
-            st.losses[k] = self._loss(outputs, st.microbatches[k]) * st.shares[k]
+            st.hold(key, counted[0])
+        if self._position(a).is_last:
+            st.losses.pop(key)
+            st.losses[key] = self._loss(outputs, st.microbatches[a.microbatch]) * st.shares[a.microbatch]
         else:
-            st.outputs[k] = outputs
-        return self._roots(k, st)
+            st.outputs[key] = outputs
+        return self._roots(a, st)
 
     def _input_grad(self, a: Action, st: StepState) -> None:
-        k = a.microbatch
-        roots, grads = self._replayed_roots(k, st) if k in st.replay else self._roots(k, st)
-        floats = [x for x in st.inputs.pop(k) if x.is_floating_point()]
+        key = (a.stage, a.microbatch)
+        roots, grads = self._replayed_roots(a, st) if key in st.replay else self._roots(a, st)
+        floats = [x for x in st.inputs.pop(key) if x.is_floating_point()]
         needing = [x for x in floats if x.requires_grad]
         found, work = split.input_grads(roots, grads, needing) if roots else ([], split.WeightWork([], [], []))
         by_input = {id(x): g for x, g in zip(needing, found)}
-        self._keep_input_grads(k, st, floats, [by_input.get(id(x)) for x in floats])
-        st.weight_work[k] = work
+        self._keep_input_grads(a, st, floats, [by_input.get(id(x)) for x in floats])
+        st.weight_work[key] = work
         if self.account:
-            st.hold(k, sum(g.numel() * g.element_size() for group in work.grads for g in group if g is not None))
+            st.hold(key, sum(g.numel() * g.element_size() for group in work.grads for g in group if g is not None))
 
     def _weight_grad(self, a: Action, st: StepState) -> None:
-        self.hooks.weights_accumulated(split.weight_grads(st.weight_work.pop(a.microbatch)))
+        key = (a.stage, a.microbatch)
+        self.hooks.weights_accumulated(split.weight_grads(st.weight_work.pop(key)))
         st.stash(-1)
-        st.release(a.microbatch)
+        st.release(key)
 
     # -- communication ---------------------------------------------------------------------
-    def _send(self, tensors: Tensors, dst: int, st: StepState) -> None:
+    def _send(self, tensors: Tensors, dst: Optional[int], st: StepState) -> None:
+        assert dst is not None
         box = st.sent.setdefault(dst, Outbox())
         box.post(p2p.send_tensors(tensors, dst, self.device, ack=st.received[dst], posted=self.links.sent.get(dst)), tensors)
         self.links.sent[dst] = p2p.specs_of(tensors)
 
     def _send_act(self, a: Action, st: StepState) -> None:
-        outputs = st.outputs[a.microbatch] if st.train else st.outputs.pop(a.microbatch)
-        self._send(outputs, self.position.next_rank, st)
+        key = (a.stage, a.microbatch)
+        outputs = st.outputs[key] if st.train else st.outputs.pop(key)
+        self._send(outputs, self._position(a).next_rank, st)
 
     def _send_grad(self, a: Action, st: StepState) -> None:
-        self._send(st.input_grads.pop(a.microbatch), self.position.prev_rank, st)
+        self._send(st.input_grads.pop((a.stage, a.microbatch)), self._position(a).prev_rank, st)
 
-    def _post_receives(self, actions: list[Action]) -> None:
+    def _source(self, a: Action) -> Optional[int]:
+        position = self._position(a)
+        return position.prev_rank if a.kind is Kind.RECV_ACT else position.next_rank
+
+    def _post_receives(self, actions: list[Action], arrivals: Optional[Mapping[int, list[Action]]]) -> None:
         """Post the first receive from each neighbour the program reads from.
 
         Each receive is posted one ahead (the next from a neighbour as soon as the previous is
         in), and its payload as soon as its header arrives, so transfers overlap compute rather
         than start when the schedule reaches them. Only receives the program will consume are
-        posted, so none is left over for the next program.
+        posted, so none is left over for the next program. Messages from one neighbour arrive
+        in the order it sent them; one that arrives before its action is kept until then.
         """
-        sources = {Kind.RECV_ACT: self.position.prev_rank, Kind.RECV_GRAD: self.position.next_rank}
-        self._left = Counter(sources[a.kind] for a in actions if a.kind in sources)
-        self._incoming = {src: self._incoming_from(src) for src in self._left}
+        if arrivals is None:
+            order: dict[int, list[Action]] = {}
+            for a in actions:
+                if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
+                    order.setdefault(self._source(a), []).append(a)  # type: ignore[arg-type]
+            arrivals = order
+        self._expected = {src: deque(keys) for src, keys in arrivals.items() if keys}
+        self._arrived = {}
+        self._incoming = {src: self._incoming_from(src) for src in self._expected}
 
     def _incoming_from(self, src: int) -> p2p.Incoming:
         return p2p.Incoming(src, self.device, expected=self.links.received.get(src))
 
-    def _receive(self, src: Optional[int], st: StepState) -> Tensors:
-        assert src is not None
+    def _receive(self, a: Action, st: StepState) -> Tensors:
+        src = self._source(a)
+        while a not in self._arrived:
+            if src not in self._incoming:
+                raise RuntimeError(f"{a} waits for a message rank {src} never sends in this program")
+            key = self._expected[src].popleft()
+            self._arrived[key] = self._next_message(src, st)
+        return self._arrived.pop(a)
+
+    def _next_message(self, src: int, st: StepState) -> Tensors:
+        """Wait for the next message from ``src`` and post the receive of the one after it."""
         incoming = self._incoming.pop(src)
         try:
             received = incoming.wait()
@@ -381,18 +432,17 @@ class Executor:
         st.received[src] += 1
         if src in st.sent:
             st.sent[src].release(incoming.ack)
-        self._left[src] -= 1
-        if self._left[src]:
+        if self._expected[src]:
             self._incoming[src] = self._incoming_from(src)
         return received
 
     def _recv_act(self, a: Action, st: StepState) -> None:
-        received = self._receive(self.position.prev_rank, st)
+        received = self._receive(a, st)
         grad = st.train and torch.is_grad_enabled()
-        st.inputs[a.microbatch] = tuple(t.requires_grad_(grad and t.is_floating_point()) for t in received)
+        st.inputs[a.stage, a.microbatch] = tuple(t.requires_grad_(grad and t.is_floating_point()) for t in received)
 
     def _recv_grad(self, a: Action, st: StepState) -> None:
-        st.grads[a.microbatch] = self._receive(self.position.next_rank, st)
+        st.grads[a.stage, a.microbatch] = self._receive(a, st)
 
     def _wait(self, st: StepState) -> None:
         for box in st.sent.values():
@@ -401,16 +451,48 @@ class Executor:
     # -- failure ---------------------------------------------------------------------------
     def _abort(self, err: BaseException) -> None:
         source = getattr(err, "source_rank", None)
+        stages = sorted(self._chunks)
         if isinstance(err, p2p.PipelineAbortedError):
             message = str(err)
         else:
             rank = dist.get_rank() if dist.is_initialized() else 0
-            message = f"stage {self.position.stage} (rank {rank}) failed: {type(err).__name__}: {err}"
-        for peer in (self.position.prev_rank, self.position.next_rank):
-            if peer is None or peer == source:
-                continue
+            message = f"stage {stages[0] if len(stages) == 1 else stages} (rank {rank}) failed: {type(err).__name__}: {err}"
+        peers = {peer for _, p in self._chunks.values() for peer in (p.prev_rank, p.next_rank)} - {None, source}
+        posted = {}
+        for peer in sorted(peers):  # type: ignore[type-var]
             try:
-                for work in p2p.send_abort(message, peer, self.device, posted=self.links.sent.pop(peer, None)):
-                    work.wait(timedelta(seconds=self.abort_timeout))
+                posted[peer] = p2p.send_abort(message, peer, self.device, posted=self.links.sent.pop(peer, None))
             except Exception:  # noqa: BLE001 - the peer may already be gone; the original error matters
                 pass
+        self._deliver(posted)
+
+    def _deliver(self, posted: dict[int, list[dist.Work]]) -> None:
+        """Wait until every neighbour has received its abort notice, or has sent one itself (it is
+        aborting too and never reads ours: waiting for that would take ``abort_timeout``).
+
+        Gloo reports a transfer complete only once waited on, so each wait runs in a thread
+        (daemon: one still waiting when the process exits is simply dropped).
+        """
+        settled = {peer: threading.Event() for peer in posted}
+        deadline = time.monotonic() + self.abort_timeout
+
+        def delivered(peer: int) -> None:
+            for work in posted[peer]:
+                with contextlib.suppress(Exception):  # a peer that is gone: nothing more to do
+                    work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.01)))
+            settled[peer].set()
+
+        def aborting(peer: int, notice: p2p.Incoming) -> None:
+            try:
+                notice.wait()
+            except p2p.PipelineAbortedError:
+                settled[peer].set()
+            except Exception:  # noqa: BLE001 - a broken link: the notice's own wait decides
+                pass
+
+        for peer in posted:
+            threading.Thread(target=delivered, args=(peer,), daemon=True).start()
+            notice = self._incoming.pop(peer, None) or self._incoming_from(peer)
+            threading.Thread(target=aborting, args=(peer, notice), daemon=True).start()
+        for event in settled.values():
+            event.wait(max(deadline - time.monotonic(), 0.0))

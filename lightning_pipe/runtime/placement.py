@@ -111,8 +111,9 @@ class Placement:
         self._aliases = alias_names(module)  # other name of a tied parameter -> the name state is kept under
         self._untied: list[tuple[nn.Module, str, nn.Parameter]] = []
 
-    def apply(self, plan: PipelinePlan, rank: int, device: Optional[torch.device] = None) -> Stage:
-        """Place ``plan`` on ``rank``: returns the stage it runs; the module keeps only that stage's blocks.
+    def apply(self, plan: PipelinePlan, rank: int, device: Optional[torch.device] = None) -> list[Stage]:
+        """Place ``plan`` on ``rank``: returns the stages it runs (one, or ``virtual_stages`` of
+        them in chain order); the module keeps only those stages' blocks.
 
         Raises:
             RuntimeError: if a plan is already applied (undo it first).
@@ -125,16 +126,18 @@ class Placement:
         if ranges[-1].stop != len(self.blocks):
             raise ValueError(f"partition {list(plan.partition)} covers {ranges[-1].stop} blocks, the chain has {len(self.blocks)}")
         _check_parameters(self.module, self.blocks)
-        stage = plan.topology.stage_of(rank)
+        position = plan.topology.stage_of(rank)
         device = device or torch.device("cpu")
-        self.ties = find_ties(self.module, self.blocks, ranges)
-        mine = ranges[stage]
-        self._untied = untie_remote(self.blocks, mine, [i for i in range(len(self.blocks)) if i not in mine], self.ties)
+        by_rank = [[i for s in plan.stages_of(r) for i in ranges[s]] for r in range(plan.depth)]
+        self.ties = find_ties(self.module, self.blocks, by_rank)  # between pipeline ranks: one copy per rank
+        mine = set(by_rank[position])
+        self._untied = untie_remote(self.blocks, sorted(mine), [i for i in range(len(self.blocks)) if i not in mine], self.ties)
         for s, rng in enumerate(ranges):
             for i in rng:
-                self._place_block(i, s if s != stage else None, device)
-        self.plan, self.stage_index = plan, stage
-        return Stage([self.blocks[i] for i in mine], mine.start, plan.recompute[stage], tuple(self.ties))
+                self._place_block(i, s if i not in mine else None, device)
+        self.plan, self.stage_index = plan, position
+        return [Stage([self.blocks[i] for i in ranges[s]], ranges[s].start, plan.recompute[s], tuple(self.ties), index=s)
+                for s in plan.stages_of(position)]  # fmt: skip
 
     def _place_block(self, i: int, remote_stage: Optional[int], device: torch.device) -> None:
         parent, name = self._parents[i]
@@ -260,6 +263,6 @@ def place(module: nn.Module, plan: PipelinePlan, rank: int, device: Optional[tor
     """
     from lightning_pipe.runtime.engine import PipelineEngine
 
-    stage = Placement(module).apply(plan, rank, device)
+    stages = Placement(module).apply(plan, rank, device)
     options = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
-    return PipelineEngine(module, stage, plan, rank, groups, device, gradient_clip_val, loss, **options)
+    return PipelineEngine(module, stages, plan, rank, groups, device, gradient_clip_val, loss, **options)

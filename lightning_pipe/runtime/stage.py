@@ -38,11 +38,14 @@ class Stage:
             (:func:`torch.utils.checkpoint.checkpoint`).
         ties: every parameter of the layout that blocks on several stages share
             (:class:`~lightning_pipe.runtime.ties.Tie`), this stage's or not.
+        index: the stage's position in the chain of stages.
     """
 
-    def __init__(self, blocks: Sequence[nn.Module], first_index: int, recompute: bool = False, ties: tuple = ()) -> None:
+    def __init__(self, blocks: Sequence[nn.Module], first_index: int, recompute: bool = False, ties: tuple = (),
+                 index: int = 0) -> None:  # fmt: skip
         self.blocks = list(blocks)
         self.first_index = first_index
+        self.index = index
         self.recompute = recompute
         self.ties = ties
         unique = {id(p): p for block in self.blocks for p in block.parameters() if p.requires_grad}

@@ -30,7 +30,8 @@ class Tie:
         name: its name in the unplaced module (the first :meth:`~torch.nn.Module.named_parameters` gives):
             the one name checkpoints keep it under.
         aliases: its other names there (e.g. ``head.weight`` for ``embed.weight``).
-        stages: the stages whose blocks use it, ascending.
+        stages: the pipeline ranks (their positions in the pipeline: the stages, unless a rank runs
+            several virtual stages) whose blocks use it, ascending.
     """
 
     name: str
@@ -38,8 +39,9 @@ class Tie:
     stages: tuple[int, ...]
 
 
-def find_ties(module: nn.Module, blocks: Sequence[nn.Module], ranges: Sequence[range]) -> list[Tie]:
-    """Every parameter used by blocks of more than one stage, by name (the same list on every rank)."""
+def find_ties(module: nn.Module, blocks: Sequence[nn.Module], ranges: Sequence[Sequence[int]]) -> list[Tie]:
+    """Every parameter used by blocks of more than one pipeline rank (``ranges``: the block
+    indices of each), by name (the same list on every rank)."""
     stages: dict[int, set[int]] = {}
     for s, rng in enumerate(ranges):
         for i in rng:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,12 +32,16 @@ class UpdatePath:
             bytes, each all-reduce posted during the backward as soon as its gradients are
             final (:class:`~lightning_pipe.runtime.buckets.GradientBuckets`); 0: one blocking
             all-reduce of every gradient at the AR action.
+        uses: per parameter (aligned with the slots), how many of the rank's stages use it (a
+            parameter shared by two virtual stages on one rank is accumulated twice per
+            microbatch); default one each.
     """
 
     def __init__(self, versions: WeightVersions, width: int, groups: Optional[PipelineGroups], device: torch.device,
-                 gradient_clip_val: Optional[float] = None, bucket_bytes: int = 0) -> None:  # fmt: skip
+                 gradient_clip_val: Optional[float] = None, bucket_bytes: int = 0, uses: Sequence[int] = ()) -> None:  # fmt: skip
         self.versions, self.width, self.groups, self.device = versions, width, groups, device
         self.gradient_clip_val, self.bucket_bytes = gradient_clip_val, bucket_bytes
+        self.uses = list(uses)
         self.skipped_steps = 0
         self._buckets: dict[int, GradientBuckets] = {}
         self._armed = 0
@@ -58,7 +62,8 @@ class UpdatePath:
         there are replicas and ``bucket_bytes``; a no-op for a slot already watched."""
         if self.groups is None or self.width == 1 or not self.bucket_bytes or not params or id(params[0]) in self._buckets:
             return
-        buckets = GradientBuckets(params, self.groups.dp, self.width, self.bucket_bytes)
+        uses = {id(p): n for p, n in zip(params, self.uses)}
+        buckets = GradientBuckets(params, self.groups.dp, self.width, self.bucket_bytes, uses)
         buckets.expected = self._armed  # a slot first used inside a running program (2BW's second version)
         self._buckets[id(params[0])] = buckets
 

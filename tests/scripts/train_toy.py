@@ -69,20 +69,22 @@ FIT_DEFAULTS: dict[str, Any] = dict(schedule="1f1b", recompute=False, split=Fals
 
 def fit_toy(rank: int, world: int, depth: int, schedule: str, recompute: bool = False, split: bool = False,
             scheduler: bool = False, precision: str = "32-true", out: Optional[Path] = None,
-            sharded: bool = True, microbatches: int = 4, batch: int = 8, steps: int = 5) -> dict[str, Any]:
-    """Fit, validate, predict and test ToyChain through the Trainer; return what this rank saw.
+            sharded: bool = True, microbatches: int = 4, batch: int = 8, steps: int = 5, virtual: int = 1,
+            blocks: int = 4) -> dict[str, Any]:  # fmt: skip
+    """Fit, validate, predict and test ToyChain (``blocks`` residual blocks) through the Trainer,
+    ``virtual`` stages per rank; return what this rank saw.
 
     The checkpoint (``last.ckpt``: a DCP directory if ``sharded``, else one file) goes to ``out/ckpt``.
     """
     out = out or scenario_dir()
     torch.manual_seed(0)
-    model = (WithScheduler if scheduler else ToyChain)()
+    model = (WithScheduler if scheduler else ToyChain)(depth=blocks)
     recorder = Recorder()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=world,
         strategy=PipelineStrategy(schedule=schedule, pipeline_depth=depth, microbatches=microbatches,
-                                  partition="uniform", recompute=recompute, split_backward=split,
+                                  partition="uniform", recompute=recompute, split_backward=split, virtual_stages=virtual,
                                   save_distributed_checkpoint=sharded, timeout=timedelta(seconds=60)),
         precision=precision,
         max_steps=steps,
