@@ -7,8 +7,8 @@ Contenders, interleaved round by round so that machine drift hits them all alike
 with no pipeline; torch.distributed.pipelining ScheduleGPipe, Schedule1F1B,
 ScheduleInterleavedZeroBubble (one stage per rank) and ScheduleInterleaved1F1B (two stages per
 rank); lightning_pipe gpipe, 1f1b and 2bw (with loss="previous": no wait at window ends), each
-with and without split backward. Same model, global batch and microbatches; the same partition
-for every one-stage-per-rank contender. Rank 0 shows progress (one tick per timed contender).
+with and without split backward, and interleaved 1F1B (two stages per rank). Same model, global
+batch and microbatches; the same partition for every contender with as many stages per rank. Rank 0 shows progress (one tick per timed contender).
 
 Workloads:
   (a) costmodel: blocks sleep a set time in F, I and W, so d = 4 and d = 8 fit on 2 cores and
@@ -51,15 +51,16 @@ from lightning_pipe.runtime.microbatch import split_batch  # noqa: E402
 from lightning_pipe.schedules import build_schedule, two_bw_run  # noqa: E402
 from lightning_pipe.spawn import run_gloo  # noqa: E402
 
-OURS = [(s, split) for s in ("gpipe", "1f1b", "2bw") for split in (False, True)]
+#: Our contenders: (schedule, split backward, stages per rank).
+OURS = [(s, split, 1) for s in ("gpipe", "1f1b", "2bw") for split in (False, True)] + [("1f1b", False, 2)]
 TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zb": "ScheduleInterleavedZeroBubble",
          "interleaved": "ScheduleInterleaved1F1B"}  # fmt: skip
 VIRTUAL = {"interleaved": 2}  # stages per rank; the others run one
 # The torch.distributed.pipelining schedule each of ours is compared with: the same schedule,
 # zero bubble (1F1B with split backward, ZB-H1) for split 1F1B, and 1F1B for 2BW, whose steady
 # state is 1F1B without the flush.
-SAME = {("gpipe", False): "gpipe", ("gpipe", True): "gpipe", ("1f1b", False): "1f1b", ("1f1b", True): "zb",
-        ("2bw", False): "1f1b", ("2bw", True): "zb"}  # fmt: skip
+SAME = {("gpipe", False, 1): "gpipe", ("gpipe", True, 1): "gpipe", ("1f1b", False, 1): "1f1b", ("1f1b", True, 1): "zb",
+        ("2bw", False, 1): "1f1b", ("2bw", True, 1): "zb", ("1f1b", False, 2): "interleaved"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -95,15 +96,15 @@ class Workload:
         method = "uniform" if self.name == "costmodel" else "balanced"
         return partition_sizes(method, [block_cost(b) for b in blocks], self.depth * virtual)
 
-    def predicted_step(self, schedule: str, split: bool) -> Optional[float]:
+    def predicted_step(self, schedule: str, split: bool, virtual: int = 1) -> Optional[float]:
         """Simulator step time on the cost model (2BW: one steady-state window)."""
         if self.name != "costmodel":
             return None
-        cost = self.model().predicted_cost()
+        cost = self.model().predicted_cost(virtual)
         d, m = self.depth, self.microbatches
         if schedule == "2bw":
             return simulate(two_bw_run(d, m, 6, split), cost).makespan - simulate(two_bw_run(d, m, 5, split), cost).makespan
-        return simulate(build_schedule(schedule, d, m, split=split), cost).makespan
+        return simulate(build_schedule(schedule, d, m, split=split, virtual=virtual), cost).makespan
 
 
 # -- contenders ------------------------------------------------------------------------------
@@ -139,10 +140,11 @@ def _single(rank: int, work: Workload) -> Contender:
     return Contender(step, lambda: held_tensors(list(model.parameters()), [opt]))
 
 
-def _ours(rank: int, work: Workload, groups: Any, schedule: str, split: bool) -> Contender:
+def _ours(rank: int, work: Workload, groups: Any, schedule: str, split: bool, virtual: int) -> Contender:
     """A lightning_pipe engine; ``finish`` drains 2BW, whose sends run on into the next window."""
     model = work.model()
-    plan = PipelinePlan(1, work.depth, work.microbatches, schedule, split, partition=work.partition(model))
+    plan = PipelinePlan(1, work.depth, work.microbatches, schedule, split, partition=work.partition(model, virtual),
+                        virtual_stages=virtual)  # fmt: skip
     engine = place(model, plan, rank, groups=groups, loss="previous" if schedule == "2bw" else "current")
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     versions = lambda: [p for slot in engine.versions.slots for p in slot or ()]  # noqa: E731 - both 2BW versions
@@ -189,13 +191,14 @@ def _torch_loss(work: Workload, model: nn.Module) -> Callable[[Tensor, Tensor], 
 def _builders(rank: int, work: Workload, groups: Any) -> dict[str, Callable[[], Contender]]:
     out: dict[str, Callable[[], Contender]] = {"one process": lambda: _single(rank, work)}
     out.update({f"torch {k}": partial(_torch, rank, work, k) for k in TORCH})
-    out.update({_name(s, split): partial(_ours, rank, work, groups, s, split) for s, split in OURS})
+    out.update({_name(*ours): partial(_ours, rank, work, groups, *ours) for ours in OURS})
     return out
 
 
-def _name(schedule: str, split: bool) -> str:
+def _name(schedule: str, split: bool, virtual: int = 1) -> str:
     loss = " (loss=previous)" if schedule == "2bw" else ""
-    return f"lightning_pipe {schedule}" + (" + split" if split else "") + loss
+    interleaved = f" interleaved (v={virtual})" if virtual > 1 else ""
+    return f"lightning_pipe {schedule}" + interleaved + (" + split" if split else "") + loss
 
 
 # -- measurement -----------------------------------------------------------------------------
@@ -304,13 +307,14 @@ def run(work: Workload, rounds: int, steps: int, threads: int) -> list[dict]:
         peaks = [rank_out["peaks"][name] for _, rank_out in out]
         rows.append({"workload": work, "name": name, "step_s": seconds, "samples_s": work.batch_size / seconds,
                      "peaks": peaks[:1] if name == "one process" else peaks})  # fmt: skip
-    for (schedule, split) in OURS:
-        row = _row(rows, _name(schedule, split))
-        ref = _row(rows, f"torch {SAME[(schedule, split)]}")
+    for ours in OURS:
+        row = _row(rows, _name(*ours))
+        ref = _row(rows, f"torch {SAME[ours]}")
         row["vs"] = (ref["name"].removeprefix("torch "), row["samples_s"] / ref["samples_s"])
-        row["sim_s"] = work.predicted_step(schedule, split)
+        row["sim_s"] = work.predicted_step(*ours)
     for kind in ("gpipe", "1f1b"):
         _row(rows, f"torch {kind}")["sim_s"] = work.predicted_step(kind, False)
+    _row(rows, "torch interleaved")["sim_s"] = work.predicted_step("1f1b", False, VIRTUAL["interleaved"])
     if work.name == "costmodel":  # one process runs every block's F, I and W for each microbatch
         depth, blocks, cost = work.spec
         _row(rows, "one process")["sim_s"] = work.microbatches * depth * blocks * 3 * cost

@@ -87,14 +87,17 @@ class SleepChain(nn.Module):
         """Mean square of the output."""
         return output.pow(2).mean()
 
-    def predicted_cost(self) -> Callable[[Action], float]:
-        """Simulator cost of each action for this chain, partitioned uniformly.
+    def predicted_cost(self, virtual: int = 1) -> Callable[[Action], float]:
+        """Simulator cost of each action for this chain, partitioned uniformly over
+        ``depth * virtual`` stages (``virtual`` must divide ``blocks_per_stage``).
 
         Stage 0's input needs no gradient, so its whole backward (including the input-path
         part of its later blocks) is weight work.
         """
         f, i, w = self.costs
-        k = self.blocks_per_stage
+        if self.blocks_per_stage % virtual:
+            raise ValueError(f"{self.blocks_per_stage} blocks per stage cannot be cut into {virtual} virtual stages")
+        k = self.blocks_per_stage // virtual
 
         def cost(a: Action) -> float:
             first = a.stage == 0

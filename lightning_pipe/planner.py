@@ -123,6 +123,8 @@ def program(plan: PipelinePlan, steps: int = 1) -> list[list[Action]]:
 
 
 def _program_key(plan: PipelinePlan, steps: int) -> tuple:
+    if plan.virtual_stages > 1:  # its memory model holds one stage per rank
+        raise NotImplementedError(f"the planner does not predict interleaved layouts yet ({plan.describe()})")
     return plan.schedule, plan.depth, plan.microbatches, plan.split_backward, plan.split_max_pending, steps
 
 

@@ -340,3 +340,10 @@ def test_processes_sharing_cores_cannot_compute_faster_than_the_cores(width: int
     assert planner.predict(profile, plan, 1).step_time == pytest.approx(max(alone, compute / 2), rel=1e-12)
     profile.cores = None
     assert planner.predict(profile, plan, 1).step_time == pytest.approx(alone, rel=1e-12)
+
+
+def test_interleaved_layouts_are_refused_not_mispredicted() -> None:
+    # Its memory model holds one stage per rank: an interleaved plan gets an error, not a wrong number.
+    plan = PipelinePlan(1, 2, 4, "1f1b", partition=[1, 1, 1, 1], virtual_stages=2)
+    with pytest.raises(NotImplementedError, match="does not predict interleaved layouts yet"):
+        planner.predict(_uniform(4), plan, 1)
