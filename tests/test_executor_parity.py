@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -140,3 +142,41 @@ def test_messages_read_in_another_order_than_sent(launched) -> None:
     assert all(status == "ok" for status, _ in out), out
     torch.manual_seed(0)
     assert_close_dicts({**out[0][1], **out[1][1]}, reference_grads(ToyChain(6), make_data(8, seed=0)), rtol=1e-5)
+
+
+def _link_worker(rank: int, world: int) -> int:
+    """Messages sent after the first step that did not match the receives their reader posted ahead."""
+    from lightning_pipe.runtime import p2p
+
+    topo = Topology(world, world)
+    groups = PipelineGroups.build(topo, rank)
+    torch.manual_seed(0)
+    model = ToyChain(6)
+    engine = place(model, PipelinePlan(1, 2, 4, "1f1b", partition="uniform", virtual_stages=2), rank, groups=groups)
+    engine.train_step(make_data(8, seed=0), _frozen(engine))
+    mismatched, original = [0], p2p._fillers
+
+    def counting(posted: Any, specs: Any, device: Any) -> list:
+        fillers = original(posted, specs, device)
+        mismatched[0] += bool(fillers)
+        return fillers
+
+    p2p._fillers = counting
+    try:
+        for step in range(1, 3):
+            engine.train_step(make_data(8, seed=step), _frozen(engine))
+    finally:
+        p2p._fillers = original
+    return mismatched[0]
+
+
+scenario(2, "executor_link_specs", _link_worker)
+
+
+def test_links_carrying_activations_and_gradients_post_receives_that_fit(launched) -> None:
+    # Interleaved at d = 2 the two ranks send each other both kinds; ToyChain's activations are
+    # (hidden, mask), its gradients (hidden,). Expecting each message to look like the last one
+    # of its kind, every receive posted ahead fits (by the last message on the link alone, 12 of
+    # each rank's messages in steps 2 and 3 did not, and each sent a placeholder first).
+    out = launched(2)["executor_link_specs"]
+    assert out == [("ok", 0), ("ok", 0)], out

@@ -218,6 +218,9 @@ class Executor:
         self._replayed: set[int] = set()  # split backward on a recomputed stage: F keeps no graph, I reruns it
         self._incoming: dict[int, p2p.Incoming] = {}
         self._expected: dict[int, deque[Action]] = {}  # per source: the receives still to come, in send order
+        self._arrivals: dict[int, list[Action]] = {}  # per source: all of the program's receives, in send order
+        self._actions: list[Action] = []  # the program running, and the index of its action now running
+        self._at = 0
         self._arrived: dict[Action, Tensors] = {}  # received ahead of the action that reads them
         self._handlers: dict[Kind, Callable[[Action, StepState], Optional[float]]] = {
             Kind.FORWARD: self._forward,
@@ -254,9 +257,10 @@ class Executor:
         """
         split_run = any(a.kind is Kind.INPUT_GRAD for a in actions)
         self._replayed = {s for s, (stage, _) in self._chunks.items() if stage.recompute and split_run}
+        self._actions = actions
         try:
             self._post_receives(actions, arrivals)
-            for action in actions:
+            for self._at, action in enumerate(actions):
                 start = now()
                 ready = self._handlers[action.kind](action, state)  # when its own work began, if it waited first
                 if self.trace is not None:
@@ -371,19 +375,25 @@ class Executor:
         st.release(key)
 
     # -- communication ---------------------------------------------------------------------
-    def _send(self, tensors: Tensors, dst: Optional[int], st: StepState) -> None:
+    def _send(self, tensors: Tensors, dst: Optional[int], st: StepState, kind: Kind) -> None:
+        """Post ``tensors`` to ``dst``, where a ``kind`` (RECV_ACT or RECV_GRAD) action reads them."""
         assert dst is not None
         box = st.sent.setdefault(dst, Outbox())
-        box.post(p2p.send_tensors(tensors, dst, self.device, ack=st.received[dst], posted=self.links.sent.get(dst)), tensors)
-        self.links.sent[dst] = p2p.specs_of(tensors)
+        posted = self.links.sent.get((dst, kind))
+        box.post(p2p.send_tensors(tensors, dst, self.device, ack=st.received[dst], posted=posted), tensors)
+        self.links.sent[dst, kind] = p2p.specs_of(tensors)
 
     def _send_act(self, a: Action, st: StepState) -> None:
         key = (a.stage, a.microbatch)
         outputs = st.outputs[key] if st.train else st.outputs.pop(key)
-        self._send(outputs, self._position(a).next_rank, st)
+        self._send(outputs, self._destination(a), st, Kind.RECV_ACT)
 
     def _send_grad(self, a: Action, st: StepState) -> None:
-        self._send(st.input_grads.pop((a.stage, a.microbatch)), self._position(a).prev_rank, st)
+        self._send(st.input_grads.pop((a.stage, a.microbatch)), self._destination(a), st, Kind.RECV_GRAD)
+
+    def _destination(self, a: Action) -> Optional[int]:
+        position = self._position(a)
+        return position.next_rank if a.kind is Kind.SEND_ACT else position.prev_rank
 
     def _source(self, a: Action) -> Optional[int]:
         position = self._position(a)
@@ -404,31 +414,41 @@ class Executor:
                 if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
                     order.setdefault(self._source(a), []).append(a)  # type: ignore[arg-type]
             arrivals = order
-        self._expected = {src: deque(keys) for src, keys in arrivals.items() if keys}
+        self._arrivals = {src: list(keys) for src, keys in arrivals.items() if keys}
+        self._expected = {src: deque(keys) for src, keys in self._arrivals.items()}
         self._arrived = {}
         self._incoming = {src: self._incoming_from(src) for src in self._expected}
 
     def _incoming_from(self, src: int) -> p2p.Incoming:
-        return p2p.Incoming(src, self.device, expected=self.links.received.get(src))
+        """The next message from ``src``, its payload receives posted for the specs its kind
+        (activations or gradients) last had on this link."""
+        return p2p.Incoming(src, self.device, expected=self.links.received.get((src, self._next_kind(src))))
+
+    def _next_kind(self, src: int) -> Kind:
+        """What the next message from ``src`` carries: the next receive in its send order (the
+        first of the program's once they are all in, as the next program's first)."""
+        pending = self._expected.get(src) or self._arrivals.get(src)
+        return pending[0].kind if pending else Kind.RECV_ACT
 
     def _receive(self, a: Action, st: StepState) -> Tensors:
         src = self._source(a)
         while a not in self._arrived:
             if src not in self._incoming:
                 raise RuntimeError(f"{a} waits for a message rank {src} never sends in this program")
-            key = self._expected[src].popleft()
+            key = self._expected[src][0]
             self._arrived[key] = self._next_message(src, st)
         return self._arrived.pop(a)
 
     def _next_message(self, src: int, st: StepState) -> Tensors:
         """Wait for the next message from ``src`` and post the receive of the one after it."""
-        incoming = self._incoming.pop(src)
+        incoming, kind = self._incoming.pop(src), self._next_kind(src)
         try:
             received = incoming.wait()
         except p2p.PipelineAbortedError:
-            self.links.received.pop(src, None)
+            self.links.received.pop((src, kind), None)
             raise
-        self.links.received[src] = p2p.specs_of(received)
+        self._expected[src].popleft()
+        self.links.received[src, kind] = p2p.specs_of(received)
         st.received[src] += 1
         if src in st.sent:
             st.sent[src].release(incoming.ack)
@@ -461,10 +481,20 @@ class Executor:
         posted = {}
         for peer in sorted(peers):  # type: ignore[type-var]
             try:
-                posted[peer] = p2p.send_abort(message, peer, self.device, posted=self.links.sent.pop(peer, None))
+                kind = self._next_send_kind(peer)
+                posted[peer] = p2p.send_abort(message, peer, self.device, posted=self.links.sent.pop((peer, kind), None))
             except Exception:  # noqa: BLE001 - the peer may already be gone; the original error matters
                 pass
         self._deliver(posted)
+
+    def _next_send_kind(self, peer: int) -> Kind:
+        """What ``peer`` reads our next message as (so an abort notice fills the receives it
+        posted for it): our next send to it, or our program's first (the next program's)."""
+        delivers = {Kind.SEND_ACT: Kind.RECV_ACT, Kind.SEND_GRAD: Kind.RECV_GRAD}
+        for a in self._actions[self._at + 1 :] + self._actions:
+            if a.kind in delivers and self._destination(a) == peer:
+                return delivers[a.kind]
+        return Kind.RECV_ACT
 
     def _deliver(self, posted: dict[int, list[dist.Work]]) -> None:
         """Wait until every neighbour has received its abort notice, or has sent one itself (it is

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -155,9 +155,11 @@ def send_abort(message: str, dst: int, device: torch.device, posted: Optional[Sp
 @dataclass
 class Links:
     """What each link of a rank last carried, so that payload receives can be posted before their
-    header arrives: the receiver expects the specs it last received from a peer, and the sender
-    knows them as the specs it last sent. Both ends must keep (or reset) theirs together: one
-    per engine, new when the layout changes."""
+    header arrives: the receiver expects the specs it last received from a peer for the kind
+    of message (activations or gradients: two ranks may exchange both, interleaved 1F1B at
+    d = 2) it reads next, and the sender knows them as the specs it last sent of that kind.
+    Keyed by (peer, the receiving action's kind). Both ends must keep (or reset) theirs
+    together: one per engine, new when the layout changes."""
 
-    sent: dict[int, Specs] = field(default_factory=dict)
-    received: dict[int, Specs] = field(default_factory=dict)
+    sent: dict[tuple[int, Any], Specs] = field(default_factory=dict)
+    received: dict[tuple[int, Any], Specs] = field(default_factory=dict)
