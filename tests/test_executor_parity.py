@@ -113,14 +113,19 @@ def _out_of_order_program() -> list:
     return program
 
 
+def _interleaved(rank: int, world: int, microbatches: int) -> tuple[ToyChain, Any]:
+    """ToyChain with 6 residual blocks over 2 ranks, two stages each (interleaved 1F1B)."""
+    groups = PipelineGroups.build(Topology(world, world), rank)
+    torch.manual_seed(0)
+    model = ToyChain(6)
+    plan = PipelinePlan(1, 2, microbatches, "1f1b", partition="uniform", virtual_stages=2)
+    return model, place(model, plan, rank, groups=groups)
+
+
 def _out_of_order_worker(rank: int, world: int) -> dict:
     from lightning_pipe.schedules import receive_order
 
-    topo = Topology(world, world)
-    groups = PipelineGroups.build(topo, rank)
-    torch.manual_seed(0)
-    model = ToyChain(6)
-    engine = place(model, PipelinePlan(1, 2, 2, "1f1b", partition="uniform", virtual_stages=2), rank, groups=groups)
+    model, engine = _interleaved(rank, world, 2)
     program = _out_of_order_program()
     engine._programs[(True, 2)] = (program[rank], {1 - rank: receive_order(program, rank)[1 - rank]})  # this step runs it
     engine.train_step(make_data(8, seed=0), _frozen(engine))
@@ -148,11 +153,7 @@ def _link_worker(rank: int, world: int) -> int:
     """Messages sent after the first step that did not match the receives their reader posted ahead."""
     from lightning_pipe.runtime import p2p
 
-    topo = Topology(world, world)
-    groups = PipelineGroups.build(topo, rank)
-    torch.manual_seed(0)
-    model = ToyChain(6)
-    engine = place(model, PipelinePlan(1, 2, 4, "1f1b", partition="uniform", virtual_stages=2), rank, groups=groups)
+    _, engine = _interleaved(rank, world, 4)
     engine.train_step(make_data(8, seed=0), _frozen(engine))
     mismatched, original = [0], p2p._fillers
 

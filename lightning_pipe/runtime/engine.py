@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -81,7 +82,8 @@ class PipelineEngine:
         params = {id(p): p for st in self.stages for p in st.parameters()}  # a tie between two of them: once
         self._parameters = list(params.values())
         self.versions = WeightVersions(self._parameters, double=self.streaming)
-        uses = [sum(any(q is p for q in st.parameters()) for st in self.stages) for p in self._parameters]
+        users = Counter(id(p) for st in self.stages for p in st.parameters())  # stages of this rank using each
+        uses = [users[id(p)] for p in self._parameters]
         self.update = UpdatePath(self.versions, plan.width, groups, self.device, gradient_clip_val, bucket_bytes, uses)
         self.update.watch(self.versions.slots[0])
         ties = self.stages[0].ties

@@ -18,6 +18,7 @@ from torch import Tensor
 from lightning_pipe.runtime import p2p, split
 from lightning_pipe.runtime.stage import Stage, Tensors, as_tuple
 from lightning_pipe.schedules.actions import Action, Kind
+from lightning_pipe.schedules.passes import DELIVERS
 from lightning_pipe.timeline import Trace, now
 
 
@@ -490,10 +491,9 @@ class Executor:
     def _next_send_kind(self, peer: int) -> Kind:
         """What ``peer`` reads our next message as (so an abort notice fills the receives it
         posted for it): our next send to it, or our program's first (the next program's)."""
-        delivers = {Kind.SEND_ACT: Kind.RECV_ACT, Kind.SEND_GRAD: Kind.RECV_GRAD}
         for a in self._actions[self._at + 1 :] + self._actions:
-            if a.kind in delivers and self._destination(a) == peer:
-                return delivers[a.kind]
+            if a.kind in DELIVERS and self._destination(a) == peer:
+                return DELIVERS[a.kind][0]
         return Kind.RECV_ACT
 
     def _deliver(self, posted: dict[int, list[dist.Work]]) -> None:

@@ -40,7 +40,7 @@ def add_communication(actions: list[Action], stages: int) -> list[Action]:
 
 
 #: What each send delivers: the receive it matches, on the stage ``offset`` away.
-_DELIVERS: dict[Kind, tuple[Kind, int]] = {Kind.SEND_ACT: (Kind.RECV_ACT, +1), Kind.SEND_GRAD: (Kind.RECV_GRAD, -1)}
+DELIVERS: dict[Kind, tuple[Kind, int]] = {Kind.SEND_ACT: (Kind.RECV_ACT, +1), Kind.SEND_GRAD: (Kind.RECV_GRAD, -1)}
 
 
 def receive_order(schedule: Schedule, rank: int) -> dict[int, list[Action]]:
@@ -52,8 +52,8 @@ def receive_order(schedule: Schedule, rank: int) -> dict[int, list[Action]]:
     order: dict[int, list[Action]] = {}
     for sender, actions in enumerate(schedule):
         for a in actions:
-            if a.kind in _DELIVERS:
-                kind, offset = _DELIVERS[a.kind]
+            if a.kind in DELIVERS:
+                kind, offset = DELIVERS[a.kind]
                 if (a.stage + offset) % depth == rank:
                     order.setdefault(sender, []).append(Action(a.stage + offset, kind, a.microbatch))
     return order
