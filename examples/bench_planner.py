@@ -1,6 +1,7 @@
 """Planner fidelity: predicted step time and peak tensor memory per stage against measured runs, one table.
 
-    python examples/bench_planner.py                  # about 8 minutes on 2 cores
+    python examples/bench_planner.py                  # about 30 minutes on 2 cores (3 rounds)
+    python examples/bench_planner.py --rounds 1       # one round
     python examples/bench_planner.py --planning-time  # the planning-time part only
 
 Workloads:
@@ -11,10 +12,15 @@ Workloads:
 - ``gpt``: the GPT example's model (configs/gpt_1f1b.yaml: 4 layers, width 128, context 64,
   AdamW), real compute, at most 2 processes (one core each).
 
-The planner profiles each workload in this process and measures the links once, then predicts
-every configuration; each configuration then runs for real (gloo processes, ``place`` engines)
-and is measured: the median step time, and the peak tensor bytes of each stage during one step
-by a tracker of every tensor storage created (independent of the planner's own accounting).
+In each round the planner measures the links, then profiles each workload in as many
+concurrent processes as a group of configurations runs and predicts that group, which then
+runs for real (gloo processes, ``place`` engines) and is measured: the median step time, and
+the peak tensor bytes of each stage during one step by a tracker of every tensor storage
+created (independent of the planner's own accounting). The table gives the medians over the
+rounds, and each configuration's time error as the median of its rounds' errors (each a
+prediction and a run minutes apart at most): this 2-core VM's speed drifts by up to 25% within seconds (a
+fixed matmul loop, measured), so one profile and one run far apart in time disagree by that
+much whatever the model.
 """
 
 from __future__ import annotations
@@ -178,51 +184,78 @@ def _profile(name: str, processes: int) -> Any:
                                 optimizer=work.optimizer)  # fmt: skip
 
 
-def main() -> None:
-    print(f"{datetime.date.today()} on {platform.node()}, torch {torch.__version__}", flush=True)
-    torch.set_num_threads(1)
-    links = profile_links(world=2)
-    profiles = {(name, n): _profile(name, n) for name, n in sorted({(c[0], c[1] * c[2]) for c in CONFIGS})}
-    for profile in profiles.values():
+def _round(links: dict[str, float]) -> dict[tuple, dict[str, Any]]:
+    """One round: each workload profiled in as many processes as a group of configurations runs,
+    then that group predicted and measured at once, so that the machine's drift between the
+    profile and the runs stays small."""
+    out = {}
+    for name, n in sorted({(c[0], c[1] * c[2]) for c in CONFIGS}):
+        profile = _profile(name, n)
         profile.__dict__.update(links)
+        out[("profile", name, n)] = profile
+        for config in (c for c in CONFIGS if (c[0], c[1] * c[2]) == (name, n)):
+            _, w, d, b, _, _ = config
+            plan = _plan(config, planner.time_balanced(profile, d, b))
+            predicted = planner.predict(profile, plan, b)
+            ran = run_gloo(_measure, w * d, name, plan, b, 4, timeout=300.0)
+            assert all(s == "ok" for s, _ in ran), [v for s, v in ran if s != "ok"]
+            measured = [v for _, v in ran]
+            peaks = [max(v["peak"] for v in measured if v["stage"] == s) for s in range(d)]
+            out[config] = {"predicted": predicted, "measured": max(v["step"] for v in measured), "peaks": peaks}
+            print(f"  {name} ({w},{d}) b={b} {config[4]}{' recompute' if config[5] else ''}: predicted "
+                  f"{predicted.step_time:.3f} s, measured {out[config]['measured']:.3f} s", flush=True)
+    return out
+
+
+def main(rounds: int) -> None:
+    print(f"{datetime.date.today()} on {platform.node()}, torch {torch.__version__}; {rounds} rounds", flush=True)
+    torch.set_num_threads(1)
+    runs = []
+    for r in range(rounds):
+        print(f"round {r + 1}/{rounds}", flush=True)
+        runs.append(_round(profile_links(world=2)))
     rows, time_errors, memory_errors, results = [], [], [], []
-    for i, config in enumerate(CONFIGS):
+    for config in CONFIGS:
         name, w, d, b, schedule, recompute = config
-        profile = profiles[(name, w * d)]
-        plan = _plan(config, planner.time_balanced(profile, d, b))
-        predicted = planner.predict(profile, plan, b)
-        out = run_gloo(_measure, w * d, name, plan, b, 4, timeout=300.0)
-        assert all(s == "ok" for s, _ in out), [v for s, v in out if s != "ok"]
-        measured = [v for _, v in out]
-        step = max(v["step"] for v in measured)
-        peaks = [max(v["peak"] for v in measured if v["stage"] == s) for s in range(d)]
-        t_err = predicted.step_time / step - 1
-        m_err = max(abs(p / q - 1) for p, q in zip(predicted.stage_memory, peaks))
+        mine = [run[config] for run in runs]
+        predicted = mine[-1]["predicted"]  # the plan and its memory (the profiled bytes do not drift)
+        predicted_step = statistics.median(x["predicted"].step_time for x in mine)
+        step = statistics.median(x["measured"] for x in mine)
+        peaks = [max(x["peaks"][s] for x in mine) for s in range(d)]
+        t_err = statistics.median(x["predicted"].step_time / x["measured"] - 1 for x in mine)  # paired in time
+        m_err = max(abs(p / q - 1) for x in mine for p, q in zip(x["predicted"].stage_memory, x["peaks"]))
         time_errors.append(abs(t_err))
-        results.append({"workload": name, "config": (w, d), "predicted": predicted, "measured": step, "peaks": peaks})
         memory_errors.append(m_err)
-        rows.append(f"| {name} | ({w},{d}) | {b} | {plan.microbatches} | {schedule} | {'yes' if recompute else 'no'} | "
-                    f"{predicted.step_time:.3f} | {step:.3f} | {t_err:+.1%} | "
+        results.append({"workload": name, "config": (w, d), "predicted": predicted, "predicted_step": predicted_step,
+                        "measured": step, "peaks": peaks})  # fmt: skip
+        each = ", ".join(f"{x['predicted'].step_time / x['measured'] - 1:+.0%}" for x in mine)
+        rows.append(f"| {name} | ({w},{d}) | {b} | {plan_m(config)} | {schedule} | {'yes' if recompute else 'no'} | "
+                    f"{predicted_step:.3f} | {step:.3f} | {t_err:+.1%} ({each}) | "
                     f"{', '.join(f'{p / 2**20:.2f}' for p in predicted.stage_memory)} | "
                     f"{', '.join(f'{q / 2**20:.2f}' for q in peaks)} | {m_err:.1%} |")  # fmt: skip
-        print(f"[{i + 1}/{len(CONFIGS)}] {rows[-1]}", flush=True)
-    print("\n| workload | (w,d) | b | m | schedule | recompute | predicted step (s) | measured step (s) | time error | "
-          "predicted peak per stage (MiB) | measured peak per stage (MiB) | worst memory error |")
+    print("\n| workload | (w,d) | b | m | schedule | recompute | predicted step (s) | measured step (s) | "
+          "time error: median (each round) | predicted peak per stage (MiB) | measured peak per stage (MiB) | worst memory error |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
-    print(f"\nstep time error: median {statistics.median(time_errors):.1%}, worst {max(time_errors):.1%}; "
-          f"peak memory error: median {statistics.median(memory_errors):.1%}, worst {max(memory_errors):.1%}")
+    print(f"\nstep time error (each configuration's median over rounds): median {statistics.median(time_errors):.1%}, worst {max(time_errors):.1%}; "
+          f"peak memory error (every round): median {statistics.median(memory_errors):.1%}, worst {max(memory_errors):.1%}")
     for name in WORKLOADS:
         _ranking([r for r in results if r["workload"] == name], name)
         _verdicts([r for r in results if r["workload"] == name], name)
-    _madpipe_order(profiles[("chain", 4)])
+    _madpipe_order(runs[-1][("profile", "chain", 4)])
+
+
+def plan_m(config: tuple) -> int:
+    """Microbatches of a configuration: the workload's global batch over w * b."""
+    name, w, _, b, _, _ = config
+    return WORKLOADS[name].global_batch // (w * b)
 
 
 def _ranking(results: list[dict[str, Any]], name: str) -> None:
     """The planner's first choice among the configurations with the most processes against the best measured one."""
     most = max(r["config"][0] * r["config"][1] for r in results)
     same = [r for r in results if r["config"][0] * r["config"][1] == most]
-    chosen = min(same, key=lambda r: r["predicted"].step_time)  # same global batch: shortest step is fastest
+    chosen = min(same, key=lambda r: r["predicted_step"])  # same global batch: shortest step is fastest
     best = min(same, key=lambda r: r["measured"])
     print(f"\n{name} ranking ({most} processes, {len(same)} configurations): planner's first choice "
           f"{chosen['config']} {chosen['predicted'].plan.schedule} b={chosen['predicted'].microbatch_size} measured "
@@ -244,7 +277,7 @@ def _madpipe_order(profile: Any) -> None:
 
     heavy = profile_concurrently(functools.partial(HoldChain, True), torch.randn(2, DIM), [1, 2], 4, repeats=2,
                                  optimizer=Chain().optimizer)  # fmt: skip
-    heavy.__dict__.update({k: getattr(profile, k) for k in ("link_latency", "link_bandwidth", "allreduce_bandwidth")})
+    heavy.__dict__.update({k: getattr(profile, k) for k in ("link_latency", "link_bandwidth", "allreduce_bandwidth", "send_overhead")})
     plan = PipelinePlan(1, 4, 8, "1f1b", partition=planner.time_balanced(heavy, 4, 2))
     balanced = planner.predict(heavy, plan, 2)
     limit = 0.9 * max(balanced.stage_memory)  # the time-balanced split does not fit
@@ -297,8 +330,14 @@ def planning_time() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--planning-time"]:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--planning-time", action="store_true", help="only time the planner's search")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of profiling then measuring; medians are reported")
+    args = parser.parse_args()
+    if args.planning_time:
         planning_time()
     else:
-        main()
+        main(args.rounds)
         planning_time()

@@ -94,8 +94,8 @@ def _transfer(profile: Profile, nbytes: int) -> float:
 
 def action_cost(profile: Profile, plan: PipelinePlan, stages: Sequence[StageCosts]) -> Callable[[Action], float]:
     """Seconds of each action of ``plan``'s program: compute from the profile (plus the executor's
-    measured overhead per action), receives from the link (latency + bytes / bandwidth), the
-    all-reduce from the replicas' ring, the step by weight share."""
+    measured overhead per action), sends the time to post them, receives from the link
+    (latency + bytes / bandwidth), the all-reduce from the replicas' ring, the step by weight share."""
     total_weights = sum(s.weight_bytes for s in stages) or 1
 
     compute = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.INPUT_GRAD: "input_grad", Kind.WEIGHT_GRAD: "weight_grad"}
@@ -104,6 +104,8 @@ def action_cost(profile: Profile, plan: PipelinePlan, stages: Sequence[StageCost
         st = stages[a.stage]
         if a.kind in compute:
             return getattr(st, compute[a.kind]) + profile.action_overhead
+        if a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
+            return profile.send_overhead
         if a.kind is Kind.RECV_ACT:
             return _transfer(profile, st.input_bytes)
         if a.kind is Kind.RECV_GRAD:

@@ -100,6 +100,8 @@ class Profile:
         link_latency: seconds of a point-to-point transfer of an empty message.
         link_bandwidth: bytes per second of a point-to-point transfer.
         allreduce_bandwidth: bytes per second of a gradient all-reduce across replicas (0: unknown).
+        send_overhead: seconds a rank spends posting one transfer (header and payload sends;
+            the transfer itself goes on while it computes), charged to each send action.
         loads_global_batch: every rank loads the whole global batch and trains on its replica's
             rows (``PipelineStrategy.enable_reconfiguration``), so holds all of it.
         cores: CPU cores the job's processes share (CPU jobs on one host; ``None``: each process
@@ -118,6 +120,7 @@ class Profile:
     link_latency: float = 0.0
     link_bandwidth: float = float("inf")
     allreduce_bandwidth: float = 0.0
+    send_overhead: float = 0.0
     loads_global_batch: bool = False
     cores: Optional[int] = None
     device: str = "cpu"
@@ -322,7 +325,7 @@ def profile_blocks(module: nn.Module, batch: Any, microbatch_sizes: Sequence[int
     data = as_tuple(module.pipeline_inputs(batch), "pipeline_inputs")
     per_sample = _tensor_bytes([t for t in data if t.untyped_storage().data_ptr() not in batch_storages]) / batch_size(batch)
     batch_per_sample = _tensor_bytes(leaves) / batch_size(batch)
-    per_action = _action_overhead(module, blocks, batch, profiles, min(microbatch_sizes), repeats, device) if with_loss else 0.0
+    per_action = _action_overhead(module, blocks, batch, min(microbatch_sizes), repeats, device) if with_loss else 0.0
     return Profile(profiles, optimizer_step=step, action_overhead=per_action, input_bytes_per_sample=per_sample,
                    batch_bytes_per_sample=batch_per_sample, device=str(device))
 
@@ -381,8 +384,12 @@ def profile_stage(blocks: Sequence[nn.Module], first_block: int, inputs: Sequenc
 
 def _profile_worker(rank: int, world: int, factory: Callable[[], nn.Module], batch: Any, sizes: Sequence[int],
                     threads: int, options: dict[str, Any]) -> Profile:  # fmt: skip
+    import torch.distributed as dist
+
     torch.set_num_threads(threads)
-    return profile_blocks(factory(), batch, sizes, **options)
+    module = factory()
+    dist.barrier()  # every process profiles at once: the contention is the job's from the first block
+    return profile_blocks(module, batch, sizes, **options)
 
 
 def profile_concurrently(factory: Callable[[], nn.Module], batch: Any, microbatch_sizes: Sequence[int], processes: int,
@@ -412,9 +419,15 @@ def profile_concurrently(factory: Callable[[], nn.Module], batch: Any, microbatc
     return value
 
 
-def _action_overhead(module: nn.Module, blocks: list[nn.Module], batch: Any, profiles: list[BlockProfile], size: int,
-                     repeats: int, device: torch.device) -> float:  # fmt: skip
-    """Seconds per F or B action that a one-stage executor run takes beyond the blocks' profiled time."""
+def _action_overhead(module: nn.Module, blocks: list[nn.Module], batch: Any, size: int, repeats: int,
+                     device: torch.device) -> float:  # fmt: skip
+    """Seconds per F or B action that a one-stage executor run takes beyond the blocks' profiled time.
+
+    Each executor run is paired with a profile of the blocks taken right after it, and the
+    median of the differences kept: the machine's speed drifts between moments further apart
+    (on a 2-core VM by up to 25% within seconds), and the overhead is a small difference of
+    two large times.
+    """
     from lightning_pipe.runtime.executor import Executor, Hooks, Position, StepState
     from lightning_pipe.runtime.stage import Stage
     from lightning_pipe.schedules import Kind, build_schedule
@@ -423,16 +436,17 @@ def _action_overhead(module: nn.Module, blocks: list[nn.Module], batch: Any, pro
     microbatches, shares = split_batch(batch, m)
     actions = [a for a in build_schedule("1f1b", 1, m)[0] if a.kind in (Kind.FORWARD, Kind.BACKWARD)]
     executor = Executor(Stage(blocks, 0), Position(0, 1, None, None), device, Hooks(module.pipeline_inputs, module.pipeline_loss))
-    times = []
+    mb = microbatches[0]
+    loss = functools.partial(_loss_of, module, mb)
+    differences = []
     for _ in range(repeats + 1):
         state = StepState({}, {})
         state.add_batch(0, microbatches, shares)
         seconds, _ = _timed(lambda: executor.run(actions, state), device)
-        times.append(seconds)
+        samples = _profile_chain(blocks, lambda: as_tuple(module.pipeline_inputs(mb), "pipeline_inputs"), True, loss, 1, device)
+        differences.append(seconds - m * sum(s.forward + s.backward for s in samples))
     module.zero_grad(set_to_none=True)
-    sample = [p.at(batch_size(microbatches[0])) for p in profiles]
-    blocks_time = m * sum(s.forward + s.backward for s in sample)
-    return max(statistics.median(times[1:]) - blocks_time, 0.0) / (2 * m)
+    return max(statistics.median(differences[1:]), 0.0) / (2 * m)
 
 
 def _make_optimizer(params: list[nn.Parameter], optimizer: Optional[Callable]) -> torch.optim.Optimizer:
@@ -513,6 +527,7 @@ def _link_worker(rank: int, world: int, small: int, large: int, repeats: int,
     if world < 2:
         return {}
     t_small, t_large = _ping(small, repeats, device), _ping(large, repeats, device)
+    posting = _posting(large, repeats, device)
     flat = torch.zeros(large // 4, device=device)
     times = []
     for _ in range(repeats + 1):
@@ -524,7 +539,29 @@ def _link_worker(rank: int, world: int, small: int, large: int, repeats: int,
         times.append(time.perf_counter() - start)
     ring = 2 * (world - 1) / world * large  # bytes each rank moves in a ring all-reduce
     return {"link_latency": t_small, "link_bandwidth": (large - small) / max(t_large - t_small, 1e-9),
-            "allreduce_bandwidth": ring / statistics.median(times[1:])}  # fmt: skip
+            "allreduce_bandwidth": ring / statistics.median(times[1:]), "send_overhead": posting}  # fmt: skip
+
+
+def _posting(nbytes: int, repeats: int, device: torch.device) -> float:
+    """Median seconds rank 0 spends posting one transfer of ``nbytes`` to rank 1 as the executor
+    does (:func:`~lightning_pipe.runtime.p2p.send_tensors`), not counting its delivery."""
+    import torch.distributed as dist
+
+    from lightning_pipe.runtime import p2p
+
+    t = torch.zeros(max(nbytes // 4, 1), device=device)
+    times = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        if dist.get_rank() == 0:
+            start = time.perf_counter()
+            works = p2p.send_tensors([t], 1, device)
+            times.append(time.perf_counter() - start)
+            for work in works:
+                work.wait()
+        elif dist.get_rank() == 1:
+            p2p.Incoming(0, device).wait()
+    return statistics.median(times[1:]) if times else 0.0
 
 
 def profile_links(world: int = 2, small: int = 1024, large: int = 8 * 2**20, repeats: int = 5) -> dict[str, float]:

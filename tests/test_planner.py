@@ -97,6 +97,16 @@ def test_appendix_a_time_agrees_with_the_simulated_two_bw_window(times: tuple[fl
         assert step == pytest.approx(m * t, rel=1e-9)
 
 
+def test_posting_a_send_delays_its_sender_and_the_transfer() -> None:
+    # One microbatch through 2 one-block stages, written out: F0, post the send (s), the
+    # transfer (latency L), F1, B1, post the gradient's send (s), the transfer, B0.
+    f, b, s, latency = 1.0, 2.0, 0.25, 0.125
+    profile = _uniform(2, f=f, b=b, latency=latency)
+    profile.send_overhead = s
+    plan = PipelinePlan(1, 2, 1, "gpipe", partition=[1, 1])
+    assert planner.predict(profile, plan, 1).step_time == pytest.approx(f + s + latency + f + b + s + latency + b, rel=1e-12)
+
+
 def test_search_covers_every_layout_and_schedule_and_ranks_by_predicted_throughput() -> None:
     profile = _uniform(8)
     limit = 60_000
