@@ -98,6 +98,77 @@ def test_shapes_change_between_steps(launched) -> None:
         assert_close_dicts(got, reference_grads(reference, make_data(size, seed=step)), rtol=1e-5)
 
 
+def _side_channel_worker(rank: int, world: int) -> tuple[list[dict], list[tuple[bool, bool, bool]], str]:
+    """Headers on a gloo group of their own (as with NCCL tensors): gradients for changing
+    shapes, where each message went, and what a failure on the other rank raised here."""
+    import torch.distributed as dist
+
+    from lightning_pipe.runtime import p2p
+
+    import dataclasses
+
+    base = PipelineGroups.build(Topology(world, world), rank, side_channel=True)
+    # The failure below leaves a receive and the loss broadcast posted: on groups of this test
+    # alone, not the launch's (a failed job ends; a shared launch goes on).
+    payload, pp = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
+
+    class Private(PipelineGroups):
+        @property
+        def channel(self) -> p2p.Channel:
+            return dataclasses.replace(super().channel, payload=payload)
+
+    groups = Private(**{**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, "pp": pp})
+    torch.manual_seed(0)
+    model = ToyChain()
+    engine = place(model, PipelinePlan(1, world, 3, "1f1b", partition="uniform"), rank, groups=groups)
+    routes, original = [], dist.isend
+
+    def recording(tensor: Any, dst: int, group: Any = None, tag: int = 0) -> Any:
+        header = tensor.dtype == torch.int64 and tensor.numel() == p2p.HEADER_LEN
+        routes.append((header, group is groups.headers, group is payload))
+        return original(tensor, dst, group=group, tag=tag)
+
+    grads = []
+    dist.isend = recording
+    try:
+        for step, size in enumerate(SIZES):
+            engine.train_step(make_data(size, seed=step), _frozen(engine))
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    finally:
+        dist.isend = original
+    if rank == world - 1:
+        model.pipeline_loss = lambda *args: (_ for _ in ()).throw(RuntimeError("loss exploded"))
+    try:
+        engine.train_step(make_data(8, seed=9), _frozen(engine))
+        failure = "none"
+    except Exception as err:  # noqa: BLE001 - the test reads what each rank saw
+        failure = f"{type(err).__name__}: {err}"
+    return grads, routes, failure
+
+
+scenario(2, "executor_side_channel", _side_channel_worker)
+
+
+def test_headers_over_a_side_channel(launched) -> None:
+    # With tensors on NCCL, headers go over a gloo group so that reading one never waits on the
+    # GPU. Forced on here (gloo both): same gradients as one process while shapes change (so
+    # placeholders are sent too), every header on the side group and no tensor on it, and a
+    # failure's notice still reaches the other rank.
+    out = launched(2)["executor_side_channel"]
+    assert all(status == "ok" for status, _ in out), out
+    torch.manual_seed(0)
+    reference = ToyChain()
+    for step, size in enumerate(SIZES):
+        got = {**out[0][1][0][step], **out[1][1][0][step]}
+        assert_close_dicts(got, reference_grads(reference, make_data(size, seed=step)), rtol=1e-5)
+    for _, (_, routes, _) in out:
+        assert routes and all(header == on_side and header != on_payload for header, on_side, on_payload in routes), routes
+        assert sum(header for header, _, _ in routes) * 2 <= len(routes)  # a header, then at least one tensor
+    assert out[1][1][2] == "RuntimeError: loss exploded"
+    assert out[0][1][2].startswith("PipelineAbortedError") and "loss exploded" in out[0][1][2], out[0][1][2]
+
+
+
 # Rank 0 runs its backwards in the other order: it reads mb 1's gradient before mb 0's, which
 # rank 1 sends first, and rank 1 reads rank 0's the same way round. Each rank must read its
 # neighbour's messages in the order they were sent and keep the early one until its action.

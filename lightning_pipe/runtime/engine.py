@@ -225,7 +225,8 @@ class PipelineEngine:
     def _run(self, actions: list[Action], state: StepState, wait: bool = True, trace: Optional[Trace] = None,
              arrivals: Optional[dict[int, list[Action]]] = None) -> StepState:  # fmt: skip
         return Executor(self.stages, self.positions, self.device, self._hooks(), trace=trace if self.instrument else None,
-                        links=self.links, account=self.instrument).run(actions, state, wait, arrivals)  # fmt: skip
+                        links=self.links, account=self.instrument,
+                        channel=self.groups.channel if self.groups is not None else p2p.DIRECT).run(actions, state, wait, arrivals)  # fmt: skip
 
     # -- steps -----------------------------------------------------------------------------
     def train_step(self, batch: Any, optimizer: Optimizer, on_step: Optional[Callable[[], None]] = None) -> Tensor:

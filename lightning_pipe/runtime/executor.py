@@ -204,11 +204,12 @@ class Executor:
         account: count the bytes autograd saves for backward (``StepState.peak_stash_bytes``);
             a saved-tensor hook per forward, so only when a monitor asks.
         links: what each link last carried (kept by the engine across programs, see :class:`p2p.Links`).
+        channel: where headers and tensors travel (:class:`p2p.Channel`).
     """
 
     def __init__(self, stage: Union[Stage, Sequence[Stage]], position: Union[Position, Sequence[Position]],
                  device: torch.device, hooks: Hooks, abort_timeout: float = 10.0, trace: Optional[Trace] = None,
-                 links: Optional[p2p.Links] = None, account: bool = False) -> None:  # fmt: skip
+                 links: Optional[p2p.Links] = None, account: bool = False, channel: p2p.Channel = p2p.DIRECT) -> None:  # fmt: skip
         stages = [stage] if isinstance(stage, Stage) else list(stage)
         positions = [position] if isinstance(position, Position) else list(position)
         self._chunks = {p.stage: (st, p) for st, p in zip(stages, positions, strict=True)}
@@ -216,6 +217,7 @@ class Executor:
         self.device, self.hooks = device, hooks
         self.abort_timeout, self.trace, self.account = abort_timeout, trace, account
         self.links = links if links is not None else p2p.Links()
+        self.channel = channel
         self._replayed: set[int] = set()  # split backward on a recomputed stage: F keeps no graph, I reruns it
         self._incoming: dict[int, p2p.Incoming] = {}
         self._expected: dict[int, deque[Action]] = {}  # per source: the receives still to come, in send order
@@ -381,7 +383,7 @@ class Executor:
         assert dst is not None
         box = st.sent.setdefault(dst, Outbox())
         posted = self.links.sent.get((dst, kind))
-        box.post(p2p.send_tensors(tensors, dst, self.device, ack=st.received[dst], posted=posted), tensors)
+        box.post(p2p.send_tensors(tensors, dst, self.device, ack=st.received[dst], posted=posted, channel=self.channel), tensors)
         self.links.sent[dst, kind] = p2p.specs_of(tensors)
 
     def _send_act(self, a: Action, st: StepState) -> None:
@@ -423,7 +425,7 @@ class Executor:
     def _incoming_from(self, src: int) -> p2p.Incoming:
         """The next message from ``src``, its payload receives posted for the specs its kind
         (activations or gradients) last had on this link."""
-        return p2p.Incoming(src, self.device, expected=self.links.received.get((src, self._next_kind(src))))
+        return p2p.Incoming(src, self.device, self.links.received.get((src, self._next_kind(src))), self.channel)
 
     def _next_kind(self, src: int) -> Kind:
         """What the next message from ``src`` carries: the next receive in its send order (the
@@ -483,7 +485,7 @@ class Executor:
         for peer in sorted(peers):  # type: ignore[type-var]
             try:
                 kind = self._next_send_kind(peer)
-                posted[peer] = p2p.send_abort(message, peer, self.device, posted=self.links.sent.pop((peer, kind), None))
+                posted[peer] = p2p.send_abort(message, peer, self.device, self.links.sent.pop((peer, kind), None), self.channel)
             except Exception:  # noqa: BLE001 - the peer may already be gone; the original error matters
                 pass
         self._deliver(posted)

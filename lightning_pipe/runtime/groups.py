@@ -1,12 +1,14 @@
-"""The process groups of one layout, built in one place: the ("dp", "pp") mesh and the gradient-norm groups."""
+"""The process groups of one layout, built in one place: the ("dp", "pp") mesh, the gradient-norm groups and the headers' CPU side channel."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 
+from lightning_pipe.runtime.p2p import DIRECT, Channel
 from lightning_pipe.topology import Topology
 
 
@@ -21,19 +23,36 @@ class PipelineGroups:
         norm: a second group over the same stages for the asynchronous gradient-norm sums, so
             their order never interleaves with the broadcasts on ``pp`` (2BW posts them at
             different points on different stages).
+        headers: a gloo group over the job for the transfers' headers when the tensors are not
+            on the CPU (NCCL), so that reading a header never waits on the device (``None``:
+            headers travel with the tensors).
     """
 
     mesh: Any
     dp: Any
     pp: Any
     norm: Optional[Any]
+    headers: Optional[Any] = None
 
     @classmethod
-    def build(cls, topology: Topology, rank: int, device_type: str = "cpu") -> "PipelineGroups":
-        """Create the groups of ``topology`` (a collective: every rank of the job calls it)."""
+    def build(cls, topology: Topology, rank: int, device_type: str = "cpu",
+              side_channel: Optional[bool] = None) -> "PipelineGroups":  # fmt: skip
+        """Create the groups of ``topology`` (a collective: every rank of the job calls it).
+
+        ``side_channel``: send headers over a gloo group of their own; by default when the
+        devices are not CPUs and the pipeline has more than one stage.
+        """
         mesh = topology.build_mesh(device_type)
         norm = pipeline_group(topology, rank) if topology.depth > 1 else None
-        return cls(mesh, mesh.get_group("dp"), mesh.get_group("pp"), norm)
+        if side_channel is None:
+            side_channel = device_type != "cpu" and topology.depth > 1
+        headers = dist.new_group(backend="gloo") if side_channel else None
+        return cls(mesh, mesh.get_group("dp"), mesh.get_group("pp"), norm, headers)
+
+    @property
+    def channel(self) -> Channel:
+        """Where the pipeline's transfers send their headers and tensors."""
+        return DIRECT if self.headers is None else Channel(self.headers, None, torch.device("cpu"))
 
 
 def pipeline_group(topology: Topology, rank: int) -> Any:

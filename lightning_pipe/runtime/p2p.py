@@ -1,4 +1,4 @@
-"""Point-to-point transfer of tensor tuples between stages, with shape headers and abort notices."""
+"""Point-to-point transfer of tensor tuples between stages, with shape headers (on a CPU side channel when tensors go over NCCL) and abort notices."""
 
 from __future__ import annotations
 
@@ -29,6 +29,30 @@ class PipelineAbortedError(RuntimeError):
     def __init__(self, message: str, source_rank: int) -> None:
         super().__init__(message)
         self.source_rank = source_rank
+
+
+@dataclass(frozen=True)
+class Channel:
+    """Where the parts of a transfer travel.
+
+    Attributes:
+        headers: the group headers (and abort notices' headers) go over; ``None``: the default.
+            When the tensors go over NCCL this is a gloo group with headers on the CPU, so that
+            reading a header (to post or check the payload receives) never waits on the device.
+        payload: the group the tensors go over; ``None``: the default.
+        header_device: where headers live; ``None``: with the tensors.
+    """
+
+    headers: Any = None
+    payload: Any = None
+    header_device: Optional[torch.device] = None
+
+    def header_on(self, device: torch.device) -> torch.device:
+        """The device of a header for tensors on ``device``."""
+        return self.header_device if self.header_device is not None else device
+
+
+DIRECT = Channel()  # headers and tensors together, over the default group
 
 
 def encode_header(tensors: Sequence[Tensor], ack: int = 0) -> Tensor:
@@ -78,7 +102,7 @@ def _fillers(posted: Optional[Specs], specs: Optional[Specs], device: torch.devi
 
 
 def send_tensors(tensors: Sequence[Tensor], dst: int, device: torch.device, ack: int = 0,
-                 posted: Optional[Specs] = None) -> list[dist.Work]:  # fmt: skip
+                 posted: Optional[Specs] = None, channel: Channel = DIRECT) -> list[dist.Work]:  # fmt: skip
     """Post non-blocking sends of a header (carrying ``ack``) and each tensor to global rank ``dst``.
 
     ``posted`` are the specs the receiver posted its payload receives for before the header came
@@ -86,9 +110,13 @@ def send_tensors(tensors: Sequence[Tensor], dst: int, device: torch.device, ack:
     placeholders of those specs are sent first, and the receiver posts new receives.
     """
     tensors = [t.detach().contiguous() for t in tensors]
-    header = encode_header(tensors, ack).to(device)
+    header = encode_header(tensors, ack).to(channel.header_on(device))
     fillers = _fillers(posted, specs_of(tensors), device)
-    return [dist.isend(header, dst)] + [dist.isend(_wire(t), dst) for t in fillers + tensors]
+    return [dist.isend(header, dst, group=channel.headers)] + _send_payload(fillers + tensors, dst, channel)
+
+
+def _send_payload(tensors: list[Tensor], dst: int, channel: Channel) -> list[dist.Work]:
+    return [dist.isend(_wire(t), dst, group=channel.payload) for t in tensors]
 
 
 class Incoming:
@@ -98,12 +126,12 @@ class Incoming:
     header arrived waits milliseconds longer under gloo). Otherwise the payload receives are
     posted as soon as the header is in (:meth:`advance`) or when needed (:meth:`wait`)."""
 
-    def __init__(self, src: int, device: torch.device, expected: Optional[Specs] = None) -> None:
-        self.src, self.device, self.expected = src, device, expected
-        self.header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
-        self.header_work = dist.irecv(self.header, src)
+    def __init__(self, src: int, device: torch.device, expected: Optional[Specs] = None, channel: Channel = DIRECT) -> None:
+        self.src, self.device, self.expected, self.channel = src, device, expected, channel
+        self.header = torch.empty(HEADER_LEN, dtype=torch.int64, device=channel.header_on(device))
+        self.header_work = dist.irecv(self.header, src, group=channel.headers)
         self.early = _empty(expected, device) if expected is not None else []
-        self.early_works = [dist.irecv(_wire(b), src) for b in self.early]
+        self.early_works = self._receive(self.early)
         self.buffers: Optional[list[Tensor]] = None
         self.works: list[dist.Work] = []
         self.aborted = False
@@ -127,7 +155,10 @@ class Incoming:
             self.buffers, self.works = self.early, self.early_works
             return
         self.buffers = _empty(specs, self.device)
-        self.works = self.early_works + [dist.irecv(_wire(b), self.src) for b in self.buffers]
+        self.works = self.early_works + self._receive(self.buffers)
+
+    def _receive(self, buffers: list[Tensor]) -> list[dist.Work]:
+        return [dist.irecv(_wire(b), self.src, group=self.channel.payload) for b in buffers]
 
     def wait(self) -> tuple[Tensor, ...]:
         """The received tuple; raise if ``src`` sent an abort notice instead."""
@@ -143,13 +174,14 @@ class Incoming:
         return tuple(self.buffers)
 
 
-def send_abort(message: str, dst: int, device: torch.device, posted: Optional[Specs] = None) -> list[dist.Work]:
+def send_abort(message: str, dst: int, device: torch.device, posted: Optional[Specs] = None,
+               channel: Channel = DIRECT) -> list[dist.Work]:  # fmt: skip
     """Tell rank ``dst`` that this pipeline failed, in place of the next tensor tuple it awaits
-    (``posted``: as for :func:`send_tensors`)."""
+    (``posted``, ``channel``: as for :func:`send_tensors`)."""
     data = torch.tensor(list(message.encode("utf-8")), dtype=torch.uint8, device=device)
-    header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=channel.header_on(device))
     header[0], header[1] = _ABORT, data.numel()
-    return [dist.isend(header, dst)] + [dist.isend(_wire(t), dst) for t in _fillers(posted, None, device) + [data]]
+    return [dist.isend(header, dst, group=channel.headers)] + _send_payload(_fillers(posted, None, device) + [data], dst, channel)
 
 
 @dataclass
