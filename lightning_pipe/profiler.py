@@ -325,7 +325,7 @@ def profile_blocks(module: nn.Module, batch: Any, microbatch_sizes: Sequence[int
     data = as_tuple(module.pipeline_inputs(batch), "pipeline_inputs")
     per_sample = _tensor_bytes([t for t in data if t.untyped_storage().data_ptr() not in batch_storages]) / batch_size(batch)
     batch_per_sample = _tensor_bytes(leaves) / batch_size(batch)
-    per_action = _action_overhead(module, blocks, batch, min(microbatch_sizes), repeats, device) if with_loss else 0.0
+    per_action = _action_overhead(module, blocks, batch, profiles, min(microbatch_sizes), repeats, device) if with_loss else 0.0
     return Profile(profiles, optimizer_step=step, action_overhead=per_action, input_bytes_per_sample=per_sample,
                    batch_bytes_per_sample=batch_per_sample, device=str(device))
 
@@ -419,15 +419,9 @@ def profile_concurrently(factory: Callable[[], nn.Module], batch: Any, microbatc
     return value
 
 
-def _action_overhead(module: nn.Module, blocks: list[nn.Module], batch: Any, size: int, repeats: int,
-                     device: torch.device) -> float:  # fmt: skip
-    """Seconds per F or B action that a one-stage executor run takes beyond the blocks' profiled time.
-
-    Each executor run is paired with a profile of the blocks taken right after it, and the
-    median of the differences kept: the machine's speed drifts between moments further apart
-    (on a 2-core VM by up to 25% within seconds), and the overhead is a small difference of
-    two large times.
-    """
+def _action_overhead(module: nn.Module, blocks: list[nn.Module], batch: Any, profiles: list[BlockProfile], size: int,
+                     repeats: int, device: torch.device) -> float:  # fmt: skip
+    """Seconds per F or B action that a one-stage executor run takes beyond the blocks' profiled time."""
     from lightning_pipe.runtime.executor import Executor, Hooks, Position, StepState
     from lightning_pipe.runtime.stage import Stage
     from lightning_pipe.schedules import Kind, build_schedule
@@ -436,17 +430,16 @@ def _action_overhead(module: nn.Module, blocks: list[nn.Module], batch: Any, siz
     microbatches, shares = split_batch(batch, m)
     actions = [a for a in build_schedule("1f1b", 1, m)[0] if a.kind in (Kind.FORWARD, Kind.BACKWARD)]
     executor = Executor(Stage(blocks, 0), Position(0, 1, None, None), device, Hooks(module.pipeline_inputs, module.pipeline_loss))
-    mb = microbatches[0]
-    loss = functools.partial(_loss_of, module, mb)
-    differences = []
+    times = []
     for _ in range(repeats + 1):
         state = StepState({}, {})
         state.add_batch(0, microbatches, shares)
         seconds, _ = _timed(lambda: executor.run(actions, state), device)
-        samples = _profile_chain(blocks, lambda: as_tuple(module.pipeline_inputs(mb), "pipeline_inputs"), True, loss, 1, device)
-        differences.append(seconds - m * sum(s.forward + s.backward for s in samples))
+        times.append(seconds)
     module.zero_grad(set_to_none=True)
-    return max(statistics.median(differences[1:]), 0.0) / (2 * m)
+    sample = [p.at(batch_size(microbatches[0])) for p in profiles]
+    blocks_time = m * sum(s.forward + s.backward for s in sample)
+    return max(statistics.median(times[1:]) - blocks_time, 0.0) / (2 * m)
 
 
 def _make_optimizer(params: list[nn.Parameter], optimizer: Optional[Callable]) -> torch.optim.Optimizer:
