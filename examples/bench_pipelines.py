@@ -31,7 +31,7 @@ import weakref
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -203,11 +203,20 @@ def _torch_loss(work: Workload, model: nn.Module) -> Callable[[Tensor, Tensor], 
     return lambda out, target: model.pipeline_loss(out, (None, target))
 
 
-def _builders(rank: int, work: Workload, groups: Any) -> dict[str, Callable[[], Contender]]:
+def _builders(rank: int, work: Workload, groups: Any, only: Sequence[str] = ()) -> dict[str, Callable[[], Contender]]:
     out: dict[str, Callable[[], Contender]] = {"one process": lambda: _single(rank, work)}
     out.update({f"torch {k}": partial(_torch, rank, work, k) for k in TORCH})
     out.update({_name(*ours): partial(_ours, rank, work, groups, *ours) for ours in OURS})
-    return out
+    keep = selected(only)
+    return {name: build for name, build in out.items() if name in keep}
+
+
+def selected(only: Sequence[str]) -> set[str]:
+    """Contender names that contain one of ``only`` (all when empty), with "one process" and the
+    torch schedule each kept one of ours is compared with."""
+    names = ["one process", *(f"torch {k}" for k in TORCH), *(_name(*ours) for ours in OURS)]
+    keep = {n for n in names if not only or any(o in n for o in only)} | {"one process"}
+    return keep | {f"torch {SAME[ours]}" for ours in OURS if _name(*ours) in keep}
 
 
 def _name(schedule: str, split: bool, virtual: int = 1) -> str:
@@ -237,7 +246,7 @@ def _finish(step: Contender) -> None:
 
 class PeakTensorBytes(TorchDispatchMode):
     """Peak bytes of the CPU tensor storages alive during a block: ``persistent`` ones (weights,
-    gradients, optimizer state) plus every storage an op creates inside, until it is freed.
+    gradients, optimizer state) plus every storage an op creates inside, each until it is freed.
 
     Measured the same way for every contender. (torch.distributed._tools.MemTracker refuses
     modules that run once per microbatch, so it cannot measure a pipeline stage.)
@@ -245,9 +254,11 @@ class PeakTensorBytes(TorchDispatchMode):
 
     def __init__(self, persistent: list[Tensor]) -> None:
         super().__init__()
-        self.known = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in persistent}
-        self.current = self.peak = sum(self.known.values())
+        self.known: dict[int, int] = {}
+        self.current = self.peak = 0
         self._refs: list[Any] = []
+        for t in persistent:  # tracked until freed too: a step may drop what it found (last step's gradients)
+            self._track(t.untyped_storage())
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -279,7 +290,7 @@ def _peak_bytes(step: Contender, batch: Any) -> int:
     return tracker.peak
 
 
-def _worker(rank: int, world: int, work: Workload, rounds: int, steps: int, threads: int) -> dict:
+def _worker(rank: int, world: int, work: Workload, rounds: int, steps: int, threads: int, only: Sequence[str]) -> dict:
     """Each round builds every contender afresh, in a rotated order, then times each in that order.
 
     Rebuilding matters: on this machine whichever model is allocated first ran up to 8% faster
@@ -287,7 +298,7 @@ def _worker(rank: int, world: int, work: Workload, rounds: int, steps: int, thre
     """
 
     torch.set_num_threads(threads)
-    builders = _builders(rank, work, PipelineGroups.build(Topology(work.depth, work.depth), rank))
+    builders = _builders(rank, work, PipelineGroups.build(Topology(work.depth, work.depth), rank), only)
     batch, names = work.batch(), list(builders)
     times: dict[str, list[float]] = {name: [] for name in names}
     peaks: dict[str, int] = {}
@@ -311,9 +322,9 @@ def _worker(rank: int, world: int, work: Workload, rounds: int, steps: int, thre
     return {"times": {n: statistics.median(t) for n, t in times.items()}, "peaks": peaks}
 
 
-def run(work: Workload, rounds: int, steps: int, threads: int) -> list[dict]:
-    """Run every contender on ``work``; one row per contender."""
-    out = run_gloo(_worker, work.depth, work, rounds, steps, threads, timeout=3000, pg_timeout=600)
+def run(work: Workload, rounds: int, steps: int, threads: int, only: Sequence[str] = ()) -> list[dict]:
+    """Run the contenders on ``work`` (those :func:`selected` by ``only``); one row per contender."""
+    out = run_gloo(_worker, work.depth, work, rounds, steps, threads, only, timeout=3000, pg_timeout=600)
     if any(status != "ok" for status, _ in out):
         raise RuntimeError("\n".join(str(v) for s, v in out if s != "ok"))
     times = out[0][1]["times"]
@@ -322,14 +333,15 @@ def run(work: Workload, rounds: int, steps: int, threads: int) -> list[dict]:
         peaks = [rank_out["peaks"][name] for _, rank_out in out]
         rows.append({"workload": work, "name": name, "step_s": seconds, "samples_s": work.batch_size / seconds,
                      "peaks": peaks[:1] if name == "one process" else peaks})  # fmt: skip
-    for ours in OURS:
+    for ours in (o for o in OURS if _name(*o) in times):
         row = _row(rows, _name(*ours))
         ref = _row(rows, f"torch {SAME[ours]}")
         row["vs"] = (ref["name"].removeprefix("torch "), row["samples_s"] / ref["samples_s"])
         row["sim_s"] = work.predicted_step(*ours, steps=steps)
-    for kind in ("gpipe", "1f1b"):
-        _row(rows, f"torch {kind}")["sim_s"] = work.predicted_step(kind, False)
-    _row(rows, "torch interleaved")["sim_s"] = work.predicted_step("1f1b", False, VIRTUAL["interleaved"])
+    simulated = {"gpipe": ("gpipe", False), "1f1b": ("1f1b", False), "interleaved": ("1f1b", False, VIRTUAL["interleaved"])}
+    for kind, args in simulated.items():
+        if f"torch {kind}" in times:
+            _row(rows, f"torch {kind}")["sim_s"] = work.predicted_step(*args)
     if work.name == "costmodel":  # one process runs every block's F, I and W for each microbatch
         depth, blocks, cost = work.spec
         _row(rows, "one process")["sim_s"] = work.microbatches * depth * blocks * 3 * cost
@@ -415,11 +427,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (one process too)")
     parser.add_argument("--rounds", type=int, default=4, help="rounds; each rebuilds and times every contender")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per contender per round")
+    parser.add_argument("--only", nargs="+", default=[], metavar="TEXT",
+                        help="run only the contenders whose name contains one of these (with one process "
+                        "and the torch schedules they are compared with)")
     parser.add_argument("--chart", type=Path, default=Path("docs/bench_pipelines.png"))
     args = parser.parse_args()
     results = []
     for work in workloads(args):
-        rows = run(work, args.rounds, args.steps, args.threads)
+        rows = run(work, args.rounds, args.steps, args.threads, args.only)
         results.append(rows)
         print(table(rows) + "\n", flush=True)
     chart(results, args.chart)
