@@ -5,9 +5,10 @@
 
 Contenders, interleaved round by round so that machine drift hits them all alike: one process
 with no pipeline; torch.distributed.pipelining ScheduleGPipe, Schedule1F1B,
-ScheduleInterleavedZeroBubble (one stage per rank) and ScheduleInterleaved1F1B (two stages per
-rank); lightning_pipe gpipe, 1f1b and 2bw (with loss="previous": no wait at window ends), each
-with and without split backward, and interleaved 1F1B (two stages per rank). Same model, global
+ScheduleInterleavedZeroBubble (one stage per rank, and two) and ScheduleInterleaved1F1B (two
+stages per rank); lightning_pipe gpipe, 1f1b and 2bw (with loss="previous": no wait at window
+ends), each with and without split backward, and interleaved 1F1B (two stages per rank) with
+and without split backward. Same model, global
 batch and microbatches; the same partition for every contender with as many stages per rank. Rank 0 shows progress (one tick per timed contender).
 
 Workloads:
@@ -52,15 +53,17 @@ from lightning_pipe.schedules import Kind, build_schedule, two_bw_window  # noqa
 from lightning_pipe.spawn import run_gloo  # noqa: E402
 
 #: Our contenders: (schedule, split backward, stages per rank).
-OURS = [(s, split, 1) for s in ("gpipe", "1f1b", "2bw") for split in (False, True)] + [("1f1b", False, 2)]
+OURS = [(s, split, 1) for s in ("gpipe", "1f1b", "2bw") for split in (False, True)] + [("1f1b", False, 2), ("1f1b", True, 2)]
 TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zb": "ScheduleInterleavedZeroBubble",
-         "interleaved": "ScheduleInterleaved1F1B"}  # fmt: skip
-VIRTUAL = {"interleaved": 2}  # stages per rank; the others run one
+         "interleaved": "ScheduleInterleaved1F1B", "interleaved zb": "ScheduleInterleavedZeroBubble"}  # fmt: skip
+VIRTUAL = {"interleaved": 2, "interleaved zb": 2}  # stages per rank; the others run one
 # The torch.distributed.pipelining schedule each of ours is compared with: the same schedule,
-# zero bubble (1F1B with split backward, ZB-H1) for split 1F1B, and 1F1B for 2BW, whose steady
-# state is 1F1B without the flush.
+# zero bubble (1F1B with split backward, ZB-H1) for split 1F1B, 1F1B for 2BW, whose steady
+# state is 1F1B without the flush, and torch's zero bubble on two stages per rank for our
+# interleaved 1F1B with split backward.
 SAME = {("gpipe", False, 1): "gpipe", ("gpipe", True, 1): "gpipe", ("1f1b", False, 1): "1f1b", ("1f1b", True, 1): "zb",
-        ("2bw", False, 1): "1f1b", ("2bw", True, 1): "zb", ("1f1b", False, 2): "interleaved"}  # fmt: skip
+        ("2bw", False, 1): "1f1b", ("2bw", True, 1): "zb", ("1f1b", False, 2): "interleaved",
+        ("1f1b", True, 2): "interleaved zb"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -177,7 +180,7 @@ def _torch(rank: int, work: Workload, kind: str) -> Contender:
     modules = [nn.Sequential(*(blocks[i] for i in ranges[s])) for s in ids]
     stages = [pipelining.PipelineStage(m, s, work.depth * virtual, torch.device("cpu")) for m, s in zip(modules, ids)]
     cls = getattr(pipelining, TORCH[kind])
-    multi = kind in ("zb", "interleaved")  # schedules that take a list of stages
+    multi = kind in ("zb", "interleaved", "interleaved zb")  # schedules that take a list of stages
     schedule = cls(stages if multi else stages[0], work.microbatches, loss_fn=_torch_loss(work, model))
     stage_module = nn.ModuleList(modules)
     opt = torch.optim.SGD(stage_module.parameters(), lr=1e-4)

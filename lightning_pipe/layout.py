@@ -41,9 +41,9 @@ class PipelinePlan:
             of a pipeline, default) or "dp" (the replicas of a stage); see :class:`Topology`.
         virtual_stages: stages per rank ``v``. Above 1 the chain is cut into ``depth * v``
             stages, rank ``r`` of a pipeline runs stages ``r, r + depth, ...`` and the schedule
-            is interleaved 1F1B (``schedule="1f1b"``, no split backward, ``microbatches`` a
-            multiple of ``depth``; see ``schedules/interleaved.py``): the bubble shrinks ``v``
-            times for ``v`` times the messages.
+            is interleaved 1F1B (``schedule="1f1b"``, ``microbatches`` a multiple of ``depth``;
+            see ``schedules/interleaved.py``): the bubble shrinks ``v`` times for ``v`` times
+            the messages. With ``split_backward`` each rank places its W's as ZB-H1 does.
     """
 
     width: int = 1
@@ -66,7 +66,7 @@ class PipelinePlan:
         check_name(self.schedule)
         if self.schedule == "2bw":
             two_bw.check_microbatches(self.depth, self.microbatches)
-        check_virtual(self.schedule, self.depth, self.microbatches, self.virtual_stages, self.split_backward)
+        check_virtual(self.schedule, self.depth, self.microbatches, self.virtual_stages)
         self._normalise_recompute()
         self._normalise_partition()
         if self.split_max_pending is not None:

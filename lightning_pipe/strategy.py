@@ -73,9 +73,9 @@ class PipelineStrategy(DDPStrategy):
         virtual_stages: stages per rank ``v`` (default 1). Above 1 the chain is cut into
             ``d * v`` stages, each rank runs ``v`` of them (rank ``r``: stages ``r, r + d, ...``)
             and the schedule is interleaved 1F1B (Megatron-LM's): the bubble is ``v`` times
-            smaller for ``v`` times the messages. Needs ``schedule="1f1b"``, no split backward
-            and ``microbatches`` a multiple of ``d``; ``partition`` and ``recompute`` lists then
-            give one entry per stage (``d * v``).
+            smaller for ``v`` times the messages. Needs ``schedule="1f1b"`` and ``microbatches``
+            a multiple of ``d``; ``partition`` and ``recompute`` lists then give one entry per
+            stage (``d * v``). With ``split_backward`` each rank places its W's as ZB-H1 does.
         plan: the whole layout as one value, instead of the layout arguments above; its
             ``width * depth`` must equal the number of processes.
         save_distributed_checkpoint: write checkpoints as a torch.distributed.checkpoint

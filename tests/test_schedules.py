@@ -111,13 +111,31 @@ def test_interleaved_bubble_is_megatrons(virtual: int) -> None:
             assert result.peak_stash == [min(2 * (d - 1 - r) + (virtual - 1) * d + 1, m * virtual) for r in range(d)]
 
 
+@pytest.mark.parametrize("f, i, w", [(1.0, 1.0, 1.0), (2.0, 2.0, 1.0), (1.0, 2.0, 1.0), (3.0, 2.0, 2.0)])
+def test_interleaved_split_is_zero_bubble_h1_per_chunk(f: float, i: float, w: float) -> None:
+    # Each rank places its W's as ZB-H1 does (rank r keeps r waiting). Zero Bubble's ZB-H1 idle
+    # time (Qi et al., 2023, section 2.1, T_W <= T_F), (d-1)(F + I - W), holds with per-chunk
+    # costs: v times less than ZB-H1 on whole stages, and less than interleaved 1F1B's
+    # (d-1)(F + I + W); no rank holds more chunks than interleaved 1F1B's first rank.
+    costs = {Kind.FORWARD: f, Kind.INPUT_GRAD: i, Kind.WEIGHT_GRAD: w, Kind.BACKWARD: i + w}
+    for d in range(2, 9):
+        for virtual in (2, 3, 4):
+            for m in range(d, 3 * d + 1, d):
+                program = build_schedule("1f1b", d, m, split=True, virtual=virtual)
+                verify(program, m, virtual=virtual)
+                result = simulate(program, costs)
+                assert result.makespan == pytest.approx(virtual * m * (f + i + w) + (d - 1) * (f + i - w))
+                assert all(b == pytest.approx((d - 1) * (f + i - w)) for b in (result.makespan - x for x in result.busy))
+                plain = simulate(build_schedule("1f1b", d, m, virtual=virtual), costs)
+                assert plain.makespan - plain.busy[0] == pytest.approx((d - 1) * (f + i + w))
+                assert max(result.peak_stash) <= plain.peak_stash[0] == max(plain.peak_stash)
+
+
 def test_interleaved_misuse_is_refused() -> None:
     with pytest.raises(ValueError, match="multiple of it"):
         build_schedule("1f1b", 4, 6, virtual=2)
-    with pytest.raises(ValueError, match="schedule='1f1b' without split_backward"):
+    with pytest.raises(ValueError, match="virtual_stages=2 runs interleaved 1F1B: use schedule='1f1b'"):
         build_schedule("gpipe", 2, 2, virtual=2)
-    with pytest.raises(ValueError, match="schedule='1f1b' without split_backward"):
-        build_schedule("1f1b", 2, 2, split=True, virtual=2)
     with pytest.raises(ValueError, match="pipeline_depth >= 2"):
         build_schedule("1f1b", 1, 2, virtual=2)
     with pytest.raises(ScheduleError, match="does not run"):

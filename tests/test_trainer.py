@@ -50,10 +50,18 @@ for _w, _d in LAYOUTS:
 
 #: Interleaved 1F1B: two stages per rank over a chain of 8 blocks (ToyChain with 6 residual blocks).
 INTERLEAVED_BLOCKS = 6
+
+
+def _interleaved_tags(width: int, depth: int) -> list[tuple[str, bool, bool]]:
+    """(tag, recompute, split backward) of every interleaved run of a layout."""
+    runs = [(rc, split) for rc in ((False, True) if width * depth == 2 else (False,)) for split in (False, True)]
+    return [(f"interleaved{'_rc' if rc else ''}{'_split' if split else ''}", rc, split) for rc, split in runs]
+
+
 for _w, _d in LAYOUTS:
-    for _rc in (False, True) if _w * _d == 2 else (False,):
-        scenario(_w * _d, f"toy_{_w}x{_d}_interleaved{'_rc' if _rc else ''}",
-                 partial(fit_toy, virtual=2, blocks=INTERLEAVED_BLOCKS), _d, "1f1b", _rc)  # fmt: skip
+    for _tag_name, _rc, _split in _interleaved_tags(_w, _d):
+        scenario(_w * _d, f"toy_{_w}x{_d}_{_tag_name}",
+                 partial(fit_toy, virtual=2, blocks=INTERLEAVED_BLOCKS), _d, "1f1b", _rc, _split)  # fmt: skip
 
 
 class Profiled(ToyChain):
@@ -173,9 +181,11 @@ def test_fit_matches_single_process(launched, width: int, depth: int) -> None:
 
 @pytest.mark.parametrize("width,depth", LAYOUTS)
 def test_fit_interleaved_matches_single_process(launched, width: int, depth: int) -> None:
-    for tag in ("interleaved", "interleaved_rc") if width * depth == 2 else ("interleaved",):
+    # With and without split backward (each rank places its W's as ZB-H1 does), and recompute at d = 2.
+    for tag, recompute, split in _interleaved_tags(width, depth):
         ranks = _ranks(launched, width, depth, tag)
         assert all(r["plan"].virtual_stages == 2 and r["plan"].stages == 2 * depth for r in ranks)
+        assert all(r["plan"].split_backward == split and all(r["plan"].recompute) == recompute for r in ranks)
         # Each rank holds two non-adjacent stages: rank 0 of d = 2 trains blocks 0-1 and 4-5.
         held = {n.split(".")[0] + ("." + n.split(".")[1] if n.startswith("blocks") else "") for n in ranks[0]["params"]}
         size = (INTERLEAVED_BLOCKS + 2) // (2 * depth)

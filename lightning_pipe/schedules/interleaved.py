@@ -13,6 +13,11 @@ chunk 1 of the same, ..., chunk ``v-1``, then chunk 0 of microbatches ``d..2d-1`
 the same with the chunks in reverse. Rank ``r`` warms up with ``2 (d - 1 - r) + (v - 1) d``
 forwards, then alternates, then cools down. ``m`` must be a multiple of ``d``.
 
+With split backward (``build_schedule(..., split=True, virtual=v)``) each rank's B's become
+I's and the rank places its W's as Zero Bubble's ZB-H1 does (schedules/split.py: rank ``r``
+keeps at most ``r`` W's waiting): the bubble becomes ``(d - 1)(F + I - W)`` in per-chunk costs
+(for ``W <= F``), and no rank holds more chunks than this schedule's first rank.
+
 d=2, v=2, m=2 (stages 0 and 2 on rank 0, 1 and 3 on rank 1)::
 
     rank 0: 0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 from lightning_pipe.schedules.actions import Action, Kind
@@ -82,13 +83,10 @@ def resolve(name: str) -> Generator:
     return TRAINING_SCHEDULES[name]
 
 
-def check_virtual(name: str, depth: int, microbatches: int, virtual: int, split: bool) -> None:
+def check_virtual(name: str, depth: int, microbatches: int, virtual: int) -> None:
     """Raise a clear error unless ``virtual`` stages per rank can run under schedule ``name``."""
-    if virtual > 1 and (name != "1f1b" or split):
-        raise ValueError(
-            f"virtual_stages={virtual} runs interleaved 1F1B: use schedule='1f1b' without split_backward "
-            f"(got schedule={name!r}, split_backward={split})"
-        )
+    if virtual > 1 and name != "1f1b":
+        raise ValueError(f"virtual_stages={virtual} runs interleaved 1F1B: use schedule='1f1b' (got schedule={name!r})")
     interleaved.check(depth, microbatches, virtual)
 
 
@@ -107,19 +105,14 @@ def build_schedule(
         virtual: stages per rank ``v``; above 1, interleaved 1F1B over ``d * v`` stages
             (schedules/interleaved.py), rank ``r`` running stages ``r, r + d, ...``.
     """
-    check_virtual(name, depth, microbatches, virtual, split)
-    if virtual > 1:
-        return [
-            add_optimizer(add_communication(interleaved.interleaved_one_f_one_b(r, depth, microbatches, virtual), depth * virtual), r)
-            for r in range(depth)
-        ]
-    generator = resolve(name)
+    check_virtual(name, depth, microbatches, virtual)
+    generator = resolve(name) if virtual == 1 else partial(interleaved.interleaved_one_f_one_b, virtual=virtual)
     programs = []
-    for s in range(depth):
-        compute = generator(s, depth, microbatches)
+    for r in range(depth):
+        compute = generator(r, depth, microbatches)
         if split:
             compute = split_backward(compute, W_PLACEMENT[name], max_pending)
-        programs.append(add_optimizer(add_communication(compute, depth), s))
+        programs.append(add_optimizer(add_communication(compute, depth * virtual), r))
     return programs
 
 

@@ -17,6 +17,8 @@ all-reduce and the optimizer step, so it is delayed into time the stage would id
   is Zero Bubble's ZB-H1 (Qi et al., 2023, section 2.1): the start of W is delayed by the
   stage's missing warm-up microbatches, so every stage holds the ``d`` microbatches that
   1F1B's first stage holds, and the bubble shrinks from ``(d-1)(F+I+W)`` to ``(d-1)(F+I-W)``.
+  Under interleaved 1F1B the bound is the rank's (its first stage's index ``r``), and the
+  same holds with per-chunk costs (schedules/interleaved.py).
 
 ``max_pending`` bounds how many microbatches may wait for their W (each holds activations
 and intermediate gradients): past it a W runs right after the I, as in seed 001's Figure 5.
