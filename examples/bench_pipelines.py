@@ -428,8 +428,10 @@ def main() -> None:
     parser.add_argument("--gpt-batch", type=int, default=32)
     parser.add_argument("--gpt-microbatches", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (one process too)")
-    parser.add_argument("--rounds", type=int, default=4, help="rounds; each rebuilds and times every contender")
-    parser.add_argument("--steps", type=int, default=2, help="timed steps per contender per round")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds; each rebuilds and times every contender")
+    parser.add_argument("--steps", type=int, default=8,
+                        help="timed steps per contender per round, back to back as in training (2BW's stream "
+                        "restarts after the barrier that starts a timing: few steps understate its steady state)")
     parser.add_argument("--only", nargs="+", default=[], metavar="TEXT",
                         help="run only the contenders whose name contains one of these (with one process "
                         "and the torch schedules they are compared with)")
