@@ -18,7 +18,7 @@ Workloads:
       dominates the transfers; also reports the speedup over one process and d*m/(m+d-1).
 
 Peak memory per stage is measured for every contender the same way, in one extra untimed step
-under torch.distributed._tools.mem_tracker.MemTracker (every tensor on the stage's device).
+under :class:`PeakTensorBytes` (every CPU tensor storage alive, each until it is freed).
 """
 
 from __future__ import annotations
