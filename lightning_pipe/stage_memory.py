@@ -90,7 +90,10 @@ def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, re
     """Peak tensor bytes of one stage, by term, at its worst moment (see :class:`HeldCounts`).
 
     - ``state``: weights times the versions the schedule keeps (2 under 2BW, seed 000 section
-      3.1), optimizer state and, once they exist, gradients (one per version).
+      3.1), optimizer state and, once they exist, gradients (one per version). Under 2BW the
+      first stage holds one batch's gradients only (it steps right after its all-reduce,
+      schedules/two_bw.py) unless weights are tied across stages; the profile cannot tell, so
+      two are counted there too (one batch's gradients more than needed, never fewer).
     - ``activations``: per held microbatch what autograd saved plus the stage input (with
       recompute: the inputs only, plus one microbatch's activations during its backward, or
       under split backward every pending microbatch's, recomputed before its I); per

@@ -22,9 +22,12 @@ def test_golden_two_stage_windows() -> None:
     shown = {Kind.FORWARD, Kind.BACKWARD, Kind.VERSION, Kind.ALL_REDUCE, Kind.OPTIMIZER_STEP}
     program = two_bw_run(2, 2, 2)
     assert [format_actions([a for a in acts if a.kind in shown]) for acts in program] == [
-        "0V0 0F0 0F1 0B0 0V2 0F2 0B1 0AR 0F3 0B2 0OPT 0B3 0AR 0OPT",
+        "0V0 0F0 0F1 0B0 0V2 0F2 0B1 0AR 0OPT 0F3 0B2 0B3 0AR 0OPT",
         "1V0 1F0 1B0 1F1 1B1 1AR 1V2 1F2 1B2 1F3 1B3 1AR 1OPT 1OPT",
     ]
+    # With weights tied across stages every stage steps at the window's end (the step waits for all).
+    late = two_bw_run(2, 2, 2, early=False)
+    assert format_actions([a for a in late[0] if a.kind in shown]) == "0V0 0F0 0F1 0B0 0V2 0F2 0B1 0AR 0F3 0B2 0OPT 0B3 0AR 0OPT"
 
 
 def _replay_versions(actions: list, m: int) -> int:
@@ -51,10 +54,11 @@ def _replay_versions(actions: list, m: int) -> int:
 
 
 @pytest.mark.parametrize("depth", range(1, 7))
-def test_two_bw_programs_are_valid_and_keep_two_versions(depth: int) -> None:
+@pytest.mark.parametrize("early", [True, False])
+def test_two_bw_programs_are_valid_and_keep_two_versions(depth: int, early: bool) -> None:
     for m in range(depth, 13):
         for steps in (1, 2, 4):
-            program = two_bw_run(depth, m, steps)
+            program = two_bw_run(depth, m, steps, early=early)
             verify(program, steps * m)  # each F and B once, F before B, deadlock-free
             for actions in program:
                 assert _replay_versions(actions, m) <= 2
@@ -112,7 +116,15 @@ def _two_bw_worker(rank: int, world: int, depth: int) -> dict:
         model = ToyChain()
         engine = place(model, PipelinePlan(topo.width, depth, M, schedule, partition="uniform"), rank, groups=groups, gradient_clip_val=clip)
         opt = make_optimizer(model.parameters(), kind, model.lr)
-        history, losses, in_flight = [], [], []
+        history, losses, in_flight, grad_sets = [], [], [], []
+        step = engine.update.optimizer_step
+
+        def counting(optimizer: Any, on_step: Any, step: Any = step, grad_sets: list = grad_sets, engine: Any = engine) -> Any:
+            # Batches whose gradients the stage holds when a step starts (slots with a .grad).
+            grad_sets.append(sum(any(p.grad is not None for p in slot) for slot in engine.versions.slots if slot))
+            return step(optimizer, on_step)
+
+        engine.update.optimizer_step = counting
         for batch in _batches(nan_step):
             shard = tuple(t.chunk(topo.width)[replica] for t in batch)
             losses.append(float(engine.train_step(shard, opt)))
@@ -129,6 +141,7 @@ def _two_bw_worker(rank: int, world: int, depth: int) -> dict:
             "state_on_module": sorted(id(p) for p in opt.state) == sorted(id(p) for p in params),
             "skipped": engine.skipped_steps,
             "in_flight": in_flight,
+            "grad_sets": grad_sets,
         }
     return results
 
@@ -168,6 +181,10 @@ def test_two_bw_follows_the_delayed_update_rule(launched, width: int, depth: int
             # No flush between steps under 2BW: stage s still holds d-1-s microbatches after each.
             stage = rank % depth
             assert result["in_flight"] == [(depth - 1 - stage) if delay else 0] * STEPS
+            # 2BW's stage 0 steps right after its all-reduce, before the next batch's gradients
+            # appear; the other stages step at the window's end, holding two batches' gradients.
+            assert len(result["grad_sets"]) == STEPS
+            assert max(result["grad_sets"]) == (2 if delay and stage > 0 else 1), result["grad_sets"]
     # The test can tell 2BW from 1F1B: the vanilla rule ends far from the delayed one.
     torch.manual_seed(0)
     vanilla = reference_train(ToyChain(), _batches(None), optimizer="adam")

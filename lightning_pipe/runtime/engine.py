@@ -87,6 +87,7 @@ class PipelineEngine:
         self.update = UpdatePath(self.versions, plan.width, groups, self.device, gradient_clip_val, bucket_bytes, uses)
         self.update.watch(self.versions.slots[0])
         ties = self.stages[0].ties
+        self.early_step = not ties  # 2BW: stage 0 steps right after its all-reduce (schedules/two_bw.py)
         if ties and groups is not None:  # every rank builds every tie's groups
             names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
             self.update.ties = TiedGradients(ties, [names[id(p)] for p in params.values()], self.topology, rank)
@@ -101,7 +102,7 @@ class PipelineEngine:
         self._programs: dict[tuple[bool, int], tuple[list[Action], dict[int, list[Action]]]] = {}
         self._restart()
         if self.streaming:
-            verify(two_bw_run(plan.depth, plan.microbatches, 3, plan.split_backward), 3 * plan.microbatches)
+            verify(two_bw_run(plan.depth, plan.microbatches, 3, plan.split_backward, self.early_step), 3 * plan.microbatches)
 
     @property
     def stage(self) -> Stage:
@@ -189,9 +190,8 @@ class PipelineEngine:
 
     def _window(self) -> tuple[list[Action], Optional[dict[int, list[Action]]]]:
         if self.streaming:  # a window's receives are read in the order its neighbours send them
-            return two_bw_window(self.topology.depth, self.microbatches, self._batches, self.split_backward)[
-                self.stage_index
-            ], None
+            window = two_bw_window(self.topology.depth, self.microbatches, self._batches, self.split_backward, self.early_step)
+            return window[self.stage_index], None
         return self._program(True, self.microbatches)
 
     def _hooks(self) -> Hooks:

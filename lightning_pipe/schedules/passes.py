@@ -128,10 +128,12 @@ def _split_2bw(actions: list[Action], split: bool) -> list[Action]:
     return split_backward(actions, W_PLACEMENT["2bw"]) if split else actions
 
 
-def two_bw_window(depth: int, microbatches: int, step: int, split: bool = False) -> Schedule:
-    """Full 2BW program of every stage for training step ``step`` (see schedules/two_bw.py)."""
+def two_bw_window(depth: int, microbatches: int, step: int, split: bool = False, early: bool = True) -> Schedule:
+    """Full 2BW program of every stage for training step ``step``; ``early``: stage 0 steps right
+    after its all-reduce (see schedules/two_bw.py)."""
     return [
-        add_communication(_split_2bw(two_bw.window(s, depth, microbatches, step), split), depth) for s in range(depth)
+        add_communication(_split_2bw(two_bw.window(s, depth, microbatches, step, early), split), depth)
+        for s in range(depth)
     ]
 
 
@@ -143,8 +145,8 @@ def two_bw_drain(depth: int, microbatches: int, last_step: int, split: bool = Fa
     ]
 
 
-def two_bw_run(depth: int, microbatches: int, steps: int, split: bool = False) -> Schedule:
+def two_bw_run(depth: int, microbatches: int, steps: int, split: bool = False, early: bool = True) -> Schedule:
     """``steps`` consecutive 2BW windows and the drain, concatenated per stage (for checks)."""
-    parts = [two_bw_window(depth, microbatches, t, split) for t in range(steps)]
+    parts = [two_bw_window(depth, microbatches, t, split, early) for t in range(steps)]
     parts.append(two_bw_drain(depth, microbatches, steps - 1, split))
     return [[a for part in parts for a in part[s]] for s in range(depth)]

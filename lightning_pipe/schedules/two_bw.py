@@ -13,13 +13,17 @@ Placement, with ``m >= d`` so every window's backwards finish the previous batch
 - ``OPT`` (the deferred step) ends window ``t >= 1`` and applies batch ``t-1``'s coalesced
   gradient, computed on ``W(t-2)``, to the newest weights:
   ``W(t) = W(t-1) - lr * grad f(W(t-2))``. Placing it at the same point on every stage keeps
-  cross-stage collectives (global gradient norm) off the critical path.
+  cross-stage collectives (global gradient norm) off the critical path. Stage 0 is the
+  exception (``early``, the default): it finishes each batch's backwards last, when every
+  other stage has posted its norm, so it steps right after its ``AR``, before the next
+  batch's first backward: it never holds two batches' gradients (the others hold both until
+  the window ends). Not with weights tied across stages, whose step waits for every stage.
 - A drain (before validation, checkpoints and the end of fit) runs the remaining backwards,
   the last ``AR`` and ``OPT``.
 
 d=2, m=2, two steps then a drain, stage 0 (``W=1``) and stage 1 (``W=0``)::
 
-    stage 0: [0V0 0F0 0F1 0B0] [0V2 0F2 0B1 0AR 0F3 0B2 0OPT] [0B3 0AR 0OPT]
+    stage 0: [0V0 0F0 0F1 0B0] [0V2 0F2 0B1 0AR 0OPT 0F3 0B2] [0B3 0AR 0OPT]
     stage 1: [1V0 1F0 1B0 1F1 1B1 1AR] [1V2 1F2 1B2 1F3 1B3 1AR 1OPT] [1OPT]
 """
 
@@ -37,22 +41,25 @@ def check_microbatches(depth: int, microbatches: int) -> None:
         )
 
 
-def _backward(stage: int, k: int, microbatches: int) -> list[Action]:
+def _backward(stage: int, k: int, microbatches: int, step_now: bool = False) -> list[Action]:
     done = [Action(stage, Kind.ALL_REDUCE)] if k % microbatches == microbatches - 1 else []
-    return [Action(stage, Kind.BACKWARD, k)] + done
+    step = [Action(stage, Kind.OPTIMIZER_STEP)] if done and step_now else []
+    return [Action(stage, Kind.BACKWARD, k)] + done + step
 
 
-def window(stage: int, depth: int, microbatches: int, step: int) -> list[Action]:
-    """Compute, all-reduce, version and optimizer actions of training step ``step``."""
+def window(stage: int, depth: int, microbatches: int, step: int, early: bool = True) -> list[Action]:
+    """Compute, all-reduce, version and optimizer actions of training step ``step``; ``early``:
+    stage 0 steps right after its all-reduce instead of at the window's end (see above)."""
     check_microbatches(depth, microbatches)
     warmup = depth - 1 - stage
     first = step * microbatches
+    now = early and stage == 0 and depth > 1  # there batch step-1's last backward runs inside this window (m >= d)
     actions = [Action(stage, Kind.VERSION, first)]
     for k in range(first, first + microbatches):
         actions.append(Action(stage, Kind.FORWARD, k))
         if k >= warmup:
-            actions += _backward(stage, k - warmup, microbatches)
-    return actions + ([Action(stage, Kind.OPTIMIZER_STEP)] if step >= 1 else [])
+            actions += _backward(stage, k - warmup, microbatches, now)
+    return actions + ([Action(stage, Kind.OPTIMIZER_STEP)] if step >= 1 and not now else [])
 
 
 def drain(stage: int, depth: int, microbatches: int, last_step: int) -> list[Action]:
