@@ -201,12 +201,25 @@ def batch_bytes(profile: Profile, plan: PipelinePlan, microbatch_size: int) -> i
     return int(profile.batch_bytes_per_sample * plan.microbatches * microbatch_size * replicas)
 
 
+def gradient_sets(profile: Profile, plan: PipelinePlan, stage: int) -> int:
+    """Batches' gradients ``stage`` holds at once: 2 under 2BW, except on the first stage, which
+    steps right after its all-reduce unless weights are tied across stages (schedules/two_bw.py;
+    unknown ties, ``profile.shared_blocks is None``, count as tied)."""
+    if plan.schedule != "2bw":
+        return 1
+    if stage > 0 or plan.depth == 1 or profile.shared_blocks is None:
+        return 2
+    stage_of = {b: s for s, blocks in enumerate(plan.stage_ranges()) for b in blocks}
+    tied = any(len({stage_of[b] for b in group}) > 1 for group in profile.shared_blocks)
+    return 2 if tied else 1
+
+
 def predict_memory(profile: Profile, plan: PipelinePlan, microbatch_size: int, held: Sequence[HeldCounts]) -> list[int]:
     """Predicted peak tensor bytes of every stage (:func:`~lightning_pipe.stage_memory.stage_peak_bytes`)."""
     costs, versions, batch = stage_costs(profile, plan, microbatch_size), weight_versions(plan), batch_bytes(profile, plan, microbatch_size)
     last = len(costs) - 1
-    return [stage_peak_bytes(st, held[s], versions, plan.recompute[s], s == 0, s == last, batch) + profile.device_bytes
-            for s, st in enumerate(costs)]  # fmt: skip
+    return [stage_peak_bytes(st, held[s], versions, plan.recompute[s], s == 0, s == last, batch, gradient_sets(profile, plan, s))
+            + profile.device_bytes for s, st in enumerate(costs)]  # fmt: skip
 
 
 def traffic(profile: Profile, plan: PipelinePlan, microbatch_size: int) -> tuple[float, float]:

@@ -110,6 +110,8 @@ class Profile:
         device_bytes: bytes every device holds beyond the model's tensors (on CUDA: the math
             libraries' workspaces, e.g. 32 MiB per cuBLAS handle; communication buffers),
             measured between two steps; added to every stage's predicted peak.
+        shared_blocks: groups of blocks that share a parameter (tied weights), by index;
+            ``None``: unknown (the planner then assumes they are split across stages).
     """
 
     blocks: list[BlockProfile]
@@ -125,6 +127,7 @@ class Profile:
     cores: Optional[int] = None
     device: str = "cpu"
     device_bytes: int = 0
+    shared_blocks: Optional[list[list[int]]] = None
     meta: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -327,7 +330,16 @@ def profile_blocks(module: nn.Module, batch: Any, microbatch_sizes: Sequence[int
     batch_per_sample = _tensor_bytes(leaves) / batch_size(batch)
     per_action = _action_overhead(module, blocks, batch, profiles, min(microbatch_sizes), repeats, device) if with_loss else 0.0
     return Profile(profiles, optimizer_step=step, action_overhead=per_action, input_bytes_per_sample=per_sample,
-                   batch_bytes_per_sample=batch_per_sample, device=str(device))
+                   batch_bytes_per_sample=batch_per_sample, device=str(device), shared_blocks=shared_blocks(blocks))
+
+
+def shared_blocks(blocks: Sequence[nn.Module]) -> list[list[int]]:
+    """Groups of blocks (by index) that share a parameter, each group once, in order."""
+    users: dict[int, list[int]] = {}
+    for i, block in enumerate(blocks):
+        for p in {id(p): p for p in block.parameters()}.values():
+            users.setdefault(id(p), []).append(i)
+    return [list(group) for group in sorted({tuple(u) for u in users.values() if len(u) > 1})]
 
 
 def _profile_microbatch(module: nn.Module, blocks: list[nn.Module], mb: Any, loss: Loss, repeats: int,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from lightning_pipe.runtime.p2p import HEADER_LEN
 from lightning_pipe.schedules.actions import Action, Kind
@@ -86,14 +86,14 @@ def program_held_counts(program: Sequence[Sequence[Action]], warm: bool = False)
 
 
 def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, recompute: bool = False,
-                       first: bool = True, last: bool = True, batch_bytes: int = 0) -> dict[str, int]:  # fmt: skip
+                       first: bool = True, last: bool = True, batch_bytes: int = 0,
+                       gradient_sets: Optional[int] = None) -> dict[str, int]:  # fmt: skip
     """Peak tensor bytes of one stage, by term, at its worst moment (see :class:`HeldCounts`).
 
     - ``state``: weights times the versions the schedule keeps (2 under 2BW, seed 000 section
-      3.1), optimizer state and, once they exist, gradients (one per version). Under 2BW the
-      first stage holds one batch's gradients only (it steps right after its all-reduce,
-      schedules/two_bw.py) unless weights are tied across stages; the profile cannot tell, so
-      two are counted there too (one batch's gradients more than needed, never fewer).
+      3.1), optimizer state and, once they exist, gradients: ``gradient_sets`` batches' worth
+      (default one per version; under 2BW the first stage holds one, as it steps right after
+      its all-reduce, unless weights are tied across stages: schedules/two_bw.py).
     - ``activations``: per held microbatch what autograd saved plus the stage input (with
       recompute: the inputs only, plus one microbatch's activations during its backward, or
       under split backward every pending microbatch's, recomputed before its I); per
@@ -117,7 +117,7 @@ def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, re
         "batch": batch_bytes,
     }
     weights = versions * st.weight_bytes + st.optimizer_bytes
-    grads = versions * st.gradient_bytes
+    grads = (versions if gradient_sets is None else gradient_sets) * st.gradient_bytes
     per_held = st.input_bytes + (0 if recompute else st.stash_bytes)
     out = _kept_output_bytes(st, recompute, last)
     one = st.stash_bytes if recompute else 0  # recomputed for the backward that runs
@@ -149,6 +149,6 @@ def _kept_output_bytes(st: "StageCosts", recompute: bool, last: bool) -> int:
 
 
 def stage_peak_bytes(st: "StageCosts", held: HeldCounts, versions: int = 1, recompute: bool = False, first: bool = True,
-                     last: bool = True, batch_bytes: int = 0) -> int:  # fmt: skip
+                     last: bool = True, batch_bytes: int = 0, gradient_sets: Optional[int] = None) -> int:  # fmt: skip
     """Peak tensor bytes of one stage: the sum of :func:`stage_memory_terms`."""
-    return int(sum(stage_memory_terms(st, held, versions, recompute, first, last, batch_bytes).values()))
+    return int(sum(stage_memory_terms(st, held, versions, recompute, first, last, batch_bytes, gradient_sets).values()))

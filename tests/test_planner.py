@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from lightning_pipe import PipelinePlan, place, planner
-from lightning_pipe.profiler import BlockProfile, BlockSample, Profile, profile_blocks
+from lightning_pipe.profiler import BlockProfile, BlockSample, Profile, profile_blocks, shared_blocks
 from lightning_pipe.schedules import SCHEDULE_NAMES
 from tests.models import HIDDEN, ToyChain, make_data
 
@@ -46,6 +46,24 @@ def test_profile_measures_bytes_and_round_trips_json() -> None:
     assert profile.input_bytes_per_sample == 0  # pipeline_inputs returns the batch's own features: no new bytes
     assert profile.batch_bytes_per_sample == 6 * 4 + 8  # six float32 features and an int64 label per sample
     assert Profile.from_json(profile.to_json()) == profile
+    assert profile.shared_blocks == []  # no block shares a parameter with another
+
+
+def test_two_bw_first_stage_holds_one_batch_of_gradients_unless_weights_are_tied_across_stages() -> None:
+    # schedules/two_bw.py: 2BW's first stage steps right after its all-reduce (one batch's
+    # gradients, every other stage two), except when a tie spans stages (or may: unknown).
+    grads = 4000
+    plan = PipelinePlan(depth=2, microbatches=4, schedule="2bw", partition=[3, 3])
+    ties = {"none": [], "within stage 0": [[0, 2]], "across": [[0, 5]], "unknown": None}
+    got = {k: planner.predict(dataclasses.replace(_uniform(6, grads=grads), shared_blocks=v), plan, 2).stage_memory
+           for k, v in ties.items()}  # fmt: skip
+    assert got["none"] == got["within stage 0"]
+    assert got["across"] == got["unknown"]
+    assert got["across"][0] - got["none"][0] == 3 * grads  # stage 0's three blocks' gradients, once
+    assert got["across"][1] == got["none"][1]
+    # The profiler finds ties: blocks 0 and 3 of this chain share the first block's weight.
+    blocks = [torch.nn.Linear(2, 2) for _ in range(3)]
+    assert shared_blocks([*blocks, blocks[0]]) == [[0, 3]] and shared_blocks(blocks) == []
 
 
 def test_device_bytes_add_to_every_stage_and_survive_json() -> None:
