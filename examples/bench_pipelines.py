@@ -32,7 +32,7 @@ import weakref
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -210,14 +210,13 @@ def _builders(rank: int, work: Workload, groups: Any, only: Sequence[str] = ()) 
     out: dict[str, Callable[[], Contender]] = {"one process": lambda: _single(rank, work)}
     out.update({f"torch {k}": partial(_torch, rank, work, k) for k in TORCH})
     out.update({_name(*ours): partial(_ours, rank, work, groups, *ours) for ours in OURS})
-    keep = selected(only)
+    keep = selected(out, only)
     return {name: build for name, build in out.items() if name in keep}
 
 
-def selected(only: Sequence[str]) -> set[str]:
-    """Contender names that contain one of ``only`` (all when empty), with "one process" and the
-    torch schedule each kept one of ours is compared with."""
-    names = ["one process", *(f"torch {k}" for k in TORCH), *(_name(*ours) for ours in OURS)]
+def selected(names: Iterable[str], only: Sequence[str]) -> set[str]:
+    """Of ``names``, those that contain one of ``only`` (all when empty), with "one process" and
+    the torch schedule each kept one of ours is compared with."""
     keep = {n for n in names if not only or any(o in n for o in only)} | {"one process"}
     return keep | {f"torch {SAME[ours]}" for ours in OURS if _name(*ours) in keep}
 

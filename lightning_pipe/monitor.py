@@ -130,7 +130,7 @@ class PipelineMonitor(Callback):
             split += f", interleaved ({engine.plan.virtual_stages} stages per rank)"
         title = (f"{engine.schedule}{split}, step {step}: w={engine.topology.width}, d={engine.topology.depth}, "
                  f"m={engine.microbatches}, measured bubble {bubble:.0%}")  # fmt: skip
-        labels = {r["rank"]: f"rank {r['rank']} ({_stages_label(r['stage'], engine)})" for r in records}
+        labels = {r["rank"]: f"rank {r['rank']} ({_stages_label(engine.plan.stages_of(r['stage']))})" for r in records}
         fig = timeline.draw(intervals, title, labels)
         os.makedirs(self._folder, exist_ok=True)
         path = os.path.join(self._folder, f"timeline_step{step:06d}.png")
@@ -141,10 +141,8 @@ class PipelineMonitor(Callback):
                 logger.experiment.add_figure("pipeline/timeline", fig, global_step=step, close=False)
 
 
-def _stages_label(position: int, engine: PipelineEngine) -> str:
-    """The stages the rank at pipeline ``position`` runs: ``position + k * depth`` for each of its virtual stages."""
-    d, v = engine.topology.depth, engine.plan.virtual_stages
-    return f"stage {position}" if v == 1 else "stages " + ", ".join(str(position + k * d) for k in range(v))
+def _stages_label(stages: list[int]) -> str:
+    return f"stage {stages[0]}" if len(stages) == 1 else "stages " + ", ".join(map(str, stages))
 
 
 def _gather(record: dict) -> list[dict]:

@@ -20,6 +20,7 @@ from lightning_pipe.runtime import split
 from lightning_pipe.runtime.microbatch import batch_size, split_batch
 from lightning_pipe.runtime.placement import pipeline_blocks_of
 from lightning_pipe.runtime.stage import as_tuple
+from lightning_pipe.runtime.ties import find_ties
 
 
 @dataclass
@@ -330,16 +331,14 @@ def profile_blocks(module: nn.Module, batch: Any, microbatch_sizes: Sequence[int
     batch_per_sample = _tensor_bytes(leaves) / batch_size(batch)
     per_action = _action_overhead(module, blocks, batch, profiles, min(microbatch_sizes), repeats, device) if with_loss else 0.0
     return Profile(profiles, optimizer_step=step, action_overhead=per_action, input_bytes_per_sample=per_sample,
-                   batch_bytes_per_sample=batch_per_sample, device=str(device), shared_blocks=shared_blocks(blocks))
+                   batch_bytes_per_sample=batch_per_sample, device=str(device), shared_blocks=shared_blocks(module, blocks))
 
 
-def shared_blocks(blocks: Sequence[nn.Module]) -> list[list[int]]:
-    """Groups of blocks (by index) that share a parameter, each group once, in order."""
-    users: dict[int, list[int]] = {}
-    for i, block in enumerate(blocks):
-        for p in {id(p): p for p in block.parameters()}.values():
-            users.setdefault(id(p), []).append(i)
-    return [list(group) for group in sorted({tuple(u) for u in users.values() if len(u) > 1})]
+def shared_blocks(module: nn.Module, blocks: Sequence[nn.Module]) -> list[list[int]]:
+    """Groups of blocks (by index) that share a parameter, each group once, in order: the ties
+    (:func:`~lightning_pipe.runtime.ties.find_ties`) of a layout with one block per stage."""
+    ties = find_ties(module, blocks, [[i] for i in range(len(blocks))])
+    return [list(group) for group in sorted({tie.stages for tie in ties})]
 
 
 def _profile_microbatch(module: nn.Module, blocks: list[nn.Module], mb: Any, loss: Loss, repeats: int,

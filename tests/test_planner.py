@@ -63,7 +63,8 @@ def test_two_bw_first_stage_holds_one_batch_of_gradients_unless_weights_are_tied
     assert got["across"][1] == got["none"][1]
     # The profiler finds ties: blocks 0 and 3 of this chain share the first block's weight.
     blocks = [torch.nn.Linear(2, 2) for _ in range(3)]
-    assert shared_blocks([*blocks, blocks[0]]) == [[0, 3]] and shared_blocks(blocks) == []
+    tied, plain = [*blocks, blocks[0]], blocks
+    assert shared_blocks(torch.nn.ModuleList(tied), tied) == [[0, 3]] and shared_blocks(torch.nn.ModuleList(plain), plain) == []
 
 
 def test_device_bytes_add_to_every_stage_and_survive_json() -> None:
