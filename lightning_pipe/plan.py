@@ -75,15 +75,15 @@ def profile_config(model: Any, data: Any, sizes: Sequence[int]) -> Profile:
 
 def table(ranked: Sequence[planner.Prediction], top: int) -> str:
     """The ranked plans as a markdown table (the best ``top`` feasible, then a few infeasible)."""
-    rows = ["| w | d | b | m | schedule | split | recompute | partition | step (s) | samples/s | peak per stage | infeasible because |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    rows = ["| w | d | v | b | m | schedule | split | recompute | partition | step (s) | samples/s | peak per rank | infeasible because |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     feasible = [p for p in ranked if p.feasible][:top]
     shown = feasible + [p for p in ranked if not p.feasible][: max(3, top - len(feasible))]
     for p in shown:
         plan = p.plan
         peaks = ", ".join(planner._size(x) for x in p.stage_memory)
         recompute = "".join("y" if r else "n" for r in plan.recompute)
-        rows.append(f"| {plan.width} | {plan.depth} | {p.microbatch_size} | {plan.microbatches} | {plan.schedule} | "
+        rows.append(f"| {plan.width} | {plan.depth} | {plan.virtual_stages} | {p.microbatch_size} | {plan.microbatches} | {plan.schedule} | "
                     f"{'yes' if plan.split_backward else 'no'} | {recompute} | {list(plan.partition)} | {p.step_time:.4f} | "
                     f"{p.samples_per_second:.1f} | {peaks} | {p.why_infeasible()} |")  # fmt: skip
     return "\n".join(rows)
@@ -94,7 +94,8 @@ def snippet(best: planner.Prediction, global_batch: int) -> str:
     plan = best.plan
     init = {"schedule": plan.schedule, "pipeline_depth": plan.depth, "microbatches": plan.microbatches,
             "partition": list(plan.partition), "recompute": list(plan.recompute),
-            "split_backward": plan.split_backward, "inner": plan.inner, "global_batch_size": global_batch}  # fmt: skip
+            "split_backward": plan.split_backward, "inner": plan.inner, "global_batch_size": global_batch,
+            "virtual_stages": plan.virtual_stages}  # fmt: skip
     return yaml.safe_dump({"trainer": {"devices": plan.world_size, "strategy": {"init_args": init}}}, sort_keys=False)
 
 

@@ -17,7 +17,15 @@ from lightning_pipe.layout import PipelinePlan
 from lightning_pipe.profiler import BlockSample, Profile
 from lightning_pipe.schedules import SCHEDULE_NAMES, Action, Kind, build_schedule, two_bw_drain, two_bw_window
 from lightning_pipe.simulate import CompiledProgram, compile_program
-from lightning_pipe.stage_memory import HeldCounts, program_held_counts, stage_memory_terms, stage_peak_bytes  # noqa: F401
+from lightning_pipe.stage_memory import (  # noqa: F401
+    HeldCounts,
+    Moment,
+    program_held_counts,
+    rank_moments,
+    rank_peak_bytes,
+    stage_memory_terms,
+    stage_peak_bytes,
+)
 
 
 @dataclass(frozen=True)
@@ -125,18 +133,17 @@ def program(plan: PipelinePlan, steps: int = 1) -> list[list[Action]]:
 
 
 def _program_key(plan: PipelinePlan, steps: int) -> tuple:
-    if plan.virtual_stages > 1:  # its memory model holds one stage per rank
-        raise NotImplementedError(f"the planner does not predict interleaved layouts yet ({plan.describe()})")
-    return plan.schedule, plan.depth, plan.microbatches, plan.split_backward, plan.split_max_pending, steps
+    return plan.schedule, plan.depth, plan.microbatches, plan.split_backward, plan.split_max_pending, steps, plan.virtual_stages
 
 
 @functools.lru_cache(maxsize=1024)
-def _program(schedule: str, depth: int, m: int, split: bool, max_pending: Optional[int], steps: int) -> list[list[Action]]:
+def _program(schedule: str, depth: int, m: int, split: bool, max_pending: Optional[int], steps: int,
+             virtual: int = 1) -> list[list[Action]]:  # fmt: skip
     if schedule == "2bw":  # two_bw_run, from windows shared between the runs of 2 and 3 windows
         parts = [_two_bw_part(depth, m, t, split, False) for t in range(steps)]
         parts.append(_two_bw_part(depth, m, steps - 1, split, True))
         return [[a for part in parts for a in part[s]] for s in range(depth)]
-    return build_schedule(schedule, depth, m, split, max_pending)
+    return build_schedule(schedule, depth, m, split, max_pending, virtual)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -155,8 +162,22 @@ def _held(*key: Any) -> list[HeldCounts]:
 
 
 def held(plan: PipelinePlan) -> list[HeldCounts]:
-    """Microbatches each stage of ``plan``'s program holds at each kind of moment (cost-free, cached)."""
+    """Microbatches each stage of ``plan``'s program holds at each kind of moment (cost-free, cached;
+    one stage per rank: interleaved plans have :func:`moments`)."""
+    if plan.virtual_stages > 1:
+        raise ValueError(f"an interleaved rank runs several stages: use planner.moments ({plan.describe()})")
     return _held(*_program_key(plan, 3 if plan.schedule == "2bw" else 1))
+
+
+@functools.lru_cache(maxsize=1024)
+def _moments(*key: Any) -> list[tuple[Moment, ...]]:
+    depth, virtual = key[1], key[-1]
+    return [rank_moments(actions, range(r, depth * virtual, depth)) for r, actions in enumerate(_program(*key))]
+
+
+def moments(plan: PipelinePlan) -> list[tuple[Moment, ...]]:
+    """Every pipeline rank's distinct moments over all its stages (:func:`~lightning_pipe.stage_memory.rank_moments`; cached)."""
+    return _moments(*_program_key(plan, 1))
 
 
 #: What keeps a CPU core busy: compute and the optimizer step.
@@ -184,9 +205,10 @@ def step_time(plan: PipelinePlan, cost: Callable[[Action], float], cores: Option
 
 
 def predict_step(profile: Profile, plan: PipelinePlan, microbatch_size: int) -> tuple[float, list[HeldCounts]]:
-    """Predicted seconds of one training step (:func:`step_time`), and the microbatches each stage holds (:func:`held`)."""
+    """Predicted seconds of one training step (:func:`step_time`), and the microbatches each stage
+    holds (:func:`held`; empty for an interleaved plan, whose ranks have :func:`moments`)."""
     cost = action_cost(profile, plan, stage_costs(profile, plan, microbatch_size))
-    return step_time(plan, cost, profile.cores), held(plan)
+    return step_time(plan, cost, profile.cores), (held(plan) if plan.virtual_stages == 1 else [])
 
 
 def weight_versions(plan: PipelinePlan) -> int:
@@ -215,9 +237,15 @@ def gradient_sets(profile: Profile, plan: PipelinePlan, stage: int) -> int:
 
 
 def predict_memory(profile: Profile, plan: PipelinePlan, microbatch_size: int, held: Sequence[HeldCounts]) -> list[int]:
-    """Predicted peak tensor bytes of every stage (:func:`~lightning_pipe.stage_memory.stage_peak_bytes`)."""
+    """Predicted peak tensor bytes of every pipeline rank: of its stage
+    (:func:`~lightning_pipe.stage_memory.stage_peak_bytes` over ``held``), or of an interleaved
+    rank's stages together (:func:`~lightning_pipe.stage_memory.rank_peak_bytes` over :func:`moments`)."""
     costs, versions, batch = stage_costs(profile, plan, microbatch_size), weight_versions(plan), batch_bytes(profile, plan, microbatch_size)
     last = len(costs) - 1
+    if plan.virtual_stages > 1:
+        return [rank_peak_bytes([costs[s] for s in mine], walked, [plan.recompute[s] for s in mine], [s == 0 for s in mine],
+                                [s == last for s in mine], batch) + profile.device_bytes
+                for mine, walked in zip(map(plan.stages_of, range(plan.depth)), moments(plan))]  # fmt: skip
     return [stage_peak_bytes(st, held[s], versions, plan.recompute[s], s == 0, s == last, batch, gradient_sets(profile, plan, s))
             + profile.device_bytes for s, st in enumerate(costs)]  # fmt: skip
 
@@ -263,7 +291,8 @@ def appendix_a_memory(weights: float, activations_total: float, activations_inpu
 
 @dataclass(frozen=True)
 class Prediction:
-    """One candidate plan with its predicted step time and peak memory per stage."""
+    """One candidate plan with its predicted step time and peak memory per pipeline rank (its
+    stage's, or under interleaving its stages' together)."""
 
     plan: PipelinePlan
     microbatch_size: int
@@ -285,9 +314,10 @@ class Prediction:
         """Which stage exceeds the budget and by how much ('' if none)."""
         if self.feasible:
             return ""
-        s = max(range(len(self.stage_memory)), key=lambda i: self.stage_memory[i])
-        over = self.stage_memory[s] - (self.memory_limit or 0)
-        return f"stage {s} needs {_size(self.stage_memory[s])}, {_size(over)} over the budget"
+        r = max(range(len(self.stage_memory)), key=lambda i: self.stage_memory[i])
+        over = self.stage_memory[r] - (self.memory_limit or 0)
+        where = f"stage {r}" if self.plan.virtual_stages == 1 else f"rank {r} (stages {', '.join(map(str, self.plan.stages_of(r)))})"
+        return f"{where} needs {_size(self.stage_memory[r])}, {_size(over)} over the budget"
 
 
 def _size(nbytes: float) -> str:
@@ -309,8 +339,11 @@ def time_balanced(profile: Profile, depth: int, microbatch_size: int) -> tuple[i
     return tuple(balanced([s.forward + s.backward for s in samples], depth))
 
 
-def _layouts(devices: int, blocks: int) -> Iterable[tuple[int, int]]:
-    return ((devices // d, d) for d in range(1, devices + 1) if devices % d == 0 and d <= blocks)
+def _layouts(devices: int, blocks: int, virtual: Sequence[int]) -> Iterable[tuple[int, int, int]]:
+    """``(w, d, v)``: every ``w * d = devices`` with ``v`` stages per rank where ``d * v`` blocks
+    allow (interleaving needs ``d >= 2``)."""
+    for d in (d for d in range(1, devices + 1) if devices % d == 0):
+        yield from ((devices // d, d, v) for v in virtual if d * v <= blocks and (v == 1 or d > 1))
 
 
 @dataclass(frozen=True)
@@ -321,25 +354,35 @@ class Candidate:
     microbatch_size: int
 
 
+def _runs(name: str, depth: int, m: int, virtual: int) -> bool:
+    """Whether schedule ``name`` runs ``m`` microbatches on ``depth`` ranks of ``virtual`` stages each."""
+    if virtual > 1:
+        return name == "1f1b" and m % depth == 0
+    return name != "2bw" or m >= depth
+
+
 def candidates(profile: Profile, devices: int, global_batch: int, allow_stale: bool = False,
                schedules: Optional[Sequence[str]] = None, memory_limit: Optional[float] = None,
-               partitions: Sequence[tuple[int, ...]] = ()) -> Iterator[Candidate]:  # fmt: skip
+               partitions: Sequence[tuple[int, ...]] = (), virtual_stages: Sequence[int] = (1, 2)) -> Iterator[Candidate]:  # fmt: skip
     """Every ``(w, d)`` with ``w * d = devices``; every microbatch size ``b`` with
     ``m = global_batch / (w * b)`` whole; every registered schedule (2BW only with
     ``allow_stale``: its update is 1-stale; a schedule registered later is covered with no change
-    here); split backward on and off; the time-balanced partition and, under a memory limit,
-    the memory-aware one (:func:`lightning_pipe.madpipe.madpipe_partition`) when they differ;
-    and each of ``partitions`` (a running job's own, for example) at its depth."""
+    here); each of ``virtual_stages`` stages per rank (above 1: interleaved 1F1B, where ``d * v``
+    blocks and ``m``, a multiple of ``d``, allow); split backward on and off; the time-balanced
+    partition and, under a memory limit, the memory-aware one
+    (:func:`lightning_pipe.madpipe.madpipe_partition`, one stage per rank) when they differ;
+    and each of ``partitions`` (a running job's own, for example) at its stage count."""
     names = [s for s in (schedules or SCHEDULE_NAMES) if allow_stale or s != "2bw"]
     balanced_for = functools.lru_cache(maxsize=None)(lambda d, b: time_balanced(profile, d, b))
-    for (width, depth), name, split in itertools.product(_layouts(devices, len(profile.blocks)), names, (False, True)):
+    layouts = _layouts(devices, len(profile.blocks), virtual_stages)
+    for (width, depth, virtual), name, split in itertools.product(layouts, names, (False, True)):
         for b in (b for b in range(1, global_batch + 1) if global_batch % (width * b) == 0):
             m = global_batch // (width * b)
-            if name == "2bw" and m < depth:
+            if not _runs(name, depth, m, virtual):
                 continue
-            plan = PipelinePlan(width, depth, m, name, split, partition=balanced_for(depth, b))
-            memory_aware = _memory_aware(profile, plan, b, memory_limit)
-            extra = [p for p in partitions if len(p) == depth]
+            plan = PipelinePlan(width, depth, m, name, split, partition=balanced_for(depth * virtual, b), virtual_stages=virtual)
+            memory_aware = _memory_aware(profile, plan, b, memory_limit) if virtual == 1 else None
+            extra = [p for p in partitions if len(p) == plan.stages]
             for partition in dict.fromkeys([plan.partition, *([memory_aware] if memory_aware else []), *extra]):
                 yield Candidate(plan.replace(partition=partition), b)
 
@@ -365,10 +408,10 @@ def rank(predictions: Iterable[Prediction]) -> list[Prediction]:
 
 def search(profile: Profile, devices: int, global_batch: int, memory_limit: Optional[float] = None,
            allow_stale: bool = False, schedules: Optional[Sequence[str]] = None,
-           partitions: Sequence[tuple[int, ...]] = ()) -> list[Prediction]:  # fmt: skip
+           partitions: Sequence[tuple[int, ...]] = (), virtual_stages: Sequence[int] = (1, 2)) -> list[Prediction]:  # fmt: skip
     """Every :func:`candidates` plan evaluated and ranked, best first (see :func:`rank`); each
-    infeasible one says which stage exceeds the budget and by how much."""
-    found = candidates(profile, devices, global_batch, allow_stale, schedules, memory_limit, partitions)
+    infeasible one says which stage (or interleaved rank) exceeds the budget and by how much."""
+    found = candidates(profile, devices, global_batch, allow_stale, schedules, memory_limit, partitions, virtual_stages)
     return rank(evaluate(profile, c, memory_limit) for c in found)
 
 
@@ -377,7 +420,8 @@ def _with_recompute(profile: Profile, plan: PipelinePlan, b: int, memory_limit: 
     first = predict(profile, plan, b, memory_limit)
     if first.feasible or plan.split_backward:
         return first
-    flags = tuple(mem > (memory_limit or 0) for mem in first.stage_memory)
+    over = [mem > (memory_limit or 0) for mem in first.stage_memory]  # per pipeline rank: all its stages
+    flags = tuple(over[s % plan.depth] for s in range(plan.stages))
     second = predict(profile, plan.replace(recompute=flags), b, memory_limit)
     return second if second.feasible else first
 

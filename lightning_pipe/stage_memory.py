@@ -20,13 +20,21 @@ Point = tuple[int, int]
 
 
 def _dominant(points: Sequence[Point]) -> tuple[Point, ...]:
-    """The points no other point dominates in both counts (the only ones that can be a peak):
-    by held, most first, each kept if it waits for more W's than every point holding more."""
-    kept: list[Point] = []
-    for point in sorted(set(points), reverse=True):
-        if not kept or point[1] > kept[-1][1]:
-            kept.append(point)
-    return tuple(sorted(kept))
+    """The points that can be a peak: those no other point holding at least as many microbatches
+    beats on pending in either direction (the two Pareto frontiers). A moment's bytes are a
+    nondecreasing function of held plus a convex one of pending (pending microbatches add
+    captured gradients but no longer keep their outputs), so a point between two kept ones in
+    pending, holding no more than either, is never above both."""
+    unique = set(points)
+    most: list[Point] = []
+    for point in sorted(unique, reverse=True):  # held, then pending, most first
+        if not most or point[1] > most[-1][1]:
+            most.append(point)
+    fewest: list[Point] = []
+    for point in sorted(unique, key=lambda q: (-q[0], q[1])):  # held most first, pending fewest first
+        if not fewest or point[1] < fewest[-1][1]:
+            fewest.append(point)
+    return tuple(sorted(set(most + fewest)))
 
 
 @dataclass(frozen=True)
@@ -111,11 +119,7 @@ def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, re
     - ``workspace``: the running block's temporaries (largest forward, or largest backward);
       during a backward of a stage that is not last, also the gradient it started from.
     """
-    neighbours = (not first) + (not last)
-    common = {
-        "buffers": (0 if first else 2 * st.input_bytes) + (0 if last else st.output_bytes) + 2 * HEADER_BYTES * neighbours,
-        "batch": batch_bytes,
-    }
+    common = {"buffers": _buffer_bytes(st, first, last), "batch": batch_bytes}
     weights = versions * st.weight_bytes + st.optimizer_bytes
     grads = (versions if gradient_sets is None else gradient_sets) * st.gradient_bytes
     per_held = st.input_bytes + (0 if recompute else st.stash_bytes)
@@ -141,6 +145,12 @@ def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, re
     return max(candidates, key=lambda terms: sum(terms.values()), default=default)
 
 
+def _buffer_bytes(st: "StageCosts", first: bool, last: bool) -> int:
+    """Receive buffers posted ahead, an input gradient kept until acknowledged, message headers."""
+    neighbours = (not first) + (not last)
+    return (0 if first else 2 * st.input_bytes) + (0 if last else st.output_bytes) + 2 * HEADER_BYTES * neighbours
+
+
 def _kept_output_bytes(st: "StageCosts", recompute: bool, last: bool) -> int:
     """Bytes of one held microbatch's output kept beside what :attr:`StageCosts.stash_bytes` counts."""
     if not recompute:
@@ -152,3 +162,70 @@ def stage_peak_bytes(st: "StageCosts", held: HeldCounts, versions: int = 1, reco
                      last: bool = True, batch_bytes: int = 0, gradient_sets: Optional[int] = None) -> int:  # fmt: skip
     """Peak tensor bytes of one stage: the sum of :func:`stage_memory_terms`."""
     return int(sum(stage_memory_terms(st, held, versions, recompute, first, last, batch_bytes, gradient_sets).values()))
+
+
+#: One moment of a rank that runs several stages (interleaved 1F1B): the running stage's index
+#: among the rank's stages, the kind of moment (a :class:`HeldCounts` field), and per stage of
+#: the rank its ``(held, pending)`` point and whether its gradients exist.
+Moment = tuple[int, str, tuple[Point, ...], tuple[bool, ...]]
+
+
+def rank_moments(actions: Sequence[Action], stages: Sequence[int]) -> tuple[Moment, ...]:
+    """Walk one rank's program over its ``stages`` as :func:`held_counts` walks one stage's, keeping
+    every stage's counts at each moment (the distinct moments, in program order)."""
+    index = {s: c for c, s in enumerate(stages)}
+    held, pending, grads = [0] * len(stages), [0] * len(stages), [False] * len(stages)
+    seen: dict[Moment, None] = {}
+
+    def note(c: int, kind: str) -> None:
+        seen.setdefault((c, kind, tuple(zip(held, pending)), tuple(grads)), None)
+
+    for a in actions:
+        c = index.get(a.stage)
+        if a.kind is Kind.FORWARD:
+            held[c] += 1
+            note(c, "forward_warm" if grads[c] else "forward_cold")
+        elif a.kind is Kind.BACKWARD:
+            note(c, "backward_warm" if grads[c] else "backward_first")
+            grads[c], held[c] = True, held[c] - 1
+        elif a.kind is Kind.INPUT_GRAD:
+            pending[c] += 1
+            note(c, "backward_warm" if grads[c] else "input_cold")
+        elif a.kind is Kind.WEIGHT_GRAD:
+            note(c, "backward_warm")
+            grads[c], held[c], pending[c] = True, held[c] - 1, pending[c] - 1
+    return tuple(seen)
+
+
+def resting_bytes(st: "StageCosts", point: Point, grads: bool, recompute: bool, first: bool, last: bool) -> int:
+    """Tensor bytes of a stage whose rank runs another of its stages: its weights, optimizer
+    state and (once they exist) gradients, its held microbatches' saved tensors, inputs and kept
+    outputs, its pending microbatches' captured gradients (and, with recompute, their rebuilt
+    graphs), and its buffers."""
+    h, p = point
+    one = st.stash_bytes if recompute else 0
+    state = st.weight_bytes + st.optimizer_bytes + (st.gradient_bytes if grads else 0)
+    activations = h * (st.input_bytes + (0 if recompute else st.stash_bytes)) + p * (one + st.captured_bytes)
+    return state + activations + (h - p) * _kept_output_bytes(st, recompute, last) + _buffer_bytes(st, first, last)
+
+
+def rank_peak_bytes(stages: Sequence["StageCosts"], moments: Sequence[Moment], recompute: Sequence[bool],
+                    first: Sequence[bool], last: Sequence[bool], batch_bytes: int = 0) -> int:  # fmt: skip
+    """Peak tensor bytes of a rank that runs several stages (one weight version): at each of its
+    :func:`rank_moments`, the running stage's :func:`stage_peak_bytes` at that moment plus every
+    other stage's :func:`resting_bytes`, plus the batch."""
+    running: dict[tuple[int, str, Point], int] = {}
+    resting: dict[tuple[int, Point, bool], int] = {}
+    best = 0
+    for c, kind, points, grads in moments:
+        key = (c, kind, points[c])
+        if key not in running:
+            running[key] = stage_peak_bytes(stages[c], HeldCounts(**{kind: (points[c],)}), 1, recompute[c], first[c], last[c])
+        total = running[key]
+        for o, (point, g) in enumerate(zip(points, grads)):
+            if o != c:
+                if (o, point, g) not in resting:
+                    resting[o, point, g] = resting_bytes(stages[o], point, g, recompute[o], first[o], last[o])
+                total += resting[o, point, g]
+        best = max(best, total)
+    return best + batch_bytes
