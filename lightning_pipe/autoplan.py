@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import os
 import statistics
@@ -72,9 +73,9 @@ class AutoPlanner(Callback):
         self.min_gain, self.recheck_every_n_steps = min_gain, recheck_every_n_steps
         self.decisions: list[dict[str, Any]] = []
         self._start_step, self._steps_seen = 0, 0
-        self._times: dict[str, list[float]] = defaultdict(list)
-        self._captured: list[tuple[Tensor, ...]] = []
-        self._hook: Any = None
+        self._times: dict[tuple[int, str], list[float]] = defaultdict(list)  # (stage, action kind)
+        self._captured: dict[int, list[tuple[Tensor, ...]]] = {}  # each of this rank's stages: its inputs
+        self._hooks: list[Any] = []
         self._batch: Any = None
         self._after: Optional[list[float]] = None
         self._step_start = 0.0
@@ -115,9 +116,6 @@ class AutoPlanner(Callback):
             if not callable(getattr(trainer.strategy, "reconfigure", None)):
                 raise TypeError("AutoPlanner needs Trainer(strategy=PipelineStrategy(global_batch_size=...))")
             _check_steps(self.profile_steps, trainer.max_steps)
-            if trainer.strategy.plan.virtual_stages > 1:
-                raise ValueError("AutoPlanner does not plan interleaved layouts yet: drop virtual_stages "
-                                 f"(got {trainer.strategy.plan.virtual_stages}) or the AutoPlanner callback")  # fmt: skip
             trainer.strategy.enable_reconfiguration()
             if not trainer.strategy.layout_given:
                 trainer.strategy.start_with(_safe_start(trainer.strategy.plan, trainer.strategy.global_batch_size))
@@ -132,8 +130,7 @@ class AutoPlanner(Callback):
         trainer.strategy.engine.instrument = True  # the executor's trace calibrates the profile
         if self._steps_seen == self.profile_steps - 1:
             self._batch = trainer.strategy.replica_batch(batch)
-            self._captured = []
-            self._hook = trainer.strategy.engine.stage.register_input_hook(self._capture)
+            self._hooks = self._capture_inputs(trainer.strategy.engine)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Collect the step's trace; decide after the profiled steps; time the steps after a switch."""
@@ -149,63 +146,79 @@ class AutoPlanner(Callback):
             self._collect(trainer.strategy.engine)
         trainer.strategy.engine.instrument = False  # a PipelineMonitor turns it on again for its steps
         if self._steps_seen == self.profile_steps:
-            self._hook.remove()
+            self._remove_hooks()
             self._decide(trainer, pl_module)
 
     # -- profiling -------------------------------------------------------------------------
     def _profiling(self, trainer: Trainer) -> bool:
         return self._steps_seen < self.profile_steps
 
-    def _capture(self, args: tuple) -> None:
-        """Keep this stage's inputs of the step's first two microbatches (recomputations are not
+    def _capture_inputs(self, engine: Any) -> list[Any]:
+        """Start keeping every stage's inputs of this rank (one stage, or interleaved several)."""
+        self._captured = {st.index: [] for st in engine.stages}
+        return [st.register_input_hook(functools.partial(self._capture, st.index)) for st in engine.stages]
+
+    def _remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def _capture(self, stage: int, args: tuple) -> None:
+        """Keep ``stage``'s inputs of the step's first two microbatches (recomputations are not
         forwards). Not copied: the stage holds them until their backward anyway, and received
         tensors are never reused."""
-        if len(self._captured) < 2:
-            self._captured.append(tuple(a.detach() for a in args if isinstance(a, Tensor)))
+        if len(self._captured[stage]) < 2:
+            self._captured[stage].append(tuple(a.detach() for a in args if isinstance(a, Tensor)))
+
+    def _all_captured(self) -> list[tuple[Tensor, ...]]:
+        return [inputs for stage in sorted(self._captured) for inputs in self._captured[stage]]
 
     def _collect(self, engine: Any) -> None:
-        """Seconds of each F, B, I, W and optimizer step of this rank in the step just run."""
+        """Seconds of each F, B, I, W and optimizer step of each of this rank's stages in the step just run."""
         for interval in engine.trace.intervals:
             kind = interval.action.kind
             if kind in (Kind.FORWARD, Kind.BACKWARD, Kind.INPUT_GRAD, Kind.WEIGHT_GRAD, Kind.OPTIMIZER_STEP):
-                self._times[kind.value].append(interval.end - interval.start)
+                self._times[interval.action.stage, kind.value].append(interval.end - interval.start)
 
-    def _measured(self) -> tuple[float, float, float]:
-        """Mean F, B (or I + W) and optimizer-step seconds of this rank over the profiled steps."""
-        mean = lambda k: statistics.fmean(self._times[k]) if self._times[k] else 0.0  # noqa: E731
-        backward = mean("B") if self._times["B"] else mean("I") + mean("W")
+    def _measured(self, stage: int) -> tuple[float, float, float]:
+        """Mean F, B (or I + W) and optimizer-step seconds of ``stage`` over the profiled steps (the
+        rank's step is charged to its first stage)."""
+        mean = lambda k: statistics.fmean(self._times[stage, k]) if self._times[stage, k] else 0.0  # noqa: E731
+        backward = mean("B") if self._times[stage, "B"] else mean("I") + mean("W")
         return mean("F"), backward, mean("OPT")
 
-    def _stage_profile(self, trainer: Trainer, module: Any) -> Optional[tuple[int, list[BlockProfile], float]]:
-        """This stage's calibrated block profiles and its optimizer-step seconds (first replicas only)."""
+    def _stage_profile(self, trainer: Trainer, module: Any) -> list[tuple[int, list[BlockProfile], float]]:
+        """Each of this rank's stages' calibrated block profiles and optimizer-step seconds (first replicas only)."""
         strategy = trainer.strategy
         engine, plan = strategy.engine, strategy.plan
         if plan.topology.replica_of(strategy.global_rank) != 0:
-            return None
-        inputs = self._captured[:1] + ([tuple(torch.cat(p) for p in zip(*self._captured))] if len(self._captured) > 1 else [])
+            return []
+        return [self._profile_one(trainer, module, st, position.is_last) for st, position in zip(engine.stages, engine.positions)]
+
+    def _profile_one(self, trainer: Trainer, module: Any, st: Any, is_last: bool) -> tuple[int, list[BlockProfile], float]:
+        captured = self._captured[st.index]
+        inputs = captured[:1] + ([tuple(torch.cat(p) for p in zip(*captured))] if len(captured) > 1 else [])
         rows = self._batch
-        loss = (lambda size, out: _loss_of(module, _rows(rows, size), out)) if engine.position.is_last else None
+        loss = (lambda size, out: _loss_of(module, _rows(rows, size), out)) if is_last else None
         factory = _same_kind(trainer.optimizers[0])
         with torch.random.fork_rng():
-            profiles = profile_stage(engine.stage.blocks, engine.stage.first_index, inputs, loss, 2, factory, strategy.root_device)
-        stage = engine.stage_index
-        b = batch_size(inputs[0])
-        forward, backward, step = self._measured()
-        return stage, _calibrated(profiles, b, plan.recompute[stage], forward, backward), step
+            profiles = profile_stage(st.blocks, st.first_index, inputs, loss, 2, factory, trainer.strategy.root_device)
+        forward, backward, step = self._measured(st.index)
+        return st.index, _calibrated(profiles, batch_size(inputs[0]), trainer.strategy.plan.recompute[st.index], forward, backward), step
 
     def _gather_profile(self, trainer: Trainer, module: Any) -> Profile:
         """Every stage's calibrated blocks, gathered on every rank, with the job's measured links."""
         strategy = trainer.strategy
         strategy.drain()
         batch_tensors = [t for t in tree_leaves(self._batch) if isinstance(t, Tensor)]
-        device_bytes = _device_bytes(trainer, [t for inputs in self._captured for t in inputs] + batch_tensors)
+        device_bytes = _device_bytes(trainer, [t for inputs in self._all_captured() for t in inputs] + batch_tensors)
         mine = self._stage_profile(trainer, module)
         parts: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(parts, mine)
-        stages = sorted(p for p in parts if p is not None)
+        stages = sorted(stage for part in parts for stage in part)
         blocks = [b for _, profiles, _ in stages for b in profiles]
-        large = _link_bytes(self._captured, strategy.root_device)
-        self._captured = []  # the link measurement reuses their memory
+        large = _link_bytes(self._all_captured(), strategy.root_device)
+        self._captured = {}  # the link measurement reuses their memory
         measured = [_link_worker(strategy.global_rank, dist.get_world_size(), 1024, large, 3, strategy.root_device)]
         dist.broadcast_object_list(measured, src=0)  # rank 0's: every rank must plan on the same numbers
         links = measured[0]
@@ -239,15 +252,15 @@ class AutoPlanner(Callback):
         if self._budget(trainer) is None:
             return
         engine = trainer.strategy.engine
-        self._batch, self._captured = trainer.strategy.replica_batch(batch), []
-        hook = engine.stage.register_input_hook(self._capture)
+        self._batch = trainer.strategy.replica_batch(batch)
+        self._hooks = self._capture_inputs(engine)
         try:
             with torch.no_grad():
                 engine.forward(self._batch, first=2)  # the two microbatches the profile needs, not the whole batch
         finally:
-            hook.remove()
+            self._remove_hooks()
         current, ranked = self._search(trainer, self._gather_profile(trainer, module))
-        self._batch, self._captured = None, []
+        self._batch, self._captured = None, {}
         if not current.feasible:
             reason = f"before the first step: the starting plan does not fit ({current.why_infeasible()})"
             self._switch(trainer, current, ranked[0], reason, ranked)
@@ -275,7 +288,7 @@ class AutoPlanner(Callback):
         best, reason = _choose(current, ranked[0], self.min_gain)
         self._switch(trainer, current, best, reason, ranked)
         self._start_step, self._times = trainer.global_step, defaultdict(list)
-        self._captured, self._batch = [], None
+        self._captured, self._batch = {}, None
 
     def _switch(self, trainer: Trainer, current: planner.Prediction, best: planner.Prediction, reason: str,
                 ranked: list[planner.Prediction]) -> None:  # fmt: skip

@@ -28,7 +28,10 @@ POOR_START = PipelinePlan(1, 4, 1, "1f1b", partition="uniform", recompute=(True,
 TARGETS = {
     "1f1b": PipelinePlan(2, 2, 8, "1f1b", partition="uniform", recompute=(True, False)),
     "2bw": PipelinePlan(2, 2, 8, "2bw", partition="uniform"),
+    "interleaved": PipelinePlan(2, 2, 8, "1f1b", partition="uniform", virtual_stages=2),
 }
+#: Each target's partition of ToyChain's 6 blocks, resolved.
+RESOLVED = {"1f1b": (3, 3), "2bw": (3, 3), "interleaved": (2, 2, 1, 1)}
 
 
 class SwitchAt(L.Callback):
@@ -80,7 +83,7 @@ def _batches(indices: list[list[int]], steps: int = STEPS) -> list[tuple[torch.T
 
 def _check_layout_and_steps(ranks: list[dict[str, Any]], target: str) -> dict[str, torch.Tensor]:
     """Every rank ran the start plan, then the target; the global batches agree; replicas agree; merged params."""
-    start, after = START.replace(partition=(2, 2, 1, 1)), TARGETS[target].replace(partition=(3, 3))
+    start, after = START.replace(partition=(2, 2, 1, 1)), TARGETS[target].replace(partition=RESOLVED[target])
     for rank in ranks:  # the plan in use after each step
         assert rank["plans"] == [start] * (SWITCH - 1) + [after] * (STEPS - SWITCH + 1)
         assert rank["global_step"] == STEPS
@@ -105,6 +108,16 @@ def test_switch_from_1x4_to_2x2_with_recompute_matches_single_process(launched) 
     # ModelCheckpoint went on too: the last checkpoint, saved under the new layout, holds the weights.
     restored = load_plain(ToyChain, launched(4).dir("reconfigure_1f1b") / "ckpt" / "last.ckpt")
     assert_close_dicts(dict(restored.named_parameters()), want, rtol=1e-5)
+
+
+def test_switch_to_interleaved_matches_single_process(launched) -> None:
+    # The state moves by name to the rank that runs each block's stage (stage s on rank s % d).
+    ranks = launched(4).ok("reconfigure_interleaved")
+    got = _check_layout_and_steps(ranks, "interleaved")
+    torch.manual_seed(0)
+    assert_close_dicts(got, reference_train(ToyChain(), _batches(ranks[0]["indices"])), rtol=1e-5)
+    restored = load_plain(ToyChain, launched(4).dir("reconfigure_interleaved") / "ckpt" / "last.ckpt")
+    assert_close_dicts(dict(restored.named_parameters()), got, rtol=1e-5)
 
 
 def test_switch_to_2bw_follows_the_2bw_rule_from_the_switch(launched) -> None:
@@ -150,33 +163,71 @@ def _fit_auto(rank: int, world: int, memory: Any) -> dict[str, Any]:
     }
 
 
-def _fit_misused(rank: int, world: int) -> list[str]:
-    """AutoPlanner misuses, each refused at setup: a fit shorter than its profiling, an interleaved layout."""
+def _fit_misused(rank: int, world: int) -> str:
+    """An AutoPlanner misuse, refused at setup: a fit shorter than its profiling."""
     from lightning_pipe import AutoPlanner
 
-    messages = []
-    for steps, virtual in ((2, 1), (10, 2)):
-        trainer = L.Trainer(
-            accelerator="cpu", devices=world, max_steps=steps, logger=False, enable_progress_bar=False,
-            enable_checkpointing=False, callbacks=[AutoPlanner(profile_steps=5)],
-            strategy=PipelineStrategy(pipeline_depth=2, microbatches=2, virtual_stages=virtual, global_batch_size=GLOBAL),
-        )  # fmt: skip
-        try:
-            trainer.fit(ToyChain(), DataLoader(Indexed(GLOBAL * 4, 0), batch_size=GLOBAL))
-            messages.append(f"no error; trained {trainer.global_step} steps")
-        except ValueError as err:
-            messages.append(str(err))
-    return messages
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, max_steps=2, logger=False, enable_progress_bar=False,
+        enable_checkpointing=False, callbacks=[AutoPlanner(profile_steps=5)],
+        strategy=PipelineStrategy(pipeline_depth=2, microbatches=2, global_batch_size=GLOBAL),
+    )  # fmt: skip
+    try:
+        trainer.fit(ToyChain(), DataLoader(Indexed(GLOBAL * 4, 0), batch_size=GLOBAL))
+    except ValueError as err:
+        return str(err)
+    return f"no error; trained {trainer.global_step} steps"
 
 
 scenario(2, "autoplan_misused", _fit_misused)
 
 
-def test_autoplanner_refuses_a_short_fit_and_interleaved_layouts(launched) -> None:
-    for short, interleaved in launched(2).ok("autoplan_misused"):
+def test_autoplanner_refuses_a_short_fit(launched) -> None:
+    for short in launched(2).ok("autoplan_misused"):
         assert ("AutoPlanner(profile_steps=5) profiles that many training steps before deciding, but "
                 "Trainer(max_steps=...) allows only 2") in short, short  # fmt: skip
-        assert "AutoPlanner does not plan interleaved layouts yet" in interleaved, interleaved
+
+
+INTERLEAVED_START = PipelinePlan(1, 2, 4, "1f1b", partition="uniform", virtual_stages=2)
+
+
+def _fit_auto_interleaved(rank: int, world: int) -> dict[str, Any]:
+    from lightning_pipe import AutoPlanner
+
+    torch.manual_seed(0)
+    auto = AutoPlanner(profile_steps=3, min_gain=0.0, recheck_every_n_steps=1)
+    model, recorder = ToyChain(), Recorder()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, max_steps=STEPS + 2, max_epochs=-1, num_sanity_val_steps=0, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, enable_checkpointing=False,
+        callbacks=[recorder, auto],
+        strategy=PipelineStrategy(plan=INTERLEAVED_START, global_batch_size=GLOBAL, timeout=timedelta(seconds=60)),
+    )  # fmt: skip
+    trainer.fit(model, DataLoader(Indexed(GLOBAL * (STEPS + 2), 0), batch_size=GLOBAL))
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "indices": recorder.indices,
+            "decided_at": [d["step"] for d in auto.decisions], "current": [d["current"] for d in auto.decisions],
+            "plan": trainer.strategy.plan}  # fmt: skip
+
+
+scenario(2, "autoplan_interleaved", _fit_auto_interleaved)
+
+
+def test_autoplanner_profiles_an_interleaved_start_and_matches_single_process(launched) -> None:
+    # Each rank profiles both its stages; the search (which offers interleaved plans too) sees
+    # all four stages' blocks, predicts the running plan per rank, and training stays exact.
+    ranks = launched(2).ok("autoplan_interleaved")
+    for rank in ranks:
+        assert rank["decided_at"] == [3, 7]
+        first = rank["current"][0]
+        assert first.plan == INTERLEAVED_START.replace(partition=(2, 2, 1, 1)) and len(first.stage_memory) == 2
+        assert first.step_time > 0 and all(m > 0 for m in first.stage_memory)
+        assert rank["plan"] == ranks[0]["plan"]
+    merged: dict[str, torch.Tensor] = {}
+    for rank in ranks:
+        merged.update(rank["params"])
+    torch.manual_seed(0)
+    want = reference_train(ToyChain(), _batches(ranks[0]["indices"], STEPS + 2))
+    assert_close_dicts(merged, want, rtol=1e-5)
 
 
 scenario(4, "autoplan_fit", _fit_auto, None)
@@ -376,6 +427,8 @@ SPOT_PLANS = [
     PipelinePlan(1, 4, 16, "1f1b", True, partition="uniform"),
     PipelinePlan(2, 2, 8, "1f1b", True, partition="uniform"),
     PipelinePlan(2, 2, 8, "2bw", partition="uniform"),
+    PipelinePlan(1, 4, 16, "1f1b", partition="uniform", virtual_stages=2),
+    PipelinePlan(2, 2, 8, "1f1b", True, partition="uniform", virtual_stages=2),
 ]
 
 
@@ -388,7 +441,7 @@ def _spot_check_memory(rank: int, world: int) -> list[dict[str, Any]]:
     profile = dataclasses.replace(profile, loads_global_batch=True)
     rows = []
     for plan in SPOT_PLANS:
-        resolved = plan.replace(partition=tuple([8 // plan.depth] * plan.depth))
+        resolved = plan.replace(partition=tuple([8 // plan.stages] * plan.stages))
         b = WIDE_BATCH // (plan.width * plan.microbatches)
         tracked = StepPeaks()
         trainer = _fit_wide(resolved, 3, [tracked.closer, Reconfigurable(), tracked.opener])
