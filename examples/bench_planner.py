@@ -32,7 +32,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -50,17 +50,30 @@ from lightning_pipe.spawn import run_gloo  # noqa: E402
 BLOCKS, DIM, ACT = 8, 64, 4096  # ACT floats per sample kept by every block for its backward
 FORWARD, BACKWARD = 0.002, 0.004  # seconds per sample
 
-#: (workload, w, d, b, schedule, recompute): chain w * d <= 4 processes, m = 16 / (w * b);
-#: gpt w * d <= 2 processes, m = 32 / (w * b).
-CONFIGS = [
+class Config(NamedTuple):
+    """One measured configuration: chain w * d <= 4 processes, m = 16 / (w * b); gpt w * d <= 2
+    processes, m = 32 / (w * b); ``virtual`` stages per rank (above 1: interleaved 1F1B)."""
+
+    workload: str
+    w: int
+    d: int
+    b: int
+    schedule: str
+    recompute: bool
+    virtual: int = 1
+
+
+CONFIGS = [Config(*c) for c in [
     ("chain", 1, 2, 2, "1f1b", False), ("chain", 1, 2, 4, "1f1b", False), ("chain", 1, 2, 2, "gpipe", False),
     ("chain", 1, 2, 2, "1f1b", True), ("chain", 2, 1, 2, "1f1b", False), ("chain", 2, 1, 4, "gpipe", False),
     ("chain", 1, 4, 1, "1f1b", False), ("chain", 1, 4, 2, "1f1b", False), ("chain", 1, 4, 2, "gpipe", True),
     ("chain", 2, 2, 2, "1f1b", False), ("chain", 2, 2, 2, "gpipe", False), ("chain", 2, 2, 4, "1f1b", True),
     ("chain", 4, 1, 2, "1f1b", False), ("chain", 4, 1, 4, "gpipe", True),
+    ("chain", 1, 2, 2, "1f1b", False, 2), ("chain", 1, 4, 2, "1f1b", False, 2), ("chain", 2, 2, 2, "1f1b", False, 2),
     ("gpt", 1, 2, 4, "1f1b", False), ("gpt", 1, 2, 8, "1f1b", False), ("gpt", 1, 2, 8, "gpipe", False),
     ("gpt", 1, 2, 8, "1f1b", True), ("gpt", 2, 1, 8, "1f1b", False), ("gpt", 2, 1, 16, "gpipe", True),
-]  # fmt: skip
+    ("gpt", 1, 2, 8, "1f1b", False, 2),
+]]  # fmt: skip
 
 
 class _Hold(torch.autograd.Function):
@@ -147,9 +160,9 @@ class GPTWorkload:
 WORKLOADS = {"chain": Chain(), "gpt": GPTWorkload()}
 
 
-def _plan(config: tuple, partition: tuple[int, ...]) -> PipelinePlan:
-    name, w, d, b, schedule, recompute = config
-    return PipelinePlan(w, d, WORKLOADS[name].global_batch // (w * b), schedule, partition=partition, recompute=recompute)
+def _plan(config: Config, partition: tuple[int, ...]) -> PipelinePlan:
+    return PipelinePlan(config.w, config.d, plan_m(config), config.schedule, partition=partition, recompute=config.recompute,
+                        virtual_stages=config.virtual)  # fmt: skip
 
 
 def _measure(rank: int, world: int, name: str, plan: PipelinePlan, b: int, steps: int, heavy_first: bool = False) -> dict[str, Any]:
@@ -158,7 +171,7 @@ def _measure(rank: int, world: int, name: str, plan: PipelinePlan, b: int, steps
     work = WORKLOADS[name]
     groups = PipelineGroups.build(plan.topology, rank)
     engine = place(work.model(heavy_first), plan, rank, groups=groups)
-    opt = work.optimizer(engine.stage.parameters())
+    opt = work.optimizer(engine.parameters())
     torch.manual_seed(plan.topology.replica_of(rank))  # the stages of a pipeline see the same batch
     batch = work.batch(plan.microbatches * b)
     times = []
@@ -167,10 +180,10 @@ def _measure(rank: int, world: int, name: str, plan: PipelinePlan, b: int, steps
         start = time.perf_counter()
         engine.train_step(batch, opt)
         times.append(time.perf_counter() - start)
-    for p in engine.stage.parameters():
+    for p in engine.parameters():
         p.grad = None  # the step creates them again, tracked
     dist.barrier()
-    with PeakTensorBytes(held_tensors(engine.stage.parameters(), [opt])) as tracker:
+    with PeakTensorBytes(held_tensors(engine.parameters(), [opt])) as tracker:
         engine.train_step(batch, opt)
     return {"step": statistics.median(times[1:]), "peak": tracker.peak, "stage": engine.stage_index}
 
@@ -179,7 +192,7 @@ def _profile(name: str, processes: int) -> Any:
     """The workload profiled in ``processes`` concurrent processes of one thread each (as the
     measured ranks run), so that the times include their contention for the 2 cores."""
     work = WORKLOADS[name]
-    sizes = sorted({c[3] for c in CONFIGS if c[0] == name})
+    sizes = sorted({c.b for c in CONFIGS if c.workload == name})
     return profile_concurrently(work.model, work.batch(max(sizes)), [min(sizes), max(sizes)], processes, repeats=3,
                                 optimizer=work.optimizer)  # fmt: skip
 
@@ -189,20 +202,20 @@ def _round(links: dict[str, float]) -> dict[tuple, dict[str, Any]]:
     then that group predicted and measured at once, so that the machine's drift between the
     profile and the runs stays small."""
     out = {}
-    for name, n in sorted({(c[0], c[1] * c[2]) for c in CONFIGS}):
+    for name, n in sorted({(c.workload, c.w * c.d) for c in CONFIGS}):
         profile = _profile(name, n)
         profile.__dict__.update(links)
         out[("profile", name, n)] = profile
-        for config in (c for c in CONFIGS if (c[0], c[1] * c[2]) == (name, n)):
-            _, w, d, b, _, _ = config
-            plan = _plan(config, planner.time_balanced(profile, d, b))
+        for config in (c for c in CONFIGS if (c.workload, c.w * c.d) == (name, n)):
+            w, d, b = config.w, config.d, config.b
+            plan = _plan(config, planner.time_balanced(profile, d * config.virtual, b))
             predicted = planner.predict(profile, plan, b)
             ran = run_gloo(_measure, w * d, name, plan, b, 4, timeout=300.0)
             assert all(s == "ok" for s, _ in ran), [v for s, v in ran if s != "ok"]
             measured = [v for _, v in ran]
             peaks = [max(v["peak"] for v in measured if v["stage"] == s) for s in range(d)]
             out[config] = {"predicted": predicted, "measured": max(v["step"] for v in measured), "peaks": peaks}
-            print(f"  {name} ({w},{d}) b={b} {config[4]}{' recompute' if config[5] else ''}: predicted "
+            print(f"  {name} ({w},{d}) b={b} {_schedule(config)}{' recompute' if config.recompute else ''}: predicted "
                   f"{predicted.step_time:.3f} s, measured {out[config]['measured']:.3f} s", flush=True)
     return out
 
@@ -216,7 +229,7 @@ def main(rounds: int) -> None:
         runs.append(_round(profile_links(world=2)))
     rows, time_errors, memory_errors, results = [], [], [], []
     for config in CONFIGS:
-        name, w, d, b, schedule, recompute = config
+        name, w, d, b, _, recompute, _ = config
         mine = [run[config] for run in runs]
         predicted = mine[-1]["predicted"]  # the plan and its memory (the profiled bytes do not drift)
         predicted_step = statistics.median(x["predicted"].step_time for x in mine)
@@ -226,10 +239,10 @@ def main(rounds: int) -> None:
         m_err = max(abs(p / q - 1) for x in mine for p, q in zip(x["predicted"].stage_memory, x["peaks"]))
         time_errors.append(abs(t_err))
         memory_errors.append(m_err)
-        results.append({"workload": name, "config": (w, d), "predicted": predicted, "predicted_step": predicted_step,
-                        "measured": step, "peaks": peaks})  # fmt: skip
+        results.append({"workload": name, "config": (w, d), "schedule": _schedule(config), "predicted": predicted,
+                        "predicted_step": predicted_step, "measured": step, "peaks": peaks})  # fmt: skip
         each = ", ".join(f"{x['predicted'].step_time / x['measured'] - 1:+.0%}" for x in mine)
-        rows.append(f"| {name} | ({w},{d}) | {b} | {plan_m(config)} | {schedule} | {'yes' if recompute else 'no'} | "
+        rows.append(f"| {name} | ({w},{d}) | {b} | {plan_m(config)} | {_schedule(config)} | {'yes' if recompute else 'no'} | "
                     f"{predicted_step:.3f} | {step:.3f} | {t_err:+.1%} ({each}) | "
                     f"{', '.join(f'{p / 2**20:.2f}' for p in predicted.stage_memory)} | "
                     f"{', '.join(f'{q / 2**20:.2f}' for q in peaks)} | {m_err:.1%} |")  # fmt: skip
@@ -245,10 +258,14 @@ def main(rounds: int) -> None:
     _madpipe_order(runs[-1][("profile", "chain", 4)])
 
 
-def plan_m(config: tuple) -> int:
+def plan_m(config: Config) -> int:
     """Microbatches of a configuration: the workload's global batch over w * b."""
-    name, w, _, b, _, _ = config
-    return WORKLOADS[name].global_batch // (w * b)
+    return WORKLOADS[config.workload].global_batch // (config.w * config.b)
+
+
+def _schedule(config: Config) -> str:
+    """The schedule column: its name, and interleaved the stages per rank (``v=2``)."""
+    return f"{config.schedule} v={config.virtual}" if config.virtual > 1 else config.schedule
 
 
 def _ranking(results: list[dict[str, Any]], name: str) -> None:
@@ -258,8 +275,8 @@ def _ranking(results: list[dict[str, Any]], name: str) -> None:
     chosen = min(same, key=lambda r: r["predicted_step"])  # same global batch: shortest step is fastest
     best = min(same, key=lambda r: r["measured"])
     print(f"\n{name} ranking ({most} processes, {len(same)} configurations): planner's first choice "
-          f"{chosen['config']} {chosen['predicted'].plan.schedule} b={chosen['predicted'].microbatch_size} measured "
-          f"{chosen['measured']:.3f} s; best measured {best['config']} {best['predicted'].plan.schedule} "
+          f"{chosen['config']} {chosen['schedule']} b={chosen['predicted'].microbatch_size} measured "
+          f"{chosen['measured']:.3f} s; best measured {best['config']} {best['schedule']} "
           f"b={best['predicted'].microbatch_size} {best['measured']:.3f} s; ratio {chosen['measured'] / best['measured']:.3f}")
 
 
