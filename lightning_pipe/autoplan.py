@@ -57,7 +57,7 @@ class AutoPlanner(Callback):
 
     Attributes:
         decisions: one record per decision (step, table of candidates, chosen plan, reason,
-            switch seconds, predicted and measured step time after it).
+            the profile it was planned on, switch seconds, predicted and measured step time after it).
     """
 
     def __init__(self, memory: Optional[float] = None, profile_steps: int = 5, allow_stale: bool = False,
@@ -231,7 +231,7 @@ class AutoPlanner(Callback):
                                                   if isinstance(t, Tensor) and t.untyped_storage().data_ptr() not in own) / n,
                        batch_bytes_per_sample=sum(t.numel() * t.element_size() for t in tree_leaves(rows) if isinstance(t, Tensor)) / n,
                        loads_global_batch=True, cores=_shared_cores(trainer), device=str(strategy.root_device),
-                       device_bytes=device_bytes, **links)  # fmt: skip
+                       device_bytes=device_bytes, shared_blocks=strategy.placement.shared_blocks, **links)  # fmt: skip
 
     # -- deciding --------------------------------------------------------------------------
     def _budget(self, trainer: Trainer) -> Optional[float]:
@@ -259,11 +259,12 @@ class AutoPlanner(Callback):
                 engine.forward(self._batch, first=2)  # the two microbatches the profile needs, not the whole batch
         finally:
             self._remove_hooks()
-        current, ranked = self._search(trainer, self._gather_profile(trainer, module))
+        profile = self._gather_profile(trainer, module)
+        current, ranked = self._search(trainer, profile)
         self._batch, self._captured = None, {}
         if not current.feasible:
             reason = f"before the first step: the starting plan does not fit ({current.why_infeasible()})"
-            self._switch(trainer, current, ranked[0], reason, ranked)
+            self._switch(trainer, current, ranked[0], reason, ranked, profile)
 
     def _search(self, trainer: Trainer, profile: Profile) -> tuple[planner.Prediction, list[planner.Prediction]]:
         """The current plan's prediction and every candidate ranked; raise if none fits the budget."""
@@ -280,20 +281,21 @@ class AutoPlanner(Callback):
         return current, ranked
 
     def _decide(self, trainer: Trainer, module: Any) -> None:
-        current, ranked = self._search(trainer, self._gather_profile(trainer, module))
+        profile = self._gather_profile(trainer, module)
+        current, ranked = self._search(trainer, profile)
         measured = _measured_peak(trainer)
         budget = self._budget(trainer)
         if measured is not None and budget is not None and measured > budget:
             current = dataclasses.replace(current, stage_memory=tuple(max(m, measured) for m in current.stage_memory))
         best, reason = _choose(current, ranked[0], self.min_gain)
-        self._switch(trainer, current, best, reason, ranked)
+        self._switch(trainer, current, best, reason, ranked, profile)
         self._start_step, self._times = trainer.global_step, defaultdict(list)
         self._captured, self._batch = {}, None
 
     def _switch(self, trainer: Trainer, current: planner.Prediction, best: planner.Prediction, reason: str,
-                ranked: list[planner.Prediction]) -> None:  # fmt: skip
+                ranked: list[planner.Prediction], profile: Profile) -> None:  # fmt: skip
         """Move to ``best`` unless it is ``current``; record and report the decision."""
-        record = {"step": trainer.global_step, "current": current, "chosen": best, "reason": reason,
+        record = {"step": trainer.global_step, "current": current, "chosen": best, "reason": reason, "profile": profile,
                   "table": _table(current, ranked), "switch_seconds": 0.0, "measured_step_s": None}  # fmt: skip
         if best is not current:
             start = time.perf_counter()

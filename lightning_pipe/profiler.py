@@ -20,7 +20,7 @@ from lightning_pipe.runtime import split
 from lightning_pipe.runtime.microbatch import batch_size, split_batch
 from lightning_pipe.runtime.placement import pipeline_blocks_of
 from lightning_pipe.runtime.stage import as_tuple
-from lightning_pipe.runtime.ties import find_ties
+from lightning_pipe.runtime.ties import shared_blocks
 
 
 @dataclass
@@ -332,13 +332,6 @@ def profile_blocks(module: nn.Module, batch: Any, microbatch_sizes: Sequence[int
     per_action = _action_overhead(module, blocks, batch, profiles, min(microbatch_sizes), repeats, device) if with_loss else 0.0
     return Profile(profiles, optimizer_step=step, action_overhead=per_action, input_bytes_per_sample=per_sample,
                    batch_bytes_per_sample=batch_per_sample, device=str(device), shared_blocks=shared_blocks(module, blocks))
-
-
-def shared_blocks(module: nn.Module, blocks: Sequence[nn.Module]) -> list[list[int]]:
-    """Groups of blocks (by index) that share a parameter, each group once, in order: the ties
-    (:func:`~lightning_pipe.runtime.ties.find_ties`) of a layout with one block per stage."""
-    ties = find_ties(module, blocks, [[i] for i in range(len(blocks))])
-    return [list(group) for group in sorted({tie.stages for tie in ties})]
 
 
 def _profile_microbatch(module: nn.Module, blocks: list[nn.Module], mb: Any, loss: Loss, repeats: int,

@@ -157,6 +157,7 @@ def _fit_auto(rank: int, world: int, memory: Any) -> dict[str, Any]:
         "decided_at": [d["step"] for d in auto.decisions],
         "last_chosen": auto.decisions[-1]["chosen"].plan,
         "decision": {k: decision[k] for k in ("step", "reason", "table", "switch_seconds", "measured_step_s")},
+        "shared_blocks": [d["profile"].shared_blocks for d in auto.decisions],
         "chosen": decision["chosen"].plan,
         "current": decision["current"].plan,
         "feasible": decision["chosen"].feasible,
@@ -244,6 +245,7 @@ def test_autoplanner_profiles_plans_switches_and_matches_single_process(launched
         assert rank["plan"] == rank["last_chosen"] == ranks[0]["last_chosen"]  # every rank runs the plan it decided on
         assert rank["decision"]["table"] == ranks[0]["decision"]["table"]
     assert ranks[0]["chosen"] != ranks[0]["current"], ranks[0]["decision"]  # min_gain=0: a faster plan exists
+    assert ranks[0]["shared_blocks"] == [[], []]  # known: no ties (unknown would count 2BW's stage 0 as tied)
     assert ranks[0]["decision"]["switch_seconds"] > 0 and ranks[0]["decision"]["measured_step_s"] > 0
     assert "current" in ranks[0]["decision"]["table"] and "candidates" in ranks[0]["decision"]["table"]
     # Whatever it chose (no stale schedule without allow_stale), training is exact.

@@ -280,3 +280,15 @@ def test_tied_embedding_through_trainer_fit_matches_one_process(launched, width:
         assert_close_dicts(merged, want, rtol=1e-5, atol=1e-6)
         first, last = runs[0]["params"], runs[depth - 1]["params"]
         assert torch.equal(first["embed.table.weight"], last["head.out.weight"]), (schedule, split)  # the copies
+
+
+def test_placement_records_which_blocks_share_weights_before_untying_them() -> None:
+    # The AutoPlanner's in-job profile reads this (for 2BW's first stage): placing a layout
+    # unties the remote copies, so the groups must come from the whole module.
+    from lightning_pipe.runtime.placement import Placement
+
+    placement = Placement(TiedChain())
+    assert placement.shared_blocks == [[0, 3]]  # the embedding and the head
+    placement.apply(PipelinePlan(1, 2, 2, "1f1b", partition=[2, 2]), 0)
+    assert placement.shared_blocks == [[0, 3]]
+    assert Placement(ToyChain()).shared_blocks == []

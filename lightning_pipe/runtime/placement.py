@@ -12,7 +12,7 @@ from torch.optim import Optimizer
 from lightning_pipe.partition import block_cost
 from lightning_pipe.layout import PipelinePlan
 from lightning_pipe.runtime.stage import Stage
-from lightning_pipe.runtime.ties import Tie, alias_names, find_ties, retie, untie_remote
+from lightning_pipe.runtime.ties import Tie, alias_names, find_ties, retie, shared_blocks, untie_remote
 
 if TYPE_CHECKING:
     from lightning_pipe.runtime.engine import PipelineEngine
@@ -96,6 +96,10 @@ class Placement:
 
     Args:
         module: the user's LightningModule (any module with ``pipeline_blocks()``).
+
+    Attributes:
+        shared_blocks: groups of blocks that share a parameter (tied weights), by index, read
+            from the whole module before any placement.
     """
 
     def __init__(self, module: nn.Module) -> None:
@@ -109,6 +113,7 @@ class Placement:
         self.unfilled: set[int] = set()
         self.ties: list[Tie] = []
         self._aliases = alias_names(module)  # other name of a tied parameter -> the name state is kept under
+        self.shared_blocks = shared_blocks(module, self.blocks)  # before any placement unties them
         self._untied: list[tuple[nn.Module, str, nn.Parameter]] = []
 
     def apply(self, plan: PipelinePlan, rank: int, device: Optional[torch.device] = None) -> list[Stage]:

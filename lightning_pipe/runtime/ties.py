@@ -54,6 +54,13 @@ def find_ties(module: nn.Module, blocks: Sequence[nn.Module], ranges: Sequence[S
     return sorted(ties, key=lambda t: t.name)
 
 
+def shared_blocks(module: nn.Module, blocks: Sequence[nn.Module]) -> list[list[int]]:
+    """Groups of blocks (by index) that share a parameter, each group once, in order: the ties
+    (:func:`find_ties`) of a layout with one block per stage."""
+    ties = find_ties(module, blocks, [[i] for i in range(len(blocks))])
+    return [list(group) for group in sorted({tie.stages for tie in ties})]
+
+
 def alias_names(module: nn.Module) -> dict[str, str]:
     """Every other name of a parameter the module holds under several names (tied within or
     across stages), mapped to its first: the one name checkpoints keep it under."""
