@@ -244,7 +244,7 @@ def predict_memory(profile: Profile, plan: PipelinePlan, microbatch_size: int, h
     last = len(costs) - 1
     if plan.virtual_stages > 1:
         return [rank_peak_bytes([costs[s] for s in mine], walked, [plan.recompute[s] for s in mine], [s == 0 for s in mine],
-                                [s == last for s in mine], batch) + profile.device_bytes
+                                [s == last for s in mine], batch, plan.depth == 2) + profile.device_bytes
                 for mine, walked in zip(map(plan.stages_of, range(plan.depth)), moments(plan))]  # fmt: skip
     return [stage_peak_bytes(st, held[s], versions, plan.recompute[s], s == 0, s == last, batch, gradient_sets(profile, plan, s))
             + profile.device_bytes for s, st in enumerate(costs)]  # fmt: skip

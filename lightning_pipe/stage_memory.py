@@ -197,35 +197,50 @@ def rank_moments(actions: Sequence[Action], stages: Sequence[int]) -> tuple[Mome
     return tuple(seen)
 
 
-def resting_bytes(st: "StageCosts", point: Point, grads: bool, recompute: bool, first: bool, last: bool) -> int:
+def resting_bytes(st: "StageCosts", point: Point, grads: bool, recompute: bool, last: bool) -> int:
     """Tensor bytes of a stage whose rank runs another of its stages: its weights, optimizer
     state and (once they exist) gradients, its held microbatches' saved tensors, inputs and kept
-    outputs, its pending microbatches' captured gradients (and, with recompute, their rebuilt
-    graphs), and its buffers."""
+    outputs, and its pending microbatches' captured gradients (and, with recompute, their
+    rebuilt graphs). Buffers belong to the rank (:func:`rank_buffer_bytes`)."""
     h, p = point
     one = st.stash_bytes if recompute else 0
     state = st.weight_bytes + st.optimizer_bytes + (st.gradient_bytes if grads else 0)
     activations = h * (st.input_bytes + (0 if recompute else st.stash_bytes)) + p * (one + st.captured_bytes)
-    return state + activations + (h - p) * _kept_output_bytes(st, recompute, last) + _buffer_bytes(st, first, last)
+    return state + activations + (h - p) * _kept_output_bytes(st, recompute, last)
+
+
+def rank_buffer_bytes(stages: Sequence["StageCosts"], first: Sequence[bool], last: Sequence[bool], one_peer: bool) -> int:
+    """Buffers of a rank that runs several stages: a receive is posted one ahead per neighbour
+    rank, not per stage (the largest input its stages receive from the previous rank, the
+    largest gradient from the next; ``one_peer``: both neighbours are one rank, at depth 2);
+    per stage that receives an input, the input gradient it sent back, kept until the previous
+    rank acknowledges it; two headers per neighbour."""
+    inputs = [st.input_bytes for st, f in zip(stages, first) if not f]
+    outputs = [st.output_bytes for st, lst in zip(stages, last) if not lst]
+    posted = [max(inputs + outputs)] if one_peer else [max(inputs, default=0), max(outputs, default=0)]
+    neighbours = 1 if one_peer else bool(inputs) + bool(outputs)
+    return sum(posted) + sum(inputs) + 2 * HEADER_BYTES * neighbours
 
 
 def rank_peak_bytes(stages: Sequence["StageCosts"], moments: Sequence[Moment], recompute: Sequence[bool],
-                    first: Sequence[bool], last: Sequence[bool], batch_bytes: int = 0) -> int:  # fmt: skip
+                    first: Sequence[bool], last: Sequence[bool], batch_bytes: int = 0, one_peer: bool = False) -> int:  # fmt: skip
     """Peak tensor bytes of a rank that runs several stages (one weight version): at each of its
-    :func:`rank_moments`, the running stage's :func:`stage_peak_bytes` at that moment plus every
-    other stage's :func:`resting_bytes`, plus the batch."""
+    :func:`rank_moments`, the running stage's :func:`stage_memory_terms` at that moment but its
+    buffers, plus every other stage's :func:`resting_bytes`, plus the rank's
+    :func:`rank_buffer_bytes` and the batch."""
     running: dict[tuple[int, str, Point], int] = {}
     resting: dict[tuple[int, Point, bool], int] = {}
     best = 0
     for c, kind, points, grads in moments:
         key = (c, kind, points[c])
         if key not in running:
-            running[key] = stage_peak_bytes(stages[c], HeldCounts(**{kind: (points[c],)}), 1, recompute[c], first[c], last[c])
+            terms = stage_memory_terms(stages[c], HeldCounts(**{kind: (points[c],)}), 1, recompute[c], first[c], last[c])
+            running[key] = int(sum(terms.values())) - terms["buffers"]
         total = running[key]
         for o, (point, g) in enumerate(zip(points, grads)):
             if o != c:
                 if (o, point, g) not in resting:
-                    resting[o, point, g] = resting_bytes(stages[o], point, g, recompute[o], first[o], last[o])
+                    resting[o, point, g] = resting_bytes(stages[o], point, g, recompute[o], last[o])
                 total += resting[o, point, g]
         best = max(best, total)
-    return best + batch_bytes
+    return best + rank_buffer_bytes(stages, first, last, one_peer) + batch_bytes

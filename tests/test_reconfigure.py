@@ -430,6 +430,7 @@ SPOT_PLANS = [
     PipelinePlan(2, 2, 8, "1f1b", True, partition="uniform"),
     PipelinePlan(2, 2, 8, "2bw", partition="uniform"),
     PipelinePlan(1, 4, 16, "1f1b", partition="uniform", virtual_stages=2),
+    PipelinePlan(2, 2, 8, "1f1b", partition="uniform", virtual_stages=2),
     PipelinePlan(2, 2, 8, "1f1b", True, partition="uniform", virtual_stages=2),
 ]
 
@@ -461,11 +462,15 @@ def test_predicted_stage_memory_bounds_what_every_stage_measures(launched) -> No
     # against the planner's prediction for that stage. A prediction under the measurement lets
     # the AutoPlanner exceed a budget; 2% below is the tracker's noise (a few KiB). Over by at
     # most 10%: split backward's captured gradients are counted for every pending microbatch
-    # but the running one, an upper bound (measured 2 to 6% over at d = 4).
+    # but the running one, an upper bound (measured 2 to 6% over at d = 4). An interleaved rank
+    # without split backward within 3%: its buffers are counted per neighbour rank (counted per
+    # stage they came out 3 to 5% over, measured; at (2, 2) the rank-0 ack buffer is 2.5% over).
     for rank in launched(4).ok("planner_memory_spot_check"):
         for row in rank:
             ratio = row["measured"] / row["predicted"]
             assert 0.90 <= ratio <= 1.02, (row["plan"].describe(), row["stage"], row["measured"], row["predicted"])
+            if row["plan"].virtual_stages > 1 and not row["plan"].split_backward:
+                assert ratio >= 0.97, (row["plan"].describe(), row["stage"], row["measured"], row["predicted"])
 
 
 class PlanAtStart(L.Callback):
