@@ -213,6 +213,16 @@ def _fit_auto_interleaved(rank: int, world: int) -> dict[str, Any]:
 scenario(2, "autoplan_interleaved", _fit_auto_interleaved)
 
 
+def _assert_matches_one_process(ranks: list[dict[str, Any]]) -> None:
+    """Every rank's parameters, merged, against one process trained on the same global batches."""
+    merged: dict[str, torch.Tensor] = {}
+    for rank in ranks:
+        merged.update(rank["params"])
+    torch.manual_seed(0)
+    want = reference_train(ToyChain(), _batches(ranks[0]["indices"], STEPS + 2))
+    assert_close_dicts(merged, want, rtol=1e-5)
+
+
 def test_autoplanner_profiles_an_interleaved_start_and_matches_single_process(launched) -> None:
     # Each rank profiles both its stages; the search (which offers interleaved plans too) sees
     # all four stages' blocks, predicts the running plan per rank, and training stays exact.
@@ -223,12 +233,7 @@ def test_autoplanner_profiles_an_interleaved_start_and_matches_single_process(la
         assert first.plan == INTERLEAVED_START.replace(partition=(2, 2, 1, 1)) and len(first.stage_memory) == 2
         assert first.step_time > 0 and all(m > 0 for m in first.stage_memory)
         assert rank["plan"] == ranks[0]["plan"]
-    merged: dict[str, torch.Tensor] = {}
-    for rank in ranks:
-        merged.update(rank["params"])
-    torch.manual_seed(0)
-    want = reference_train(ToyChain(), _batches(ranks[0]["indices"], STEPS + 2))
-    assert_close_dicts(merged, want, rtol=1e-5)
+    _assert_matches_one_process(ranks)
 
 
 scenario(4, "autoplan_fit", _fit_auto, None)
@@ -249,12 +254,7 @@ def test_autoplanner_profiles_plans_switches_and_matches_single_process(launched
     assert ranks[0]["decision"]["switch_seconds"] > 0 and ranks[0]["decision"]["measured_step_s"] > 0
     assert "current" in ranks[0]["decision"]["table"] and "candidates" in ranks[0]["decision"]["table"]
     # Whatever it chose (no stale schedule without allow_stale), training is exact.
-    merged: dict[str, torch.Tensor] = {}
-    for rank in ranks:
-        merged.update(rank["params"])
-    torch.manual_seed(0)
-    want = reference_train(ToyChain(), _batches(ranks[0]["indices"], STEPS + 2))
-    assert_close_dicts(merged, want, rtol=1e-5)
+    _assert_matches_one_process(ranks)
 
 
 def test_autoplanner_budget_no_plan_meets_is_a_clear_error_before_any_step(launched) -> None:
