@@ -283,9 +283,13 @@ def _ranking(results: list[dict[str, Any]], name: str) -> None:
 def _verdicts(results: list[dict[str, Any]], name: str) -> None:
     """With a budget at the median measured peak: does 'feasible' agree with the measured peak?"""
     budget = statistics.median(max(r["peaks"]) for r in results)
-    agree = sum((max(r["predicted"].stage_memory) <= budget) == (max(r["peaks"]) <= budget) for r in results)
+    wrong = [r for r in results if (max(r["predicted"].stage_memory) <= budget) != (max(r["peaks"]) <= budget)]
     print(f"{name} memory verdicts at a budget of {budget / 2**20:.3f} MiB (the median measured peak): "
-          f"{agree} of {len(results)} agree")
+          f"{len(results) - len(wrong)} of {len(results)} agree")
+    for r in wrong:  # "called feasible, measured over" is the one that lets a job run out of memory
+        verdict = "called feasible, measured over" if max(r["predicted"].stage_memory) <= budget else "called infeasible, measured within"
+        print(f"  {r['config']} {r['schedule']} b={r['predicted'].microbatch_size}: {verdict} "
+              f"(predicted {max(r['predicted'].stage_memory) / 2**20:.3f} MiB, measured {max(r['peaks']) / 2**20:.3f} MiB)")
 
 
 def _madpipe_order(profile: Any) -> None:
