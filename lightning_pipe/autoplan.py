@@ -9,7 +9,7 @@ import os
 import statistics
 import time
 from collections import defaultdict
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -35,8 +35,9 @@ class AutoPlanner(Callback):
     stage's profiled times are scaled so that they reproduce the F and B times the trace of those
     steps measured (contention, the executor's own costs). The plan space covers every
     ``(w, d)`` with ``w * d`` = the job's processes, every microbatch size with the global batch
-    fixed, every schedule (2BW only with ``allow_stale``), split backward, recompute per stage and
-    the partition (time-balanced, and MadPipe's under a memory budget). Needs
+    fixed, every schedule (2BW only with ``allow_stale``), interleaving (``virtual_stages``), split
+    backward, recompute per stage and the partition (time-balanced, and MadPipe's under a memory
+    budget). Needs
     ``PipelineStrategy(global_batch_size=...)``: every rank then loads the global batch and trains
     on its replica's rows, so a width change keeps the samples of every global batch.
 
@@ -51,6 +52,8 @@ class AutoPlanner(Callback):
         allow_stale: let the planner choose PipeDream-2BW (its update is 1-stale).
         min_gain: least predicted throughput gain (0.05: 5%) worth a switch.
         recheck_every_n_steps: profile and plan again every N steps after a decision (``None``: once).
+        virtual_stages: stages per rank the planner may choose (above 1: interleaved 1F1B, ``v``
+            times the messages for a ``v`` times smaller bubble); ``(1,)`` never interleaves.
         headroom: fraction of ``memory`` kept free when planning: plans must fit
             ``memory * (1 - headroom)``. The memory model's predictions were measured up to 11%
             low on a chain whose activations dominate (README), so the default is 0.15.
@@ -61,14 +64,17 @@ class AutoPlanner(Callback):
     """
 
     def __init__(self, memory: Optional[float] = None, profile_steps: int = 5, allow_stale: bool = False,
-                 min_gain: float = 0.05, recheck_every_n_steps: Optional[int] = None, headroom: float = 0.15) -> None:  # fmt: skip
+                 min_gain: float = 0.05, recheck_every_n_steps: Optional[int] = None, headroom: float = 0.15,
+                 virtual_stages: Sequence[int] = (1, 2)) -> None:  # fmt: skip
         if profile_steps < 2:
             raise ValueError(f"profile_steps must be >= 2 (the first step is a warm-up), got {profile_steps}")
         if min_gain < 0:
             raise ValueError(f"min_gain must be >= 0, got {min_gain}")
         if not 0 <= headroom < 1:
             raise ValueError(f"headroom must be in [0, 1), got {headroom}")
-        self.headroom = headroom
+        if not virtual_stages or min(virtual_stages) < 1:
+            raise ValueError(f"virtual_stages must list stage counts >= 1, got {virtual_stages}")
+        self.headroom, self.virtual_stages = headroom, tuple(virtual_stages)
         self.memory, self.profile_steps, self.allow_stale = memory, profile_steps, allow_stale
         self.min_gain, self.recheck_every_n_steps = min_gain, recheck_every_n_steps
         self.decisions: list[dict[str, Any]] = []
@@ -272,7 +278,8 @@ class AutoPlanner(Callback):
         plan, budget, global_batch = strategy.plan, self._budget(trainer), strategy.global_batch_size
         current = planner.predict(profile, plan, max(global_batch // (plan.width * plan.microbatches), 1), budget)
         # The running partition is a candidate too: keeping it (less what costs time) is always an option.
-        ranked = planner.search(profile, plan.world_size, global_batch, budget, self.allow_stale, partitions=[plan.partition])
+        ranked = planner.search(profile, plan.world_size, global_batch, budget, self.allow_stale, partitions=[plan.partition],
+                                virtual_stages=self.virtual_stages)  # fmt: skip
         if not ranked or not ranked[0].feasible:
             smallest = min((max(p.stage_memory) for p in ranked), default=float("nan"))
             raise RuntimeError(f"no plan fits the memory budget of {planner._size(budget or 0)} per device (after "

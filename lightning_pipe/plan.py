@@ -111,6 +111,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="budget of tensor bytes per device, e.g. 256MiB (default on GPU: the device's free memory)")
     parser.add_argument("--global-batch", type=int, default=None, help="default: the config's")
     parser.add_argument("--allow-stale", action="store_true", help="also plan PipeDream-2BW (1-stale updates)")
+    parser.add_argument("--virtual-stages", type=int, nargs="+", default=[1, 2],
+                        help="stages per rank to plan (above 1: interleaved 1F1B; default: 1 2)")
     parser.add_argument("--no-links", action="store_true", help="skip measuring transfers (they are then free)")
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--output", type=Path, default=Path("plan.yaml"))
@@ -127,7 +129,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not args.no_links:
         print("measuring transfers and all-reduce between 2 local processes ...", flush=True)
         profile = dataclasses.replace(profile, **profile_links())
-    candidates = list(planner.candidates(profile, args.devices, global_batch, args.allow_stale, memory_limit=args.memory))
+    candidates = list(planner.candidates(profile, args.devices, global_batch, args.allow_stale, memory_limit=args.memory,
+                                         virtual_stages=args.virtual_stages))  # fmt: skip
     ranked = planner.rank([planner.evaluate(profile, c, args.memory) for c in tqdm(candidates, desc="simulating plans")])
     print(table(ranked, args.top))
     if not ranked or not ranked[0].feasible:

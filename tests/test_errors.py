@@ -168,3 +168,14 @@ def test_trainer_rank_failing_mid_step_exits_all(tmp_path) -> None:
     assert proc.returncode != 0
     assert "boom in block" in proc.stderr
     assert time.monotonic() - start < 100
+
+
+def test_autoplanner_arguments_are_checked_when_it_is_made() -> None:
+    from lightning_pipe import AutoPlanner
+
+    for kwargs, message in (({"profile_steps": 1}, "profile_steps must be >= 2"), ({"min_gain": -0.1}, "min_gain must be >= 0"),
+                            ({"headroom": 1.0}, r"headroom must be in \[0, 1\)"),
+                            ({"virtual_stages": ()}, "virtual_stages must list stage counts >= 1"),
+                            ({"virtual_stages": (0, 1)}, "virtual_stages must list stage counts >= 1")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            AutoPlanner(**kwargs)

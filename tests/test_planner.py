@@ -222,8 +222,11 @@ def test_plan_cli_profiles_a_config_and_writes_a_plan_the_strategy_accepts(tmp_p
     PipelineStrategy(**init)  # the written plan passes the plan's own validation
     # A budget nothing fits: every plan is reported infeasible, naming the stage and the excess.
     assert main(["--config", str(config), "--script", "examples/gpt.py", "--devices", "2", "--memory", "1KiB", "--output", str(out),
-                 "--no-links"]) == 1
-    assert "over the budget" in capsys.readouterr().out
+                 "--no-links", "--virtual-stages", "1"]) == 1
+    printed = capsys.readouterr().out
+    assert "over the budget" in printed
+    rows = [r.split("|") for r in printed.splitlines() if r.startswith("| ") and "over the budget" in r]
+    assert rows and all(r[3].strip() == "1" for r in rows)  # the v column: no interleaved plan asked for
 
 
 def test_orientation_keeps_the_heavier_traffic_on_neighbouring_ranks() -> None:

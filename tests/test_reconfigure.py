@@ -196,7 +196,7 @@ def _fit_auto_interleaved(rank: int, world: int) -> dict[str, Any]:
     from lightning_pipe import AutoPlanner
 
     torch.manual_seed(0)
-    auto = AutoPlanner(profile_steps=3, min_gain=0.0, recheck_every_n_steps=1)
+    auto = AutoPlanner(profile_steps=3, min_gain=0.0, recheck_every_n_steps=1, virtual_stages=(2,))
     model, recorder = ToyChain(), Recorder()
     trainer = L.Trainer(
         accelerator="cpu", devices=world, max_steps=STEPS + 2, max_epochs=-1, num_sanity_val_steps=0, logger=False,
@@ -207,7 +207,7 @@ def _fit_auto_interleaved(rank: int, world: int) -> dict[str, Any]:
     trainer.fit(model, DataLoader(Indexed(GLOBAL * (STEPS + 2), 0), batch_size=GLOBAL))
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "indices": recorder.indices,
             "decided_at": [d["step"] for d in auto.decisions], "current": [d["current"] for d in auto.decisions],
-            "plan": trainer.strategy.plan}  # fmt: skip
+            "chosen": [d["chosen"].plan for d in auto.decisions], "plan": trainer.strategy.plan}  # fmt: skip
 
 
 scenario(2, "autoplan_interleaved", _fit_auto_interleaved)
@@ -224,7 +224,7 @@ def _assert_matches_one_process(ranks: list[dict[str, Any]]) -> None:
 
 
 def test_autoplanner_profiles_an_interleaved_start_and_matches_single_process(launched) -> None:
-    # Each rank profiles both its stages; the search (which offers interleaved plans too) sees
+    # Each rank profiles both its stages; the search (told to offer interleaved plans only) sees
     # all four stages' blocks, predicts the running plan per rank, and training stays exact.
     ranks = launched(2).ok("autoplan_interleaved")
     for rank in ranks:
@@ -233,6 +233,7 @@ def test_autoplanner_profiles_an_interleaved_start_and_matches_single_process(la
         assert first.plan == INTERLEAVED_START.replace(partition=(2, 2, 1, 1)) and len(first.stage_memory) == 2
         assert first.step_time > 0 and all(m > 0 for m in first.stage_memory)
         assert rank["plan"] == ranks[0]["plan"]
+        assert all(p.virtual_stages == 2 for p in rank["chosen"])  # AutoPlanner(virtual_stages=(2,)): only interleaved plans
     _assert_matches_one_process(ranks)
 
 
