@@ -59,7 +59,8 @@ class BlockProfile:
     def at(self, size: int) -> BlockSample:
         """Every field at microbatch ``size``: linear in ``size`` through the two nearest samples (seed 000,
         Appendix A, models T_comp(b) and |A(b)| as functions of the microbatch size)."""
-        pts = sorted(self.samples, key=lambda s: s.microbatch_size)
+        by_size = {s.microbatch_size: s for s in self.samples}  # one per size: a line needs two sizes
+        pts = [by_size[b] for b in sorted(by_size)]
         if len(pts) == 1:
             return _scaled(pts[0], size)
         lo, hi = (pts[0], pts[1]) if size <= pts[0].microbatch_size else (pts[-2], pts[-1])

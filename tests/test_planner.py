@@ -417,3 +417,12 @@ def test_interleaved_prediction_is_the_simulated_program_per_stage(depth: int, v
     assert all(mem > state for mem in got.stage_memory)
     plain = planner.predict(profile, PipelinePlan(1, depth, m, "1f1b", partition=[per_stage * virtual] * depth), 1)
     assert got.step_time < plain.step_time  # the bubble is v times smaller
+
+
+def test_a_profile_of_one_microbatch_size_scales_linearly() -> None:
+    # Profiled twice at the same size (profile_concurrently with equal sizes): a line through
+    # two samples needs two sizes; one size scales in proportion (it divided by zero).
+    sample = BlockSample(2, 1.0, 2.0, 1.0, 1.0, 100, 10)
+    block = BlockProfile("b", [sample, dataclasses.replace(sample, forward=1.5)], 1, 1, 1)
+    at4 = block.at(4)
+    assert at4.microbatch_size == 4 and at4.backward == 4.0 and at4.saved_bytes == 200 and at4.output_bytes == 20
