@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
 
 from lightning_pipe.runtime.p2p import HEADER_LEN
 from lightning_pipe.schedules.actions import Action, Kind
@@ -17,6 +17,11 @@ HEADER_BYTES = HEADER_LEN * 8
 #: ``(held, pending)``: microbatches held for their backward, and of those, how many have run
 #: their input gradient (I) and wait for their weight gradient (W) with the gradients I captured.
 Point = tuple[int, int]
+
+#: One moment of a rank that runs several stages (interleaved 1F1B): the running stage's index
+#: among the rank's stages, the kind of moment (a :class:`HeldCounts` field), and per stage of
+#: the rank its ``(held, pending)`` point and whether its gradients exist.
+Moment = tuple[int, str, tuple[Point, ...], tuple[bool, ...]]
 
 
 def _dominant(points: Sequence[Point]) -> tuple[Point, ...]:
@@ -66,25 +71,39 @@ class HeldCounts:
         return max((h for h, _ in points), default=0)
 
 
-def held_counts(actions: Sequence[Action], warm: bool = False) -> HeldCounts:
-    """Walk one rank's program: a forward takes a microbatch in, a backward (or, under split
-    backward, its W) lets it go; an input gradient moves it to pending until its W."""
-    held = pending = 0
-    grads = warm
-    seen: dict[str, list[Point]] = {name: [] for name in HeldCounts.__dataclass_fields__}
+#: The kind of moment an action makes of its stage, before and after the stage's gradients exist.
+_MOMENT_KINDS = {
+    Kind.FORWARD: ("forward_cold", "forward_warm"),
+    Kind.BACKWARD: ("backward_first", "backward_warm"),
+    Kind.INPUT_GRAD: ("input_cold", "backward_warm"),
+    Kind.WEIGHT_GRAD: ("backward_warm", "backward_warm"),
+}
+
+
+def _walk(actions: Sequence[Action], position: Callable[[int], int], count: int, warm: bool = False) -> Iterator[Moment]:
+    """Every moment of a rank's program over ``count`` stages (``position``: a stage's index among
+    them): a forward takes a microbatch in, a backward (or, under split backward, its W) lets it
+    go; an input gradient moves it to pending until its W. Gradients exist from a stage's
+    first backward or W on (from the start if ``warm``)."""
+    held, pending, grads = [0] * count, [0] * count, [warm] * count
     for a in actions:
+        if a.kind not in _MOMENT_KINDS:
+            continue
+        c = position(a.stage)
         if a.kind is Kind.FORWARD:
-            held += 1
-            seen["forward_warm" if grads else "forward_cold"].append((held, pending))
-        elif a.kind is Kind.BACKWARD:
-            seen["backward_warm" if grads else "backward_first"].append((held, pending))
-            grads, held = True, held - 1
+            held[c] += 1
         elif a.kind is Kind.INPUT_GRAD:
-            pending += 1
-            seen["backward_warm" if grads else "input_cold"].append((held, pending))
-        elif a.kind is Kind.WEIGHT_GRAD:
-            seen["backward_warm"].append((held, pending))
-            grads, held, pending = True, held - 1, pending - 1
+            pending[c] += 1
+        yield c, _MOMENT_KINDS[a.kind][grads[c]], tuple(zip(held, pending)), tuple(grads)
+        if a.kind in (Kind.BACKWARD, Kind.WEIGHT_GRAD):
+            grads[c], held[c], pending[c] = True, held[c] - 1, pending[c] - (a.kind is Kind.WEIGHT_GRAD)
+
+
+def held_counts(actions: Sequence[Action], warm: bool = False) -> HeldCounts:
+    """The (held, pending) points of each kind of moment of a one-stage rank's program (see :func:`_walk`)."""
+    seen: dict[str, list[Point]] = {name: [] for name in HeldCounts.__dataclass_fields__}
+    for _, kind, points, _ in _walk(actions, lambda stage: 0, 1, warm):
+        seen[kind].append(points[0])
     return HeldCounts(**{name: _dominant(points) for name, points in seen.items()})
 
 
@@ -164,37 +183,11 @@ def stage_peak_bytes(st: "StageCosts", held: HeldCounts, versions: int = 1, reco
     return int(sum(stage_memory_terms(st, held, versions, recompute, first, last, batch_bytes, gradient_sets).values()))
 
 
-#: One moment of a rank that runs several stages (interleaved 1F1B): the running stage's index
-#: among the rank's stages, the kind of moment (a :class:`HeldCounts` field), and per stage of
-#: the rank its ``(held, pending)`` point and whether its gradients exist.
-Moment = tuple[int, str, tuple[Point, ...], tuple[bool, ...]]
-
-
 def rank_moments(actions: Sequence[Action], stages: Sequence[int]) -> tuple[Moment, ...]:
-    """Walk one rank's program over its ``stages`` as :func:`held_counts` walks one stage's, keeping
-    every stage's counts at each moment (the distinct moments, in program order)."""
+    """The distinct moments of one rank's program over its ``stages``, in program order (see
+    :func:`_walk`; every stage's counts at each, where :func:`held_counts` keeps one stage's)."""
     index = {s: c for c, s in enumerate(stages)}
-    held, pending, grads = [0] * len(stages), [0] * len(stages), [False] * len(stages)
-    seen: dict[Moment, None] = {}
-
-    def note(c: int, kind: str) -> None:
-        seen.setdefault((c, kind, tuple(zip(held, pending)), tuple(grads)), None)
-
-    for a in actions:
-        c = index.get(a.stage)
-        if a.kind is Kind.FORWARD:
-            held[c] += 1
-            note(c, "forward_warm" if grads[c] else "forward_cold")
-        elif a.kind is Kind.BACKWARD:
-            note(c, "backward_warm" if grads[c] else "backward_first")
-            grads[c], held[c] = True, held[c] - 1
-        elif a.kind is Kind.INPUT_GRAD:
-            pending[c] += 1
-            note(c, "backward_warm" if grads[c] else "input_cold")
-        elif a.kind is Kind.WEIGHT_GRAD:
-            note(c, "backward_warm")
-            grads[c], held[c], pending[c] = True, held[c] - 1, pending[c] - 1
-    return tuple(seen)
+    return tuple(dict.fromkeys(_walk(actions, index.__getitem__, len(stages))))
 
 
 def resting_bytes(st: "StageCosts", point: Point, grads: bool, recompute: bool, last: bool) -> int:
