@@ -296,7 +296,8 @@ def _median(samples: list[BlockSample]) -> BlockSample:
 
 def profile_blocks(module: nn.Module, batch: Any, microbatch_sizes: Sequence[int], repeats: int = 3,
                    optimizer: Optional[Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = None,
-                   device: Optional[torch.device] = None, with_loss: bool = True) -> Profile:  # fmt: skip
+                   device: Optional[torch.device] = None, with_loss: bool = True,
+                   sync: Optional[Callable[[], None]] = None) -> Profile:  # fmt: skip
     """Profile every block of ``module``'s chain in this process at each microbatch size.
 
     Each block runs on the previous block's real output (from ``pipeline_inputs(batch)`` cut to
@@ -314,6 +315,9 @@ def profile_blocks(module: nn.Module, batch: Any, microbatch_sizes: Sequence[int
         with_loss: ``batch`` holds what ``pipeline_loss`` needs: the last block is measured with
             the loss on its output (as the last stage runs it), and the executor's overhead per
             action is measured. Without it the loss and the overhead are left out.
+        sync: called before each timed pass over the chain, the optimizer timing and the
+            overhead run (``dist.barrier`` when several processes profile at once, so that they
+            time the same work together and each sees the others computing).
     """
     device = device or torch.device("cpu")
     blocks = pipeline_blocks_of(module)
@@ -321,34 +325,40 @@ def profile_blocks(module: nn.Module, batch: Any, microbatch_sizes: Sequence[int
     for size in microbatch_sizes:
         mb = split_batch(batch, max(batch_size(batch) // size, 1))[0][0]
         loss = functools.partial(_loss_of, module, mb) if with_loss else None
-        for i, sample in enumerate(_profile_microbatch(module, blocks, mb, loss, repeats, device)):
+        for i, sample in enumerate(_profile_microbatch(module, blocks, mb, loss, repeats, device, sync)):
             by_size[i].append(sample)
     profiles = [BlockProfile(f"{i}:{type(b).__name__}", by_size[i], *_state_bytes(b, optimizer)) for i, b in enumerate(blocks)]
-    step = _optimizer_step_seconds(module, optimizer, device)
+    step = _optimizer_step_seconds(module, optimizer, device, sync=sync)
     leaves = [t for t in tree_leaves(batch) if isinstance(t, Tensor)]
     batch_storages = {t.untyped_storage().data_ptr() for t in leaves}
     data = as_tuple(module.pipeline_inputs(batch), "pipeline_inputs")
     per_sample = _tensor_bytes([t for t in data if t.untyped_storage().data_ptr() not in batch_storages]) / batch_size(batch)
     batch_per_sample = _tensor_bytes(leaves) / batch_size(batch)
+    if with_loss and sync is not None:
+        sync()
     per_action = _action_overhead(module, blocks, batch, profiles, min(microbatch_sizes), repeats, device) if with_loss else 0.0
     return Profile(profiles, optimizer_step=step, action_overhead=per_action, input_bytes_per_sample=per_sample,
                    batch_bytes_per_sample=batch_per_sample, device=str(device), shared_blocks=shared_blocks(module, blocks))
 
 
 def _profile_microbatch(module: nn.Module, blocks: list[nn.Module], mb: Any, loss: Loss, repeats: int,
-                        device: torch.device) -> list[BlockSample]:  # fmt: skip
+                        device: torch.device, sync: Optional[Callable[[], None]] = None) -> list[BlockSample]:  # fmt: skip
     """Every block run in chain order on microbatch ``mb``, ``repeats`` times after a warm-up
     run that also measures each block's workspace; the median sample of each block."""
-    return _profile_chain(blocks, lambda: as_tuple(module.pipeline_inputs(mb), "pipeline_inputs"), True, loss, repeats, device)
+    start = lambda: as_tuple(module.pipeline_inputs(mb), "pipeline_inputs")  # noqa: E731
+    return _profile_chain(blocks, start, True, loss, repeats, device, sync)
 
 
 def _profile_chain(blocks: list[nn.Module], start: Callable[[], tuple[Tensor, ...]], first: bool, loss: Loss,
-                   repeats: int, device: torch.device) -> list[BlockSample]:  # fmt: skip
+                   repeats: int, device: torch.device, sync: Optional[Callable[[], None]] = None) -> list[BlockSample]:  # fmt: skip
     """:func:`_profile_microbatch` from the inputs ``start()`` gives the first block (``first``: the
-    chain's first block, whose inputs need no gradient); ``loss`` follows the last block if given."""
+    chain's first block, whose inputs need no gradient); ``loss`` follows the last block if given;
+    ``sync`` is called before every pass."""
     runs: list[list[BlockSample]] = [[] for _ in blocks]
     workspace = [(0, 0)] * len(blocks)
     for run in range(repeats + 1):
+        if sync is not None:
+            sync()
         x = start()
         for i, block in enumerate(blocks):
             last = loss if i == len(blocks) - 1 else None
@@ -393,8 +403,29 @@ def _profile_worker(rank: int, world: int, factory: Callable[[], nn.Module], bat
 
     torch.set_num_threads(threads)
     module = factory()
-    dist.barrier()  # every process profiles at once: the contention is the job's from the first block
-    return profile_blocks(module, batch, sizes, **options)
+    # Every process times the same pass at once: each sees the others computing throughout
+    # (without the barriers the ranks drifted apart and one timed some blocks alone).
+    return profile_blocks(module, batch, sizes, sync=dist.barrier, **options)
+
+
+def mean_profile(profiles: Sequence[Profile]) -> Profile:
+    """The profiles of one model taken by several processes at once, their times averaged.
+
+    Each time (a block's F, B, I and W at each size, the optimizer step, the executor's
+    overhead per action) is the mean over the processes; bytes and everything else are the
+    first profile's (the processes ran the same model on the same batch).
+    """
+    first = profiles[0]
+    times = ("forward", "backward", "input_grad", "weight_grad")
+
+    def sample(b: int, k: int) -> BlockSample:
+        return dataclasses.replace(first.blocks[b].samples[k], **{
+            f: statistics.fmean(getattr(p.blocks[b].samples[k], f) for p in profiles) for f in times})  # fmt: skip
+
+    blocks = [dataclasses.replace(bp, samples=[sample(b, k) for k in range(len(bp.samples))]) for b, bp in enumerate(first.blocks)]
+    return dataclasses.replace(first, blocks=blocks,
+                               optimizer_step=statistics.fmean(p.optimizer_step for p in profiles),
+                               action_overhead=statistics.fmean(p.action_overhead for p in profiles))  # fmt: skip
 
 
 def profile_concurrently(factory: Callable[[], nn.Module], batch: Any, microbatch_sizes: Sequence[int], processes: int,
@@ -402,6 +433,9 @@ def profile_concurrently(factory: Callable[[], nn.Module], batch: Any, microbatc
     """:func:`profile_blocks` run at once in ``processes`` processes, as many as the job will run on
     this machine, so that block times include the contention of ranks sharing its cores and
     memory (on 2 CPU cores two compute-bound ranks each run about 12-18% slower than one alone).
+    The processes time each pass together, behind a barrier, and their times are averaged
+    (:func:`mean_profile`): on this 2-core machine two processes' sums of a GPT model's F and B
+    differed by 5 to 40% in one profile, which process was slower changing from one to the next.
 
     Args:
         factory: builds the model in each process (importable: a class or module-level function).
@@ -411,17 +445,17 @@ def profile_concurrently(factory: Callable[[], nn.Module], batch: Any, microbatc
         timeout: seconds before the processes are abandoned.
 
     Returns:
-        Rank 0's profile.
+        The processes' mean profile.
     """
     if processes <= 1:
         return profile_blocks(factory(), batch, microbatch_sizes, **options)
     from lightning_pipe.spawn import run_gloo
 
-    status, value = run_gloo(_profile_worker, processes, factory, batch, list(microbatch_sizes), threads, options,
-                             timeout=timeout)[0]  # fmt: skip
-    if status != "ok":
-        raise RuntimeError(f"concurrent profiling failed: {value}")
-    return value
+    ran = run_gloo(_profile_worker, processes, factory, batch, list(microbatch_sizes), threads, options, timeout=timeout)
+    failed = [value for status, value in ran if status != "ok"]
+    if failed:
+        raise RuntimeError(f"concurrent profiling failed: {failed[0]}")
+    return mean_profile([value for _, value in ran])
 
 
 def _action_overhead(module: nn.Module, blocks: list[nn.Module], batch: Any, profiles: list[BlockProfile], size: int,
@@ -470,7 +504,8 @@ def _state_bytes(block: nn.Module, optimizer: Optional[Callable]) -> tuple[int, 
     return _tensor_bytes(params), _tensor_bytes(params), _tensor_bytes(state)
 
 
-def _optimizer_step_seconds(module: nn.Module, optimizer: Optional[Callable], device: torch.device, repeats: int = 5) -> float:
+def _optimizer_step_seconds(module: nn.Module, optimizer: Optional[Callable], device: torch.device, repeats: int = 5,
+                            sync: Optional[Callable[[], None]] = None) -> float:  # fmt: skip
     """Median seconds of ``repeats`` optimizer steps over the module's parameters (a single timing,
     taken while other processes profile on the same cores, read 12.8 ms for the GPT example's
     AdamW step against 7.0-7.5 ms alone and in the measured steps)."""
@@ -482,6 +517,8 @@ def _optimizer_step_seconds(module: nn.Module, optimizer: Optional[Callable], de
     for p in params:
         p.grad = torch.zeros_like(p)
     opt.step()  # warm-up: creates the state
+    if sync is not None:
+        sync()
     seconds = statistics.median(_timed(opt.step, device)[0] for _ in range(repeats))
     with torch.no_grad():
         for p, s in zip(params, saved):

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from lightning_pipe import PipelinePlan, place, planner
-from lightning_pipe.profiler import BlockProfile, BlockSample, Profile, profile_blocks, shared_blocks
+from lightning_pipe.profiler import BlockProfile, BlockSample, Profile, mean_profile, profile_blocks, shared_blocks
 from lightning_pipe.schedules import SCHEDULE_NAMES
 from tests.models import HIDDEN, ToyChain, make_data
 
@@ -426,3 +426,40 @@ def test_a_profile_of_one_microbatch_size_scales_linearly() -> None:
     block = BlockProfile("b", [sample, dataclasses.replace(sample, forward=1.5)], 1, 1, 1)
     at4 = block.at(4)
     assert at4.microbatch_size == 4 and at4.backward == 4.0 and at4.saved_bytes == 200 and at4.output_bytes == 20
+
+
+def test_concurrent_profiles_combine_into_their_mean_times_and_the_first_bytes() -> None:
+    fast, slow = _uniform(3, f=1.0, b=2.0), _uniform(3, f=2.0, b=6.0, saved=7)
+    fast.optimizer_step, slow.optimizer_step, fast.action_overhead, slow.action_overhead = 0.1, 0.3, 0.0, 0.02
+    mean = mean_profile([fast, slow])
+    for block in range(3):
+        for size in (1, 2, 4):
+            got, a, c = mean.blocks[block].at(size), fast.blocks[block].at(size), slow.blocks[block].at(size)
+            for f in ("forward", "backward", "input_grad", "weight_grad"):
+                assert getattr(got, f) == pytest.approx((getattr(a, f) + getattr(c, f)) / 2)
+            assert got.saved_bytes == a.saved_bytes  # bytes are the first process's
+    assert mean.optimizer_step == pytest.approx(0.2) and mean.action_overhead == pytest.approx(0.01)
+    assert fast.blocks[0].at(1).forward == 1.0  # the inputs are left as they were
+
+
+def test_profiling_calls_sync_before_every_timed_pass() -> None:
+    # profile_concurrently passes dist.barrier, so that the processes time the same work at once.
+    calls: list[str] = []
+    torch.manual_seed(0)
+    original = torch.autograd.backward
+
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        calls.append("backward")
+        return original(*args, **kwargs)
+
+    torch.autograd.backward = backward
+    try:
+        profile_blocks(ToyChain(), make_data(16), [2, 8], repeats=2, sync=lambda: calls.append("sync"))
+    finally:
+        torch.autograd.backward = original
+    passes = [i for i, c in enumerate(calls) if c == "sync"]
+    assert len(passes) == 2 * (2 + 1) + 2  # every pass of both sizes (a warm-up and 2 timed), the optimizer, the overhead run
+    blocks = len(ToyChain().pipeline_blocks())
+    per_pass = [calls[start + 1:end].count("backward") for start, end in zip(passes[:6], passes[1:7])]
+    assert per_pass == [2 * blocks, blocks, blocks] * 2  # a warm-up (each block's workspace and B), then each timed B
+
