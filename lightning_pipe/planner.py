@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 from lightning_pipe.partition import balanced
 from lightning_pipe.layout import PipelinePlan
 from lightning_pipe.profiler import BlockSample, Profile
+from lightning_pipe.runtime.buckets import DEFAULT_BUCKET_BYTES
 from lightning_pipe.schedules import SCHEDULE_NAMES, Action, Kind, build_schedule, two_bw_drain, two_bw_window
 from lightning_pipe.simulate import CompiledProgram, compile_program
 from lightning_pipe.stage_memory import (  # noqa: F401
@@ -49,12 +50,19 @@ class StageCosts:
     captured_bytes: int = 0  # split backward: the gradients one microbatch's I captures for its W
 
 
-def _first_backward(samples: Sequence[BlockSample], grads: Sequence[int]) -> int:
+def _first_backward(samples: Sequence[BlockSample], grads: Sequence[int], bucket_bytes: int = 0) -> int:
     """Peak of one microbatch's first backward through the blocks, last to first: the saved
-    tensors of the blocks not yet run, the gradients created so far, the running block's temporaries."""
+    tensors of the blocks not yet run, the gradients created so far, the running block's temporaries.
+
+    With replicas (``bucket_bytes`` > 0) gradients live in their all-reduce bucket's flat
+    buffer, made whole at the bucket's first gradient (runtime/buckets.py): buckets fill from
+    the last parameter back, so the gradients of blocks ``j..`` occupy whole buckets of that
+    size, up to all the stage's gradients."""
     stash = [x.saved_bytes for x in samples]
     stash[1:] = [s + max(b.saved_input_bytes - a.saved_output_bytes, 0) for s, a, b in zip(stash[1:], samples, samples[1:])]
     saved, created = list(itertools.accumulate(stash)), list(itertools.accumulate(reversed(grads)))[::-1]
+    if bucket_bytes > 0:
+        created = [min(sum(grads), -(-c // bucket_bytes) * bucket_bytes) for c in created]
     return max(saved[j] + created[j] + samples[j].backward_workspace_bytes for j in range(len(samples)))
 
 
@@ -65,9 +73,10 @@ def _inner_inputs(samples: Sequence[BlockSample]) -> int:
 
 
 def range_costs(profile: Profile, blocks: range, microbatch_size: int, recompute: bool = False,
-                samples: Optional[Sequence[BlockSample]] = None) -> StageCosts:  # fmt: skip
+                samples: Optional[Sequence[BlockSample]] = None, bucket_bytes: int = 0) -> StageCosts:  # fmt: skip
     """The profiled costs of blocks ``blocks`` run as one stage at ``microbatch_size`` (``samples``:
-    every block already at that size, to save the interpolation)."""
+    every block already at that size, to save the interpolation; ``bucket_bytes``: the size of
+    the replica all-reduce's gradient buckets, 0 without replicas)."""
     mine = [samples[i] if samples is not None else profile.blocks[i].at(microbatch_size) for i in blocks]
     states = [profile.blocks[i] for i in blocks]
     first = blocks.start
@@ -86,14 +95,21 @@ def range_costs(profile: Profile, blocks: range, microbatch_size: int, recompute
         optimizer_bytes=sum(b.optimizer_bytes for b in states),
         forward_workspace_bytes=max(x.forward_workspace_bytes for x in mine),
         backward_workspace_bytes=max(x.backward_workspace_bytes for x in mine),
-        first_backward_bytes=_first_backward(mine, [b.gradient_bytes for b in states]),
+        first_backward_bytes=_first_backward(mine, [b.gradient_bytes for b in states], bucket_bytes),
         captured_bytes=sum(x.captured_bytes for x in mine),
     )  # fmt: skip
 
 
 def stage_costs(profile: Profile, plan: PipelinePlan, microbatch_size: int) -> list[StageCosts]:
     """Sum the profiled blocks of every stage of ``plan`` (partition resolved) at ``microbatch_size``."""
-    return [range_costs(profile, rng, microbatch_size, plan.recompute[s]) for s, rng in enumerate(plan.stage_ranges())]
+    buckets = bucket_bytes(plan)
+    return [range_costs(profile, rng, microbatch_size, plan.recompute[s], bucket_bytes=buckets) for s, rng in enumerate(plan.stage_ranges())]
+
+
+def bucket_bytes(plan: PipelinePlan) -> int:
+    """Size of the buckets a stage's gradients are averaged in over its replicas (the engine's
+    default, DDP's 25 MiB; a smaller ``bucket_cap_mb`` holds no more), 0 without replicas."""
+    return DEFAULT_BUCKET_BYTES if plan.width > 1 else 0
 
 
 def _transfer(profile: Profile, nbytes: int) -> float:
@@ -244,7 +260,7 @@ def predict_memory(profile: Profile, plan: PipelinePlan, microbatch_size: int, h
     last = len(costs) - 1
     if plan.virtual_stages > 1:
         return [rank_peak_bytes([costs[s] for s in mine], walked, [plan.recompute[s] for s in mine], [s == 0 for s in mine],
-                                [s == last for s in mine], batch, plan.depth == 2) + profile.device_bytes
+                                [s == last for s in mine], batch, plan.depth == 2, plan.width > 1) + profile.device_bytes
                 for mine, walked in zip(map(plan.stages_of, range(plan.depth)), moments(plan))]  # fmt: skip
     return [stage_peak_bytes(st, held[s], versions, plan.recompute[s], s == 0, s == last, batch, gradient_sets(profile, plan, s))
             + profile.device_bytes for s, st in enumerate(costs)]  # fmt: skip

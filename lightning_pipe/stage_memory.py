@@ -216,15 +216,23 @@ def rank_buffer_bytes(stages: Sequence["StageCosts"], first: Sequence[bool], las
 
 
 def rank_peak_bytes(stages: Sequence["StageCosts"], moments: Sequence[Moment], recompute: Sequence[bool],
-                    first: Sequence[bool], last: Sequence[bool], batch_bytes: int = 0, one_peer: bool = False) -> int:  # fmt: skip
+                    first: Sequence[bool], last: Sequence[bool], batch_bytes: int = 0, one_peer: bool = False,
+                    buckets: bool = False) -> int:  # fmt: skip
     """Peak tensor bytes of a rank that runs several stages (one weight version): at each of its
     :func:`rank_moments`, the running stage's :func:`stage_memory_terms` at that moment but its
     buffers, plus every other stage's :func:`resting_bytes`, plus the rank's
-    :func:`rank_buffer_bytes` and the batch."""
+    :func:`rank_buffer_bytes` and the batch.
+
+    ``buckets``: the rank's gradients are averaged over replicas in buckets shared by its
+    stages, each whole from its first gradient (runtime/buckets.py), so from the rank's first
+    backward (or W) on every stage's gradients are counted (exact while they fit one bucket, an
+    upper bound beyond)."""
     running: dict[tuple[int, str, Point], int] = {}
     resting: dict[tuple[int, Point, bool], int] = {}
     best = 0
     for c, kind, points, grads in moments:
+        if buckets and (any(grads) or kind.startswith("backward")):  # a backward or W of any stage made the buckets
+            grads = (True,) * len(grads)
         key = (c, kind, points[c])
         if key not in running:
             terms = stage_memory_terms(stages[c], HeldCounts(**{kind: (points[c],)}), 1, recompute[c], first[c], last[c])

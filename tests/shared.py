@@ -24,6 +24,7 @@ MODULES = (
     "tests.test_buckets",
     "tests.test_buffers",
     "tests.test_ties",
+    "tests.test_planner",
 )
 
 SCENARIOS: dict[int, dict[str, tuple[Callable[..., Any], tuple]]] = {}

@@ -16,6 +16,7 @@ from lightning_pipe import PipelinePlan, place, planner
 from lightning_pipe.profiler import BlockProfile, BlockSample, Profile, mean_profile, profile_blocks, shared_blocks
 from lightning_pipe.schedules import SCHEDULE_NAMES
 from tests.models import HIDDEN, ToyChain, make_data
+from tests.shared import scenario
 
 
 def _uniform(n: int, f: float = 1.0, b: float = 2.0, saved: int = 1000, out: int = 100, params: int = 4000,
@@ -463,3 +464,43 @@ def test_profiling_calls_sync_before_every_timed_pass() -> None:
     per_pass = [calls[start + 1:end].count("backward") for start, end in zip(passes[:6], passes[1:7])]
     assert per_pass == [2 * blocks, blocks, blocks] * 2  # a warm-up (each block's workspace and B), then each timed B
 
+
+#: With replicas a stage's gradients live in all-reduce buckets made whole at their first
+#: gradient (runtime/buckets.py): a step's first backward holds them all from its start.
+BUCKETED_PLANS = [PipelinePlan(2, 1, 1, "gpipe", partition=(6,)), PipelinePlan(2, 1, 1, "gpipe", partition=(6,), recompute=True),
+                  PipelinePlan(2, 1, 2, "1f1b", partition=(6,))]  # fmt: skip
+
+
+def _bucketed_peaks(rank: int, world: int) -> list[tuple[int, int]]:
+    from lightning_pipe import PipelineGroups
+
+    torch.manual_seed(0)
+    batch = make_data(8)  # global batch: 4 samples per replica
+    profile = profile_blocks(ToyChain(), batch, [2, 4], repeats=1)
+    rows = []
+    for plan in BUCKETED_PLANS:
+        b = 4 // plan.microbatches
+        engine = place(ToyChain(), plan, rank, groups=PipelineGroups.build(plan.topology, rank))
+        opt = torch.optim.Adam(engine.stage.parameters(), lr=1e-3)
+        mine = tuple(t[rank * 4:(rank + 1) * 4] for t in batch)
+        engine.train_step(mine, opt)  # Adam's state exists from here on
+        params = list(engine.stage.parameters())
+        for p in params:
+            p.grad = None
+        state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        with _TrackedBytes(params + state + list(mine)) as tracker:
+            engine.train_step(mine, opt)
+        rows.append((planner.predict(profile, plan, b).stage_memory[0], tracker.peak))
+    return rows
+
+
+scenario(2, "planner_bucketed_peaks", _bucketed_peaks)
+
+
+def test_predicted_peak_counts_whole_gradient_buckets_from_the_first_backward(launched) -> None:
+    # ToyChain at 2 and 4 samples a microbatch: its gradients outweigh its activations, so a first
+    # backward that made them one block at a time (the model before buckets) under-predicts
+    # (by 13%, measured). 2% under, as in the 4-process spot check, is the tracker's few hundred bytes.
+    for rank in launched(2).ok("planner_bucketed_peaks"):
+        for plan, (predicted, measured) in zip(BUCKETED_PLANS, rank):
+            assert 0.95 <= measured / predicted <= 1.02, (plan.describe(), predicted, measured)

@@ -9,6 +9,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+#: Bytes of one replica all-reduce bucket (DDP's default bucket_cap_mb, 25).
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
 
 class GradientBuckets:
     """Averages one weight slot's gradients over the stage's replicas while the backward runs, as DDP does.

@@ -12,6 +12,7 @@ from torch.optim import Optimizer
 
 from lightning_pipe.layout import PipelinePlan
 from lightning_pipe.runtime import p2p
+from lightning_pipe.runtime.buckets import DEFAULT_BUCKET_BYTES
 from lightning_pipe.runtime.executor import Executor, Hooks, Position, StepState
 from lightning_pipe.runtime.groups import PipelineGroups
 from lightning_pipe.runtime.microbatch import split_batch
@@ -30,10 +31,6 @@ from lightning_pipe.schedules import (
     verify,
 )
 from lightning_pipe.timeline import Trace
-
-
-#: Bytes of one replica all-reduce bucket (DDP's default bucket_cap_mb, 25).
-DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
 class PipelineEngine:
