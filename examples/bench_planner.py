@@ -3,6 +3,7 @@
     python examples/bench_planner.py                  # about 20 minutes on 2 cores (3 rounds)
     python examples/bench_planner.py --rounds 1       # one round
     python examples/bench_planner.py --planning-time  # the planning-time part only
+    python examples/bench_planner.py --workload gpt   # one workload's configurations only
 
 Workloads:
 
@@ -13,8 +14,8 @@ Workloads:
   AdamW), real compute, at most 2 processes (one core each).
 
 In each round the planner measures the links, then profiles each workload in as many
-concurrent processes as a group of configurations runs and predicts that group, which then
-runs for real (gloo processes, ``place`` engines) and is measured: the median step time, and
+concurrent processes as a group of configurations runs (the GPT workload again right before each
+of its configurations) and predicts that group, which then runs for real (gloo processes, ``place`` engines) and is measured: the median step time, and
 the peak tensor bytes of each stage during one step by a tracker of every tensor storage
 created (independent of the planner's own accounting). The table gives the medians over the
 rounds, and each configuration's time error as the median of its rounds' errors (each a
@@ -32,7 +33,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -127,6 +128,7 @@ class Chain:
     """The sleeping chain: global batch 16, Adam."""
 
     global_batch, sizes = 16, (1, 2, 4)
+    profile_each = False  # sleeping blocks: one profile serves a group of configurations
 
     def model(self, heavy_first: bool = False) -> nn.Module:
         return HoldChain(heavy_first)
@@ -142,6 +144,7 @@ class GPTWorkload:
     """The GPT example's model and byte windows: global batch 32, AdamW."""
 
     global_batch, sizes = 32, (4, 8, 16)
+    profile_each = True  # real compute drifts with the machine: profiled again right before each configuration
 
     def model(self, heavy_first: bool = False) -> nn.Module:
         from gpt import GPT
@@ -197,16 +200,19 @@ def _profile(name: str, processes: int) -> Any:
                                 optimizer=work.optimizer)  # fmt: skip
 
 
-def _round(links: dict[str, float]) -> dict[tuple, dict[str, Any]]:
+def _round(links: dict[str, float], workloads: Sequence[str]) -> dict[tuple, dict[str, Any]]:
     """One round: each workload profiled in as many processes as a group of configurations runs,
     then that group predicted and measured at once, so that the machine's drift between the
-    profile and the runs stays small."""
+    profile and the runs stays small (a workload of real compute is profiled again before each
+    configuration of the group)."""
     out = {}
-    for name, n in sorted({(c.workload, c.w * c.d) for c in CONFIGS}):
-        profile = _profile(name, n)
-        profile.__dict__.update(links)
-        out[("profile", name, n)] = profile
+    for name, n in sorted({(c.workload, c.w * c.d) for c in CONFIGS if c.workload in workloads}):
+        profile = None
         for config in (c for c in CONFIGS if (c.workload, c.w * c.d) == (name, n)):
+            if profile is None or WORKLOADS[name].profile_each:
+                profile = _profile(name, n)
+                profile.__dict__.update(links)
+                out[("profile", name, n)] = profile
             w, d, b = config.w, config.d, config.b
             plan = _plan(config, planner.time_balanced(profile, d * config.virtual, b))
             predicted = planner.predict(profile, plan, b)
@@ -220,15 +226,16 @@ def _round(links: dict[str, float]) -> dict[tuple, dict[str, Any]]:
     return out
 
 
-def main(rounds: int) -> None:
-    print(f"{datetime.date.today()} on {platform.node()}, torch {torch.__version__}; {rounds} rounds", flush=True)
+def main(rounds: int, workloads: Sequence[str]) -> None:
+    print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on {platform.node()}, torch {torch.__version__}; "
+          f"{rounds} rounds; workloads {', '.join(workloads)}", flush=True)
     torch.set_num_threads(1)
     runs = []
     for r in range(rounds):
         print(f"round {r + 1}/{rounds}", flush=True)
-        runs.append(_round(profile_links(world=2)))
+        runs.append(_round(profile_links(world=2), workloads))
     rows, time_errors, memory_errors, results = [], [], [], []
-    for config in CONFIGS:
+    for config in (c for c in CONFIGS if c.workload in workloads):
         name, w, d, b, _, recompute, _ = config
         mine = [run[config] for run in runs]
         predicted = mine[-1]["predicted"]  # the plan and its memory (the profiled bytes do not drift)
@@ -252,10 +259,11 @@ def main(rounds: int) -> None:
     print("\n".join(rows))
     print(f"\nstep time error (each configuration's median over rounds): median {statistics.median(time_errors):.1%}, worst {max(time_errors):.1%}; "
           f"peak memory error (every round): median {statistics.median(memory_errors):.1%}, worst {max(memory_errors):.1%}")
-    for name in WORKLOADS:
+    for name in workloads:
         _ranking([r for r in results if r["workload"] == name], name)
         _verdicts([r for r in results if r["workload"] == name], name)
-    _madpipe_order(runs[-1][("profile", "chain", 4)])
+    if "chain" in workloads:
+        _madpipe_order(runs[-1][("profile", "chain", 4)])
 
 
 def plan_m(config: Config) -> int:
@@ -356,9 +364,12 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--planning-time", action="store_true", help="only time the planner's search")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of profiling then measuring; medians are reported")
+    parser.add_argument("--workload", nargs="+", choices=sorted(WORKLOADS), default=sorted(WORKLOADS),
+                        help="only these workloads (and no planning-time part)")  # fmt: skip
     args = parser.parse_args()
     if args.planning_time:
         planning_time()
     else:
-        main(args.rounds)
-        planning_time()
+        main(args.rounds, args.workload)
+        if set(args.workload) == set(WORKLOADS):
+            planning_time()
