@@ -326,16 +326,21 @@ def test_predicted_peak_matches_a_tracked_step_in_one_process(schedule: str, rec
     profile = profile_blocks(model, batch, [8, 16], repeats=1)
     plan = PipelinePlan(1, 1, 4, schedule, split, partition=(6,), recompute=recompute)
     predicted = planner.predict(profile, plan, 16).stage_memory[0]
-    engine = place(ToyChain(), plan, 0)
+    measured = _tracked_second_step(place(ToyChain(), plan, 0), batch)
+    assert predicted == pytest.approx(measured, rel=0.05), (predicted, measured)
+
+
+def _tracked_second_step(engine: Any, batch: Any) -> int:
+    """Peak tensor bytes of the engine's second training step (Adam's state exists from the first on)."""
     opt = torch.optim.Adam(engine.stage.parameters(), lr=1e-3)
-    engine.train_step(batch, opt)  # Adam's state exists from here on
+    engine.train_step(batch, opt)
     params = list(engine.stage.parameters())
     for p in params:
         p.grad = None
     state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     with _TrackedBytes(params + state + list(batch)) as tracker:
         engine.train_step(batch, opt)
-    assert predicted == pytest.approx(tracker.peak, rel=0.05), (predicted, tracker.peak)
+    return tracker.peak
 
 
 @pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
@@ -481,16 +486,8 @@ def _bucketed_peaks(rank: int, world: int) -> list[tuple[int, int]]:
     for plan in BUCKETED_PLANS:
         b = 4 // plan.microbatches
         engine = place(ToyChain(), plan, rank, groups=PipelineGroups.build(plan.topology, rank))
-        opt = torch.optim.Adam(engine.stage.parameters(), lr=1e-3)
-        mine = tuple(t[rank * 4:(rank + 1) * 4] for t in batch)
-        engine.train_step(mine, opt)  # Adam's state exists from here on
-        params = list(engine.stage.parameters())
-        for p in params:
-            p.grad = None
-        state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        with _TrackedBytes(params + state + list(mine)) as tracker:
-            engine.train_step(mine, opt)
-        rows.append((planner.predict(profile, plan, b).stage_memory[0], tracker.peak))
+        measured = _tracked_second_step(engine, tuple(t[rank * 4:(rank + 1) * 4] for t in batch))
+        rows.append((planner.predict(profile, plan, b).stage_memory[0], measured))
     return rows
 
 
