@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from lightning_pipe.layout import PipelinePlan
-from lightning_pipe.planner import batch_bytes, bucket_bytes, held, range_costs, weight_versions
+from lightning_pipe.planner import batch_bytes, bucket_cap, held, range_costs, weight_versions
 from lightning_pipe.stage_memory import stage_peak_bytes
 from lightning_pipe.profiler import Profile
 from lightning_pipe.schedules import build_schedule, two_bw_run
@@ -51,9 +51,9 @@ class _Chain:
         self.versions, self.depth = weight_versions(plan), plan.depth
         self.batch = batch_bytes(profile, plan, microbatch_size)
         samples = [block.at(microbatch_size) for block in profile.blocks]
-        buckets = bucket_bytes(plan)
+        cap = bucket_cap(plan)
         self.costs = functools.lru_cache(maxsize=None)(
-            lambda a, z: range_costs(profile, range(a, z), microbatch_size, samples=samples, bucket_bytes=buckets))
+            lambda a, z: range_costs(profile, range(a, z), microbatch_size, samples=samples, bucket_cap=cap))
         self.memory = functools.lru_cache(maxsize=None)(self._memory)  # type: ignore[method-assign]
         self._elapsed = [0.0, *itertools.accumulate(x.forward + x.backward for x in samples)]
 

@@ -50,20 +50,26 @@ class StageCosts:
     captured_bytes: int = 0  # split backward: the gradients one microbatch's I captures for its W
 
 
-def _first_backward(samples: Sequence[BlockSample], grads: Sequence[int], bucket_bytes: int = 0) -> int:
+def _first_backward(samples: Sequence[BlockSample], grads: Sequence[int], bucket_cap: int = 0) -> int:
     """Peak of one microbatch's first backward through the blocks, last to first: the saved
     tensors of the blocks not yet run, the gradients created so far, the running block's temporaries.
 
-    With replicas (``bucket_bytes`` > 0) gradients live in their all-reduce bucket's flat
-    buffer, made whole at the bucket's first gradient (runtime/buckets.py): buckets fill from
-    the last parameter back, so the gradients of blocks ``j..`` occupy whole buckets of that
-    size, up to all the stage's gradients."""
+    With replicas (``bucket_cap`` > 0) gradients live in their all-reduce bucket's flat buffer,
+    made whole at the bucket's first gradient (runtime/buckets.py): see :func:`bucketed_bytes`."""
     stash = [x.saved_bytes for x in samples]
     stash[1:] = [s + max(b.saved_input_bytes - a.saved_output_bytes, 0) for s, a, b in zip(stash[1:], samples, samples[1:])]
     saved, created = list(itertools.accumulate(stash)), list(itertools.accumulate(reversed(grads)))[::-1]
-    if bucket_bytes > 0:
-        created = [min(sum(grads), -(-c // bucket_bytes) * bucket_bytes) for c in created]
+    if bucket_cap > 0:
+        created = [bucketed_bytes(c, sum(grads), bucket_cap) for c in created]
     return max(saved[j] + created[j] + samples[j].backward_workspace_bytes for j in range(len(samples)))
+
+
+def bucketed_bytes(computed: int, total: int, bucket_cap: int) -> int:
+    """Gradient bytes a stage holds once ``computed`` of its ``total`` exist, in buckets of at most
+    ``bucket_cap`` bytes, each made whole at its first gradient. Buckets fill whole parameters
+    from the last one back, so the ones begun are every one passed plus the current one, whose
+    rest is under ``bucket_cap``: an upper bound, exact while the stage's gradients fit one bucket."""
+    return min(total, computed + bucket_cap) if computed > 0 else 0
 
 
 def _inner_inputs(samples: Sequence[BlockSample]) -> int:
@@ -73,10 +79,10 @@ def _inner_inputs(samples: Sequence[BlockSample]) -> int:
 
 
 def range_costs(profile: Profile, blocks: range, microbatch_size: int, recompute: bool = False,
-                samples: Optional[Sequence[BlockSample]] = None, bucket_bytes: int = 0) -> StageCosts:  # fmt: skip
+                samples: Optional[Sequence[BlockSample]] = None, bucket_cap: int = 0) -> StageCosts:  # fmt: skip
     """The profiled costs of blocks ``blocks`` run as one stage at ``microbatch_size`` (``samples``:
-    every block already at that size, to save the interpolation; ``bucket_bytes``: the size of
-    the replica all-reduce's gradient buckets, 0 without replicas)."""
+    every block already at that size, to save the interpolation; ``bucket_cap``: the most bytes
+    of one replica all-reduce bucket, 0 without replicas)."""
     mine = [samples[i] if samples is not None else profile.blocks[i].at(microbatch_size) for i in blocks]
     states = [profile.blocks[i] for i in blocks]
     first = blocks.start
@@ -95,20 +101,22 @@ def range_costs(profile: Profile, blocks: range, microbatch_size: int, recompute
         optimizer_bytes=sum(b.optimizer_bytes for b in states),
         forward_workspace_bytes=max(x.forward_workspace_bytes for x in mine),
         backward_workspace_bytes=max(x.backward_workspace_bytes for x in mine),
-        first_backward_bytes=_first_backward(mine, [b.gradient_bytes for b in states], bucket_bytes),
+        first_backward_bytes=_first_backward(mine, [b.gradient_bytes for b in states], bucket_cap),
         captured_bytes=sum(x.captured_bytes for x in mine),
     )  # fmt: skip
 
 
 def stage_costs(profile: Profile, plan: PipelinePlan, microbatch_size: int) -> list[StageCosts]:
     """Sum the profiled blocks of every stage of ``plan`` (partition resolved) at ``microbatch_size``."""
-    buckets = bucket_bytes(plan)
-    return [range_costs(profile, rng, microbatch_size, plan.recompute[s], bucket_bytes=buckets) for s, rng in enumerate(plan.stage_ranges())]
+    cap = bucket_cap(plan)
+    return [range_costs(profile, rng, microbatch_size, plan.recompute[s], bucket_cap=cap) for s, rng in enumerate(plan.stage_ranges())]
 
 
-def bucket_bytes(plan: PipelinePlan) -> int:
-    """Size of the buckets a stage's gradients are averaged in over its replicas (the engine's
-    default, DDP's 25 MiB; a smaller ``bucket_cap_mb`` holds no more), 0 without replicas."""
+def bucket_cap(plan: PipelinePlan) -> int:
+    """Most bytes of a bucket a stage's gradients are averaged in over its replicas, 0 without
+    replicas. The engine's default, DDP's 25 MiB: the model does not see ``bucket_cap_mb``; a
+    larger cap can hold more than predicted at a first backward, ``0`` (one all-reduce after
+    the backward) holds less."""
     return DEFAULT_BUCKET_BYTES if plan.width > 1 else 0
 
 

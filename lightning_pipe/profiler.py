@@ -414,8 +414,17 @@ def mean_profile(profiles: Sequence[Profile]) -> Profile:
     Each time (a block's F, B, I and W at each size, the optimizer step, the executor's
     overhead per action) is the mean over the processes; bytes and everything else are the
     first profile's (the processes ran the same model on the same batch).
+
+    Raises:
+        ValueError: if there is no profile, or they differ in blocks or microbatch sizes.
     """
+    if not profiles:
+        raise ValueError("mean_profile needs at least one profile")
     first = profiles[0]
+    layout = [[s.microbatch_size for s in b.samples] for b in first.blocks]
+    for p in profiles[1:]:
+        if [[s.microbatch_size for s in b.samples] for b in p.blocks] != layout:
+            raise ValueError("profiles of different blocks or microbatch sizes cannot be averaged")
     times = ("forward", "backward", "input_grad", "weight_grad")
 
     def sample(b: int, k: int) -> BlockSample:
@@ -423,7 +432,7 @@ def mean_profile(profiles: Sequence[Profile]) -> Profile:
             f: statistics.fmean(getattr(p.blocks[b].samples[k], f) for p in profiles) for f in times})  # fmt: skip
 
     blocks = [dataclasses.replace(bp, samples=[sample(b, k) for k in range(len(bp.samples))]) for b, bp in enumerate(first.blocks)]
-    return dataclasses.replace(first, blocks=blocks,
+    return dataclasses.replace(first, blocks=blocks, meta=dict(first.meta),
                                optimizer_step=statistics.fmean(p.optimizer_step for p in profiles),
                                action_overhead=statistics.fmean(p.action_overhead for p in profiles))  # fmt: skip
 
@@ -452,9 +461,9 @@ def profile_concurrently(factory: Callable[[], nn.Module], batch: Any, microbatc
     from lightning_pipe.spawn import run_gloo
 
     ran = run_gloo(_profile_worker, processes, factory, batch, list(microbatch_sizes), threads, options, timeout=timeout)
-    failed = [value for status, value in ran if status != "ok"]
-    if failed:
-        raise RuntimeError(f"concurrent profiling failed: {failed[0]}")
+    failed = [f"rank {r}: {value}" for r, (status, value) in enumerate(ran) if status != "ok"]
+    if failed:  # every rank's: one rank's error leaves the others timing out at a barrier
+        raise RuntimeError("concurrent profiling failed:\n" + "\n".join(failed))
     return mean_profile([value for _, value in ran])
 
 

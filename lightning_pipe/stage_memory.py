@@ -215,6 +215,10 @@ def rank_buffer_bytes(stages: Sequence["StageCosts"], first: Sequence[bool], las
     return sum(posted) + sum(inputs) + 2 * HEADER_BYTES * neighbours
 
 
+#: The kind a moment of a stage takes once its gradients exist (the rank's shared buckets made them).
+_WARM = {"forward_cold": "forward_warm", "backward_first": "backward_warm", "input_cold": "backward_warm"}
+
+
 def rank_peak_bytes(stages: Sequence["StageCosts"], moments: Sequence[Moment], recompute: Sequence[bool],
                     first: Sequence[bool], last: Sequence[bool], batch_bytes: int = 0, one_peer: bool = False,
                     buckets: bool = False) -> int:  # fmt: skip
@@ -231,6 +235,8 @@ def rank_peak_bytes(stages: Sequence["StageCosts"], moments: Sequence[Moment], r
     resting: dict[tuple[int, Point, bool], int] = {}
     best = 0
     for c, kind, points, grads in moments:
+        if buckets and any(grads):  # the rank's buckets exist: the running stage's gradients too
+            kind = _WARM.get(kind, kind)
         if buckets and (any(grads) or kind.startswith("backward")):  # a backward or W of any stage made the buckets
             grads = (True,) * len(grads)
         key = (c, kind, points[c])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import random
 import weakref
 from typing import Any
 
@@ -446,6 +447,34 @@ def test_concurrent_profiles_combine_into_their_mean_times_and_the_first_bytes()
             assert got.saved_bytes == a.saved_bytes  # bytes are the first process's
     assert mean.optimizer_step == pytest.approx(0.2) and mean.action_overhead == pytest.approx(0.01)
     assert fast.blocks[0].at(1).forward == 1.0  # the inputs are left as they were
+
+
+def test_profiles_of_different_sizes_are_not_averaged() -> None:
+    one, other = _uniform(3), _uniform(3)
+    other.blocks[1].samples[1].microbatch_size = 8
+    with pytest.raises(ValueError, match="different blocks or microbatch sizes"):
+        mean_profile([one, other])
+    with pytest.raises(ValueError, match="at least one"):
+        mean_profile([])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_bucketed_gradients_never_fall_short_of_the_buckets_the_runtime_makes(seed: int) -> None:
+    # The runtime's own grouping (whole parameters, last first, greedy up to the cap) on random
+    # parameter sizes: at each block's backward, the buckets begun hold at least what the model
+    # counts no more than one cap above it. Ceiling to multiples of the cap fell short here.
+    from lightning_pipe.runtime.buckets import _group_by_size
+
+    rng = random.Random(seed)
+    blocks = [[torch.empty(rng.randint(1, 40)) for _ in range(rng.randint(1, 3))] for _ in range(rng.randint(2, 6))]
+    cap = 4 * rng.randint(20, 60)
+    buckets = _group_by_size([p for block in reversed(blocks) for p in reversed(block)], cap)
+    total = sum(p.numel() * 4 for block in blocks for p in block)
+    for j in range(len(blocks)):
+        done = {id(p) for block in blocks[j:] for p in block}
+        begun = sum(sum(p.numel() * 4 for p in b) for b in buckets if any(id(p) in done for p in b))
+        model = planner.bucketed_bytes(sum(p.numel() * 4 for block in blocks[j:] for p in block), total, cap)
+        assert begun <= model <= begun + cap, (j, begun, model)
 
 
 def test_profiling_calls_sync_before_every_timed_pass() -> None:
