@@ -219,6 +219,14 @@ def rank_buffer_bytes(stages: Sequence["StageCosts"], first: Sequence[bool], las
 _WARM = {"forward_cold": "forward_warm", "backward_first": "backward_warm", "input_cold": "backward_warm"}
 
 
+def _bucketed_moment(kind: str, grads: tuple[bool, ...]) -> tuple[str, tuple[bool, ...]]:
+    """A rank moment when its stages share gradient buckets: once any stage has gradients every
+    stage has them, the running one's moment turning warm; a backward (or W) makes them all."""
+    if any(grads):
+        return _WARM.get(kind, kind), (True,) * len(grads)
+    return kind, (True,) * len(grads) if kind.startswith("backward") else grads
+
+
 def rank_peak_bytes(stages: Sequence["StageCosts"], moments: Sequence[Moment], recompute: Sequence[bool],
                     first: Sequence[bool], last: Sequence[bool], batch_bytes: int = 0, one_peer: bool = False,
                     buckets: bool = False) -> int:  # fmt: skip
@@ -235,10 +243,8 @@ def rank_peak_bytes(stages: Sequence["StageCosts"], moments: Sequence[Moment], r
     resting: dict[tuple[int, Point, bool], int] = {}
     best = 0
     for c, kind, points, grads in moments:
-        if buckets and any(grads):  # the rank's buckets exist: the running stage's gradients too
-            kind = _WARM.get(kind, kind)
-        if buckets and (any(grads) or kind.startswith("backward")):  # a backward or W of any stage made the buckets
-            grads = (True,) * len(grads)
+        if buckets:
+            kind, grads = _bucketed_moment(kind, grads)
         key = (c, kind, points[c])
         if key not in running:
             terms = stage_memory_terms(stages[c], HeldCounts(**{kind: (points[c],)}), 1, recompute[c], first[c], last[c])

@@ -542,3 +542,21 @@ def test_an_interleaved_rank_counts_all_its_stages_gradients_from_its_first_back
     for rank in launched(4).ok("planner_bucketed_peaks_interleaved"):
         for plan, (predicted, measured) in zip(BUCKETED_INTERLEAVED, rank):
             assert 0.95 <= measured / predicted <= 1.02, (plan.describe(), predicted, measured)
+
+
+def test_a_rank_with_shared_buckets_counts_the_running_stages_gradients_once_any_stage_has_them() -> None:
+    # A forward of stage 0 after stage 1's first backward: with the rank's buckets made, stage 0
+    # holds its gradients too (the moment is a warm forward), written out from the one-stage terms.
+    from lightning_pipe.stage_memory import HeldCounts, rank_buffer_bytes, rank_peak_bytes, resting_bytes, stage_memory_terms
+
+    profile = _uniform(4, grads=5000)
+    plan = PipelinePlan(2, 2, 4, "1f1b", partition=(1, 1, 1, 1), virtual_stages=2)
+    st = planner.stage_costs(profile, plan, 1)
+    mine, first, last = [st[0], st[2]], [True, False], [False, False]
+    moment = (0, "forward_cold", ((2, 0), (1, 0)), (False, True))
+    warm = stage_memory_terms(mine[0], HeldCounts(forward_warm=((2, 0),)), 1, False, True, False)
+    want = sum(warm.values()) - warm["buffers"] + resting_bytes(mine[1], (1, 0), True, False, False)
+    want += rank_buffer_bytes(mine, first, last, True)
+    assert rank_peak_bytes(mine, [moment], [False, False], first, last, 0, True, buckets=True) == want
+    cold = rank_peak_bytes(mine, [moment], [False, False], first, last, 0, True, buckets=False)
+    assert want - cold == mine[0].gradient_bytes  # without buckets: the running stage's gradients are not there yet
