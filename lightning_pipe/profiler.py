@@ -403,8 +403,7 @@ def _profile_worker(rank: int, world: int, factory: Callable[[], nn.Module], bat
 
     torch.set_num_threads(threads)
     module = factory()
-    # Every process times the same pass at once: each sees the others computing throughout
-    # (without the barriers the ranks drifted apart and one timed some blocks alone).
+    # Every process times the same pass at once, so each times its blocks while the others compute.
     return profile_blocks(module, batch, sizes, sync=dist.barrier, **options)
 
 
@@ -444,7 +443,8 @@ def profile_concurrently(factory: Callable[[], nn.Module], batch: Any, microbatc
     memory (on 2 CPU cores two compute-bound ranks each run about 12-18% slower than one alone).
     The processes time each pass together, behind a barrier, and their times are averaged
     (:func:`mean_profile`): on this 2-core machine two processes' sums of a GPT model's F and B
-    differed by 5 to 40% in one profile, which process was slower changing from one to the next.
+    differed by 9 to 43% within one profile (8 and 71% in two profiles with the barriers), which
+    process was slower changing from one profile to the next; one process's alone is a sample.
 
     Args:
         factory: builds the model in each process (importable: a class or module-level function).
