@@ -99,11 +99,14 @@ class Profile:
             batch are free); stage 0 keeps them for backward.
         batch_bytes_per_sample: bytes of the whole batch per sample (every rank of a pipeline holds
             its replica's batch during the step).
-        link_latency: seconds of a point-to-point transfer of an empty message.
+        link_latency: seconds of a point-to-point transfer of an empty message (on CPU measured
+            between processes that compute between transfers, as pipeline ranks do, see
+            :func:`profile_links`).
         link_bandwidth: bytes per second of a point-to-point transfer.
         allreduce_bandwidth: bytes per second of a gradient all-reduce across replicas (0: unknown).
         send_overhead: seconds a rank spends posting one transfer (header and payload sends;
-            the transfer itself goes on while it computes), charged to each send action.
+            the transfer itself goes on while it computes), charged to each send action; on CPU
+            measured right after computing, as :attr:`link_latency`.
         loads_global_batch: every rank loads the whole global batch and trains on its replica's
             rows (``PipelineStrategy.enable_reconfiguration``), so holds all of it.
         cores: CPU cores the job's processes share (CPU jobs on one host; ``None``: each process
@@ -562,16 +565,26 @@ def _ping(nbytes: int, repeats: int, device: torch.device) -> float:
     return statistics.median(times[1:])
 
 
+LOADED_GAP = 0.005  # seconds of compute between two transfers in the loaded link measurement
+
+
 def _link_worker(rank: int, world: int, small: int, large: int, repeats: int,
-                 device: torch.device = torch.device("cpu")) -> dict[str, float]:  # fmt: skip
+                 device: torch.device = torch.device("cpu"), busy: float = LOADED_GAP) -> dict[str, float]:  # fmt: skip
     """Latency, bandwidth and all-reduce bandwidth between this job's ranks, with tensors on
-    ``device`` (the backend's: NCCL moves CUDA tensors only); nothing to measure for one rank."""
+    ``device`` (the backend's: NCCL moves CUDA tensors only); nothing to measure for one rank.
+    On CPU the latency and the sender's posting time are those of :func:`_loaded_hop` with
+    ``busy`` seconds of compute between transfers (0: between idle processes). Rank 0's result
+    is the measurement."""
     import torch.distributed as dist
 
     if world < 2:
         return {}
     t_small, t_large = _ping(small, repeats, device), _ping(large, repeats, device)
     posting = _posting(large, repeats, device)
+    latency = t_small
+    if device.type == "cpu" and busy > 0:
+        hop, posting = _loaded_hop(small, busy, 4 * repeats, device)
+        latency = max(hop - posting, 0.0)
     flat = torch.zeros(large // 4, device=device)
     times = []
     for _ in range(repeats + 1):
@@ -582,8 +595,61 @@ def _link_worker(rank: int, world: int, small: int, large: int, repeats: int,
         _synchronize(device)
         times.append(time.perf_counter() - start)
     ring = 2 * (world - 1) / world * large  # bytes each rank moves in a ring all-reduce
-    return {"link_latency": t_small, "link_bandwidth": (large - small) / max(t_large - t_small, 1e-9),
+    return {"link_latency": latency, "link_bandwidth": (large - small) / max(t_large - t_small, 1e-9),
             "allreduce_bandwidth": ring / statistics.median(times[1:]), "send_overhead": posting}  # fmt: skip
+
+
+def _compute_for(seconds: float, operands: tuple[Tensor, Tensor]) -> None:
+    """Multiply matrices for ``seconds`` (one rank's compute between two transfers)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        torch.mm(*operands)
+
+
+def _loaded_hop(nbytes: int, busy: float, rounds: int, device: torch.device) -> tuple[float, float]:
+    """Median seconds one transfer of ``nbytes`` adds to a relay between ranks 0 and 1 that
+    compute for ``busy`` seconds between transfers, and the median seconds the sender spends
+    posting it, as the executor sends and receives (payload receives posted ahead).
+
+    Pipeline ranks compute between transfers. On a CPU host the processes share the cores with
+    the transport's threads, and a transfer posted right after computing costs more than
+    between idle processes (on the 2-core development machine, 2026-11-24: 0.45 ms per hop
+    after 2 ms of compute, 0.8 ms after 10 ms, 0.2 ms idle). The other ranks compute meanwhile,
+    as they would in a step.
+    """
+    import torch.distributed as dist
+
+    from lightning_pipe.runtime import p2p
+
+    rank, payload = dist.get_rank(), torch.zeros(max(nbytes // 4, 1), device=device)
+    operands = (torch.randn(128, 128, device=device), torch.randn(128, 128, device=device))
+    specs, peer = p2p.specs_of([payload]), 1 - dist.get_rank()
+    incoming = p2p.Incoming(peer, device, specs) if rank < 2 else None
+    trips, posts = [], []
+    dist.barrier()
+    for _ in range(rounds + 1):
+        start = time.perf_counter()
+        if rank == 1:
+            incoming.wait()  # type: ignore[union-attr]
+            incoming = p2p.Incoming(peer, device, specs)
+        _compute_for(busy, operands)
+        if rank < 2:
+            posted = time.perf_counter()
+            works = p2p.send_tensors([payload], peer, device, posted=specs)
+            posts.append(time.perf_counter() - posted)
+        if rank == 0:
+            incoming.wait()  # type: ignore[union-attr]
+            incoming = p2p.Incoming(peer, device, specs)
+            trips.append(time.perf_counter() - start)
+        for work in works if rank < 2 else []:
+            work.wait()
+    if incoming is not None:  # the one posted for a message that never comes: the peer sends one more
+        works = p2p.send_tensors([payload], peer, device, posted=specs)
+        incoming.wait()
+        for work in works:
+            work.wait()
+    hop = (statistics.median(trips[1:]) - 2 * busy) / 2 if rank == 0 else 0.0
+    return max(hop, 0.0), statistics.median(posts[1:]) if posts else 0.0
 
 
 def _posting(nbytes: int, repeats: int, device: torch.device) -> float:
@@ -608,12 +674,21 @@ def _posting(nbytes: int, repeats: int, device: torch.device) -> float:
     return statistics.median(times[1:]) if times else 0.0
 
 
-def profile_links(world: int = 2, small: int = 1024, large: int = 8 * 2**20, repeats: int = 5) -> dict[str, float]:
-    """Measure this machine's transfers between local gloo processes: latency (a small message),
-    bandwidth (the slope to a large one) and the bandwidth of a ring all-reduce over ``world``."""
+def _threaded_link_worker(rank: int, world: int, threads: int, *args: Any) -> dict[str, float]:
+    torch.set_num_threads(threads)
+    return _link_worker(rank, world, *args)
+
+
+def profile_links(world: int = 2, small: int = 1024, large: int = 8 * 2**20, repeats: int = 5, threads: int = 1,
+                  busy: float = LOADED_GAP) -> dict[str, float]:  # fmt: skip
+    """Measure this machine's transfers between local gloo processes: latency (a small message,
+    between processes that compute ``busy`` seconds between transfers on ``threads`` torch
+    threads each, as the job's ranks will), bandwidth (the slope to a large one) and the
+    bandwidth of a ring all-reduce over ``world``."""
     from lightning_pipe.spawn import run_gloo
 
-    status, value = run_gloo(_link_worker, world, small, large, repeats, timeout=120.0)[0]
+    status, value = run_gloo(_threaded_link_worker, world, threads, small, large, repeats, torch.device("cpu"), busy,
+                             timeout=120.0)[0]  # fmt: skip
     if status != "ok":
         raise RuntimeError(f"link profiling failed: {value}")
     return value

@@ -560,3 +560,44 @@ def test_a_rank_with_shared_buckets_counts_the_running_stages_gradients_once_any
     assert rank_peak_bytes(mine, [moment], [False, False], first, last, 0, True, buckets=True) == want
     cold = rank_peak_bytes(mine, [moment], [False, False], first, last, 0, True, buckets=False)
     assert want - cold == mine[0].gradient_bytes  # without buckets: the running stage's gradients are not there yet
+
+
+def _loaded_links(rank: int, world: int) -> tuple[dict[str, float], float, list[float]]:
+    """The loaded link measurement, its relay's wall time at 20 ms of compute a transfer, then one
+    more exchange between ranks 0 and 1 (a message left over from the measurement would land in
+    it, or leave a receive waiting)."""
+    import time
+
+    import torch.distributed as dist
+
+    from lightning_pipe.profiler import _link_worker, _loaded_hop
+    from lightning_pipe.runtime import p2p
+
+    links = _link_worker(rank, world, 1024, 2**20, 2)
+    start = time.perf_counter()
+    _loaded_hop(1024, 0.02, 3, torch.device("cpu"))
+    relay = time.perf_counter() - start
+    got: list[float] = []
+    if rank < 2:
+        works = p2p.send_tensors([torch.full((3,), float(rank))], 1 - rank, torch.device("cpu"))
+        got = p2p.Incoming(1 - rank, torch.device("cpu")).wait()[0].tolist()
+        for work in works:
+            work.wait()
+    dist.barrier()
+    return links, relay, got
+
+
+scenario(2, "profiler_loaded_links", _loaded_links)
+scenario(4, "profiler_loaded_links_four", _loaded_links)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_loaded_link_measurement_relays_compute_and_leaves_the_link_clean(launched, world: int) -> None:
+    # Each of 3 round trips (and the untimed first) runs 20 ms of compute on each of ranks 0 and 1
+    # in turn, at least 160 ms, the other ranks computing alongside (20 ms a round trip). The
+    # measurement is rank 0's (the job plans on it).
+    ranks = launched(world).ok("profiler_loaded_links" + ("_four" if world == 4 else ""))
+    assert ranks[0][0]["link_latency"] > 0 and ranks[0][0]["send_overhead"] > 0, ranks[0][0]
+    for rank, (links, relay, got) in enumerate(ranks):
+        assert relay >= 4 * 0.02 * (2 if rank < 2 else 1), (rank, relay)
+        assert got == ([float(1 - rank)] * 3 if rank < 2 else []), (rank, got)
