@@ -24,6 +24,7 @@ from lightning_pipe.stage_memory import (  # noqa: F401
     program_held_counts,
     rank_moments,
     rank_peak_bytes,
+    send_events,
     stage_memory_terms,
     stage_peak_bytes,
 )
@@ -195,8 +196,8 @@ def held(plan: PipelinePlan) -> list[HeldCounts]:
 
 @functools.lru_cache(maxsize=1024)
 def _moments(*key: Any) -> list[tuple[Moment, ...]]:
-    depth, virtual = key[1], key[-1]
-    return [rank_moments(actions, range(r, depth * virtual, depth)) for r, actions in enumerate(_program(*key))]
+    depth, virtual, program = key[1], key[-1], _program(*key)
+    return [rank_moments(actions, range(r, depth * virtual, depth), sends) for r, (actions, sends) in enumerate(zip(program, send_events(program)))]
 
 
 def moments(plan: PipelinePlan) -> list[tuple[Moment, ...]]:

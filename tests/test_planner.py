@@ -396,16 +396,17 @@ def test_walking_a_rank_of_one_stage_gives_the_stage_model(schedule: str, split:
     import random
 
     from lightning_pipe.schedules import build_schedule
-    from lightning_pipe.stage_memory import held_counts, rank_moments, rank_peak_bytes, stage_peak_bytes
+    from lightning_pipe.stage_memory import held_counts, rank_moments, rank_peak_bytes, send_events, stage_peak_bytes
 
     rng = random.Random(1)
     for depth, m in itertools.product((1, 2, 4), (1, 4, 7)):
-        for r, actions in enumerate(build_schedule(schedule, depth, m, split)):
+        program = build_schedule(schedule, depth, m, split)
+        for r, (actions, sends) in enumerate(zip(program, send_events(program))):
             st = planner.StageCosts(*(rng.uniform(0.1, 1.0) for _ in range(4)), *(rng.randrange(1, 10_000) for _ in range(11)))
             st = dataclasses.replace(st, unsaved_output_bytes=rng.randrange(0, st.output_bytes + 1))  # a part of the output
             first, last = r == 0, r == depth - 1
-            want = stage_peak_bytes(st, held_counts(actions), 1, recompute, first, last, 77)
-            assert rank_peak_bytes([st], rank_moments(actions, [r]), [recompute], [first], [last], 77) == want
+            want = stage_peak_bytes(st, held_counts(actions, sends=sends), 1, recompute, first, last, 77)
+            assert rank_peak_bytes([st], rank_moments(actions, [r], sends), [recompute], [first], [last], 77) == want
 
 
 @pytest.mark.parametrize("depth,virtual,m", [(2, 2, 4), (4, 2, 8), (2, 4, 6)])
@@ -523,7 +524,9 @@ def _bucketed_peaks(rank: int, world: int, plans: list[PipelinePlan]) -> list[tu
 
 scenario(2, "planner_bucketed_peaks", _bucketed_peaks, BUCKETED_PLANS)
 #: An interleaved rank's stages share its buckets: its first backward makes every stage's gradients.
-BUCKETED_INTERLEAVED = [PipelinePlan(2, 2, 2, "1f1b", partition=(2, 1, 1, 2), virtual_stages=2)]
+#: At m = 4 its sends wait longer for their acknowledgement (headers, input gradients).
+BUCKETED_INTERLEAVED = [PipelinePlan(2, 2, 2, "1f1b", partition=(2, 1, 1, 2), virtual_stages=2),
+                        PipelinePlan(2, 2, 4, "1f1b", partition=(2, 1, 1, 2), virtual_stages=2)]  # fmt: skip
 scenario(4, "planner_bucketed_peaks_interleaved", _bucketed_peaks, BUCKETED_INTERLEAVED)
 
 
@@ -538,7 +541,8 @@ def test_predicted_peak_counts_whole_gradient_buckets_from_the_first_backward(la
 
 def test_an_interleaved_rank_counts_all_its_stages_gradients_from_its_first_backward(launched) -> None:
     # The rank's stages share its buckets: counting only the running stage's gradients at the
-    # rank's first backward came out 5.3% and 2.7% under (measured).
+    # rank's first backward came out 5.3% and 2.7% under (measured). At m = 4, counting one
+    # unacknowledged input gradient per stage and two headers per neighbour came out 7.5% under.
     for rank in launched(4).ok("planner_bucketed_peaks_interleaved"):
         for plan, (predicted, measured) in zip(BUCKETED_INTERLEAVED, rank):
             assert 0.95 <= measured / predicted <= 1.02, (plan.describe(), predicted, measured)
@@ -547,16 +551,18 @@ def test_an_interleaved_rank_counts_all_its_stages_gradients_from_its_first_back
 def test_a_rank_with_shared_buckets_counts_the_running_stages_gradients_once_any_stage_has_them() -> None:
     # A forward of stage 0 after stage 1's first backward: with the rank's buckets made, stage 0
     # holds its gradients too (the moment is a warm forward), written out from the one-stage terms.
-    from lightning_pipe.stage_memory import HeldCounts, rank_buffer_bytes, rank_peak_bytes, resting_bytes, stage_memory_terms
+    # Unacknowledged sends: stage 0 an output (its header), stage 2 an input gradient and its header.
+    from lightning_pipe.stage_memory import (HEADER_BYTES, NOTHING_SENT, HeldCounts, rank_buffer_bytes, rank_peak_bytes,
+                                             resting_bytes, stage_memory_terms)  # fmt: skip
 
     profile = _uniform(4, grads=5000)
     plan = PipelinePlan(2, 2, 4, "1f1b", partition=(1, 1, 1, 1), virtual_stages=2)
     st = planner.stage_costs(profile, plan, 1)
     mine, first, last = [st[0], st[2]], [True, False], [False, False]
-    moment = (0, "forward_cold", ((2, 0), (1, 0)), (False, True))
-    warm = stage_memory_terms(mine[0], HeldCounts(forward_warm=((2, 0),)), 1, False, True, False)
-    want = sum(warm.values()) - warm["buffers"] + resting_bytes(mine[1], (1, 0), True, False, False)
-    want += rank_buffer_bytes(mine, first, last, True)
+    moment = (0, "forward_cold", ((2, 0, (1, 0)), (1, 0, (1, 1))), (False, True))
+    warm = stage_memory_terms(mine[0], HeldCounts(forward_warm=((2, 0, NOTHING_SENT),)), 1, False, True, False)
+    want = sum(warm.values()) - warm["buffers"] + resting_bytes(mine[1], (1, 0, NOTHING_SENT), True, False, False)
+    want += rank_buffer_bytes(mine, first, last, True) + 2 * HEADER_BYTES + mine[1].input_bytes
     assert rank_peak_bytes(mine, [moment], [False, False], first, last, 0, True, buckets=True) == want
     cold = rank_peak_bytes(mine, [moment], [False, False], first, last, 0, True, buckets=False)
     assert want - cold == mine[0].gradient_bytes  # without buckets: the running stage's gradients are not there yet
@@ -601,3 +607,74 @@ def test_loaded_link_measurement_relays_compute_and_leaves_the_link_clean(launch
     for rank, (links, relay, got) in enumerate(ranks):
         assert relay >= 4 * 0.02 * (2 if rank < 2 else 1), (rank, relay)
         assert got == ([float(1 - rank)] * 3 if rank < 2 else []), (rank, got)
+
+
+def _emulated_outboxes(program: list[list[Any]]) -> list[list[tuple[int, int, int]]]:
+    """The executor's outbox protocol run literally over ``program`` (ranks taking turns, each
+    running actions until a receive's message is not sent yet): per rank, at each compute action,
+    its unacknowledged sends: all, input gradients, outputs whose backward ran (never any: the
+    gradient a backward needs acknowledges the output it is for)."""
+    from lightning_pipe.schedules.actions import Action, Kind
+
+    depth, compute = len(program), (Kind.FORWARD, Kind.BACKWARD, Kind.INPUT_GRAD, Kind.WEIGHT_GRAD)
+    wires: dict[tuple[int, int], list[tuple[Any, int]]] = {}  # (sender, receiver): (receive action, ack) in send order
+    taken = {(r, q): 0 for r in range(depth) for q in range(depth)}  # messages r took in from q
+    outbox: list[list[tuple[int, Any]]] = [[] for _ in range(depth)]  # (receiver, send action)
+    posted = {(r, q): 0 for r in range(depth) for q in range(depth)}
+    done: list[set] = [set() for _ in range(depth)]
+    at, seen = [0] * depth, [[] for _ in range(depth)]
+    while any(at[r] < len(program[r]) for r in range(depth)):
+        moved = False
+        for r in range(depth):
+            while at[r] < len(program[r]):
+                a = program[r][at[r]]
+                if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
+                    q = (a.stage - 1 if a.kind is Kind.RECV_ACT else a.stage + 1) % depth
+                    wire = wires.get((q, r), [])
+                    keys = [key for key, _ in wire]
+                    if a not in keys:
+                        break
+                    upto = keys.index(a) + 1
+                    if upto > taken[r, q]:
+                        newest = max(ack for _, ack in wire[taken[r, q]:upto])
+                        mine = [m for m in outbox[r] if m[0] == q]
+                        for m in mine[: newest - (posted[r, q] - len(mine))]:
+                            outbox[r].remove(m)
+                        taken[r, q] = upto
+                elif a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
+                    stage = a.stage + (1 if a.kind is Kind.SEND_ACT else -1)
+                    q = stage % depth
+                    kind = Kind.RECV_ACT if a.kind is Kind.SEND_ACT else Kind.RECV_GRAD
+                    wires.setdefault((r, q), []).append((Action(stage, kind, a.microbatch), taken[r, q]))
+                    outbox[r].append((q, a))
+                    posted[r, q] += 1
+                elif a.kind in compute:
+                    grads = sum(m.kind is Kind.SEND_GRAD for _, m in outbox[r])
+                    outs = sum(m.kind is Kind.SEND_ACT and (m.stage, m.microbatch) in done[r] for _, m in outbox[r])
+                    seen[r].append((len(outbox[r]), grads, outs))
+                    if a.kind in (Kind.BACKWARD, Kind.INPUT_GRAD):
+                        done[r].add((a.stage, a.microbatch))
+                at[r] += 1
+                moved = True
+        assert moved, "the program deadlocks"
+    return seen
+
+
+@pytest.mark.parametrize("schedule,depth,m,virtual,split", [("1f1b", 4, 8, 1, False), ("gpipe", 3, 5, 1, False), ("1f1b", 4, 8, 1, True),
+                                                             ("1f1b", 2, 4, 2, False), ("1f1b", 4, 8, 2, False), ("1f1b", 3, 6, 2, True)])  # fmt: skip
+def test_unacknowledged_sends_follow_the_executor_protocol(schedule: str, depth: int, m: int, virtual: int, split: bool) -> None:
+    # The walk's counts at every compute action against the protocol run literally. A rank
+    # learns a send arrived only from a later message of its peer: in 1F1B's drain no more
+    # activations come upstream, so the input gradients sent there stay until the step ends.
+    from lightning_pipe.stage_memory import _walk, send_events
+
+    plan = PipelinePlan(1, depth, m, schedule, split_backward=split, virtual_stages=virtual)
+    program = planner.program(plan)
+    want = _emulated_outboxes(program)
+    for r, (actions, sends) in enumerate(zip(program, send_events(program))):
+        stages = list(range(r, depth * virtual, depth))
+        got = [(sum(p[2][0] for p in moment[2]), sum(p[2][1] for p in moment[2]), 0)
+               for moment in _walk(actions, stages.index, len(stages), sends=sends)]  # fmt: skip
+        assert got == want[r], (r, [x for x in zip(got, want[r]) if x[0] != x[1]][:3])
+    if schedule == "1f1b" and not split and virtual == 1:  # the drain keeps every input gradient it sends
+        assert max(g for _, g, _ in want[1]) >= depth - 2
