@@ -623,7 +623,7 @@ def _loaded_hop(nbytes: int, busy: float, rounds: int, device: torch.device) -> 
 
     rank, payload = dist.get_rank(), torch.zeros(max(nbytes // 4, 1), device=device)
     operands = (torch.randn(128, 128, device=device), torch.randn(128, 128, device=device))
-    specs, peer = p2p.specs_of([payload]), 1 - dist.get_rank()
+    specs, peer = p2p.specs_of([payload]), 1 - rank
     incoming = p2p.Incoming(peer, device, specs) if rank < 2 else None
     trips, posts = [], []
     dist.barrier()

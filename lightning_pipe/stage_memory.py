@@ -48,7 +48,7 @@ def send_events(program: Sequence[Sequence[Action]]) -> list[dict[int, list[Send
     """
     # Integer keys, plain loops: the planner walks every candidate's program.
     depth, comms = len(program), [_messages(actions) for actions in program]
-    span = 2 + max((c[2] for mine in comms for c in mine), default=0)  # microbatches, for integer message keys
+    span = 1 + max((c[2] for mine in comms for c in mine), default=0)  # microbatches, for integer message keys
     sent: dict[int, list[SendEvent]] = {}  # sender * depth + receiver: each message's acknowledgement, in send order
     sender: dict[int, int] = {}  # a message's key (receiving stage, microbatch, gradient?) -> its link and number
     for r, mine in enumerate(comms):
@@ -275,19 +275,15 @@ def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, re
         (held.input_cold, weights, lambda h, p: h * per_held + max(p, 1) * one, bws),
     ]  # fmt: skip
 
-    def terms(state: int, act: Callable[[int, int], int], ws: int, h: int, p: int, sent: Sent) -> dict[str, int]:
-        return {"state": state, "activations": act(h, p) + max(p - 1, 0) * st.captured_bytes, "outputs": (h - p) * out,
-                "workspace": ws, "buffers": posted + sent_bytes(st, sent), "batch": batch_bytes}  # fmt: skip
-
-    best, most = None, -1  # totals first, the terms of the first largest only (a stage has many points)
-    for state, act, ws, points in ((state, act, ws, points) for points, state, act, ws in moments):
+    best, most = (weights + grads, 0, 0, 0, 0), -1  # totals first, one dict at the end: MadPipe asks millions of times
+    for points, state, act, ws in moments:
         for h, p, sent in points:
-            total = state + act(h, p) + max(p - 1, 0) * st.captured_bytes + (h - p) * out + ws + sent_bytes(st, sent)
-            if total > most:
-                best, most = (state, act, ws, h, p, sent), total
-    if best is None:
-        return {"state": weights + grads, "activations": 0, "outputs": 0, "workspace": 0, "buffers": posted, "batch": batch_bytes}
-    return terms(*best)
+            parts = (state, act(h, p) + max(p - 1, 0) * st.captured_bytes, (h - p) * out, ws, sent_bytes(st, sent))
+            if sum(parts) > most:
+                best, most = parts, sum(parts)
+    state, activations, outputs, workspace, sending = best
+    return {"state": state, "activations": activations, "outputs": outputs, "workspace": workspace,
+            "buffers": posted + sending, "batch": batch_bytes}  # fmt: skip
 
 
 def _posted_bytes(st: "StageCosts", first: bool, last: bool) -> int:
