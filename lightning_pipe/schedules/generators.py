@@ -17,17 +17,17 @@ from __future__ import annotations
 
 from typing import Callable
 
-from lightning_pipe.schedules.actions import Action, Kind
+from lightning_pipe.schedules.actions import Action, Kind, action
 
 Generator = Callable[[int, int, int], list[Action]]
 
 
 def _forwards(stage: int, mbs: range) -> list[Action]:
-    return [Action(stage, Kind.FORWARD, k) for k in mbs]
+    return [action(stage, Kind.FORWARD, k) for k in mbs]
 
 
 def _backwards(stage: int, mbs: range) -> list[Action]:
-    return [Action(stage, Kind.BACKWARD, k) for k in mbs]
+    return [action(stage, Kind.BACKWARD, k) for k in mbs]
 
 
 def gpipe(stage: int, depth: int, microbatches: int) -> list[Action]:
@@ -45,7 +45,7 @@ def one_f_one_b(stage: int, depth: int, microbatches: int) -> list[Action]:
     steady = [
         a
         for k in range(microbatches - warmup)
-        for a in (Action(stage, Kind.FORWARD, warmup + k), Action(stage, Kind.BACKWARD, k))
+        for a in (action(stage, Kind.FORWARD, warmup + k), action(stage, Kind.BACKWARD, k))
     ]
     cooldown = _backwards(stage, range(microbatches - warmup, microbatches))
     return _forwards(stage, range(warmup)) + steady + cooldown

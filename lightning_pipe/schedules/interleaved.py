@@ -26,7 +26,7 @@ d=2, v=2, m=2 (stages 0 and 2 on rank 0, 1 and 3 on rank 1)::
 
 from __future__ import annotations
 
-from lightning_pipe.schedules.actions import Action, Kind
+from lightning_pipe.schedules.actions import Action, Kind, action
 
 
 def check(depth: int, microbatches: int, virtual: int) -> None:
@@ -51,7 +51,7 @@ def _chunk_and_microbatch(k: int, depth: int, virtual: int, forward: bool) -> tu
 
 def _action(rank: int, depth: int, virtual: int, k: int, kind: Kind) -> Action:
     chunk, microbatch = _chunk_and_microbatch(k, depth, virtual, kind is Kind.FORWARD)
-    return Action(chunk * depth + rank, kind, microbatch)
+    return action(chunk * depth + rank, kind, microbatch)
 
 
 def interleaved_one_f_one_b(rank: int, depth: int, microbatches: int, virtual: int) -> list[Action]:

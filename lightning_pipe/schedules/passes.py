@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Optional
 
-from lightning_pipe.schedules.actions import Action, Kind
+from lightning_pipe.schedules.actions import Action, Kind, action
 from lightning_pipe.schedules import interleaved, two_bw
 from lightning_pipe.schedules.generators import TRAINING_SCHEDULES, Generator, forward_only
 from lightning_pipe.schedules.split import W_PLACEMENT, split_backward
@@ -21,23 +21,22 @@ _COMM: dict[Kind, tuple[Kind, Kind, bool]] = {
 }
 
 
-def _with_comm(action: Action, stages: int) -> list[Action]:
-    if action.kind not in _COMM:
-        return [action]
-    before, after, before_needs_prev = _COMM[action.kind]
-    has_prev, has_next = action.stage > 0, action.stage < stages - 1
-    out = []
-    if has_prev if before_needs_prev else has_next:
-        out.append(Action(action.stage, before, action.microbatch))
-    out.append(action)
-    if has_next if before_needs_prev else has_prev:
-        out.append(Action(action.stage, after, action.microbatch))
-    return out
-
-
 def add_communication(actions: list[Action], stages: int) -> list[Action]:
     """Insert receives before and (non-blocking) sends after each F and B of a ``stages``-stage chain."""
-    return [c for a in actions for c in _with_comm(a, stages)]
+    out: list[Action] = []
+    for a in actions:  # one loop, no call per action: the planner lowers millions of them
+        comm = _COMM.get(a.kind)
+        if comm is None:
+            out.append(a)
+            continue
+        before, after, before_needs_prev = comm
+        has_prev, has_next = a.stage > 0, a.stage < stages - 1
+        if has_prev if before_needs_prev else has_next:
+            out.append(action(a.stage, before, a.microbatch))
+        out.append(a)
+        if has_next if before_needs_prev else has_prev:
+            out.append(action(a.stage, after, a.microbatch))
+    return out
 
 
 #: What each send delivers: the receive it matches, on the stage ``offset`` away.
@@ -56,13 +55,13 @@ def receive_order(schedule: Schedule, rank: int) -> dict[int, list[Action]]:
             if a.kind in DELIVERS:
                 kind, offset = DELIVERS[a.kind]
                 if (a.stage + offset) % depth == rank:
-                    order.setdefault(sender, []).append(Action(a.stage + offset, kind, a.microbatch))
+                    order.setdefault(sender, []).append(action(a.stage + offset, kind, a.microbatch))
     return order
 
 
 def add_optimizer(actions: list[Action], stage: int) -> list[Action]:
     """Append the flush: gradient all-reduce across stage replicas, then the optimizer step."""
-    return actions + [Action(stage, Kind.ALL_REDUCE), Action(stage, Kind.OPTIMIZER_STEP)]
+    return actions + [action(stage, Kind.ALL_REDUCE), action(stage, Kind.OPTIMIZER_STEP)]
 
 
 #: Every schedule a user can name: the flushed ones plus PipeDream-2BW.

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from lightning_pipe.schedules.actions import Action, Kind
+from lightning_pipe.schedules.actions import Action, Kind, action
 
 #: Where each schedule puts its weight-gradient actions.
 W_PLACEMENT = {"gpipe": "cooldown", "1f1b": "zb-h1", "2bw": "zb-h1"}
@@ -64,8 +64,8 @@ def split_backward(actions: list[Action], placement: str, max_pending: Optional[
         if a.kind is not Kind.BACKWARD:
             out.append(a)
             continue
-        out.append(Action(a.stage, Kind.INPUT_GRAD, a.microbatch))
-        pending.append(Action(a.stage, Kind.WEIGHT_GRAD, a.microbatch))
+        out.append(action(a.stage, Kind.INPUT_GRAD, a.microbatch))
+        pending.append(action(a.stage, Kind.WEIGHT_GRAD, a.microbatch))
         idle_next = placement == "cooldown" and forwards_left == 0 and i < len(actions) - 1
         while pending and (idle_next or (max_pending is not None and len(pending) > max_pending)):
             out.append(pending.pop(0))

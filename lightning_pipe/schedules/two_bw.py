@@ -29,7 +29,7 @@ d=2, m=2, two steps then a drain, stage 0 (``W=1``) and stage 1 (``W=0``)::
 
 from __future__ import annotations
 
-from lightning_pipe.schedules.actions import Action, Kind
+from lightning_pipe.schedules.actions import Action, Kind, action
 
 
 def check_microbatches(depth: int, microbatches: int) -> None:
@@ -42,9 +42,9 @@ def check_microbatches(depth: int, microbatches: int) -> None:
 
 
 def _backward(stage: int, k: int, microbatches: int, step_now: bool = False) -> list[Action]:
-    done = [Action(stage, Kind.ALL_REDUCE)] if k % microbatches == microbatches - 1 else []
-    step = [Action(stage, Kind.OPTIMIZER_STEP)] if done and step_now else []
-    return [Action(stage, Kind.BACKWARD, k)] + done + step
+    done = [action(stage, Kind.ALL_REDUCE)] if k % microbatches == microbatches - 1 else []
+    step = [action(stage, Kind.OPTIMIZER_STEP)] if done and step_now else []
+    return [action(stage, Kind.BACKWARD, k)] + done + step
 
 
 def window(stage: int, depth: int, microbatches: int, step: int, early: bool = True) -> list[Action]:
@@ -54,12 +54,12 @@ def window(stage: int, depth: int, microbatches: int, step: int, early: bool = T
     warmup = depth - 1 - stage
     first = step * microbatches
     now = early and stage == 0 and depth > 1  # there batch step-1's last backward runs inside this window (m >= d)
-    actions = [Action(stage, Kind.VERSION, first)]
+    actions = [action(stage, Kind.VERSION, first)]
     for k in range(first, first + microbatches):
-        actions.append(Action(stage, Kind.FORWARD, k))
+        actions.append(action(stage, Kind.FORWARD, k))
         if k >= warmup:
             actions += _backward(stage, k - warmup, microbatches, now)
-    return actions + ([Action(stage, Kind.OPTIMIZER_STEP)] if step >= 1 and not now else [])
+    return actions + ([action(stage, Kind.OPTIMIZER_STEP)] if step >= 1 and not now else [])
 
 
 def drain(stage: int, depth: int, microbatches: int, last_step: int) -> list[Action]:
@@ -67,4 +67,4 @@ def drain(stage: int, depth: int, microbatches: int, last_step: int) -> list[Act
     end = (last_step + 1) * microbatches
     warmup = depth - 1 - stage
     tail = [a for k in range(end - warmup, end) for a in _backward(stage, k, microbatches)]
-    return tail + [Action(stage, Kind.OPTIMIZER_STEP)]
+    return tail + [action(stage, Kind.OPTIMIZER_STEP)]
