@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from lightning_pipe.layout import PipelinePlan
-from lightning_pipe.planner import batch_bytes, bucket_cap, held, range_costs, weight_versions
-from lightning_pipe.stage_memory import stage_peak_bytes
+from lightning_pipe.planner import RangeCosts, batch_bytes, bucket_cap, held, weight_versions
 from lightning_pipe.profiler import Profile
 from lightning_pipe.schedules import build_schedule, two_bw_run
 from lightning_pipe.simulate import simulate, unit_costs
@@ -45,26 +44,35 @@ def held_microbatches(schedule: str, depth: int, microbatches: int, split: bool 
 class _Chain:
     """Stage time and memory of any block range at one microbatch size (the planner's own formulas)."""
 
-    def __init__(self, profile: Profile, plan: PipelinePlan, microbatch_size: int) -> None:
-        self.profile, self.b = profile, microbatch_size
-        self.held = held(plan)
-        self.versions, self.depth = weight_versions(plan), plan.depth
-        self.batch = batch_bytes(profile, plan, microbatch_size)
-        samples = [block.at(microbatch_size) for block in profile.blocks]
-        cap = bucket_cap(plan)
-        self.costs = functools.lru_cache(maxsize=None)(
-            lambda a, z: range_costs(profile, range(a, z), microbatch_size, samples=samples, bucket_cap=cap))
-        self.memory = functools.lru_cache(maxsize=None)(self._memory)  # type: ignore[method-assign]
-        self._elapsed = [0.0, *itertools.accumulate(x.forward + x.backward for x in samples)]
+    def __init__(self, ranges: RangeCosts, plan: PipelinePlan, microbatch_size: int) -> None:
+        self.ranges, self.b, self.cap = ranges, microbatch_size, bucket_cap(plan)
+        self.held, self.depth = held(plan), plan.depth
+        self.versions, self.batch = weight_versions(plan), batch_bytes(ranges.profile, plan, microbatch_size)
+        self._elapsed = [0.0, *itertools.accumulate(x.forward + x.backward for x in ranges.samples(microbatch_size))]
+        self.memory = functools.lru_cache(maxsize=None)(self._memory)  # type: ignore[method-assign]  # each DP asks again
+        # A lower bound of a stage's memory, from prefix sums: its weights (times the versions)
+        # and optimizer state, the batch, and the saved tensors of the most microbatches it
+        # holds at a forward (every forward moment's bytes hold those: stage_memory_terms).
+        blocks, samples = ranges.profile.blocks, ranges.samples(microbatch_size)
+        self._state = [0, *itertools.accumulate(self.versions * b.parameter_bytes + b.optimizer_bytes for b in blocks)]
+        self._saved = [0, *itertools.accumulate(x.saved_bytes for x in samples)]
+        self._forward_held = [max((p[0] for p in h.forward_cold + h.forward_warm), default=0) for h in self.held]
 
     def time(self, start: int, stop: int) -> float:
         """U(k, l) of seed 004: F + B seconds of blocks ``start .. stop-1`` (range_costs' sums, from prefix sums)."""
         return self._elapsed[stop] - self._elapsed[start]
 
+    def fits(self, start: int, stop: int, stage: int, limit: float) -> bool:
+        """Whether :meth:`memory` is at most ``limit`` (the lower bound answers most rejections)."""
+        bound = self._state[stop] - self._state[start] + self.batch
+        if bound + self._forward_held[stage] * (self._saved[stop] - self._saved[start]) > limit:
+            return False
+        return self.memory(start, stop, stage) <= limit
+
     def _memory(self, start: int, stop: int, stage: int) -> int:
-        """M(k, l, g) of seed 004 with g the exact count of stage ``stage``."""
-        first, last = stage == 0, stage == self.depth - 1
-        return stage_peak_bytes(self.costs(start, stop), self.held[stage], self.versions, False, first, last, self.batch)
+        """M(k, l, g) of seed 004 with g the exact count of stage ``stage`` (the planner's stage_peak_bytes)."""
+        last = stage == self.depth - 1
+        return self.ranges.peak(start, stop, self.b, self.cap, self.held[stage], self.versions, stage == 0, last, self.batch)
 
 
 def _fits(chain: _Chain, n: int, depth: int, target: float, limit: float) -> Optional[tuple[int, ...]]:
@@ -78,7 +86,7 @@ def _fits(chain: _Chain, n: int, depth: int, target: float, limit: float) -> Opt
         for stop in range(i + 1, n - (depth - s - 1) + 1):
             if chain.time(i, stop) > target:
                 break  # longer stages only take longer
-            if chain.memory(i, stop, s) <= limit:
+            if chain.fits(i, stop, s, limit):
                 tail = rest(stop, s + 1)
                 if tail is not None:
                     return (stop - i, *tail)
@@ -87,21 +95,38 @@ def _fits(chain: _Chain, n: int, depth: int, target: float, limit: float) -> Opt
     return rest(0, 0)
 
 
-def madpipe_partition(profile: Profile, plan: PipelinePlan, microbatch_size: int, memory_limit: float) -> Optional[Partition]:
+def madpipe_partition(profile: Profile, plan: PipelinePlan, microbatch_size: int, memory_limit: float,
+                      ranges: Optional[RangeCosts] = None) -> Optional[Partition]:  # fmt: skip
     """The contiguous partition of ``plan``'s depth with the smallest period whose every stage fits ``memory_limit``.
 
     Binary search (seed 004, 4.2.3) over the candidate periods, the times of every contiguous
     block range: feasibility is monotone in the target, so the smallest feasible one is optimal.
+    The loosest period is tried first (when nothing fits there the search is over), then the
+    time-balanced partition's, the lowest any partition reaches.
+
+    ``ranges``: the profile's block-range costs, shared by the searches over many plans.
 
     Returns:
         ``None`` if no contiguous partition fits the limit.
     """
+    if ranges is not None and ranges.profile is not profile:
+        raise ValueError("ranges must hold the costs of the profile given")
     n, depth = len(profile.blocks), plan.depth
-    chain = _Chain(profile, plan, microbatch_size)
+    ranges_or_own = ranges or RangeCosts(profile)
+    chain = _Chain(ranges_or_own, plan, microbatch_size)
     targets = sorted({chain.time(i, j) for i in range(n) for j in range(i + 1, n + 1)})
-    lo = bisect.bisect_left(targets, chain.time(0, n) / depth)  # lb = U(1, L) / P (Algorithm 1)
-    best: Optional[tuple[int, ...]] = None
     hi = len(targets) - 1
+    best = _fits(chain, n, depth, targets[hi], memory_limit)  # the loosest period: if nothing fits there, nothing does
+    if best is None:
+        return None
+    # Algorithm 1's lower bound U(1, L) / P, tightened: no partition is faster than the
+    # time-balanced one, which often fits (a margin for the two ways of summing the times).
+    balanced = ranges_or_own.balanced(depth, microbatch_size)
+    floor = max(chain.time(a, a + k) for a, k in zip(itertools.accumulate((0, *balanced)), balanced))
+    lo, hi = bisect.bisect_left(targets, floor * (1 - 1e-9)), hi - 1
+    if lo <= hi:
+        found = _fits(chain, n, depth, targets[lo], memory_limit)
+        lo, hi, best = (lo, lo - 1, found) if found is not None else (lo + 1, hi, best)
     while lo <= hi:
         mid = (lo + hi) // 2
         found = _fits(chain, n, depth, targets[mid], memory_limit)
@@ -109,8 +134,6 @@ def madpipe_partition(profile: Profile, plan: PipelinePlan, microbatch_size: int
             lo = mid + 1
         else:
             best, hi = found, mid - 1
-    if best is None:
-        return None
     starts = [sum(best[:s]) for s in range(depth)]
     period = max(chain.time(a, a + k) for a, k in zip(starts, best))
     memory = tuple(chain.memory(a, a + k, s) for s, (a, k) in enumerate(zip(starts, best)))

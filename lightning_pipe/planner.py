@@ -7,8 +7,11 @@ Seed 000's closed forms (Appendix A, also seed 002) are kept as a cross-check.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import itertools
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
@@ -17,6 +20,7 @@ from lightning_pipe.layout import PipelinePlan
 from lightning_pipe.profiler import BlockSample, Profile
 from lightning_pipe.runtime.buckets import DEFAULT_BUCKET_BYTES
 from lightning_pipe.schedules import SCHEDULE_NAMES, Action, Kind, build_schedule, two_bw_drain, two_bw_window
+from lightning_pipe.schedules.flat import FlatProgram, flatten
 from lightning_pipe.simulate import CompiledProgram, compile_program
 from lightning_pipe.stage_memory import (  # noqa: F401
     HeldCounts,
@@ -24,8 +28,8 @@ from lightning_pipe.stage_memory import (  # noqa: F401
     program_held_counts,
     rank_moments,
     rank_peak_bytes,
-    send_events,
     stage_memory_terms,
+    unacknowledged,
     stage_peak_bytes,
 )
 
@@ -107,6 +111,49 @@ def range_costs(profile: Profile, blocks: range, microbatch_size: int, recompute
     )  # fmt: skip
 
 
+class RangeCosts:
+    """:func:`range_costs` of one profile's block ranges (no recompute), and their peak memory
+    as stages, each computed once: a search under a memory limit asks MadPipe's dynamic program
+    for every range at every stage count, and many plans hold the same counts."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+        self._samples: dict[int, list[BlockSample]] = {}
+        self._costs: dict[tuple[int, int, int, int], StageCosts] = {}
+        self._peaks: dict[tuple[Any, ...], int] = {}
+        self._balanced: dict[tuple[int, int], tuple[int, ...]] = {}
+
+    def __call__(self, start: int, stop: int, microbatch_size: int, bucket_cap: int = 0) -> StageCosts:
+        """The costs of blocks ``start .. stop-1`` run as one stage."""
+        key = (start, stop, microbatch_size, bucket_cap)
+        if key not in self._costs:
+            samples = self.samples(microbatch_size)
+            self._costs[key] = range_costs(self.profile, range(start, stop), microbatch_size, samples=samples, bucket_cap=bucket_cap)
+        return self._costs[key]
+
+    def peak(self, start: int, stop: int, microbatch_size: int, bucket_cap: int, held: HeldCounts, versions: int,
+             first: bool, last: bool, batch_bytes: int) -> int:  # fmt: skip
+        """:func:`stage_peak_bytes` of blocks ``start .. stop-1`` run as one stage (no recompute), each computed once."""
+        key = (start, stop, microbatch_size, bucket_cap, held, versions, first, last, batch_bytes)
+        if key not in self._peaks:
+            costs = self(start, stop, microbatch_size, bucket_cap)
+            self._peaks[key] = stage_peak_bytes(costs, held, versions, False, first, last, batch_bytes)
+        return self._peaks[key]
+
+    def balanced(self, depth: int, microbatch_size: int) -> tuple[int, ...]:
+        """:func:`time_balanced`, each computed once."""
+        key = (depth, microbatch_size)
+        if key not in self._balanced:
+            self._balanced[key] = time_balanced(self.profile, depth, microbatch_size)
+        return self._balanced[key]
+
+    def samples(self, microbatch_size: int) -> list[BlockSample]:
+        """Every block at ``microbatch_size``."""
+        if microbatch_size not in self._samples:
+            self._samples[microbatch_size] = [block.at(microbatch_size) for block in self.profile.blocks]
+        return self._samples[microbatch_size]
+
+
 def stage_costs(profile: Profile, plan: PipelinePlan, microbatch_size: int) -> list[StageCosts]:
     """Sum the profiled blocks of every stage of ``plan`` (partition resolved) at ``microbatch_size``."""
     cap = bucket_cap(plan)
@@ -178,12 +225,22 @@ def _two_bw_part(depth: int, m: int, step: int, split: bool, drain: bool) -> lis
 
 @functools.lru_cache(maxsize=1024)
 def _compiled(*key: Any) -> CompiledProgram:
-    return compile_program(_program(*key))
+    return compile_program(_program(*key), _flat(*key))
+
+
+@functools.lru_cache(maxsize=4)  # a search asks for one program's arrays a few times in a row
+def _flat(*key: Any) -> FlatProgram:
+    return flatten(_program(*key))
+
+
+#: One object per distinct :class:`HeldCounts`: programs of many lengths share them, and caches keyed by them hit at once.
+_SHARED_COUNTS: "weakref.WeakValueDictionary[HeldCounts, HeldCounts]" = weakref.WeakValueDictionary()
 
 
 @functools.lru_cache(maxsize=1024)
 def _held(*key: Any) -> list[HeldCounts]:
-    return program_held_counts(_program(*key), warm=key[0] == "2bw")
+    counts = program_held_counts(_program(*key), warm=key[0] == "2bw", flat=_flat(*key))
+    return [_SHARED_COUNTS.setdefault(c, c) for c in counts]
 
 
 def held(plan: PipelinePlan) -> list[HeldCounts]:
@@ -196,8 +253,16 @@ def held(plan: PipelinePlan) -> list[HeldCounts]:
 
 @functools.lru_cache(maxsize=1024)
 def _moments(*key: Any) -> list[tuple[Moment, ...]]:
-    depth, virtual, program = key[1], key[-1], _program(*key)
-    return [rank_moments(actions, range(r, depth * virtual, depth), sends) for r, (actions, sends) in enumerate(zip(program, send_events(program)))]
+    depth, virtual, program, flat = key[1], key[-1], _program(*key), _flat(*key)
+    sent = unacknowledged(flat)
+    return [rank_moments(actions, range(r, depth * virtual, depth), sent[flat.rank(r)]) for r, actions in enumerate(program)]
+
+
+def clear_caches() -> None:
+    """Forget every program, compiled program and count cached by earlier searches: the next
+    search builds them again (as the first search of a process does)."""
+    for cached in (_program, _two_bw_part, _compiled, _flat, _held, _moments):
+        cached.cache_clear()
 
 
 def moments(plan: PipelinePlan) -> list[tuple[Moment, ...]]:
@@ -398,26 +463,26 @@ def candidates(profile: Profile, devices: int, global_batch: int, allow_stale: b
     (:func:`lightning_pipe.madpipe.madpipe_partition`, one stage per rank) when they differ;
     and each of ``partitions`` (a running job's own, for example) at its stage count."""
     names = [s for s in (schedules or SCHEDULE_NAMES) if allow_stale or s != "2bw"]
-    balanced_for = functools.lru_cache(maxsize=None)(lambda d, b: time_balanced(profile, d, b))
+    ranges = RangeCosts(profile)
     layouts = _layouts(devices, len(profile.blocks), virtual_stages)
     for (width, depth, virtual), name, split in itertools.product(layouts, names, (False, True)):
         for b in (b for b in range(1, global_batch + 1) if global_batch % (width * b) == 0):
             m = global_batch // (width * b)
             if not _runs(name, depth, m, virtual):
                 continue
-            plan = PipelinePlan(width, depth, m, name, split, partition=balanced_for(depth * virtual, b), virtual_stages=virtual)
-            memory_aware = _memory_aware(profile, plan, b, memory_limit) if virtual == 1 else None
+            plan = PipelinePlan(width, depth, m, name, split, partition=ranges.balanced(depth * virtual, b), virtual_stages=virtual)
+            memory_aware = _memory_aware(ranges, plan, b, memory_limit) if virtual == 1 else None
             extra = [p for p in partitions if len(p) == plan.stages]
             for partition in dict.fromkeys([plan.partition, *([memory_aware] if memory_aware else []), *extra]):
                 yield Candidate(plan.replace(partition=partition), b)
 
 
-def _memory_aware(profile: Profile, plan: PipelinePlan, b: int, memory_limit: Optional[float]) -> Optional[tuple[int, ...]]:
+def _memory_aware(ranges: RangeCosts, plan: PipelinePlan, b: int, memory_limit: Optional[float]) -> Optional[tuple[int, ...]]:
     if memory_limit is None or plan.depth == 1:
         return None
     from lightning_pipe.madpipe import madpipe_partition
 
-    found = madpipe_partition(profile, plan, b, memory_limit)
+    found = madpipe_partition(ranges.profile, plan, b, memory_limit, ranges)
     return found.sizes if found is not None else None
 
 
@@ -437,7 +502,21 @@ def search(profile: Profile, devices: int, global_batch: int, memory_limit: Opti
     """Every :func:`candidates` plan evaluated and ranked, best first (see :func:`rank`); each
     infeasible one says which stage (or interleaved rank) exceeds the budget and by how much."""
     found = candidates(profile, devices, global_batch, allow_stale, schedules, memory_limit, partitions, virtual_stages)
-    return rank(evaluate(profile, c, memory_limit) for c in found)
+    with _collector_paused():
+        return rank(evaluate(profile, c, memory_limit) for c in found)
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cycle collector off for a search: it builds millions of objects, none in cycles,
+    and each collector pass scans them all (a fifth of a 64-device search, measured 2026-11-24)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _with_recompute(profile: Profile, plan: PipelinePlan, b: int, memory_limit: Optional[float]) -> Prediction:

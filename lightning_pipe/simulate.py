@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Union
 
-from lightning_pipe.schedules.actions import COMPUTE_KINDS, Action, Kind, format_actions
+import numpy as np
+
+from lightning_pipe.schedules.actions import COMPUTE_KINDS, Action, Kind, ScheduleError, format_actions
+from lightning_pipe.schedules.flat import CODES, FlatProgram, flatten
 
 CostModel = Union[Mapping[Kind, float], Callable[[Action], float]]
 
@@ -33,10 +36,6 @@ class StashModel:
             Kind.INPUT_GRAD: self.after_input_grad - self.activation,
             Kind.WEIGHT_GRAD: -self.after_input_grad,
         }.get(kind, 0.0)
-
-
-class ScheduleError(ValueError):
-    """A schedule that cannot run: deadlock, missing or duplicated work, wrong order."""
 
 
 @dataclass(frozen=True)
@@ -150,21 +149,24 @@ def simulate(schedule: list[list[Action]], costs: CostModel, stash: StashModel =
 class CompiledProgram:
     """A program flattened once for repeated makespans under different costs (the planner's hot loop).
 
-    ``order`` lists every action in an order the simulator can run them (each after its rank's
-    previous action and after the send it receives), as (rank, cost key, index in ``order`` of
-    the send it waits for, or -1). An action's cost depends only on its key, (stage, kind);
-    ``keys`` holds the first action of each key.
+    Every action is listed in an order the simulator can run them (each after its rank's
+    previous action and after the send it receives), as three lists of plain integers (millions
+    of tuples would burden the garbage collector): ``order_ranks`` its rank, ``order_keys`` its
+    cost key, ``order_waits`` the index in that order of the send it waits for, or -1. An
+    action's cost depends only on its key, (stage, kind); ``keys`` holds the first action of each key.
     """
 
     ranks: int
     keys: tuple[Action, ...]
-    order: tuple[tuple[int, int, int], ...]
+    order_ranks: list[int]
+    order_keys: list[int]
+    order_waits: list[int]
     counts: tuple[int, ...] = ()  # actions of each key
 
     def makespan(self, key_costs: list[float]) -> float:
         """The same makespan :func:`simulate` finds when every action costs ``key_costs[key]``."""
-        clock, end = [0.0] * self.ranks, [0.0] * len(self.order)
-        for i, (rank, key, dep) in enumerate(self.order):
+        clock, end = [0.0] * self.ranks, [0.0] * len(self.order_ranks)
+        for i, (rank, key, dep) in enumerate(zip(self.order_ranks, self.order_keys, self.order_waits)):
             start = clock[rank]
             if dep >= 0 and end[dep] > start:
                 start = end[dep]
@@ -180,48 +182,43 @@ class CompiledProgram:
         return [cost(a) for a in self.keys]
 
 
-def compile_program(schedule: list[list[Action]]) -> CompiledProgram:
+def compile_program(schedule: list[list[Action]], flat: Optional[FlatProgram] = None) -> CompiledProgram:
     """Flatten ``schedule`` in an order the simulator can run it (see :class:`CompiledProgram`):
     each rank advances until a receive whose send is not placed yet, round after round, as
-    :func:`simulate` does, on plain tuples (Action objects are slow to hash and build).
+    :func:`simulate` does, on its arrays (``flat``, made here if not given; Action objects are
+    slow to read).
 
     Raises:
         ScheduleError: if the ranks deadlock.
     """
-    senders = {kind._value_: (sender._value_, offset) for kind, (sender, offset) in _SENDER.items()}
-    sends = {sender for sender, _ in senders.values()}
-    position: dict[tuple[int, str, Optional[int]], int] = {}  # of each send
-    keys: dict[tuple[int, str], int] = {}
-    first: list[Action] = []
-    order: list[tuple[int, int, int]] = []
-    ptrs = [0] * len(schedule)
-    moved = True
+    flat = flat or flatten(schedule)
+    codes = flat.stage * len(CODES) + flat.kind
+    _, first, key_of = np.unique(codes, return_index=True, return_inverse=True)
+    source, starts = flat.source.tolist(), flat.starts.tolist()
+    placed = [-1] * len(source)  # each action's index in the order
+    ranks: list[int] = []
+    order: list[int] = []  # the actions' indices in flat
+    waits: list[int] = []
+    ptrs, moved = starts[:-1], True
     while moved:
         moved = False
-        for rank, actions in enumerate(schedule):
-            p, n = ptrs[rank], len(actions)
-            while p < n:
-                a = actions[p]
-                stage, kind, dep = a.stage, a.kind._value_, -1
-                if kind in senders:
-                    sender, offset = senders[kind]
-                    dep = position.get((stage + offset, sender, a.microbatch), -2)
-                    if dep == -2:
+        for rank, end in enumerate(starts[1:]):
+            p = ptrs[rank]
+            while p < end:
+                dep = source[p]
+                if dep >= 0:
+                    dep = placed[dep]
+                    if dep < 0:
                         break
-                elif kind in sends:
-                    position[(stage, kind, a.microbatch)] = len(order)
-                key = keys.get((stage, kind))
-                if key is None:
-                    key = keys[(stage, kind)] = len(first)
-                    first.append(a)
-                order.append((rank, key, dep))
+                placed[p] = len(order)
+                order.append(p)
+                waits.append(dep)
                 p += 1
             moved |= p != ptrs[rank]
+            ranks += [rank] * (p - ptrs[rank])
             ptrs[rank] = p
-    stuck = {r: str(schedule[r][p]) for r, p in enumerate(ptrs) if p < len(schedule[r])}
+    stuck = {r: str(flat.actions[p]) for r, p in enumerate(ptrs) if p < starts[r + 1]}
     if stuck:
         raise ScheduleError(f"deadlock: ranks wait at {stuck}\n{grid(schedule)}")
-    counts = [0] * len(first)
-    for _, key, _ in order:
-        counts[key] += 1
-    return CompiledProgram(len(schedule), tuple(first), tuple(order), tuple(counts))
+    counts = np.bincount(key_of, minlength=len(first)).tolist()
+    return CompiledProgram(len(schedule), tuple(flat.actions[i] for i in first.tolist()), ranks, key_of[order].tolist(), waits, tuple(counts))

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import bisect
+import functools
+import math
+
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Sequence
 
+import numpy as np
+
 from lightning_pipe.runtime.p2p import HEADER_LEN
 from lightning_pipe.schedules.actions import Action, Kind
+from lightning_pipe.schedules.flat import BACKWARD, CODES, FORWARD, INPUT_GRAD, SEND_ACT, SEND_GRAD, WEIGHT_GRAD, FlatProgram, flatten
 
 if TYPE_CHECKING:
     from lightning_pipe.planner import StageCosts
@@ -15,7 +22,7 @@ if TYPE_CHECKING:
 HEADER_BYTES = HEADER_LEN * 8
 
 #: ``(headers, gradients)``: a stage's sends not yet acknowledged by their peer (see
-#: :func:`send_events`), by what they keep alive: every one its header, and an input gradient
+#: :func:`unacknowledged`), by what they keep alive: every one its header, and an input gradient
 #: sent upstream is kept by the message alone. A sent output needs nothing more: the stage keeps
 #: it until its backward, which needs the peer's gradient for it, and that message acknowledges it.
 Sent = tuple[int, int]
@@ -31,71 +38,75 @@ Point = tuple[int, int, Sent]
 #: the rank its :data:`Point` and whether its gradients exist.
 Moment = tuple[int, str, tuple[Point, ...], tuple[bool, ...]]
 
-#: A change to a rank's unacknowledged sends after one action of its program: ``(stage, headers,
-#: gradients)`` added (a send posted) or, negative, taken off (sends the peer acknowledged).
-SendEvent = tuple[int, int, int]
-
-
-def send_events(program: Sequence[Sequence[Action]]) -> list[dict[int, list[SendEvent]]]:
-    """Per rank of ``program``, by the index of the action after which they happen, the changes
-    to its unacknowledged sends (:data:`SendEvent`).
+def unacknowledged(flat: FlatProgram) -> np.ndarray:
+    """After each action of a program, its rank's sends not yet acknowledged by their peer:
+    ``[action, position, (headers, gradients)]``, by the stage that sent them (its position among
+    the rank's stages, ``stage // ranks``; see :data:`Sent`).
 
     The executor keeps every message it posted, header and tensors, until it knows the peer has
     it (runtime/executor.py, ``Outbox``): each message carries how many messages its sender had
     taken in from the destination, and a rank reads that count when a receive action takes the
     message in, together with every earlier message from that peer (messages between two ranks
-    arrive in send order). A flushing step's end waits for all of them.
+    arrive in send order). A flushing step's end waits for all of them. Since what a rank has
+    taken in from a peer only grows, so does the count its messages carry: after a receive, the
+    sends acknowledged are the first ones the newest message taken in so far counts.
     """
-    # Integer keys, plain loops: the planner walks every candidate's program.
-    depth, comms = len(program), [_messages(actions) for actions in program]
-    span = 1 + max((c[2] for mine in comms for c in mine), default=0)  # microbatches, for integer message keys
-    sent: dict[int, list[SendEvent]] = {}  # sender * depth + receiver: each message's acknowledgement, in send order
-    sender: dict[int, int] = {}  # a message's key (receiving stage, microbatch, gradient?) -> its link and number
-    for r, mine in enumerate(comms):
-        for _, stage, microbatch, grad, sends in mine:
-            if sends:
-                to = stage - 1 if grad else stage + 1
-                box = sent.setdefault(r * depth + to % depth, [])
-                sender[(to * span + microbatch) * 2 + grad] = len(box) * depth + r
-                box.append((stage, -1, -int(grad)))
-    acks: dict[int, list[int]] = {link: [] for link in sent}  # what each message acknowledges, per link in send order
-    for r, mine in enumerate(comms):
-        taken = [0] * depth
-        for _, stage, microbatch, grad, sends in mine:
-            if sends:
-                q = (stage - 1 if grad else stage + 1) % depth
-                acks[r * depth + q].append(taken[q])
-            else:
-                n, q = divmod(sender[(stage * span + microbatch) * 2 + grad], depth)
-                if n >= taken[q]:
-                    taken[q] = n + 1
-    return [_rank_send_events(r, mine, sender, sent, acks, depth, span) for r, mine in enumerate(comms)]
+    ranks = flat.ranks
+    comm, channel, is_send = _channels(flat)
+    # What each send carries: how many messages its rank had taken in from the peer.
+    carries = np.zeros(len(flat.kind), np.int64)
+    carries[comm] = _grouped_cummax(np.where(is_send, 0, flat.message[comm] + 1), channel)
+    issued = _grouped_cumsum(is_send, channel)
+    acked = _grouped_cummax(np.where(is_send, 0, carries[flat.source[comm]]), channel)
+    # Each link's sends in send order, counted per sending stage's position: the unacknowledged
+    # ones after a message are those numbered from acked to issued.
+    link_sends = comm[is_send]
+    link_start = np.searchsorted(channel[is_send], channel)  # where each message's link begins among link_sends
+    sender_position = flat.stage[link_sends] // ranks
+    gradient = flat.kind[link_sends] == SEND_GRAD
+    state = np.zeros((len(comm), int(flat.stage.max(initial=0)) // ranks + 1, 2), np.int64)
+    for o in range(state.shape[1]):
+        for j, counted in enumerate((sender_position == o, (sender_position == o) & gradient)):
+            prefix = np.concatenate(([0], np.cumsum(counted)))
+            state[:, o, j] = prefix[link_start + issued] - prefix[link_start + acked]
+    # As changes after each action, summed along each rank's program.
+    change = np.zeros((len(flat.kind), *state.shape[1:]), np.int64)
+    first = np.concatenate(([True], channel[1:] != channel[:-1]))
+    change[comm] = state - np.where(first[:, None, None], 0, np.roll(state, 1, axis=0))
+    return _cumsum_per_rank(change, flat.starts)
 
 
-def _messages(actions: Sequence[Action]) -> list[tuple[int, int, int, bool, bool]]:
-    """A rank's sends and receives: (action index, stage, microbatch, gradient?, send?)."""
-    sa, sg, ra, rg = Kind.SEND_ACT, Kind.SEND_GRAD, Kind.RECV_ACT, Kind.RECV_GRAD
-    return [(i, a.stage, a.microbatch, k is sg or k is rg, k is sa or k is sg)  # type: ignore[misc]
-            for i, a in enumerate(actions) for k in (a.kind,) if k is sa or k is sg or k is ra or k is rg]  # fmt: skip
+def _channels(flat: FlatProgram) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every send and receive of ``flat`` by channel (a rank and one peer, ``rank * ranks +
+    peer``), then program order: their indices, their channels, and which are sends."""
+    sent = (flat.kind == SEND_ACT) | (flat.kind == SEND_GRAD)
+    comm = np.flatnonzero(sent | (flat.source >= 0))
+    rank = np.repeat(np.arange(flat.ranks), np.diff(flat.starts))[comm]
+    channel = rank * flat.ranks + flat.peer[comm]
+    order = np.lexsort((comm, channel))
+    return comm[order], channel[order], sent[comm[order]]
 
 
-def _rank_send_events(r: int, comms: Sequence[tuple[int, int, int, bool, bool]], sender: dict[int, int], sent: dict[int, list[SendEvent]],
-                      acks: dict[int, list[int]], depth: int, span: int) -> dict[int, list[SendEvent]]:  # fmt: skip
-    """:func:`send_events` of rank ``r`` from its sends and receives (:func:`_messages`)."""
-    taken, acked, events = [0] * depth, [0] * depth, {}
-    for i, stage, microbatch, grad, sends in comms:
-        if sends:
-            events[i] = [(stage, 1, int(grad))]
-            continue
-        n, q = divmod(sender[(stage * span + microbatch) * 2 + grad], depth)
-        if n >= taken[q]:
-            theirs = acks[q * depth + r]
-            newest = theirs[n] if n == taken[q] else max(theirs[taken[q] : n + 1])
-            if newest > acked[q]:
-                events[i] = sent[r * depth + q][acked[q] : newest]
-                acked[q] = newest
-            taken[q] = n + 1
-    return events
+def _grouped_cummax(values: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """Running maximum of nonnegative ``values`` within each run of equal, sorted ``groups``."""
+    if not len(values):
+        return values
+    offset = groups * (int(values.max()) + 1)
+    return np.maximum.accumulate(values + offset) - offset
+
+
+def _grouped_cumsum(flags: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """Running count of ``flags`` within each run of equal, sorted ``groups``."""
+    total = np.cumsum(flags)
+    first = np.searchsorted(groups, groups)
+    return total - (total[first] - flags[first])
+
+
+def _cumsum_per_rank(change: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Running sums of ``change`` along its first axis, restarted at each rank's first action."""
+    total = np.cumsum(change, axis=0)
+    before = np.concatenate((np.zeros_like(total[:1]), total))[starts[:-1]]  # the sum before each rank
+    return total - np.repeat(before, np.diff(starts), axis=0)
 
 
 def _dominant(points: Iterable[Point]) -> tuple[Point, ...]:
@@ -104,9 +115,11 @@ def _dominant(points: Iterable[Point]) -> tuple[Point, ...]:
     two Pareto frontiers). A moment's bytes are a nondecreasing function of held plus a convex
     one of pending (pending microbatches add captured gradients but no longer keep their
     outputs), so a point between two kept ones in pending, holding no more than either, is
-    never above both. Points on a segment between two others go first (:func:`_ends_of_segments`)."""
+    never above both. Points that another of the same pending count covers
+    (:func:`_uncovered`), then points on a segment between two others
+    (:func:`_ends_of_segments`) go first."""
     groups: dict[Sent, set[Point]] = {}
-    for point in _ends_of_segments(points):
+    for point in _ends_of_segments(_uncovered(points)):
         groups.setdefault(point[2], set()).add(point)
     kept: list[Point] = []
     for unique in groups.values():
@@ -120,6 +133,33 @@ def _dominant(points: Iterable[Point]) -> tuple[Point, ...]:
                 fewest.append(point)
         kept += most + fewest
     return tuple(sorted(set(kept)))
+
+
+def _uncovered(points: Iterable[Point]) -> list[Point]:
+    """``points`` without those another point of the same pending count covers: as many held
+    microbatches or more, and as many unacknowledged headers and gradients or more. At one kind
+    of moment and pending count a stage's bytes never fall as those grow."""
+    by_pending: dict[int, list[tuple[int, int, int]]] = {}
+    for h, p, (hd, g) in set(points):
+        by_pending.setdefault(p, []).append((h, hd, g))
+    kept: list[Point] = []
+    for pending, triples in by_pending.items():
+        # Held most first: a point can only be covered by one before it, if one of those has as
+        # many headers and gradients. Their (headers, gradients) Pareto front answers that:
+        # headers ascending, gradients descending.
+        front_headers: list[int] = []
+        front_gradients: list[int] = []
+        for h, hd, g in sorted(triples, reverse=True):
+            i = bisect.bisect_left(front_headers, hd)
+            if i < len(front_headers) and front_gradients[i] >= g:
+                continue
+            kept.append((h, pending, (hd, g)))
+            j = bisect.bisect_right(front_headers, hd)
+            k = i  # the front's points this one covers: headers at most hd, gradients at most g
+            while k > 0 and front_gradients[k - 1] <= g:
+                k -= 1
+            front_headers[k:j], front_gradients[k:j] = [hd], [g]
+    return kept
 
 
 def _ends_of_segments(points: Iterable[Point]) -> list[Point]:
@@ -172,6 +212,13 @@ class HeldCounts:
     backward_warm: tuple[Point, ...] = ()
     input_cold: tuple[Point, ...] = ()
 
+    def __hash__(self) -> int:
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:  # computed once: the planner keys caches by counts
+        return hash(tuple(getattr(self, name) for name in self.__dataclass_fields__))
+
     @property
     def peak(self) -> int:
         """Most microbatches held at any moment."""
@@ -189,14 +236,14 @@ _MOMENT_KINDS = {
 
 
 def _walk(actions: Sequence[Action], position: Callable[[int], int], count: int, warm: bool = False,
-          sends: Optional[dict[int, list[SendEvent]]] = None) -> Iterator[Moment]:  # fmt: skip
+          sent: Optional[np.ndarray] = None) -> Iterator[Moment]:  # fmt: skip
     """Every moment of a rank's program over ``count`` stages (``position``: a stage's index among
     them): a forward takes a microbatch in, a backward (or, under split backward, its W) lets it
     go; an input gradient moves it to pending until its W. Gradients exist from a stage's
-    first backward or W on (from the start if ``warm``). ``sends``: the rank's
-    :func:`send_events` (``None``: none counted)."""
+    first backward or W on (from the start if ``warm``). ``sent``: the rank's rows of
+    :func:`unacknowledged` (``None``: none counted)."""
     held, pending, grads = [0] * count, [0] * count, [warm] * count
-    sent: list[Sent] = [NOTHING_SENT] * count
+    rows = sent.tolist() if sent is not None else None
     f, b, ig, w = Kind.FORWARD, Kind.BACKWARD, Kind.INPUT_GRAD, Kind.WEIGHT_GRAD  # compared by identity: Enum hashing is slow
     for i, a in enumerate(actions):
         k = a.kind
@@ -206,29 +253,62 @@ def _walk(actions: Sequence[Action], position: Callable[[int], int], count: int,
                 held[c] += 1
             elif k is ig:
                 pending[c] += 1
-            if count == 1:  # the planner walks every candidate's one-stage ranks: skip zip
-                yield c, _MOMENT_KINDS[k][grads[0]], ((held[0], pending[0], sent[0]),), (grads[0],)
-            else:
-                yield c, _MOMENT_KINDS[k][grads[c]], tuple(zip(held, pending, sent)), tuple(grads)
+            now = tuple(map(tuple, rows[i])) if rows else (NOTHING_SENT,) * count
+            yield c, _MOMENT_KINDS[k][grads[c]], tuple(zip(held, pending, now)), tuple(grads)
             if k is b or k is w:
                 grads[c], held[c], pending[c] = True, held[c] - 1, pending[c] - (k is w)
-        if sends and i in sends:
-            for stage, headers, gradients in sends[i]:
-                o = position(stage)
-                sent[o] = (sent[o][0] + headers, sent[o][1] + gradients)
 
 
-def held_counts(actions: Sequence[Action], warm: bool = False, sends: Optional[dict[int, list[SendEvent]]] = None) -> HeldCounts:
+def held_counts(actions: Sequence[Action], warm: bool = False, sent: Optional[np.ndarray] = None) -> HeldCounts:
     """The points of each kind of moment of a one-stage rank's program (see :func:`_walk`)."""
     seen: dict[str, set[Point]] = {name: set() for name in HeldCounts.__dataclass_fields__}
-    for _, kind, points, _ in _walk(actions, lambda stage: 0, 1, warm, sends):
+    for _, kind, points, _ in _walk(actions, lambda stage: 0, 1, warm, sent):
         seen[kind].add(points[0])
     return HeldCounts(**{name: _dominant(points) for name, points in seen.items()})
 
 
-def program_held_counts(program: Sequence[Sequence[Action]], warm: bool = False) -> list[HeldCounts]:
-    """:func:`held_counts` of every rank of a program, with its sends (:func:`send_events`)."""
-    return [held_counts(actions, warm, sends) for actions, sends in zip(program, send_events(program))]
+#: :class:`HeldCounts` fields by number, and the number of each compute kind's moment before and
+#: after its stage's gradients exist (:data:`_MOMENT_KINDS`).
+_FIELDS = tuple(HeldCounts.__dataclass_fields__)
+_MOMENT_CODES = np.full((len(CODES), 2), -1)
+for _kind, _names in _MOMENT_KINDS.items():
+    _MOMENT_CODES[CODES[_kind]] = [_FIELDS.index(name) for name in _names]
+
+
+def program_held_counts(program: Sequence[Sequence[Action]], warm: bool = False, flat: Optional[FlatProgram] = None) -> list[HeldCounts]:
+    """:func:`held_counts` of every rank of a program of one stage per rank, with its
+    :func:`unacknowledged` sends: the same walk on arrays (the planner walks millions of actions)."""
+    flat = flat or flatten(program)
+    kind, starts = flat.kind, flat.starts
+    f, b, i, w = (kind == code for code in (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD))
+    release = b | w  # after its moment, the microbatch lets go
+    released = _cumsum_per_rank(release, starts)
+    held = _cumsum_per_rank(f, starts) - released + release
+    pending = _cumsum_per_rank(i, starts) - _cumsum_per_rank(w, starts) + w
+    grads = (released - release > 0) | warm
+    sent = unacknowledged(flat)[:, 0, :]
+    rank = np.repeat(np.arange(flat.ranks), np.diff(starts))
+    at = np.flatnonzero(f | b | i | w)
+    columns = [rank[at], _MOMENT_CODES[kind[at], grads[at].astype(np.int64)], held[at], pending[at], sent[at, 0], sent[at, 1]]
+    seen: list[dict[str, set[Point]]] = [{name: set() for name in _FIELDS} for _ in range(flat.ranks)]
+    for r, moment, h, p, headers, gradients in _unique_rows(columns):
+        seen[r][_FIELDS[moment]].add((h, p, (headers, gradients)))
+    return [HeldCounts(**{name: _dominant(points) for name, points in mine.items()}) for mine in seen]
+
+
+def _unique_rows(columns: Sequence[np.ndarray]) -> list[tuple[int, ...]]:
+    """The distinct rows of nonnegative integer ``columns``, as tuples."""
+    bases = [int(c.max(initial=0)) + 1 for c in columns]
+    if math.prod(bases) >= 1 << 63:
+        return [tuple(row) for row in np.unique(np.stack(columns, axis=1), axis=0).tolist()]
+    key = np.zeros(len(columns[0]), np.int64)
+    for c, base in zip(columns, bases):  # one integer per row, mixed radix
+        key = key * base + c
+    key, digits = np.unique(key), []
+    for base in reversed(bases):
+        key, digit = np.divmod(key, base)
+        digits.append(digit.tolist())
+    return list(zip(*reversed(digits)))
 
 
 def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, recompute: bool = False,
@@ -261,29 +341,34 @@ def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, re
     weights = versions * st.weight_bytes + st.optimizer_bytes
     grads = (versions if gradient_sets is None else gradient_sets) * st.gradient_bytes
     per_held = st.input_bytes + (0 if recompute else st.stash_bytes)
-    out = _kept_output_bytes(st, recompute, last)
+    out, cap = _kept_output_bytes(st, recompute, last), st.captured_bytes
     one = st.stash_bytes if recompute else 0  # recomputed for the backward that runs
     fws, bws = st.forward_workspace_bytes, st.backward_workspace_bytes + (0 if last else st.output_bytes)
-    # Recomputed graphs: the one a backward runs on, and under split backward each pending
-    # microbatch's (rebuilt before its I, kept for its W).
+    # Per kind of moment: its points, state, workspace, and activations as
+    # a0 + ah h + am max(h - 1, 0) + ap p + a1 max(p, 1) (recomputed graphs: the one a backward
+    # runs on, and under split backward each pending microbatch's, rebuilt before its I, kept for its W).
     moments = [
-        (held.forward_cold, weights, lambda h, p: h * per_held + p * one, fws),
-        (held.forward_warm, weights + grads, lambda h, p: h * per_held + p * one, fws),
-        (held.backward_first, weights, lambda h, p: max(h - 1, 0) * per_held + st.input_bytes + st.first_backward_bytes,
-         bws - st.backward_workspace_bytes),
-        (held.backward_warm, weights + grads, lambda h, p: h * per_held + max(p, 1) * one, bws),
-        (held.input_cold, weights, lambda h, p: h * per_held + max(p, 1) * one, bws),
+        (held.forward_cold, weights, fws, (0, per_held, 0, one, 0)),
+        (held.forward_warm, weights + grads, fws, (0, per_held, 0, one, 0)),
+        (held.backward_first, weights, bws - st.backward_workspace_bytes, (st.input_bytes + st.first_backward_bytes, 0, per_held, 0, 0)),
+        (held.backward_warm, weights + grads, bws, (0, per_held, 0, 0, one)),
+        (held.input_cold, weights, bws, (0, per_held, 0, 0, one)),
     ]  # fmt: skip
-
-    best, most = (weights + grads, 0, 0, 0, 0), -1  # totals first, one dict at the end: MadPipe asks millions of times
-    for points, state, act, ws in moments:
-        for h, p, sent in points:
-            parts = (state, act(h, p) + max(p - 1, 0) * st.captured_bytes, (h - p) * out, ws, sent_bytes(st, sent))
-            if sum(parts) > most:
-                best, most = parts, sum(parts)
-    state, activations, outputs, workspace, sending = best
-    return {"state": state, "activations": activations, "outputs": outputs, "workspace": workspace,
-            "buffers": posted + sending, "batch": batch_bytes}  # fmt: skip
+    # Totals first, on plain numbers, parts only for the worst point: MadPipe asks millions of times.
+    header, gradient = HEADER_BYTES, st.input_bytes
+    worst, most = (weights + grads, 0, (0, 0, NOTHING_SENT), (0,) * 5), -1
+    for points, state, workspace, (a0, ah, am, ap, a1) in moments:
+        base, per_h, per_p = state + workspace + a0, ah + out, ap - out
+        for point in points:
+            h, p, (hd, g) = point
+            total = base + per_h * h + am * (h - 1 if h > 1 else 0) + per_p * p + a1 * (p if p > 1 else 1) + cap * (p - 1 if p > 1 else 0)
+            total += header * hd + gradient * g
+            if total > most:
+                worst, most = (state, workspace, point, (a0, ah, am, ap, a1)), total
+    state, workspace, (h, p, sent), (a0, ah, am, ap, a1) = worst
+    activations = a0 + ah * h + am * max(h - 1, 0) + ap * p + a1 * max(p, 1) + cap * max(p - 1, 0)
+    return {"state": state, "activations": activations, "outputs": (h - p) * out, "workspace": workspace,
+            "buffers": posted + sent_bytes(st, sent), "batch": batch_bytes}  # fmt: skip
 
 
 def _posted_bytes(st: "StageCosts", first: bool, last: bool) -> int:
@@ -311,11 +396,11 @@ def stage_peak_bytes(st: "StageCosts", held: HeldCounts, versions: int = 1, reco
     return int(sum(stage_memory_terms(st, held, versions, recompute, first, last, batch_bytes, gradient_sets).values()))
 
 
-def rank_moments(actions: Sequence[Action], stages: Sequence[int], sends: Optional[dict[int, list[SendEvent]]] = None) -> tuple[Moment, ...]:
+def rank_moments(actions: Sequence[Action], stages: Sequence[int], sent: Optional[np.ndarray] = None) -> tuple[Moment, ...]:
     """The distinct moments of one rank's program over its ``stages``, in program order (see
     :func:`_walk`; every stage's counts at each, where :func:`held_counts` keeps one stage's)."""
     index = {s: c for c, s in enumerate(stages)}
-    return tuple(dict.fromkeys(_walk(actions, index.__getitem__, len(stages), sends=sends)))
+    return tuple(dict.fromkeys(_walk(actions, index.__getitem__, len(stages), sent=sent)))
 
 
 def resting_bytes(st: "StageCosts", point: Point, grads: bool, recompute: bool, last: bool) -> int:

@@ -113,3 +113,18 @@ def test_memory_heavy_first_block_fits_only_with_the_memory_aware_partition() ->
     # The planner's search offers the memory-aware partition next to the time-balanced one.
     offered = {c.plan.partition for c in candidates(profile, 4, 4, schedules=["1f1b"], memory_limit=limit) if c.plan.depth == 4}
     assert balanced_sizes in offered and got.sizes in offered
+
+
+def test_the_lower_bound_never_rejects_a_stage_that_fits() -> None:
+    # The DP rejects most ranges on a bound from prefix sums before computing their memory: at
+    # exactly a range's memory it must accept, one byte under it must reject.
+    from lightning_pipe.madpipe import _Chain
+
+    rng = random.Random(4)
+    profile = _chain([rng.uniform(0.5, 3.0) for _ in range(7)], [rng.randint(100, 5000) for _ in range(7)])
+    ranges = planner.RangeCosts(profile)
+    for schedule, depth, m, split in (("gpipe", 2, 4, False), ("1f1b", 3, 6, True), ("2bw", 3, 4, False)):
+        chain = _Chain(ranges, PipelinePlan(1, depth, m, schedule, split), 1)
+        for a, z, s in ((a, z, s) for a in range(7) for z in range(a + 1, 8) for s in range(depth)):
+            memory = chain.memory(a, z, s)
+            assert chain.fits(a, z, s, memory) and not chain.fits(a, z, s, memory - 1), (schedule, a, z, s)

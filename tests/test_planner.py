@@ -396,17 +396,63 @@ def test_walking_a_rank_of_one_stage_gives_the_stage_model(schedule: str, split:
     import random
 
     from lightning_pipe.schedules import build_schedule
-    from lightning_pipe.stage_memory import held_counts, rank_moments, rank_peak_bytes, send_events, stage_peak_bytes
+    from lightning_pipe.schedules.flat import flatten
+    from lightning_pipe.stage_memory import held_counts, rank_moments, rank_peak_bytes, stage_peak_bytes, unacknowledged
 
     rng = random.Random(1)
     for depth, m in itertools.product((1, 2, 4), (1, 4, 7)):
         program = build_schedule(schedule, depth, m, split)
-        for r, (actions, sends) in enumerate(zip(program, send_events(program))):
+        flat = flatten(program)
+        for r, actions in enumerate(program):
+            sent = unacknowledged(flat)[flat.rank(r)]
             st = planner.StageCosts(*(rng.uniform(0.1, 1.0) for _ in range(4)), *(rng.randrange(1, 10_000) for _ in range(11)))
             st = dataclasses.replace(st, unsaved_output_bytes=rng.randrange(0, st.output_bytes + 1))  # a part of the output
             first, last = r == 0, r == depth - 1
-            want = stage_peak_bytes(st, held_counts(actions, sends=sends), 1, recompute, first, last, 77)
-            assert rank_peak_bytes([st], rank_moments(actions, [r], sends), [recompute], [first], [last], 77) == want
+            want = stage_peak_bytes(st, held_counts(actions, sent=sent), 1, recompute, first, last, 77)
+            assert rank_peak_bytes([st], rank_moments(actions, [r], sent), [recompute], [first], [last], 77) == want
+
+
+def test_covered_points_are_dropped_exactly() -> None:
+    # _uncovered keeps a point unless another of the same pending count has as many held,
+    # headers and gradients: the quadratic definition written out.
+    import random
+
+    from lightning_pipe.stage_memory import _uncovered
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        points = {(rng.randrange(6), rng.randrange(3), (rng.randrange(6), rng.randrange(6))) for _ in range(rng.randrange(1, 40))}
+        want = {x for x in points if not any(y != x and y[1] == x[1] and y[0] >= x[0] and y[2][0] >= x[2][0] and y[2][1] >= x[2][1]
+                                              for y in points)}  # fmt: skip
+        assert set(_uncovered(points)) == want
+
+
+def test_a_program_whose_receive_nobody_sends_is_rejected_when_flattened() -> None:
+    from lightning_pipe.schedules import parse_actions
+    from lightning_pipe.schedules.flat import flatten
+    from lightning_pipe.simulate import ScheduleError
+
+    with pytest.raises(ScheduleError, match="no rank sends"):
+        flatten([parse_actions("0F0 0SF0"), parse_actions("1RF0 1F0 1RF1 1F1")])
+    with pytest.raises(ScheduleError, match="sent twice"):
+        flatten([parse_actions("0F0 0SF0 0SF0"), parse_actions("1RF0 1F0")])
+
+
+def test_the_walk_on_arrays_is_the_walk_over_actions() -> None:
+    # The planner walks every candidate's program on arrays (program_held_counts); the walk
+    # over Action objects (held_counts, with the rank's rows of unacknowledged sends) is the
+    # reference, at every depth and length the arrays' mixed-radix keys and per-rank restarts touch.
+    from lightning_pipe.schedules.flat import flatten
+    from lightning_pipe.stage_memory import held_counts, program_held_counts, unacknowledged
+
+    for schedule, depth, m, split, pending in itertools.product(("gpipe", "1f1b", "2bw"), (1, 2, 3, 5), (1, 3, 5, 8), (False, True), (None, 1)):
+        if (schedule == "2bw" and m < depth) or (pending is not None and not split):
+            continue
+        plan = PipelinePlan(1, depth, m, schedule, split, split_max_pending=pending)
+        program = planner.program(plan, steps=3 if schedule == "2bw" else 1)
+        flat = flatten(program)
+        want = [held_counts(actions, schedule == "2bw", unacknowledged(flat)[flat.rank(r)]) for r, actions in enumerate(program)]
+        assert program_held_counts(program, warm=schedule == "2bw") == want, plan.describe()
 
 
 @pytest.mark.parametrize("depth,virtual,m", [(2, 2, 4), (4, 2, 8), (2, 4, 6)])
@@ -666,15 +712,16 @@ def test_unacknowledged_sends_follow_the_executor_protocol(schedule: str, depth:
     # The walk's counts at every compute action against the protocol run literally. A rank
     # learns a send arrived only from a later message of its peer: in 1F1B's drain no more
     # activations come upstream, so the input gradients sent there stay until the step ends.
-    from lightning_pipe.stage_memory import _walk, send_events
+    from lightning_pipe.schedules.flat import flatten
+    from lightning_pipe.stage_memory import _walk, unacknowledged
 
     plan = PipelinePlan(1, depth, m, schedule, split_backward=split, virtual_stages=virtual)
     program = planner.program(plan)
-    want = _emulated_outboxes(program)
-    for r, (actions, sends) in enumerate(zip(program, send_events(program))):
+    want, flat = _emulated_outboxes(program), flatten(program)
+    for r, actions in enumerate(program):
         stages = list(range(r, depth * virtual, depth))
         got = [(sum(p[2][0] for p in moment[2]), sum(p[2][1] for p in moment[2]), 0)
-               for moment in _walk(actions, stages.index, len(stages), sends=sends)]  # fmt: skip
+               for moment in _walk(actions, stages.index, len(stages), sent=unacknowledged(flat)[flat.rank(r)])]  # fmt: skip
         assert got == want[r], (r, [x for x in zip(got, want[r]) if x[0] != x[1]][:3])
     if schedule == "1f1b" and not split and virtual == 1:  # the drain keeps every input gradient it sends
         assert max(g for _, g, _ in want[1]) >= depth - 2
