@@ -48,12 +48,12 @@ class _Chain:
         self.ranges, self.b, self.cap = ranges, microbatch_size, bucket_cap(plan)
         self.held, self.depth = held(plan), plan.depth
         self.versions, self.batch = weight_versions(plan), batch_bytes(ranges.profile, plan, microbatch_size)
-        self._elapsed = [0.0, *itertools.accumulate(x.forward + x.backward for x in ranges.samples(microbatch_size))]
+        blocks, samples = ranges.profile.blocks, ranges.samples(microbatch_size)
+        self._elapsed = [0.0, *itertools.accumulate(x.forward + x.backward for x in samples)]
         self.memory = functools.lru_cache(maxsize=None)(self._memory)  # type: ignore[method-assign]  # each DP asks again
         # A lower bound of a stage's memory, from prefix sums: its weights (times the versions)
         # and optimizer state, the batch, and the saved tensors of the most microbatches it
         # holds at a forward (every forward moment's bytes hold those: stage_memory_terms).
-        blocks, samples = ranges.profile.blocks, ranges.samples(microbatch_size)
         self._state = [0, *itertools.accumulate(self.versions * b.parameter_bytes + b.optimizer_bytes for b in blocks)]
         self._saved = [0, *itertools.accumulate(x.saved_bytes for x in samples)]
         self._forward_held = [max((p[0] for p in h.forward_cold + h.forward_warm), default=0) for h in self.held]
@@ -112,8 +112,8 @@ def madpipe_partition(profile: Profile, plan: PipelinePlan, microbatch_size: int
     if ranges is not None and ranges.profile is not profile:
         raise ValueError("ranges must hold the costs of the profile given")
     n, depth = len(profile.blocks), plan.depth
-    ranges_or_own = ranges or RangeCosts(profile)
-    chain = _Chain(ranges_or_own, plan, microbatch_size)
+    ranges = ranges or RangeCosts(profile)
+    chain = _Chain(ranges, plan, microbatch_size)
     targets = sorted({chain.time(i, j) for i in range(n) for j in range(i + 1, n + 1)})
     hi = len(targets) - 1
     best = _fits(chain, n, depth, targets[hi], memory_limit)  # the loosest period: if nothing fits there, nothing does
@@ -121,7 +121,7 @@ def madpipe_partition(profile: Profile, plan: PipelinePlan, microbatch_size: int
         return None
     # Algorithm 1's lower bound U(1, L) / P, tightened: no partition is faster than the
     # time-balanced one, which often fits (a margin for the two ways of summing the times).
-    balanced = ranges_or_own.balanced(depth, microbatch_size)
+    balanced = ranges.balanced(depth, microbatch_size)
     floor = max(chain.time(a, a + k) for a, k in zip(itertools.accumulate((0, *balanced)), balanced))
     lo, hi = bisect.bisect_left(targets, floor * (1 - 1e-9)), hi - 1
     if lo <= hi:

@@ -29,8 +29,8 @@ from lightning_pipe.stage_memory import (  # noqa: F401
     rank_moments,
     rank_peak_bytes,
     stage_memory_terms,
-    unacknowledged,
     stage_peak_bytes,
+    unacknowledged,
 )
 
 

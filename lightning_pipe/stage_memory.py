@@ -81,8 +81,7 @@ def _channels(flat: FlatProgram) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     peer``), then program order: their indices, their channels, and which are sends."""
     sent = (flat.kind == SEND_ACT) | (flat.kind == SEND_GRAD)
     comm = np.flatnonzero(sent | (flat.source >= 0))
-    rank = np.repeat(np.arange(flat.ranks), np.diff(flat.starts))[comm]
-    channel = rank * flat.ranks + flat.peer[comm]
+    channel = flat.owner[comm] * flat.ranks + flat.peer[comm]
     order = np.lexsort((comm, channel))
     return comm[order], channel[order], sent[comm[order]]
 
@@ -287,9 +286,8 @@ def program_held_counts(program: Sequence[Sequence[Action]], warm: bool = False,
     pending = _cumsum_per_rank(i, starts) - _cumsum_per_rank(w, starts) + w
     grads = (released - release > 0) | warm
     sent = unacknowledged(flat)[:, 0, :]
-    rank = np.repeat(np.arange(flat.ranks), np.diff(starts))
     at = np.flatnonzero(f | b | i | w)
-    columns = [rank[at], _MOMENT_CODES[kind[at], grads[at].astype(np.int64)], held[at], pending[at], sent[at, 0], sent[at, 1]]
+    columns = [flat.owner[at], _MOMENT_CODES[kind[at], grads[at].astype(np.int64)], held[at], pending[at], sent[at, 0], sent[at, 1]]
     seen: list[dict[str, set[Point]]] = [{name: set() for name in _FIELDS} for _ in range(flat.ranks)]
     for r, moment, h, p, headers, gradients in _unique_rows(columns):
         seen[r][_FIELDS[moment]].add((h, p, (headers, gradients)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 from operator import attrgetter
@@ -46,6 +47,11 @@ class FlatProgram:
     def ranks(self) -> int:
         """How many ranks run the program."""
         return len(self.starts) - 1
+
+    @functools.cached_property
+    def owner(self) -> np.ndarray:
+        """Each action's rank."""
+        return np.repeat(np.arange(self.ranks), np.diff(self.starts))
 
     def rank(self, r: int) -> slice:
         """Where rank ``r``'s actions lie in the arrays."""
