@@ -146,11 +146,25 @@ def _stages_label(stages: list[int]) -> str:
 
 
 def _gather(record: dict) -> list[dict]:
-    """Every rank's record, in rank order (only rank 0 uses them, but all must take part)."""
+    """Every rank's record, in rank order, on rank 0 (other ranks get only their own).
+
+    Point-to-point on purpose: a gloo collective's work object can outlive the call in the
+    group's worker thread, and when it holds the last reference to Python-made tensors it
+    needs the GIL to free them. Ranks leave ``fit`` right after the last step's gather while
+    rank 0 still draws, so the interpreter could already be finalizing then, and the worker
+    thread aborted the process ("terminate called without an active exception"). A send's
+    work is freed by its caller.
+    """
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
         return [record]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, record)
+    if dist.get_rank() != 0:
+        dist.send_object_list([record], dst=0)
+        return [record]
+    out = [record]
+    for src in range(1, dist.get_world_size()):
+        received: list[Any] = [None]
+        dist.recv_object_list(received, src=src)
+        out.append(received[0])
     return out
 
 
