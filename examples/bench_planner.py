@@ -289,15 +289,32 @@ def _ranking(results: list[dict[str, Any]], name: str) -> None:
 
 
 def _verdicts(results: list[dict[str, Any]], name: str) -> None:
-    """With a budget at the median measured peak: does 'feasible' agree with the measured peak?"""
-    budget = statistics.median(max(r["peaks"]) for r in results)
-    wrong = [r for r in results if (max(r["predicted"].stage_memory) <= budget) != (max(r["peaks"]) <= budget)]
-    print(f"{name} memory verdicts at a budget of {budget / 2**20:.3f} MiB (the median measured peak): "
-          f"{len(results) - len(wrong)} of {len(results)} agree")
-    for r in wrong:  # "called feasible, measured over" is the one that lets a job run out of memory
+    """Does 'feasible' agree with the measured peak, at budgets between the measured peaks?
+
+    Headline: the budget midway between the measured peaks on either side of the median, so
+    that half of the configurations fit. A budget equal to a measured peak would leave that
+    configuration no margin at all (any overestimate, however small, calls it infeasible), so
+    every budget lies midway between two neighbouring measured peaks; the sweep tries each gap."""
+    peaks = sorted({max(r["peaks"]) for r in results})
+    gaps = [(low + high) / 2 for low, high in zip(peaks, peaks[1:])]
+    if not gaps:
+        return
+    headline = gaps[(len(gaps) - 1) // 2]
+    wrong = _disagreements(results, headline)
+    print(f"{name} memory verdicts at a budget of {headline / 2**20:.3f} MiB (midway between the measured peaks around "
+          f"the median): {len(results) - len(wrong)} of {len(results)} agree")
+    swept = [(budget, r) for budget in gaps for r in _disagreements(results, budget)]
+    print(f"  at each of the {len(gaps)} budgets midway between neighbouring measured peaks: "
+          f"{len(gaps) * len(results) - len(swept)} of {len(gaps) * len(results)} verdicts agree")
+    for budget, r in swept:  # "called feasible, measured over" is the one that lets a job run out of memory
         verdict = "called feasible, measured over" if max(r["predicted"].stage_memory) <= budget else "called infeasible, measured within"
-        print(f"  {r['config']} {r['schedule']} b={r['predicted'].microbatch_size}: {verdict} "
+        print(f"  budget {budget / 2**20:.3f} MiB, {r['config']} {r['schedule']} b={r['predicted'].microbatch_size}: {verdict} "
               f"(predicted {max(r['predicted'].stage_memory) / 2**20:.3f} MiB, measured {max(r['peaks']) / 2**20:.3f} MiB)")
+
+
+def _disagreements(results: list[dict[str, Any]], budget: float) -> list[dict[str, Any]]:
+    """The configurations whose predicted verdict at ``budget`` differs from the measured one."""
+    return [r for r in results if (max(r["predicted"].stage_memory) <= budget) != (max(r["peaks"]) <= budget)]
 
 
 def _madpipe_order(profile: Any) -> None:

@@ -339,7 +339,7 @@ def profile_blocks(module: nn.Module, batch: Any, microbatch_sizes: Sequence[int
     batch_per_sample = _tensor_bytes(leaves) / batch_size(batch)
     if with_loss and sync is not None:
         sync()
-    per_action = _action_overhead(module, blocks, batch, profiles, min(microbatch_sizes), repeats, device) if with_loss else 0.0
+    per_action = _action_overhead(module, blocks, batch, min(microbatch_sizes), repeats, device) if with_loss else 0.0
     return Profile(profiles, optimizer_step=step, action_overhead=per_action, input_bytes_per_sample=per_sample,
                    batch_bytes_per_sample=batch_per_sample, device=str(device), shared_blocks=shared_blocks(module, blocks))
 
@@ -470,9 +470,17 @@ def profile_concurrently(factory: Callable[[], nn.Module], batch: Any, microbatc
     return mean_profile([value for _, value in ran])
 
 
-def _action_overhead(module: nn.Module, blocks: list[nn.Module], batch: Any, profiles: list[BlockProfile], size: int,
-                     repeats: int, device: torch.device) -> float:  # fmt: skip
-    """Seconds per F or B action that a one-stage executor run takes beyond the blocks' profiled time."""
+def _action_overhead(module: nn.Module, blocks: list[nn.Module], batch: Any, size: int, repeats: int,
+                     device: torch.device) -> float:  # fmt: skip
+    """Seconds per F or B action that a one-stage executor run takes beyond the same forwards,
+    losses and backwards run in a plain loop.
+
+    The two runs alternate (``2 * repeats + 1`` pairs after a warm-up, each pair in the other
+    order than the last) and the median of their paired differences is kept: against block
+    times profiled earlier, a run of the whole chain differed by the machine's drift (up to 25%
+    within seconds on a shared 2-core VM), which put 0 to 1.4 ms per action on the GPT example
+    in consecutive profiles and moved predictions of interleaved plans (twice the actions) by 30%.
+    """
     from lightning_pipe.runtime.executor import Executor, Hooks, Position, StepState
     from lightning_pipe.runtime.stage import Stage
     from lightning_pipe.schedules import Kind, build_schedule
@@ -481,16 +489,25 @@ def _action_overhead(module: nn.Module, blocks: list[nn.Module], batch: Any, pro
     microbatches, shares = split_batch(batch, m)
     actions = [a for a in build_schedule("1f1b", 1, m)[0] if a.kind in (Kind.FORWARD, Kind.BACKWARD)]
     executor = Executor(Stage(blocks, 0), Position(0, 1, None, None), device, Hooks(module.pipeline_inputs, module.pipeline_loss))
-    times = []
-    for _ in range(repeats + 1):
+
+    def through_executor() -> None:
         state = StepState({}, {})
         state.add_batch(0, microbatches, shares)
-        seconds, _ = _timed(lambda: executor.run(actions, state), device)
-        times.append(seconds)
+        executor.run(actions, state)
+
+    def plain() -> None:
+        for mb, share in zip(microbatches, shares):
+            x = as_tuple(module.pipeline_inputs(mb), "pipeline_inputs")
+            for block in blocks:
+                x = as_tuple(block(*x), type(block).__name__)
+            (_loss_of(module, mb, x) * share).backward()
+
+    differences = []
+    for i in range(2 * repeats + 2):  # each pair in alternating order, so that a steady drift cancels
+        first, second = _timed(through_executor if i % 2 else plain, device)[0], _timed(plain if i % 2 else through_executor, device)[0]
+        differences.append(first - second if i % 2 else second - first)
     module.zero_grad(set_to_none=True)
-    sample = [p.at(batch_size(microbatches[0])) for p in profiles]
-    blocks_time = m * sum(s.forward + s.backward for s in sample)
-    return max(statistics.median(times[1:]) - blocks_time, 0.0) / (2 * m)
+    return max(statistics.median(differences[1:]), 0.0) / (2 * m)
 
 
 def _make_optimizer(params: list[nn.Parameter], optimizer: Optional[Callable]) -> torch.optim.Optimizer:
