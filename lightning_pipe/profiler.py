@@ -472,13 +472,15 @@ def profile_concurrently(factory: Callable[[], nn.Module], batch: Any, microbatc
 
 def _action_overhead(module: nn.Module, blocks: list[nn.Module], batch: Any, size: int, repeats: int,
                      device: torch.device) -> float:  # fmt: skip
-    """Seconds per F or B action that a one-stage executor run takes beyond the same forwards,
-    losses and backwards run in a plain loop.
+    """Seconds per F or B action that a one-stage executor run takes beyond the same microbatches
+    run block by block as the profile times them (each block's forward, then its backward).
 
-    The two runs alternate (``2 * repeats + 1`` pairs after a warm-up, each pair in the other
-    order than the last) and the median of their paired differences is kept: against block
-    times profiled earlier, a run of the whole chain differed by the machine's drift (up to 25%
-    within seconds on a shared 2-core VM), which put 0 to 1.4 ms per action on the GPT example
+    That difference holds the executor's own work and what running a chain costs beyond its
+    blocks alone (a microbatch's backward comes after every forward of the chain, in a pipeline
+    too). The two runs alternate and the median of their paired differences is kept (``2 *
+    repeats + 1`` pairs after a warm-up, each pair in the other order than the last): against
+    block times profiled earlier, one run of the chain took in the machine's drift (up to 25%
+    within seconds on a shared 2-core VM), which read 0 to 2.6 ms per action on the GPT example
     in consecutive profiles and moved predictions of interleaved plans (twice the actions) by 30%.
     """
     from lightning_pipe.runtime.executor import Executor, Hooks, Position, StepState
@@ -495,17 +497,21 @@ def _action_overhead(module: nn.Module, blocks: list[nn.Module], batch: Any, siz
         state.add_batch(0, microbatches, shares)
         executor.run(actions, state)
 
-    def plain() -> None:
-        for mb, share in zip(microbatches, shares):
+    def block_by_block() -> None:
+        for mb in microbatches:
             x = as_tuple(module.pipeline_inputs(mb), "pipeline_inputs")
-            for block in blocks:
-                x = as_tuple(block(*x), type(block).__name__)
-            (_loss_of(module, mb, x) * share).backward()
+            for i, block in enumerate(blocks):
+                last = functools.partial(_loss_of, module, mb) if i == len(blocks) - 1 else None
+                out, (roots, grads) = _forward(block, _inputs_for(x, i == 0), last, type(block).__name__)
+                if roots:
+                    torch.autograd.backward(roots, grads)
+                x = tuple(o.detach() for o in out)
 
     differences = []
-    for i in range(2 * repeats + 2):  # each pair in alternating order, so that a steady drift cancels
-        first, second = _timed(through_executor if i % 2 else plain, device)[0], _timed(plain if i % 2 else through_executor, device)[0]
-        differences.append(first - second if i % 2 else second - first)
+    for i in range(2 * repeats + 2):
+        first, second = (through_executor, block_by_block) if i % 2 else (block_by_block, through_executor)
+        a, b = _timed(first, device)[0], _timed(second, device)[0]
+        differences.append(a - b if i % 2 else b - a)
     module.zero_grad(set_to_none=True)
     return max(statistics.median(differences[1:]), 0.0) / (2 * m)
 

@@ -549,7 +549,7 @@ def test_profiling_calls_sync_before_every_timed_pass() -> None:
 
 def test_the_action_overhead_is_what_the_executor_adds_to_the_same_work(monkeypatch: pytest.MonkeyPatch) -> None:
     # Every forward of the executor made 10 ms slower: 5 ms per F or B action on average, beyond
-    # the plain loop of the same forwards, losses and backwards that each executor run is paired with.
+    # the same microbatches run block by block (as profiled) that each executor run is paired with.
     from lightning_pipe.runtime.executor import Executor
 
     original = Executor._forward
