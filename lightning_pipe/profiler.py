@@ -339,7 +339,7 @@ def profile_blocks(module: nn.Module, batch: Any, microbatch_sizes: Sequence[int
     batch_per_sample = _tensor_bytes(leaves) / batch_size(batch)
     if with_loss and sync is not None:
         sync()
-    per_action = _action_overhead(module, blocks, batch, min(microbatch_sizes), repeats, device) if with_loss else 0.0
+    per_action = _action_overhead(module, blocks, batch, profiles, min(microbatch_sizes), repeats, device) if with_loss else 0.0
     return Profile(profiles, optimizer_step=step, action_overhead=per_action, input_bytes_per_sample=per_sample,
                    batch_bytes_per_sample=batch_per_sample, device=str(device), shared_blocks=shared_blocks(module, blocks))
 
@@ -470,18 +470,17 @@ def profile_concurrently(factory: Callable[[], nn.Module], batch: Any, microbatc
     return mean_profile([value for _, value in ran])
 
 
-def _action_overhead(module: nn.Module, blocks: list[nn.Module], batch: Any, size: int, repeats: int,
-                     device: torch.device) -> float:  # fmt: skip
-    """Seconds per F or B action that a one-stage executor run takes beyond the same microbatches
-    run block by block as the profile times them (each block's forward, then its backward).
+def _action_overhead(module: nn.Module, blocks: list[nn.Module], batch: Any, profiles: list[BlockProfile], size: int,
+                     repeats: int, device: torch.device) -> float:  # fmt: skip
+    """Seconds per F or B action that a one-stage executor run takes beyond the blocks' profiled time.
 
-    That difference holds the executor's own work and what running a chain costs beyond its
-    blocks alone (a microbatch's backward comes after every forward of the chain, in a pipeline
-    too). The two runs alternate and the median of their paired differences is kept (``2 *
-    repeats + 1`` pairs after a warm-up, each pair in the other order than the last): against
-    block times profiled earlier, one run of the chain took in the machine's drift (up to 25%
-    within seconds on a shared 2-core VM), which read 0 to 2.6 ms per action on the GPT example
-    in consecutive profiles and moved predictions of interleaved plans (twice the actions) by 30%.
+    The run and the block times are taken seconds apart, so the machine's drift lands in the
+    difference (six consecutive GPT profiles read 0 to 2.6 ms per action on the 2-core VM).
+    Estimators paired in time, the run alternated with the same microbatches run block by
+    block or in a plain loop, read 0 to 0.5 ms steadily, but bench_planner's predictions then
+    came out low on every row (chain -1% to -9%, GPT -5% to -21%; 2026-11-24): a multi-process
+    step costs more per action than either one-stage run shows, and this estimate's upward bias
+    covers part of that.
     """
     from lightning_pipe.runtime.executor import Executor, Hooks, Position, StepState
     from lightning_pipe.runtime.stage import Stage
@@ -491,29 +490,16 @@ def _action_overhead(module: nn.Module, blocks: list[nn.Module], batch: Any, siz
     microbatches, shares = split_batch(batch, m)
     actions = [a for a in build_schedule("1f1b", 1, m)[0] if a.kind in (Kind.FORWARD, Kind.BACKWARD)]
     executor = Executor(Stage(blocks, 0), Position(0, 1, None, None), device, Hooks(module.pipeline_inputs, module.pipeline_loss))
-
-    def through_executor() -> None:
+    times = []
+    for _ in range(repeats + 1):
         state = StepState({}, {})
         state.add_batch(0, microbatches, shares)
-        executor.run(actions, state)
-
-    def block_by_block() -> None:
-        for mb in microbatches:
-            x = as_tuple(module.pipeline_inputs(mb), "pipeline_inputs")
-            for i, block in enumerate(blocks):
-                last = functools.partial(_loss_of, module, mb) if i == len(blocks) - 1 else None
-                out, (roots, grads) = _forward(block, _inputs_for(x, i == 0), last, type(block).__name__)
-                if roots:
-                    torch.autograd.backward(roots, grads)
-                x = tuple(o.detach() for o in out)
-
-    differences = []
-    for i in range(2 * repeats + 2):
-        first, second = (through_executor, block_by_block) if i % 2 else (block_by_block, through_executor)
-        a, b = _timed(first, device)[0], _timed(second, device)[0]
-        differences.append(a - b if i % 2 else b - a)
+        seconds, _ = _timed(lambda: executor.run(actions, state), device)
+        times.append(seconds)
     module.zero_grad(set_to_none=True)
-    return max(statistics.median(differences[1:]), 0.0) / (2 * m)
+    sample = [p.at(batch_size(microbatches[0])) for p in profiles]
+    blocks_time = m * sum(s.forward + s.backward for s in sample)
+    return max(statistics.median(times[1:]) - blocks_time, 0.0) / (2 * m)
 
 
 def _make_optimizer(params: list[nn.Parameter], optimizer: Optional[Callable]) -> torch.optim.Optimizer:

@@ -547,9 +547,9 @@ def test_profiling_calls_sync_before_every_timed_pass() -> None:
     assert per_pass == [2 * blocks, blocks, blocks] * 2  # a warm-up (each block's workspace and B), then each timed B
 
 
-def test_the_action_overhead_is_what_the_executor_adds_to_the_same_work(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_action_overhead_is_what_the_executor_adds_to_the_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     # Every forward of the executor made 10 ms slower: 5 ms per F or B action on average, beyond
-    # the same microbatches run block by block (as profiled) that each executor run is paired with.
+    # the blocks' profiled times.
     from lightning_pipe.runtime.executor import Executor
 
     original = Executor._forward
