@@ -60,6 +60,7 @@ class PipelineMonitor(Callback):
         self.saved: list[str] = []  # timeline PNGs written (rank 0)
         self.last_records: list[dict] = []  # every rank's record at the last log (rank 0)
         self._folder = ""
+        self._records_group: Any = None  # a gloo group of every rank for the records alone
         self._reset(time.perf_counter())
 
     def _reset(self, start: float) -> None:
@@ -71,9 +72,13 @@ class PipelineMonitor(Callback):
             raise TypeError(f"PipelineMonitor needs Trainer(strategy=PipelineStrategy(...)), got {type(trainer.strategy).__name__}")
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Resolve the PNG folder (on every rank: ``trainer.log_dir`` is a collective) and start
-        the throughput clock."""
+        """Resolve the PNG folder (on every rank: ``trainer.log_dir`` is a collective), make the
+        group the records travel over, and start the throughput clock."""
         self._folder = self.dirpath or os.path.join(trainer.log_dir or trainer.default_root_dir, "pipeline_timeline")
+        if self._records_group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # Its own group: on the default one a record could meet a receive the pipeline posted
+            # ahead for a peer's next message (2BW keeps them across steps).
+            self._records_group = dist.new_group(backend="gloo")
         self._reset(time.perf_counter())
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -90,7 +95,7 @@ class PipelineMonitor(Callback):
         draw = bool(self.timeline_every_n_steps) and step % self.timeline_every_n_steps == 0
         if not (log or draw):
             return
-        records = _gather(_record(engine, trainer))
+        records = _gather(_record(engine, trainer), self._records_group)
         if trainer.is_global_zero:
             self.last_records = records
             if log:
@@ -145,8 +150,9 @@ def _stages_label(stages: list[int]) -> str:
     return f"stage {stages[0]}" if len(stages) == 1 else "stages " + ", ".join(map(str, stages))
 
 
-def _gather(record: dict) -> list[dict]:
-    """Every rank's record, in rank order, on rank 0 (other ranks get only their own).
+def _gather(record: dict, group: Any) -> list[dict]:
+    """Every rank's record, in rank order, on rank 0 (other ranks get only their own), over
+    ``group`` (every rank; ``None``: one process).
 
     Point-to-point on purpose: a gloo collective's work object can outlive the call in the
     group's worker thread, and when it holds the last reference to Python-made tensors it
@@ -155,15 +161,15 @@ def _gather(record: dict) -> list[dict]:
     thread aborted the process ("terminate called without an active exception"). A send's
     work is freed by its caller.
     """
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+    if group is None:
         return [record]
     if dist.get_rank() != 0:
-        dist.send_object_list([record], dst=0)
+        dist.send_object_list([record], dst=0, group=group)
         return [record]
     out = [record]
     for src in range(1, dist.get_world_size()):
         received: list[Any] = [None]
-        dist.recv_object_list(received, src=src)
+        dist.recv_object_list(received, src=src, group=group)
         out.append(received[0])
     return out
 
