@@ -300,10 +300,10 @@ def _verdicts(results: list[dict[str, Any]], name: str) -> None:
     if not gaps:
         return
     headline = gaps[(len(gaps) - 1) // 2]
-    wrong = _disagreements(results, headline)
+    swept = [(budget, r) for budget in gaps for r in _disagreements(results, budget)]
+    wrong = [r for budget, r in swept if budget == headline]
     print(f"{name} memory verdicts at a budget of {headline / 2**20:.3f} MiB (midway between the measured peaks around "
           f"the median): {len(results) - len(wrong)} of {len(results)} agree")
-    swept = [(budget, r) for budget in gaps for r in _disagreements(results, budget)]
     print(f"  at each of the {len(gaps)} budgets midway between neighbouring measured peaks: "
           f"{len(gaps) * len(results) - len(swept)} of {len(gaps) * len(results)} verdicts agree")
     for budget, r in swept:  # "called feasible, measured over" is the one that lets a job run out of memory

@@ -477,10 +477,11 @@ def _action_overhead(module: nn.Module, blocks: list[nn.Module], batch: Any, pro
     The run and the block times are taken seconds apart, so the machine's drift lands in the
     difference (six consecutive GPT profiles read 0 to 2.6 ms per action on the 2-core VM).
     Estimators paired in time, the run alternated with the same microbatches run block by
-    block or in a plain loop, read 0 to 0.5 ms steadily, but bench_planner's predictions then
-    came out low on every row (chain -1% to -9%, GPT -5% to -21%; 2026-11-24): a multi-process
-    step costs more per action than either one-stage run shows, and this estimate's upward bias
-    covers part of that.
+    block or in a plain loop, read 0 to 0.5 ms steadily; with them bench_planner's chain rows
+    came out 0 to 3 points lower than with this one (median error 2.0-2.3% against 1.4-1.9%,
+    2026-11-24), and its GPT rows missed as often (3 rows past 10% in runs of either). Kept for
+    now: a multi-process step appears to cost more per action than a one-stage run shows, and
+    this estimate's upward bias covers part of that.
     """
     from lightning_pipe.runtime.executor import Executor, Hooks, Position, StepState
     from lightning_pipe.runtime.stage import Stage
