@@ -22,6 +22,11 @@ rounds, and each configuration's time error as the median of its rounds' errors 
 prediction and a run minutes apart at most): this 2-core VM's speed drifts by up to 25% within seconds (a
 fixed matmul loop, measured), so one profile and one run far apart in time disagree by that
 much whatever the model.
+
+Each configuration also runs one step with the executor's trace on, and the simulator replays
+its program with every traced action's seconds (receives as the link model charges them): a
+second table splits each time error into the profile's action costs (predicted / replayed) and
+what the simulator misses given the step's own action times (replayed / traced step).
 """
 
 from __future__ import annotations
@@ -183,12 +188,47 @@ def _measure(rank: int, world: int, name: str, plan: PipelinePlan, b: int, steps
         start = time.perf_counter()
         engine.train_step(batch, opt)
         times.append(time.perf_counter() - start)
+    traced = _traced_step(engine, batch, opt)
     for p in engine.parameters():
         p.grad = None  # the step creates them again, tracked
     dist.barrier()
     with PeakTensorBytes(held_tensors(engine.parameters(), [opt])) as tracker:
         engine.train_step(batch, opt)
-    return {"step": statistics.median(times[1:]), "peak": tracker.peak, "stage": engine.stage_index}
+    return {"step": statistics.median(times[1:]), "peak": tracker.peak, "stage": engine.stage_index, **traced}
+
+
+def _traced_step(engine: Any, batch: Any, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """One more step with the executor's trace on: its seconds, and each action's seconds keyed
+    by (kind, stage, microbatch) (a receive's from when its message was due to be waited on)."""
+    engine.instrument = True
+    dist.barrier()
+    start = time.perf_counter()
+    engine.train_step(batch, opt)
+    seconds = time.perf_counter() - start
+    engine.instrument = False
+    actions = {(i.action.kind.name, i.action.stage, i.action.microbatch): i.end - i.start for i in engine.trace.intervals}
+    return {"traced_step": seconds, "actions": actions}
+
+
+def replayed_step(profile: Any, plan: PipelinePlan, b: int, measured: Sequence[dict[str, Any]]) -> float:
+    """The simulator's step for ``plan`` with every action the ranks traced charged its traced
+    seconds (the slowest replica's), and receives charged as the planner does (the link model).
+
+    Against the prediction it isolates the profile's action costs; against the traced step,
+    what the simulator misses with the step's own action times (waits, synchronisation,
+    the executor between actions)."""
+    traced: dict[tuple, float] = {}
+    for ranks in measured:
+        for key, seconds in ranks["actions"].items():
+            traced[key] = max(seconds, traced.get(key, 0.0))
+    model = planner.action_cost(profile, plan, planner.stage_costs(profile, plan, b))
+
+    def cost(a: Any) -> float:
+        if a.kind.name.startswith("RECV"):
+            return model(a)
+        return traced.get((a.kind.name, a.stage, a.microbatch), model(a))
+
+    return planner.step_time(plan, cost, profile.cores)
 
 
 def _profile(name: str, processes: int) -> Any:
@@ -220,9 +260,11 @@ def _round(links: dict[str, float], workloads: Sequence[str]) -> dict[tuple, dic
             assert all(s == "ok" for s, _ in ran), [v for s, v in ran if s != "ok"]
             measured = [v for _, v in ran]
             peaks = [max(v["peak"] for v in measured if v["stage"] == s) for s in range(d)]
-            out[config] = {"predicted": predicted, "measured": max(v["step"] for v in measured), "peaks": peaks}
+            out[config] = {"predicted": predicted, "measured": max(v["step"] for v in measured), "peaks": peaks,
+                           "replayed": replayed_step(profile, plan, b, measured), "traced": max(v["traced_step"] for v in measured)}  # fmt: skip
             print(f"  {name} ({w},{d}) b={b} {_schedule(config)}{' recompute' if config.recompute else ''}: predicted "
-                  f"{predicted.step_time:.3f} s, measured {out[config]['measured']:.3f} s", flush=True)
+                  f"{predicted.step_time:.3f} s, measured {out[config]['measured']:.3f} s; replayed with the traced "
+                  f"actions {out[config]['replayed']:.3f} s, traced step {out[config]['traced']:.3f} s", flush=True)
     return out
 
 
@@ -259,11 +301,29 @@ def main(rounds: int, workloads: Sequence[str]) -> None:
     print("\n".join(rows))
     print(f"\nstep time error (each configuration's median over rounds): median {statistics.median(time_errors):.1%}, worst {max(time_errors):.1%}; "
           f"peak memory error (every round): median {statistics.median(memory_errors):.1%}, worst {max(memory_errors):.1%}")
+    _decomposition(runs, workloads)
     for name in workloads:
         _ranking([r for r in results if r["workload"] == name], name)
         _verdicts([r for r in results if r["workload"] == name], name)
     if "chain" in workloads:
         _madpipe_order(runs[-1][("profile", "chain", 4)])
+
+
+def _decomposition(runs: list[dict], workloads: Sequence[str]) -> None:
+    """Where each configuration's time error comes from, medians over the rounds: the profile's
+    action costs against the ones the step traced (predicted / replayed), and the simulator
+    against the traced step with those same action times (replayed / traced)."""
+    print("\n| workload | (w,d) | b | schedule | recompute | predicted / replayed - 1 (action costs) | "
+          "replayed / traced step - 1 (simulator) | predicted / traced step - 1 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for config in (c for c in CONFIGS if c.workload in workloads):
+        mine = [run[config] for run in runs]
+        part = lambda f: statistics.median(f(x) for x in mine)  # noqa: E731
+        costs = part(lambda x: x["predicted"].step_time / x["replayed"] - 1)
+        simulator = part(lambda x: x["replayed"] / x["traced"] - 1)
+        total = part(lambda x: x["predicted"].step_time / x["traced"] - 1)
+        print(f"| {config.workload} | ({config.w},{config.d}) | {config.b} | {_schedule(config)} | "
+              f"{'yes' if config.recompute else 'no'} | {costs:+.1%} | {simulator:+.1%} | {total:+.1%} |")
 
 
 def plan_m(config: Config) -> int:

@@ -743,3 +743,24 @@ def test_unacknowledged_sends_follow_the_executor_protocol(schedule: str, depth:
         assert got == want[r], (r, [x for x in zip(got, want[r]) if x[0] != x[1]][:3])
     if schedule == "1f1b" and not split and virtual == 1:  # the drain keeps every input gradient it sends
         assert max(g for _, g, _ in want[1]) >= depth - 2
+
+
+def test_replaying_the_modelled_action_times_gives_the_prediction():
+    """bench_planner's replay charges each action what a step traced: fed the model's own costs it
+    must return the prediction, and fed slower forwards a longer step (so the trace is read)."""
+    import sys
+
+    from tests.launch import ROOT
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from bench_planner import replayed_step, synthetic_profile
+
+    profile = synthetic_profile(8)
+    for plan in (PipelinePlan(1, 4, 8, "1f1b"), PipelinePlan(2, 2, 4, "gpipe"), PipelinePlan(1, 2, 8, "1f1b", virtual_stages=2)):
+        plan = plan.replace(partition=planner.time_balanced(profile, plan.depth * plan.virtual_stages, 2))
+        cost = planner.action_cost(profile, plan, planner.stage_costs(profile, plan, 2))
+        traced = {(a.kind.name, a.stage, a.microbatch): cost(a) for rank in planner.program(plan) for a in rank}
+        predicted = planner.predict(profile, plan, 2).step_time
+        assert replayed_step(profile, plan, 2, [{"actions": traced}]) == pytest.approx(predicted, rel=1e-9)
+        slower = {k: 2 * v if k[0] == "FORWARD" else v for k, v in traced.items()}
+        assert replayed_step(profile, plan, 2, [{"actions": slower}]) > 1.2 * predicted
