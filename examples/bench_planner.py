@@ -23,8 +23,8 @@ prediction and a run minutes apart at most): this 2-core VM's speed drifts by up
 fixed matmul loop, measured), so one profile and one run far apart in time disagree by that
 much whatever the model.
 
-Each configuration also runs one step with the executor's trace on, and the simulator replays
-its program with every traced action's seconds (receives as the link model charges them): a
+Each configuration also runs 3 steps with the executor's trace on, and the simulator replays
+its program with every traced action's median seconds (receives as the link model charges them): a
 second table splits each time error into the profile's action costs (predicted / replayed) and
 what the simulator misses given the step's own action times (replayed / traced step).
 """
@@ -197,17 +197,21 @@ def _measure(rank: int, world: int, name: str, plan: PipelinePlan, b: int, steps
     return {"step": statistics.median(times[1:]), "peak": tracker.peak, "stage": engine.stage_index, **traced}
 
 
-def _traced_step(engine: Any, batch: Any, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """One more step with the executor's trace on: its seconds, and each action's seconds keyed
-    by (kind, stage, microbatch) (a receive's from when its message was due to be waited on)."""
+def _traced_step(engine: Any, batch: Any, opt: torch.optim.Optimizer, steps: int = 3) -> dict[str, Any]:
+    """``steps`` more steps with the executor's trace on: their median seconds, and each action's
+    median seconds keyed by (kind, stage, microbatch) (a receive's from when its message was due
+    to be waited on). One step alone can be an outlier on a noisy host."""
     engine.instrument = True
-    dist.barrier()
-    start = time.perf_counter()
-    engine.train_step(batch, opt)
-    seconds = time.perf_counter() - start
+    seconds, actions = [], {}
+    for _ in range(steps):
+        dist.barrier()
+        start = time.perf_counter()
+        engine.train_step(batch, opt)
+        seconds.append(time.perf_counter() - start)
+        for i in engine.trace.intervals:
+            actions.setdefault((i.action.kind.name, i.action.stage, i.action.microbatch), []).append(i.end - i.start)
     engine.instrument = False
-    actions = {(i.action.kind.name, i.action.stage, i.action.microbatch): i.end - i.start for i in engine.trace.intervals}
-    return {"traced_step": seconds, "actions": actions}
+    return {"traced_step": statistics.median(seconds), "actions": {k: statistics.median(v) for k, v in actions.items()}}
 
 
 def replayed_step(profile: Any, plan: PipelinePlan, b: int, measured: Sequence[dict[str, Any]]) -> float:
