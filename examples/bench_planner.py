@@ -24,7 +24,7 @@ fixed matmul loop, measured), so one profile and one run far apart in time disag
 much whatever the model.
 
 Each configuration also runs 3 steps with the executor's trace on, and the simulator replays
-its program with every traced action's median seconds (receives as the link model charges them): a
+its program with every traced action's median seconds, replica by replica (receives as the link model charges them): a
 second table splits each time error into the profile's action costs (predicted / replayed) and
 what the simulator misses given the step's own action times (replayed / traced step).
 """
@@ -215,24 +215,28 @@ def _traced_step(engine: Any, batch: Any, opt: torch.optim.Optimizer, steps: int
 
 
 def replayed_step(profile: Any, plan: PipelinePlan, b: int, measured: Sequence[dict[str, Any]]) -> float:
-    """The simulator's step for ``plan`` with every action the ranks traced charged its traced
-    seconds (the slowest replica's), and receives charged as the planner does (the link model).
+    """The simulator's step for ``plan`` with every action a replica's ranks traced charged its
+    traced seconds, receives charged as the planner does (the link model); the slowest replica's.
+    ``measured``: each rank's result, in rank order.
 
     Against the prediction it isolates the profile's action costs; against the traced step,
     what the simulator misses with the step's own action times (waits, synchronisation,
-    the executor between actions)."""
-    traced: dict[tuple, float] = {}
-    for ranks in measured:
-        for key, seconds in ranks["actions"].items():
-            traced[key] = max(seconds, traced.get(key, 0.0))
+    the executor between actions). Each replica is replayed on its own: replicas stall at
+    different moments, and the slowest time of each action over them is a step none ran."""
     model = planner.action_cost(profile, plan, planner.stage_costs(profile, plan, b))
+    replicas: dict[int, dict[tuple, float]] = {}
+    for rank, result in enumerate(measured):
+        replicas.setdefault(plan.topology.replica_of(rank), {}).update(result["actions"])
 
-    def cost(a: Any) -> float:
-        if a.kind.name.startswith("RECV"):
-            return model(a)
-        return traced.get((a.kind.name, a.stage, a.microbatch), model(a))
+    def replay(traced: dict[tuple, float]) -> float:
+        def cost(a: Any) -> float:
+            if a.kind.name.startswith("RECV"):
+                return model(a)
+            return traced.get((a.kind.name, a.stage, a.microbatch), model(a))
 
-    return planner.step_time(plan, cost, profile.cores)
+        return planner.step_time(plan, cost, profile.cores)
+
+    return max(replay(traced) for traced in replicas.values())
 
 
 def _profile(name: str, processes: int) -> Any:

@@ -756,7 +756,7 @@ def test_replaying_the_modelled_action_times_gives_the_prediction():
     from bench_planner import replayed_step, synthetic_profile
 
     profile = synthetic_profile(8)
-    for plan in (PipelinePlan(1, 4, 8, "1f1b"), PipelinePlan(2, 2, 4, "gpipe"), PipelinePlan(1, 2, 8, "1f1b", virtual_stages=2)):
+    for plan in (PipelinePlan(1, 4, 8, "1f1b"), PipelinePlan(1, 2, 8, "1f1b", virtual_stages=2), PipelinePlan(2, 2, 4, "gpipe")):
         plan = plan.replace(partition=planner.time_balanced(profile, plan.depth * plan.virtual_stages, 2))
         cost = planner.action_cost(profile, plan, planner.stage_costs(profile, plan, 2))
         traced = {(a.kind.name, a.stage, a.microbatch): cost(a) for rank in planner.program(plan) for a in rank}
@@ -764,3 +764,11 @@ def test_replaying_the_modelled_action_times_gives_the_prediction():
         assert replayed_step(profile, plan, 2, [{"actions": traced}]) == pytest.approx(predicted, rel=1e-9)
         slower = {k: 2 * v if k[0] == "FORWARD" else v for k, v in traced.items()}
         assert replayed_step(profile, plan, 2, [{"actions": slower}]) > 1.2 * predicted
+    # (2,2): replica 0's forwards ran slow, replica 1's backwards; the step is the slower replica's,
+    # not a step with every action at its slowest over the replicas
+    one = {k: 3 * v if k[0] == "FORWARD" else v for k, v in traced.items()}
+    two = {k: 1.5 * v if k[0] == "BACKWARD" else v for k, v in traced.items()}
+    alone = [replayed_step(profile, plan, 2, [{"actions": t}]) for t in (one, two)]
+    both = replayed_step(profile, plan, 2, [{"actions": {k: max(one[k], two[k]) for k in traced}}])
+    ranks = [{"actions": one}] * 2 + [{"actions": two}] * 2
+    assert replayed_step(profile, plan, 2, ranks) == max(alone) < both
