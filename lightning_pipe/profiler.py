@@ -593,8 +593,7 @@ def _link_worker(rank: int, world: int, small: int, large: int, repeats: int,
     posting = _posting(large, repeats, device)
     latency = t_small
     if device.type == "cpu" and busy > 0:
-        hop, posting = _loaded_hop(small, busy, 4 * repeats, device)
-        latency = max(hop - posting, 0.0)
+        latency, posting = _loaded_hop(small, busy, 4 * repeats, device)
     flat = torch.zeros(large // 4, device=device)
     times = []
     for _ in range(repeats + 1):
@@ -618,8 +617,10 @@ def _compute_for(seconds: float, operands: tuple[Tensor, Tensor]) -> None:
 
 def _loaded_hop(nbytes: int, busy: float, rounds: int, device: torch.device) -> tuple[float, float]:
     """Median seconds one transfer of ``nbytes`` adds to a relay between ranks 0 and 1 that
-    compute for ``busy`` seconds between transfers, and the median seconds the sender spends
-    posting it, as the executor sends and receives (payload receives posted ahead).
+    compute for ``busy`` seconds between transfers, beyond the sender's posting of it (each
+    round's trip less that round's postings), and the median seconds the sender spends posting
+    it, as the executor sends and receives (payload receives posted ahead). Rank 0's result is
+    the measurement.
 
     Pipeline ranks compute between transfers. On a CPU host the processes share the cores with
     the transport's threads, and a transfer posted right after computing costs more than
@@ -658,8 +659,16 @@ def _loaded_hop(nbytes: int, busy: float, rounds: int, device: torch.device) -> 
         incoming.wait()
         for work in works:
             work.wait()
-    hop = (statistics.median(trips[1:]) - 2 * busy) / 2 if rank == 0 else 0.0
-    return max(hop, 0.0), statistics.median(posts[1:]) if posts else 0.0
+    if rank == 1:
+        dist.send(torch.tensor(posts, dtype=torch.float64), 0)
+    if rank != 0:
+        return 0.0, statistics.median(posts[1:]) if posts else 0.0
+    theirs = torch.zeros(len(posts), dtype=torch.float64)
+    dist.recv(theirs, 1)
+    # Each round's trip less its own compute and both postings, so that a slow posting (a busy
+    # host) cancels against the trip it lengthened instead of against another round's.
+    hops = [(trip - 2 * busy - mine - other) / 2 for trip, mine, other in zip(trips[1:], posts[1:], theirs.tolist()[1:])]
+    return max(statistics.median(hops), 0.0), statistics.median(posts[1:])
 
 
 def _posting(nbytes: int, repeats: int, device: torch.device) -> float:
