@@ -56,17 +56,34 @@ class StageCosts:
 
 
 def _first_backward(samples: Sequence[BlockSample], grads: Sequence[int], bucket_cap: int = 0) -> int:
-    """Peak of one microbatch's first backward through the blocks, last to first: the saved
-    tensors of the blocks not yet run, the gradients created so far, the running block's temporaries.
+    """Peak of one microbatch's first backward through the blocks, last to first.
 
-    With replicas (``bucket_cap`` > 0) gradients live in their all-reduce bucket's flat buffer,
-    made whole at the bucket's first gradient (runtime/buckets.py): see :func:`bucketed_bytes`."""
-    stash = [x.saved_bytes for x in samples]
-    stash[1:] = [s + max(b.saved_input_bytes - a.saved_output_bytes, 0) for s, a, b in zip(stash[1:], samples, samples[1:])]
-    saved, created = list(itertools.accumulate(stash)), list(itertools.accumulate(reversed(grads)))[::-1]
-    if bucket_cap > 0:
-        created = [bucketed_bytes(c, sum(grads), bucket_cap) for c in created]
-    return max(saved[j] + created[j] + samples[j].backward_workspace_bytes for j in range(len(samples)))
+    While block ``j``'s backward runs: the saved tensors of blocks ``0..j``, the gradients of the
+    blocks after it and its own as they appear, and its temporaries. With replicas
+    (``bucket_cap`` > 0) a gradient moves into its all-reduce bucket's flat buffer, made whole at
+    the bucket's first gradient (runtime/buckets.py, :func:`bucketed_bytes`): until block ``j``
+    accumulates its first weight gradient the buckets are those of the blocks after it; from then
+    on they hold its gradients too, beside what the block still holds then
+    (``after_gradient_bytes``, profiled: autograd frees a node's saved tensors before
+    accumulating its gradients) and the saved tensors of blocks ``0..j-1``."""
+    inner = [0] + [max(b.saved_input_bytes - a.saved_output_bytes, 0) for a, b in zip(samples, samples[1:])]
+    saved = [0] + list(itertools.accumulate(x.saved_bytes + i for x, i in zip(samples, inner)))  # saved[j + 1]: blocks 0..j
+    after = list(itertools.accumulate(reversed(grads)))[::-1] + [0]  # after[j]: gradients of blocks j..
+    # The gradient a block's backward starts from, until it is consumed: the next block's input gradient
+    # (the stage's last block starts from the loss, or from a received gradient counted with the stage).
+    incoming = [x.output_bytes for x in samples[:-1]] + [0]
+    if bucket_cap <= 0:  # each block's gradients appear as it runs and stay (profiled cold), or all at once, at most
+        cold = [x.cold_backward_bytes or grads[j] + x.backward_workspace_bytes for j, x in enumerate(samples)]
+        return max(saved[j + 1] + after[j + 1] + incoming[j] + cold[j] for j in range(len(samples)))
+    held = [bucketed_bytes(c, after[0], bucket_cap) for c in after]
+    peaks = []
+    for j, x in enumerate(samples):
+        peaks.append(saved[j + 1] + held[j + 1] + incoming[j] + x.backward_workspace_bytes)  # before its first weight gradient
+        if grads[j] and x.after_gradient_bytes:
+            peaks.append(saved[j] + inner[j] + held[j] + x.after_gradient_bytes)
+        elif grads[j]:  # not profiled: everything the block holds beside its gradients' buckets
+            peaks.append(saved[j + 1] + held[j] + incoming[j] + x.backward_workspace_bytes)
+    return max(peaks)
 
 
 def bucketed_bytes(computed: int, total: int, bucket_cap: int) -> int:

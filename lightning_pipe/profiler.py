@@ -39,6 +39,8 @@ class BlockSample:
     forward_workspace_bytes: int = 0  # peak temporaries of its forward (see ``_workspace``)
     backward_workspace_bytes: int = 0  # peak temporaries of its backward
     captured_bytes: int = 0  # gradients split backward's I captures for the block's W (held until W)
+    after_gradient_bytes: int = 0  # peak bytes alive from its backward's first weight-gradient accumulation on (see ``_workspace``)
+    cold_backward_bytes: int = 0  # peak temporaries and new gradients of its backward when no gradient exists before it
 
     @property
     def recompute(self) -> float:
@@ -71,7 +73,8 @@ class BlockProfile:
 
 
 _FIELDS = ("forward", "backward", "input_grad", "weight_grad", "saved_bytes", "output_bytes", "saved_input_bytes",
-           "saved_output_bytes", "forward_workspace_bytes", "backward_workspace_bytes", "captured_bytes")
+           "saved_output_bytes", "forward_workspace_bytes", "backward_workspace_bytes", "captured_bytes", "after_gradient_bytes",
+           "cold_backward_bytes")
 
 
 def _interpolate(lo: BlockSample, hi: BlockSample, size: int) -> BlockSample:
@@ -251,7 +254,13 @@ class _Allocations(TorchDispatchMode):
         super().__init__()
         self.sizes: dict[int, int] = {}
         self.current = self.peak = 0
+        self.peak_since: Optional[int] = None  # the peak from a mark (:meth:`mark`) on, if marked
         self._refs: list[Any] = []
+
+    def mark(self) -> None:
+        """Start :attr:`peak_since` from what is alive now (a later call does nothing)."""
+        if self.peak_since is None:
+            self.peak_since = self.current
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -264,6 +273,8 @@ class _Allocations(TorchDispatchMode):
                     self.sizes[key] = storage.nbytes()
                     self.current += storage.nbytes()
                     self.peak = max(self.peak, self.current)
+                    if self.peak_since is not None:
+                        self.peak_since = max(self.peak_since, self.current)
                     self._refs.append(weakref.ref(storage, lambda _, key=key: self._free(key)))
         return out
 
@@ -271,21 +282,52 @@ class _Allocations(TorchDispatchMode):
         self.current -= self.sizes.pop(key, 0)
 
 
-def _workspace(block: nn.Module, x: tuple[Tensor, ...], first: bool, loss: Loss) -> tuple[int, int]:
-    """Peak bytes a block's forward, and its backward, allocate beyond what the block keeps
-    (its output and saved tensors) and its gradients: temporaries, the input gradient."""
-    for p in block.parameters():
-        p.grad = torch.zeros_like(p) if p.requires_grad else None  # gradients are counted as state
-    inputs = _inputs_for(x, first)
+def _workspace(block: nn.Module, x: tuple[Tensor, ...], first: bool, loss: Loss) -> tuple[int, int, int, int]:
+    """Bytes a block's passes allocate beyond what it keeps (its output, its saved tensors and the
+    gradient its backward starts from): the peak of its forward and of its backward as
+    :func:`_taken_pass` runs them, that pass's peak from its first weight gradient on, and the
+    peak of a backward whose new gradients stay (:func:`_cold_backward`)."""
+    block.zero_grad(set_to_none=True)
+    forward_extra, backward_extra, after_gradient = _taken_pass(block, _inputs_for(x, first), loss)
+    cold = _cold_backward(block, _inputs_for(x, first), loss)
+    block.zero_grad(set_to_none=True)
+    return forward_extra, backward_extra, after_gradient, cold
+
+
+def _taken_pass(block: nn.Module, inputs: tuple[Tensor, ...], loss: Loss) -> tuple[int, int, int]:
+    """Forward and backward with each new weight gradient taken away once accumulated (as when it
+    is added into an existing gradient, or into a replica all-reduce bucket: runtime/buckets.py):
+    the forward's peak temporaries, the backward's (the input gradient among them), and the peak
+    alive, the block's output excluded, from its first weight-gradient accumulation on (saved
+    tensors not freed yet beside the bucket that gradient makes whole; 0 without weight gradients)."""
+
+    def taken(p: Tensor) -> None:
+        mem.mark()
+        p.grad = None
+
     with _Allocations() as mem:
-        _, (roots, grads) = _forward(block, inputs, loss, type(block).__name__)
+        out, (roots, grads) = _forward(block, inputs, loss, type(block).__name__)
         kept, forward_extra = mem.current, mem.peak - mem.current
+        outputs = sum(mem.sizes.get(t.untyped_storage().data_ptr(), 0) for t in out if isinstance(t, Tensor))
         mem.peak = mem.current
+        handles = [p.register_post_accumulate_grad_hook(taken) for p in block.parameters() if p.requires_grad]
         if roots:
             torch.autograd.backward(roots, grads)
-        backward_extra = mem.peak - kept
-    block.zero_grad(set_to_none=True)
-    return forward_extra, backward_extra
+        for handle in handles:
+            handle.remove()
+    after_gradient = max(mem.peak_since - outputs, 0) if mem.peak_since is not None else 0
+    return forward_extra, mem.peak - kept, after_gradient
+
+
+def _cold_backward(block: nn.Module, inputs: tuple[Tensor, ...], loss: Loss) -> int:
+    """Peak bytes a backward allocates when no gradient exists before it and the new ones stay
+    (a step's first backward without replicas): temporaries and the block's gradients."""
+    with _Allocations() as mem:
+        _, (roots, grads) = _forward(block, inputs, loss, type(block).__name__)
+        kept = mem.peak = mem.current
+        if roots:
+            torch.autograd.backward(roots, grads)
+    return mem.peak - kept
 
 
 def _loss_of(module: nn.Module, microbatch: Any, out: tuple[Tensor, ...]) -> Tensor:
@@ -358,7 +400,7 @@ def _profile_chain(blocks: list[nn.Module], start: Callable[[], tuple[Tensor, ..
     chain's first block, whose inputs need no gradient); ``loss`` follows the last block if given;
     ``sync`` is called before every pass."""
     runs: list[list[BlockSample]] = [[] for _ in blocks]
-    workspace = [(0, 0)] * len(blocks)
+    workspace = [(0, 0, 0, 0)] * len(blocks)
     for run in range(repeats + 1):
         if sync is not None:
             sync()
@@ -369,8 +411,8 @@ def _profile_chain(blocks: list[nn.Module], start: Callable[[], tuple[Tensor, ..
                 workspace[i] = _workspace(block, x, first and i == 0, last)
             sample, x = _measure_block(block, x, first and i == 0, device, last)
             runs[i].append(sample)
-    return [dataclasses.replace(_median(measured[1:]), forward_workspace_bytes=fw, backward_workspace_bytes=bw)
-            for measured, (fw, bw) in zip(runs, workspace)]
+    return [dataclasses.replace(_median(measured[1:]), forward_workspace_bytes=fw, backward_workspace_bytes=bw, after_gradient_bytes=ag,
+                                cold_backward_bytes=cold) for measured, (fw, bw, ag, cold) in zip(runs, workspace)]
 
 
 def profile_stage(blocks: Sequence[nn.Module], first_block: int, inputs: Sequence[tuple[Tensor, ...]],

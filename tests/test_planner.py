@@ -544,7 +544,8 @@ def test_profiling_calls_sync_before_every_timed_pass() -> None:
     assert len(passes) == 2 * (2 + 1) + 2  # every pass of both sizes (a warm-up and 2 timed), the optimizer, the overhead run
     blocks = len(ToyChain().pipeline_blocks())
     per_pass = [calls[start + 1:end].count("backward") for start, end in zip(passes[:6], passes[1:7])]
-    assert per_pass == [2 * blocks, blocks, blocks] * 2  # a warm-up (each block's workspace and B), then each timed B
+    # A warm-up (each block's two workspace passes, gradients taken away and gradients kept, and B), then each timed B.
+    assert per_pass == [3 * blocks, blocks, blocks] * 2
 
 
 def test_the_action_overhead_is_what_the_executor_adds_to_the_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -597,19 +598,22 @@ scenario(4, "planner_bucketed_peaks_interleaved", _bucketed_peaks, BUCKETED_INTE
 def test_predicted_peak_counts_whole_gradient_buckets_from_the_first_backward(launched) -> None:
     # ToyChain at 2 and 4 samples a microbatch: its gradients outweigh its activations, so a first
     # backward that made them one block at a time (the model before buckets) under-predicts
-    # (by 13%, measured). 2% under, as in the 4-process spot check, is the tracker's few hundred bytes.
+    # (by 13%, measured). Counting the buckets beside every saved tensor of the block that made them
+    # came out 1.2-1.4% over; without the gradient each block's backward starts from, up to 1.4% under.
+    # Both are deterministic bytes: what is left (0.1-0.5%) is a few hundred bytes of headers and scalars.
     for rank in launched(2).ok("planner_bucketed_peaks"):
         for plan, (predicted, measured) in zip(BUCKETED_PLANS, rank):
-            assert 0.95 <= measured / predicted <= 1.02, (plan.describe(), predicted, measured)
+            assert 0.995 <= measured / predicted <= 1.01, (plan.describe(), predicted, measured)
 
 
 def test_an_interleaved_rank_counts_all_its_stages_gradients_from_its_first_backward(launched) -> None:
     # The rank's stages share its buckets: counting only the running stage's gradients at the
     # rank's first backward came out 5.3% and 2.7% under (measured). At m = 4, counting one
     # unacknowledged input gradient per stage and two headers per neighbour came out 7.5% under.
+    # Counting the buckets beside all the saved tensors of the block that made them: 0.8% over.
     for rank in launched(4).ok("planner_bucketed_peaks_interleaved"):
         for plan, (predicted, measured) in zip(BUCKETED_INTERLEAVED, rank):
-            assert 0.95 <= measured / predicted <= 1.02, (plan.describe(), predicted, measured)
+            assert 0.995 <= measured / predicted <= 1.01, (plan.describe(), predicted, measured)
 
 
 def test_a_rank_with_shared_buckets_counts_the_running_stages_gradients_once_any_stage_has_them() -> None:
