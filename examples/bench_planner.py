@@ -445,17 +445,42 @@ def planning_time() -> None:
                   "(every program built and compiled)", flush=True)
 
 
+def memory_check(workloads: Sequence[str]) -> None:
+    """Only the memory model: every configuration's predicted and measured peak per stage, in bytes,
+    and the verdicts. Tensor bytes do not depend on the machine's speed, so one profile in one
+    process and one measured step per configuration give the same numbers run after run."""
+    for name in workloads:
+        profile, results, errors = _profile(name, 1), [], []
+        for config in (c for c in CONFIGS if c.workload == name):
+            plan = _plan(config, planner.time_balanced(profile, config.d * config.virtual, config.b))
+            predicted = planner.predict(profile, plan, config.b)
+            ran = run_gloo(_measure, config.w * config.d, name, plan, config.b, 1, timeout=300.0)
+            assert all(s == "ok" for s, _ in ran), [v for s, v in ran if s != "ok"]
+            peaks = [max(v["peak"] for _, v in ran if v["stage"] == s) for s in range(config.d)]
+            errors.append(max(abs(p / q - 1) for p, q in zip(predicted.stage_memory, peaks)))
+            print(f"  {name} ({config.w},{config.d}) b={config.b} {_schedule(config)}{' recompute' if config.recompute else ''}: "
+                  f"predicted - measured peak per stage {[p - q for p, q in zip(predicted.stage_memory, peaks)]} bytes "
+                  f"(worst {errors[-1]:.2%})", flush=True)
+            results.append({"workload": name, "config": (config.w, config.d), "schedule": _schedule(config),
+                            "predicted": predicted, "peaks": peaks})  # fmt: skip
+        print(f"{name} peak memory error: median {statistics.median(errors):.2%}, worst {max(errors):.2%}")
+        _verdicts(results, name)
+
+
 if __name__ == "__main__":
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--planning-time", action="store_true", help="only time the planner's search")
+    parser.add_argument("--memory-only", action="store_true", help="only the memory model: predicted and measured peaks, verdicts")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of profiling then measuring; medians are reported")
     parser.add_argument("--workload", nargs="+", choices=sorted(WORKLOADS), default=sorted(WORKLOADS),
                         help="only these workloads (and no planning-time part)")  # fmt: skip
     args = parser.parse_args()
     if args.planning_time:
         planning_time()
+    elif args.memory_only:
+        memory_check(args.workload)
     else:
         main(args.rounds, args.workload)
         if set(args.workload) == set(WORKLOADS):
