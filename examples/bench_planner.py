@@ -197,6 +197,11 @@ def _measure(rank: int, world: int, name: str, plan: PipelinePlan, b: int, steps
     return {"step": statistics.median(times[1:]), "peak": tracker.peak, "stage": engine.stage_index, **traced}
 
 
+def _stage_peaks(measured: Sequence[dict[str, Any]], depth: int) -> list[int]:
+    """Each stage's peak tensor bytes: the largest over its replicas' ``_measure`` results."""
+    return [max(v["peak"] for v in measured if v["stage"] == s) for s in range(depth)]
+
+
 def _traced_step(engine: Any, batch: Any, opt: torch.optim.Optimizer, steps: int = 3) -> dict[str, Any]:
     """``steps`` more steps with the executor's trace on: their median seconds, and each action's
     median seconds keyed by (kind, stage, microbatch) (a receive's from when its message was due
@@ -267,7 +272,7 @@ def _round(links: dict[str, float], workloads: Sequence[str]) -> dict[tuple, dic
             ran = run_gloo(_measure, w * d, name, plan, b, 4, timeout=300.0)
             assert all(s == "ok" for s, _ in ran), [v for s, v in ran if s != "ok"]
             measured = [v for _, v in ran]
-            peaks = [max(v["peak"] for v in measured if v["stage"] == s) for s in range(d)]
+            peaks = _stage_peaks(measured, d)
             out[config] = {"predicted": predicted, "measured": max(v["step"] for v in measured), "peaks": peaks,
                            "replayed": replayed_step(profile, plan, b, measured), "traced": max(v["traced_step"] for v in measured)}  # fmt: skip
             print(f"  {name} ({w},{d}) b={b} {_schedule(config)}{' recompute' if config.recompute else ''}: predicted "
@@ -402,7 +407,7 @@ def _madpipe_order(profile: Any) -> None:
     for name, predicted in (("time-balanced", balanced), ("memory-aware", aware)):
         out = run_gloo(_measure, 4, "chain", predicted.plan, 2, 4, True, timeout=300.0)
         assert all(s == "ok" for s, _ in out), [v for s, v in out if s != "ok"]
-        peaks = [max(v["peak"] for _, v in out if v["stage"] == s) for s in range(4)]
+        peaks = _stage_peaks([v for _, v in out], 4)
         rows.append((name, predicted, max(v["step"] for _, v in out), max(peaks)))
     print(f"\nMadPipe case (block 0 keeps 8x the activations; budget {limit / 2**20:.3f} MiB):")
     for name, predicted, step, peak in rows:
@@ -456,7 +461,7 @@ def memory_check(workloads: Sequence[str]) -> None:
             predicted = planner.predict(profile, plan, config.b)
             ran = run_gloo(_measure, config.w * config.d, name, plan, config.b, 1, timeout=300.0)
             assert all(s == "ok" for s, _ in ran), [v for s, v in ran if s != "ok"]
-            peaks = [max(v["peak"] for _, v in ran if v["stage"] == s) for s in range(config.d)]
+            peaks = _stage_peaks([v for _, v in ran], config.d)
             errors.append(max(abs(p / q - 1) for p, q in zip(predicted.stage_memory, peaks)))
             print(f"  {name} ({config.w},{config.d}) b={config.b} {_schedule(config)}{' recompute' if config.recompute else ''}: "
                   f"predicted - measured peak per stage {[p - q for p, q in zip(predicted.stage_memory, peaks)]} bytes "
