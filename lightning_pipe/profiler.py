@@ -248,19 +248,28 @@ def _forward(block: nn.Module, inputs: tuple[Tensor, ...], loss: Loss, name: str
 
 
 class _Allocations(TorchDispatchMode):
-    """Bytes of the tensor storages that ops create inside it: alive now (``current``), at most (``peak``)."""
+    """Bytes of the tensor storages that ops create inside it: alive now (``current``), at most
+    (``peak``), and at most had the gradients handed to :meth:`take` stayed (``peak_kept``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.sizes: dict[int, int] = {}
-        self.current = self.peak = 0
+        self.current = self.peak = self.peak_kept = 0
         self.peak_since: Optional[int] = None  # the peak from a mark (:meth:`mark`) on, if marked
+        self._taken: dict[int, int] = {}  # bytes of each parameter's gradient taken away (the largest, as accumulation keeps one)
         self._refs: list[Any] = []
 
-    def mark(self) -> None:
-        """Start :attr:`peak_since` from what is alive now (a later call does nothing)."""
+    def restart_peaks(self) -> None:
+        """Start :attr:`peak` and :attr:`peak_kept` again from what is alive now."""
+        self.peak = self.peak_kept = self.current + sum(self._taken.values())
+
+    def take(self, p: Tensor) -> None:
+        """Drop ``p.grad``, still counting its bytes in :attr:`peak_kept`, and start :attr:`peak_since` (first call only)."""
         if self.peak_since is None:
             self.peak_since = self.current
+        size = self.sizes.get(p.grad.untyped_storage().data_ptr(), 0) if p.grad is not None else 0
+        self._taken[id(p)] = max(self._taken.get(id(p), 0), size)
+        p.grad = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -273,6 +282,7 @@ class _Allocations(TorchDispatchMode):
                     self.sizes[key] = storage.nbytes()
                     self.current += storage.nbytes()
                     self.peak = max(self.peak, self.current)
+                    self.peak_kept = max(self.peak_kept, self.current + sum(self._taken.values()))
                     if self.peak_since is not None:
                         self.peak_since = max(self.peak_since, self.current)
                     self._refs.append(weakref.ref(storage, lambda _, key=key: self._free(key)))
@@ -284,50 +294,26 @@ class _Allocations(TorchDispatchMode):
 
 def _workspace(block: nn.Module, x: tuple[Tensor, ...], first: bool, loss: Loss) -> tuple[int, int, int, int]:
     """Bytes a block's passes allocate beyond what it keeps (its output, its saved tensors and the
-    gradient its backward starts from): the peak of its forward and of its backward as
-    :func:`_taken_pass` runs them, that pass's peak from its first weight gradient on, and the
-    peak of a backward whose new gradients stay (:func:`_cold_backward`)."""
+    gradient its backward starts from), from one forward and backward with each new weight
+    gradient taken away once accumulated (as when it is added into an existing gradient, or into
+    a replica all-reduce bucket: runtime/buckets.py): the forward's peak temporaries, the
+    backward's (the input gradient among them), the peak alive, the block's output excluded,
+    from its first weight-gradient accumulation on (saved tensors not freed yet beside the bucket
+    that gradient makes whole; 0 without weight gradients), and the backward's peak had its new
+    gradients stayed (a step's first backward without replicas: temporaries and the gradients)."""
     block.zero_grad(set_to_none=True)
-    forward_extra, backward_extra, after_gradient = _taken_pass(block, _inputs_for(x, first), loss)
-    cold = _cold_backward(block, _inputs_for(x, first), loss)
-    block.zero_grad(set_to_none=True)
-    return forward_extra, backward_extra, after_gradient, cold
-
-
-def _taken_pass(block: nn.Module, inputs: tuple[Tensor, ...], loss: Loss) -> tuple[int, int, int]:
-    """Forward and backward with each new weight gradient taken away once accumulated (as when it
-    is added into an existing gradient, or into a replica all-reduce bucket: runtime/buckets.py):
-    the forward's peak temporaries, the backward's (the input gradient among them), and the peak
-    alive, the block's output excluded, from its first weight-gradient accumulation on (saved
-    tensors not freed yet beside the bucket that gradient makes whole; 0 without weight gradients)."""
-
-    def taken(p: Tensor) -> None:
-        mem.mark()
-        p.grad = None
-
     with _Allocations() as mem:
-        out, (roots, grads) = _forward(block, inputs, loss, type(block).__name__)
+        out, (roots, grads) = _forward(block, _inputs_for(x, first), loss, type(block).__name__)
         kept, forward_extra = mem.current, mem.peak - mem.current
         outputs = sum(mem.sizes.get(t.untyped_storage().data_ptr(), 0) for t in out if isinstance(t, Tensor))
-        mem.peak = mem.current
-        handles = [p.register_post_accumulate_grad_hook(taken) for p in block.parameters() if p.requires_grad]
+        mem.restart_peaks()
+        handles = [p.register_post_accumulate_grad_hook(mem.take) for p in block.parameters() if p.requires_grad]
         if roots:
             torch.autograd.backward(roots, grads)
         for handle in handles:
             handle.remove()
     after_gradient = max(mem.peak_since - outputs, 0) if mem.peak_since is not None else 0
-    return forward_extra, mem.peak - kept, after_gradient
-
-
-def _cold_backward(block: nn.Module, inputs: tuple[Tensor, ...], loss: Loss) -> int:
-    """Peak bytes a backward allocates when no gradient exists before it and the new ones stay
-    (a step's first backward without replicas): temporaries and the block's gradients."""
-    with _Allocations() as mem:
-        _, (roots, grads) = _forward(block, inputs, loss, type(block).__name__)
-        kept = mem.peak = mem.current
-        if roots:
-            torch.autograd.backward(roots, grads)
-    return mem.peak - kept
+    return forward_extra, mem.peak - kept, after_gradient, mem.peak_kept - kept
 
 
 def _loss_of(module: nn.Module, microbatch: Any, out: tuple[Tensor, ...]) -> Tensor:
