@@ -11,7 +11,7 @@ import math
 import os
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import lightning as L
 import torch
@@ -173,9 +173,9 @@ def warmup_cosine(step: int, total: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def main() -> None:
-    """LightningCLI entry point: ``fit``, ``validate`` with a YAML config from ``configs/``."""
-    LightningCLI(GPT, StdlibText, save_config_kwargs={"overwrite": True})
+def main(args: Optional[list[str]] = None) -> None:
+    """LightningCLI entry point (``args`` in place of the command line): ``fit``, ``validate`` with a YAML config from ``configs/``."""
+    LightningCLI(GPT, StdlibText, save_config_kwargs={"overwrite": True}, args=args)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import lightning as L
 import torch
@@ -107,9 +107,9 @@ class HFLlama(PipelineMixin, L.LightningModule):
         return adamw_warmup_cosine(self)
 
 
-def main() -> None:
-    """LightningCLI entry point: ``fit``, ``validate`` with ``configs/hf_llama.yaml``."""
-    LightningCLI(HFLlama, StdlibText, save_config_kwargs={"overwrite": True})
+def main(args: Optional[list[str]] = None) -> None:
+    """LightningCLI entry point (``args`` in place of the command line): ``fit``, ``validate`` with ``configs/hf_llama.yaml``."""
+    LightningCLI(HFLlama, StdlibText, save_config_kwargs={"overwrite": True}, args=args)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ MODULES = (
     "tests.test_buffers",
     "tests.test_ties",
     "tests.test_planner",
+    "tests.test_example",
+    "tests.test_monitor",
 )
 
 SCENARIOS: dict[int, dict[str, tuple[Callable[..., Any], tuple]]] = {}

@@ -16,9 +16,17 @@ from lightning_pipe.costmodel import SleepChain
 from lightning_pipe.schedules import build_schedule
 from lightning_pipe.schedules.actions import COMPUTE_KINDS, Action, Kind
 from lightning_pipe.timeline import COLOURS, bubble_fraction, draw
-from tests.launch import SCRIPTS, launch
+from tests.scripts.monitor_sleep import fit_monitored
+from tests.shared import scenario, scenario_dir
 
 DEPTH, M, STEPS = 4, 8, 4
+
+
+def _monitored(rank: int, world: int) -> None:
+    fit_monitored(scenario_dir(), "1f1b", split=True, microbatches=M, steps=STEPS, cost=0.02)
+
+
+scenario(DEPTH, "monitor_sleep", _monitored)
 
 
 def test_bubble_fraction_of_a_simulated_timeline_is_the_simulators_bubble() -> None:
@@ -64,11 +72,9 @@ def _simulated_with_measured_costs(records: list[dict], schedule: str, split: bo
     return sim.total_bubble
 
 
-@pytest.mark.timeout(300)
-def test_monitor_bubble_agrees_with_simulator_and_draws_the_timeline(tmp_path: Path) -> None:
-    launch([str(SCRIPTS / "monitor_sleep.py"), "--out", str(tmp_path), "--split", "--microbatches", str(M),
-            "--steps", str(STEPS), "--cost", "0.02"], timeout=240, torchrun=DEPTH)  # fmt: skip
-    dump = pickle.loads((tmp_path / "monitor.pkl").read_bytes())
+def test_monitor_bubble_agrees_with_simulator_and_draws_the_timeline(launched) -> None:
+    launched(DEPTH).ok("monitor_sleep")
+    dump = pickle.loads((launched(DEPTH).dir("monitor_sleep") / "monitor.pkl").read_bytes())
     with open(Path(dump["csv"]) / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("pipeline/bubble")]
     assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))

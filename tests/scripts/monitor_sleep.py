@@ -1,6 +1,8 @@
 """Train the cost-model chain through Trainer.fit with PipelineMonitor; rank 0 dumps what it logged.
 
     torchrun --nproc_per_node=4 tests/scripts/monitor_sleep.py --out DIR
+
+tests/test_monitor.py runs :func:`fit_monitored` as a scenario of the shared 4-process launch.
 """
 
 from __future__ import annotations
@@ -46,6 +48,23 @@ class SleepModule(PipelineMixin, L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
+def fit_monitored(out: Path, schedule: str = "1f1b", split: bool = False, microbatches: int = 8, steps: int = 4,
+                  cost: float = 0.01) -> None:
+    """Fit the chain on 4 ranks (this process is one of them); rank 0 writes ``out/monitor.pkl``."""
+    depth = 4
+    data = TensorDataset(torch.randn(2 * microbatches * steps, 16))
+    monitor = PipelineMonitor(log_every_n_steps=1, timeline_every_n_steps=steps)  # PNGs under the log dir
+    strategy = PipelineStrategy(schedule, depth, microbatches, partition="uniform", split_backward=split)
+    loggers = [TensorBoardLogger(out, name="tb"), CSVLogger(out, name="csv")]
+    trainer = L.Trainer(accelerator="cpu", devices=depth, strategy=strategy, max_steps=steps, logger=loggers,
+                        callbacks=[monitor], enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)  # fmt: skip
+    trainer.fit(SleepModule(depth, cost), DataLoader(data, batch_size=2 * microbatches))
+    if trainer.is_global_zero:
+        (out / "monitor.pkl").write_bytes(pickle.dumps({"records": monitor.last_records, "saved": monitor.saved,
+                                                        "csv": loggers[1].log_dir, "tb": loggers[0].log_dir}))  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -55,20 +74,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--cost", type=float, default=0.01)
     args = parser.parse_args()
-    out = Path(args.out)
-    depth = 4
-    data = TensorDataset(torch.randn(2 * args.microbatches * args.steps, 16))
-    monitor = PipelineMonitor(log_every_n_steps=1, timeline_every_n_steps=args.steps)  # PNGs under the log dir
-    strategy = PipelineStrategy(args.schedule, depth, args.microbatches, partition="uniform", split_backward=args.split)
-    loggers = [TensorBoardLogger(out, name="tb"), CSVLogger(out, name="csv")]
-    trainer = L.Trainer(accelerator="cpu", devices=depth, strategy=strategy, max_steps=args.steps, logger=loggers,
-                        callbacks=[monitor], enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)  # fmt: skip
-    trainer.fit(SleepModule(depth, args.cost), DataLoader(data, batch_size=2 * args.microbatches))
-    if trainer.is_global_zero:
-        (out / "monitor.pkl").write_bytes(pickle.dumps({"records": monitor.last_records, "saved": monitor.saved,
-                                                        "csv": loggers[1].log_dir, "tb": loggers[0].log_dir}))  # fmt: skip
-
+    fit_monitored(Path(args.out), args.schedule, args.split, args.microbatches, args.steps, args.cost)
 
 if __name__ == "__main__":
     main()
