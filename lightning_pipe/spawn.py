@@ -12,6 +12,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
+import multiprocessing
+
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -21,6 +23,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _start_method(fn: Callable) -> str:
+    """Fork workers from one server process that has imported this package and ``fn``'s module
+    (each spawned worker would import torch and Lightning again: seconds per process); spawn
+    where there is no fork server. The server starts on first use and serves every later call."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    multiprocessing.get_context("forkserver").set_forkserver_preload([__name__, fn.__module__])
+    return "forkserver"
 
 
 def _worker(rank: int, world: int, port: int, out: str, timeout: float, fn: Callable, args: tuple) -> None:
@@ -47,7 +59,8 @@ def run_gloo(fn: Callable, world: int, *args: Any, timeout: float = 60.0, pg_tim
     """
     with tempfile.TemporaryDirectory() as out:
         ctx = mp.start_processes(
-            _worker, args=(world, free_port(), out, pg_timeout, fn, args), nprocs=world, join=False, start_method="spawn"
+            _worker, args=(world, free_port(), out, pg_timeout, fn, args), nprocs=world, join=False,
+            start_method=_start_method(fn),
         )
         deadline = time.monotonic() + timeout
         for proc in ctx.processes:
