@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ctypes
 
-import subprocess
+import runpy
 import sys
 import time
 from pathlib import Path
@@ -235,13 +235,14 @@ def test_saving_and_loading_hold_one_stage_plus_a_bounded_buffer(launched) -> No
 # -- consolidation and errors --------------------------------------------------------------
 
 
-def test_consolidated_checkpoint_predicts_like_the_pipeline(launched, tmp_path: Path) -> None:
+def test_consolidated_checkpoint_predicts_like_the_pipeline(launched, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ranks = launched(4).ok("toy_1x4_gpipe_plain")
     folder = launched(4).dir("toy_1x4_gpipe_plain") / "ckpt" / "last.ckpt"
     assert folder.is_dir()
     out = tmp_path / "consolidated.ckpt"
-    subprocess.run([sys.executable, "-m", "lightning.pytorch.utilities.consolidate_checkpoint", str(folder),
-                    "--output_file", str(out)], check=True, capture_output=True, timeout=120)  # fmt: skip
+    # ``python -m lightning.pytorch.utilities.consolidate_checkpoint FOLDER --output_file OUT``, run in this process
+    monkeypatch.setattr(sys, "argv", ["consolidate_checkpoint", str(folder), "--output_file", str(out)])
+    runpy.run_module("lightning.pytorch.utilities.consolidate_checkpoint", run_name="__main__")
     model = ToyChain.load_from_checkpoint(out).eval()
     x, _ = make_data(8, 7)
     with torch.no_grad():

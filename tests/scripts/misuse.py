@@ -61,8 +61,8 @@ class FailsMidStep(ToyChain):
 CASES: dict[str, Any] = {"auto_opt": AutoOpt, "no_blocks": NoBlocks, "indivisible": ToyChain, "mid_step": FailsMidStep}
 
 
-def main() -> None:
-    case, devices = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1
+def fit_case(case: str, devices: int = 1) -> None:
+    """Fit the model of ``case`` on ``devices`` processes (more than one start through Lightning's launcher)."""
     x, y = make_data(64)
     trainer = L.Trainer(
         accelerator="cpu",
@@ -76,6 +76,9 @@ def main() -> None:
     )  # fmt: skip
     trainer.fit(CASES[case](), DataLoader(TensorDataset(x, y), batch_size=8))
 
+
+def main() -> None:
+    fit_case(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1)
 
 if __name__ == "__main__":
     main()
