@@ -210,6 +210,7 @@ class PipelineStrategy(DDPStrategy):
         if self._plan is not None and plan.world_size != self._plan.world_size:
             raise ValueError(f"plan {plan.describe()} needs {plan.world_size} processes, this run has {self._plan.world_size}")
         if self._groups is not None and (plan.width, plan.depth, plan.inner) != (self.plan.width, self.plan.depth, self.plan.inner):
+            self._groups.destroy()
             self._groups = PipelineGroups.build(plan.topology, self.global_rank, self.root_device.type)
         self._plan = plan
 
@@ -353,7 +354,7 @@ class PipelineStrategy(DDPStrategy):
         """Move the running job to ``plan`` between two training steps, without restarting processes.
 
         Drains a 2BW stream, moves each rank's weights and optimizer state by name to the ranks
-        of the new layout, rebuilds the process groups, places the new stages and engine, then
+        of the new layout, destroys the old layout's process groups and builds the new one's, places the new stages and engine, then
         re-creates the optimizer and LR schedulers from ``configure_optimizers`` (their counters
         carried over) and imports the state. ``trainer.global_step``, loggers and callbacks go
         on. A collective: every rank calls it with the same plan.
@@ -381,6 +382,8 @@ class PipelineStrategy(DDPStrategy):
         module._pipeline_engine.close()
         self.placement.undo()
         self._plan = new
+        if self._groups is not None:
+            self._groups.destroy()
         self._groups = PipelineGroups.build(new.topology, self.global_rank, self.root_device.type)
         module._pipeline_engine = self._place(module)
         self._rebind_optimizers(module.trainer, schedulers)

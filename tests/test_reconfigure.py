@@ -40,14 +40,24 @@ class SwitchAt(L.Callback):
     def __init__(self, step: int, plan: PipelinePlan) -> None:
         self.step, self.plan = step, plan
         self.plans: list[PipelinePlan] = []
+        self.groups = (0, 0, 0)  # groups held before the switch, after it, and both
 
     def setup(self, trainer: L.Trainer, pl_module: Any, stage: str) -> None:
         trainer.strategy.enable_reconfiguration()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step == self.step:
+            before = _live_groups()
             trainer.strategy.reconfigure(self.plan)
+            self.groups = (len(before), len(_live_groups()), len(before & _live_groups()))
         self.plans.append(trainer.strategy.plan)
+
+
+def _live_groups() -> set[Any]:
+    """The process groups this rank holds besides the default one."""
+    from torch.distributed import distributed_c10d
+
+    return set(distributed_c10d._world.pg_map) - {distributed_c10d.GroupMember.WORLD}
 
 
 def _fit_switching(rank: int, world: int, target: str) -> dict[str, Any]:
@@ -67,6 +77,7 @@ def _fit_switching(rank: int, world: int, target: str) -> dict[str, Any]:
         "indices": recorder.indices,
         "lrs": recorder.lrs,
         "plans": switch.plans,
+        "groups": switch.groups,
         "global_step": trainer.global_step,
         "stage": trainer.strategy.engine.stage_index,
     }
@@ -88,6 +99,8 @@ def _check_layout_and_steps(ranks: list[dict[str, Any]], target: str) -> dict[st
         assert rank["plans"] == [start] * (SWITCH - 1) + [after] * (STEPS - SWITCH + 1)
         assert rank["global_step"] == STEPS
         assert rank["indices"] == ranks[0]["indices"] and all(len(i) == GLOBAL for i in rank["indices"])
+        held_before, held_after, kept = rank["groups"]  # the old layout's groups destroyed, the new layout's built
+        assert held_before > 0 and held_after > 0 and kept == 0, rank["groups"]
     merged: dict[str, torch.Tensor] = {}
     for rank in ranks:
         for name, value in rank["params"].items():

@@ -216,7 +216,7 @@ class PipelineEngine:
             self.update.arm(0)
 
     def close(self) -> None:
-        """Release what outlives a step (gradient hooks on the parameters) before another layout is placed."""
+        """Release what outlives a step (gradient hooks on the parameters, the tied gradients' groups) before another layout is placed."""
         self.update.close()
 
     def _run(self, actions: list[Action], state: StepState, wait: bool = True, trace: Optional[Trace] = None,

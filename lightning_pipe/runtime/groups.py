@@ -49,6 +49,11 @@ class PipelineGroups:
         headers = dist.new_group(backend="gloo") if side_channel else None
         return cls(mesh, mesh.get_group("dp"), mesh.get_group("pp"), norm, headers)
 
+    def destroy(self) -> None:
+        """Destroy this rank's groups of the layout (each holds threads and sockets): once no
+        engine uses them. The default group, which a dimension spanning the whole job reuses, stays."""
+        destroy_groups([self.dp, self.pp, self.norm, self.headers])
+
     @property
     def channel(self) -> Channel:
         """Where the pipeline's transfers send their headers and tensors."""
@@ -60,3 +65,11 @@ def pipeline_group(topology: Topology, rank: int) -> Any:
     collective: every rank of the job creates every replica's group, in the same order)."""
     groups = [dist.new_group([topology.rank_of(r, s) for s in range(topology.depth)]) for r in range(topology.width)]
     return groups[topology.replica_of(rank)]
+
+
+def destroy_groups(groups: Any) -> None:
+    """Destroy each distinct group of ``groups`` on this rank, skipping ``None``, the default group
+    and the marker of groups this rank is not in."""
+    for group in {id(g): g for g in groups}.values():
+        if group is not None and group is not dist.GroupMember.WORLD and group is not dist.GroupMember.NON_GROUP_MEMBER:
+            dist.destroy_process_group(group)

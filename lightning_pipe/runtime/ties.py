@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from lightning_pipe.runtime.groups import pipeline_group
+from lightning_pipe.runtime.groups import destroy_groups, pipeline_group
 from lightning_pipe.topology import Topology
 
 
@@ -106,6 +106,11 @@ class TiedGradients:
         # optimizer step, on a group of its own: the norm group's posts come in another order
         # on different stages under 2BW (each posts at its AR).
         self.norm_group = pipeline_group(topology, rank)
+
+    def destroy(self) -> None:
+        """Destroy the groups it created (its engine is being replaced)."""
+        destroy_groups([group for group, _ in self._groups] + [self.norm_group])
+        self._groups = []
 
     def post(self, params: Sequence[Tensor]) -> None:
         """Start summing one batch's tied gradients (``params``: its weight slot, aligned with the stage's)."""

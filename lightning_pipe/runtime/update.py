@@ -79,10 +79,13 @@ class UpdatePath:
             buckets.accumulated(params)
 
     def close(self) -> None:
-        """Remove the buckets' gradient hooks (the engine is being replaced)."""
+        """Remove the buckets' gradient hooks and destroy the tied gradients' groups (the engine is being replaced)."""
         for buckets in self._buckets.values():
             buckets.close()
         self._buckets.clear()
+        if self.ties is not None:
+            self.ties.destroy()
+            self.ties = None
 
     def all_reduce(self) -> None:
         """AR: average the batch's gradients over the stage's replicas, then start the global
