@@ -212,6 +212,50 @@ from tests.shared import scenario  # noqa: E402
 scenario(2, "ties_fit", _fit_worker)
 
 
+def _fit_switching_worker(rank: int, world: int) -> dict:
+    """(1, 4) for 2 steps, then moved to (2, 2) while fitting: the tie spans stages 0 and 3, then 0 and 1."""
+    import lightning as L
+
+    from lightning_pipe import PipelineStrategy
+    from tests.scripts.train_toy import Recorder
+    from tests.test_reconfigure import SwitchAt
+
+    torch.manual_seed(0)
+    model, recorder = TiedModule(), Recorder()
+    switch = SwitchAt(2, PipelinePlan(2, 2, M, "1f1b", partition=[1, 3]))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, max_steps=STEPS, max_epochs=-1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, enable_checkpointing=False,
+        callbacks=[recorder, switch],
+        strategy=PipelineStrategy(plan=PipelinePlan(1, 4, M, "1f1b", partition=[1, 1, 1, 1]), global_batch_size=BATCH),
+    )  # fmt: skip
+    trainer.fit(model, torch.utils.data.DataLoader(Tokens(), batch_size=BATCH))
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "indices": recorder.indices,
+            "groups": switch.groups, "stage": trainer.strategy.engine.stage_index}  # fmt: skip
+
+
+scenario(4, "ties_reconfigure", _fit_switching_worker)
+
+
+def test_tied_model_moved_to_another_layout_mid_fit_matches_one_process(launched) -> None:
+    # The tied copies move by name with the rest of the state, and the old layout's tie groups go
+    # with its other groups (none of the groups held before the switch is held after it).
+    ranks = launched(4).ok("ties_reconfigure")
+    data = Tokens()
+    assert all(rank["indices"] == ranks[0]["indices"] for rank in ranks) and len(ranks[0]["indices"]) == STEPS
+    batches = [(data.ids[i], data.targets[i]) for i in map(torch.tensor, ranks[0]["indices"])]
+    torch.manual_seed(0)
+    want = reference_train(TiedModule(), batches, optimizer="sgd")
+    merged: dict = {}
+    for rank in ranks[:2]:  # replica 0: stages 0 and 1
+        merged.update({k: v for k, v in rank["params"].items() if k in want})
+    assert_close_dicts(merged, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(ranks[0]["params"]["embed.table.weight"], ranks[1]["params"]["head.out.weight"])
+    for rank in ranks:
+        before, after, kept = rank["groups"]
+        assert before > 0 and after > 0 and kept == 0, rank["groups"]
+
+
 def test_tied_checkpoint_keeps_one_copy_and_resumes_under_another_layout(launched) -> None:
     from lightning_pipe.checkpoint import saved_shapes
     from tests.models import load_plain

@@ -12,7 +12,7 @@ from torch.optim import Optimizer
 from lightning_pipe.partition import block_cost
 from lightning_pipe.layout import PipelinePlan
 from lightning_pipe.runtime.stage import Stage
-from lightning_pipe.runtime.ties import Tie, alias_names, find_ties, retie, shared_blocks, untie_remote
+from lightning_pipe.runtime.ties import Tie, alias_names, find_ties, retie, share_again, shared_blocks, shared_slots, untie_remote
 
 if TYPE_CHECKING:
     from lightning_pipe.runtime.engine import PipelineEngine
@@ -114,6 +114,7 @@ class Placement:
         self.ties: list[Tie] = []
         self._aliases = alias_names(module)  # other name of a tied parameter -> the name state is kept under
         self.shared_blocks = shared_blocks(module, self.blocks)  # before any placement unties them
+        self._shared_slots = shared_slots(self.blocks)  # tied again by undo(), whatever this rank dropped
         self._untied: list[tuple[nn.Module, str, nn.Parameter]] = []
 
     def apply(self, plan: PipelinePlan, rank: int, device: Optional[torch.device] = None) -> list[Stage]:
@@ -175,6 +176,7 @@ class Placement:
         """Put every original block back into the module (blocks of other stages hold no weights)."""
         retie(self._untied)
         self._untied = []
+        share_again(self._shared_slots)
         for (parent, name), block in zip(self._parents, self.blocks):
             parent._modules[name] = block
         self.plan, self.stage_index = None, -1

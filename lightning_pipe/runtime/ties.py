@@ -162,6 +162,27 @@ def untie_remote(blocks: Sequence[nn.Module], local: Sequence[int], remote: Sequ
     return replaced
 
 
+def shared_slots(blocks: Sequence[nn.Module]) -> list[list[tuple[nn.Module, str]]]:
+    """The ``(submodule, attribute)`` slots of each parameter that more than one slot of ``blocks`` holds."""
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    for block in blocks:
+        for sub in block.modules():
+            for attr, p in sub._parameters.items():
+                if p is not None:
+                    slots.setdefault(id(p), []).append((sub, attr))
+    return [found for found in slots.values() if len(found) > 1]
+
+
+def share_again(slots: Sequence[Sequence[tuple[nn.Module, str]]]) -> None:
+    """Make each group of slots hold one parameter object again (the first slot's). A rank that
+    dropped every block of a tie moved each to the meta device on its own, which split the
+    parameter in two; the next layout's ties are found by identity."""
+    for group in slots:
+        sub, attr = group[0]
+        for other, name in group[1:]:
+            other._parameters[name] = sub._parameters[attr]
+
+
 def retie(replaced: Sequence[tuple[nn.Module, str, nn.Parameter]]) -> None:
     """Put back the parameters :func:`untie_remote` replaced."""
     for sub, attr, p in replaced:
