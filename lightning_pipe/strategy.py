@@ -275,11 +275,15 @@ class PipelineStrategy(DDPStrategy):
         """Apply the plan on this rank (or keep the placement of the same plan from an earlier Trainer)."""
         placement: Optional[Placement] = getattr(module, "_pipeline_placement", None)
         if placement is not None and placement.plan is not None:
-            if _same_layout(placement.plan, self.plan) and module._pipeline_engine.rank == self.global_rank:
+            engine: PipelineEngine = module._pipeline_engine
+            if _same_layout(placement.plan, self.plan) and engine.rank == self.global_rank:
                 self._plan = placement.plan
-                return module._pipeline_engine
-            module._pipeline_engine.close()
+                self._adopt_groups(engine.groups)
+                return engine
+            engine.close()
             placement.undo()
+            if engine.groups is not None and engine.groups is not self._groups:
+                engine.groups.destroy()  # an earlier Trainer's layout: no engine uses them any more
         placement = placement or Placement(module)
         if self.plan.partition == "profile":
             self._plan = self.plan.replace(partition=self._profiled_partition(module))
@@ -292,6 +296,13 @@ class PipelineStrategy(DDPStrategy):
         rank_zero_info(placement.summary())
         return PipelineEngine(module, stages, self.plan, self.global_rank, self._groups, self.root_device,
                               self.gradient_clip_val, self.loss, self.bucket_bytes)  # fmt: skip
+
+    def _adopt_groups(self, groups: Optional[PipelineGroups]) -> None:
+        """Use the groups of the engine kept from an earlier Trainer (the same layout), destroying the ones built for this run."""
+        if groups is not None and groups is not self._groups:
+            if self._groups is not None:
+                self._groups.destroy()
+            self._groups = groups
 
     def _profiled_partition(self, module: Any) -> tuple[int, ...]:
         """Blocks per stage balancing the profiled F + B time, measured on rank 0 and sent to all ranks.
@@ -428,9 +439,11 @@ class PipelineStrategy(DDPStrategy):
             module._pipeline_engine.drain()
 
     def _check_weights(self) -> None:
-        unfilled = self.placement.unfilled
-        if unfilled:
-            raise RuntimeError(f"pipeline blocks {sorted(unfilled)} moved to this rank without their weights; "
+        """Raise on every rank (a collective) if blocks moved to any rank without their weights."""
+        unfilled = sorted(self.placement.unfilled)
+        missing = self.reduce(torch.tensor(float(len(unfilled)), device=self.root_device), reduce_op="sum")
+        if int(missing):
+            raise RuntimeError(f"{int(missing)} pipeline block(s) moved to ranks without their weights (here: {unfilled}); "
                                "load a checkpoint (ckpt_path=...) after changing the layout of a placed model")  # fmt: skip
 
     @override
@@ -523,7 +536,9 @@ class PipelineStrategy(DDPStrategy):
 
 def _same_layout(placed: PipelinePlan, wanted: PipelinePlan) -> bool:
     """Whether ``placed`` is ``wanted`` (whose partition may still be "balanced" or "uniform")."""
-    return placed == (wanted if wanted.is_resolved else wanted.replace(partition=placed.partition))
+    if wanted.is_resolved or wanted.stages != placed.stages:
+        return placed == wanted
+    return placed == wanted.replace(partition=placed.partition)
 
 
 def _check_layout(layout: dict[str, Any], plan: Optional[PipelinePlan]) -> dict[str, Any]:

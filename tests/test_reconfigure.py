@@ -4,6 +4,7 @@ single-process reference on the same global batches."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -85,6 +86,47 @@ def _fit_switching(rank: int, world: int, target: str) -> dict[str, Any]:
 
 for _target in TARGETS:
     scenario(4, f"reconfigure_{_target}", _fit_switching, _target)
+
+
+def _fit_one_step(model: Any, plan: PipelinePlan, world: int) -> int:
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, max_steps=1, max_epochs=-1, num_sanity_val_steps=0, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, enable_checkpointing=False,
+        strategy=PipelineStrategy(plan=plan, timeout=timedelta(seconds=60)),
+    )  # fmt: skip
+    trainer.fit(model, DataLoader(Indexed(GLOBAL, 0), batch_size=GLOBAL // plan.width))
+    return len(_live_groups())
+
+
+def _fit_again(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed import destroy_process_group
+
+    wide, deep = PipelinePlan(2, 2, 4, "1f1b", partition="uniform"), PipelinePlan(1, 4, 4, "1f1b", partition="uniform")
+    fresh = _fit_one_step(ToyChain(), deep, world)  # what one (1, 4) fit holds
+    for group in _live_groups():
+        destroy_process_group(group)
+    model = ToyChain()
+    held = [_fit_one_step(model, plan, world) for plan in (wide, wide)]
+    start = time.monotonic()
+    try:  # another layout on the placed model, without a checkpoint: refused on every rank at once
+        _fit_one_step(model, deep, world)
+        refused = ""
+    except RuntimeError as err:
+        refused = str(err)
+    return {"fresh_deep": fresh, "held": held + [len(_live_groups())], "refused": refused, "seconds": time.monotonic() - start}
+
+
+scenario(4, "fit_again_same_module", _fit_again)
+
+
+def test_later_trainers_on_one_module_hold_one_layouts_groups(launched) -> None:
+    # A second Trainer on the same layout keeps the placed engine and its groups (not another set
+    # beside them); a third on another layout drops the earlier layout's groups, and without a
+    # checkpoint for the blocks that moved every rank refuses to train (none waits for the others).
+    for rank in launched(4).ok("fit_again_same_module"):
+        first, again, other = rank["held"]
+        assert first > 0 and again == first and other == rank["fresh_deep"] > 0, rank
+        assert "moved to ranks without their weights" in rank["refused"] and rank["seconds"] < 30, rank
 
 
 def _batches(indices: list[list[int]], steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
