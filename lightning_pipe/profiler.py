@@ -254,21 +254,23 @@ class _Allocations(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.sizes: dict[int, int] = {}
-        self.current = self.peak = self.peak_kept = 0
-        self.peak_since: Optional[int] = None  # the peak from a mark (:meth:`mark`) on, if marked
+        self.current = self.peak = self.peak_kept = self.taken = 0  # taken: the bytes of the gradients taken away
+        self.peak_since: Optional[int] = None  # the peak from the first :meth:`take` on, once taken
         self._taken: dict[int, int] = {}  # bytes of each parameter's gradient taken away (the largest, as accumulation keeps one)
         self._refs: list[Any] = []
 
     def restart_peaks(self) -> None:
         """Start :attr:`peak` and :attr:`peak_kept` again from what is alive now."""
-        self.peak = self.peak_kept = self.current + sum(self._taken.values())
+        self.peak = self.peak_kept = self.current + self.taken
 
     def take(self, p: Tensor) -> None:
         """Drop ``p.grad``, still counting its bytes in :attr:`peak_kept`, and start :attr:`peak_since` (first call only)."""
         if self.peak_since is None:
             self.peak_since = self.current
         size = self.sizes.get(p.grad.untyped_storage().data_ptr(), 0) if p.grad is not None else 0
-        self._taken[id(p)] = max(self._taken.get(id(p), 0), size)
+        before = self._taken.get(id(p), 0)
+        self._taken[id(p)] = max(before, size)
+        self.taken += self._taken[id(p)] - before
         p.grad = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -282,7 +284,7 @@ class _Allocations(TorchDispatchMode):
                     self.sizes[key] = storage.nbytes()
                     self.current += storage.nbytes()
                     self.peak = max(self.peak, self.current)
-                    self.peak_kept = max(self.peak_kept, self.current + sum(self._taken.values()))
+                    self.peak_kept = max(self.peak_kept, self.current + self.taken)
                     if self.peak_since is not None:
                         self.peak_since = max(self.peak_since, self.current)
                     self._refs.append(weakref.ref(storage, lambda _, key=key: self._free(key)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import socket
@@ -11,8 +12,6 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
-
-import multiprocessing
 
 import torch.distributed as dist
 import torch.multiprocessing as mp

@@ -51,6 +51,13 @@ def scenario_dir() -> Path:
     return Path(os.environ["SCENARIO_DIR"])
 
 
+def live_groups() -> set[Any]:
+    """The process groups this rank holds besides the default one."""
+    from torch.distributed import distributed_c10d
+
+    return set(distributed_c10d._world.pg_map) - {distributed_c10d.GroupMember.WORLD}
+
+
 def launch_root() -> Path:
     """The folder holding every launch of the session (``world2/``, ``world4/``, ...)."""
     return Path(os.environ["SCENARIO_ROOT"])

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from lightning_pipe import PipelinePlan, PipelineStrategy
 from tests.models import ToyChain, assert_close_dicts, load_plain, reference_train
 from tests.scripts.train_toy import Indexed, Recorder, WithScheduler
-from tests.shared import scenario, scenario_dir
+from tests.shared import live_groups, scenario, scenario_dir
 
 GLOBAL, SWITCH, STEPS = 16, 2, 5  # the switch after step 2, then 3 more steps
 START = PipelinePlan(1, 4, 4, "1f1b", partition="uniform")
@@ -48,17 +48,10 @@ class SwitchAt(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step == self.step:
-            before = _live_groups()
+            before = live_groups()
             trainer.strategy.reconfigure(self.plan)
-            self.groups = (len(before), len(_live_groups()), len(before & _live_groups()))
+            self.groups = (len(before), len(live_groups()), len(before & live_groups()))
         self.plans.append(trainer.strategy.plan)
-
-
-def _live_groups() -> set[Any]:
-    """The process groups this rank holds besides the default one."""
-    from torch.distributed import distributed_c10d
-
-    return set(distributed_c10d._world.pg_map) - {distributed_c10d.GroupMember.WORLD}
 
 
 def _fit_switching(rank: int, world: int, target: str) -> dict[str, Any]:
@@ -95,16 +88,15 @@ def _fit_one_step(model: Any, plan: PipelinePlan, world: int) -> int:
         strategy=PipelineStrategy(plan=plan, timeout=timedelta(seconds=60)),
     )  # fmt: skip
     trainer.fit(model, DataLoader(Indexed(GLOBAL, 0), batch_size=GLOBAL // plan.width))
-    return len(_live_groups())
+    return len(live_groups())
 
 
 def _fit_again(rank: int, world: int) -> dict[str, Any]:
-    from torch.distributed import destroy_process_group
+    from lightning_pipe.runtime.groups import destroy_groups
 
     wide, deep = PipelinePlan(2, 2, 4, "1f1b", partition="uniform"), PipelinePlan(1, 4, 4, "1f1b", partition="uniform")
     fresh = _fit_one_step(ToyChain(), deep, world)  # what one (1, 4) fit holds
-    for group in _live_groups():
-        destroy_process_group(group)
+    destroy_groups(live_groups())
     model = ToyChain()
     held = [_fit_one_step(model, plan, world) for plan in (wide, wide)]
     start = time.monotonic()
@@ -113,7 +105,7 @@ def _fit_again(rank: int, world: int) -> dict[str, Any]:
         refused = ""
     except RuntimeError as err:
         refused = str(err)
-    return {"fresh_deep": fresh, "held": held + [len(_live_groups())], "refused": refused, "seconds": time.monotonic() - start}
+    return {"fresh_deep": fresh, "held": held + [len(live_groups())], "refused": refused, "seconds": time.monotonic() - start}
 
 
 scenario(4, "fit_again_same_module", _fit_again)

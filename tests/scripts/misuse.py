@@ -80,5 +80,6 @@ def fit_case(case: str, devices: int = 1) -> None:
 def main() -> None:
     fit_case(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1)
 
+
 if __name__ == "__main__":
     main()

@@ -76,5 +76,6 @@ def main() -> None:
     args = parser.parse_args()
     fit_monitored(Path(args.out), args.schedule, args.split, args.microbatches, args.steps, args.cost)
 
+
 if __name__ == "__main__":
     main()

@@ -19,17 +19,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from lightning_pipe.runtime.groups import destroy_groups  # noqa: E402
 from tests import shared  # noqa: E402
-
-
-def _destroy_subgroups() -> None:
-    """Destroy the process groups a scenario left (each holds threads and sockets on every rank):
-    the next scenario starts, as a fresh launch would, with the default group alone."""
-    from torch.distributed import distributed_c10d
-
-    for group in list(distributed_c10d._world.pg_map):
-        if group is not distributed_c10d.GroupMember.WORLD:
-            dist.destroy_process_group(group)
 
 
 def main() -> None:
@@ -55,7 +46,7 @@ def main() -> None:
         (folder / f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
         print(f"[rank {rank}] {name}: {result[0]} in {time.monotonic() - start:.1f}s", flush=True)
         dist.barrier()  # a scenario that failed on one rank only times out here and ends the launch
-        _destroy_subgroups()
+        destroy_groups(shared.live_groups())  # each holds threads and sockets: the next scenario starts as a fresh launch would
     dist.destroy_process_group()
 
 
