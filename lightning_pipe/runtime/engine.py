@@ -244,7 +244,7 @@ class PipelineEngine:
             self.versions.clear_grads()
         self._state.add_batch(self._batches * self.microbatches, microbatches, shares)
         self.trace.clear()
-        loss, self._loss_work = torch.zeros((), device=self.device), None
+        loss, self._loss_work = torch.zeros((), dtype=torch.float32, device=self.device), None  # the last stage's loss is float32
         if not self.position.is_last:
             self._share_loss(loss)  # posted now, filled when the last stage has the loss
         actions, arrivals = self._window()
@@ -315,7 +315,7 @@ class PipelineEngine:
         actions, arrivals = self._program(False, len(microbatches))
         state = self._run(actions, state, arrivals=arrivals)
         if not self.position.is_last:
-            return self._from_last_stage(torch.zeros((), device=self.device) if with_loss else None)
+            return self._from_last_stage(torch.zeros((), dtype=torch.float32, device=self.device) if with_loss else None)
         outputs = [state.results[k] for k in range(len(microbatches))]
         if with_loss:
             losses = [self.module.pipeline_loss(o, mb) * s for o, mb, s in zip(outputs, microbatches, shares)]

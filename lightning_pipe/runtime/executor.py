@@ -268,8 +268,7 @@ class Executor:
                 ready = self._handlers[action.kind](action, state)  # when its own work began, if it waited first
                 if self.trace is not None:
                     self.trace.record(action, start if ready is None else ready, now())
-                for incoming in self._incoming.values():
-                    incoming.advance()
+                self._advance_receives()
             if wait:
                 self._wait(state)
         except BaseException as err:  # noqa: BLE001 - neighbours must hear of every failure
@@ -421,6 +420,12 @@ class Executor:
         self._expected = {src: deque(keys) for src, keys in self._arrivals.items()}
         self._arrived = {}
         self._incoming = {src: self._incoming_from(src) for src in self._expected}
+
+    def _advance_receives(self) -> None:
+        """Post the payload receives of every message whose header is in. (A loop in :meth:`run`
+        would keep its variable, and with it a message already read, alive to the program's end.)"""
+        for incoming in self._incoming.values():
+            incoming.advance()
 
     def _incoming_from(self, src: int) -> p2p.Incoming:
         """The next message from ``src``, its payload receives posted for the specs its kind
