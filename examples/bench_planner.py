@@ -99,25 +99,26 @@ class _Hold(torch.autograd.Function):
 
 
 class HoldBlock(nn.Module):
-    """Sleeps ``FORWARD`` per sample, keeps ``ACT`` floats per sample until backward, which sleeps ``BACKWARD`` per sample."""
+    """Sleeps ``FORWARD`` per sample, keeps ``ACT`` floats per sample until backward, which sleeps
+    ``BACKWARD`` per sample (``sleeps``: False for the memory alone)."""
 
-    def __init__(self, act: int = ACT) -> None:
+    def __init__(self, act: int = ACT, sleeps: bool = True) -> None:
         super().__init__()
         self.w = nn.Parameter(torch.ones(DIM))
-        self.act = act
+        self.act, self.sleeps = act, sleeps
 
     def forward(self, x: Tensor) -> Tensor:
         n = x.shape[0]
-        time.sleep(FORWARD * n)
-        return _Hold.apply(x, self.w, torch.zeros(n, self.act), BACKWARD * n)
+        time.sleep(FORWARD * n * self.sleeps)
+        return _Hold.apply(x, self.w, torch.zeros(n, self.act), BACKWARD * n * self.sleeps)
 
 
 class HoldChain(nn.Module):
     """The chain, with the pipeline hooks of PipelineMixin; ``heavy_first``: block 0 keeps 8x the activations."""
 
-    def __init__(self, heavy_first: bool = False) -> None:
+    def __init__(self, heavy_first: bool = False, sleeps: bool = True) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(HoldBlock(8 * ACT if i == 0 and heavy_first else ACT) for i in range(BLOCKS))
+        self.blocks = nn.ModuleList(HoldBlock(8 * ACT if i == 0 and heavy_first else ACT, sleeps) for i in range(BLOCKS))
 
     def pipeline_blocks(self) -> list[nn.Module]:
         return list(self.blocks)

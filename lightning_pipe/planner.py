@@ -8,6 +8,7 @@ Seed 000's closed forms (Appendix A, also seed 002) are kept as a cross-check.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import itertools
@@ -17,7 +18,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 from lightning_pipe.partition import balanced
 from lightning_pipe.layout import PipelinePlan
-from lightning_pipe.profiler import BlockSample, Profile
+from lightning_pipe.profiler import BlockProfile, BlockSample, Profile
 from lightning_pipe.runtime.buckets import DEFAULT_BUCKET_BYTES
 from lightning_pipe.schedules import SCHEDULE_NAMES, Action, Kind, build_schedule, two_bw_drain, two_bw_window
 from lightning_pipe.schedules.flat import FlatProgram, flatten
@@ -51,11 +52,15 @@ class StageCosts:
     unsaved_output_bytes: int = 0  # of the output, what autograd does not save anyway
     forward_workspace_bytes: int = 0  # the largest block's temporaries during its forward
     backward_workspace_bytes: int = 0  # the largest block's temporaries during its backward
-    first_backward_bytes: int = 0  # one microbatch's saved tensors and the gradients during the step's first backward
+    first_backward_bytes: int = 0  # one microbatch's saved tensors and the gradients during the step's first backward (a recomputed last stage: after the loss's backward)
     captured_bytes: int = 0  # split backward: the gradients one microbatch's I captures for its W
+    backward_excess_bytes: Optional[int] = None  # a full backward's peak over the microbatch's saved tensors, blocks freeing theirs as it goes (None: the largest block's temporaries)
+    loss_bytes: int = 0  # the last stage: one microbatch's loss, kept until its backward (and the step's running sum)
+    loss_saved_bytes: int = 0  # the last stage: what the loss saves for backward (part of stash_bytes; kept outside a recomputed stage)
+    optimizer_step_bytes: int = 0  # the temporaries of the stage's optimizer step
 
 
-def _first_backward(samples: Sequence[BlockSample], grads: Sequence[int], bucket_cap: int = 0) -> int:
+def _first_backward(samples: Sequence[BlockSample], grads: Sequence[int], bucket_cap: int = 0, last_incoming: int = 0) -> int:
     """Peak of one microbatch's first backward through the blocks, last to first.
 
     While block ``j``'s backward runs: the saved tensors of blocks ``0..j``, the gradients of the
@@ -70,8 +75,9 @@ def _first_backward(samples: Sequence[BlockSample], grads: Sequence[int], bucket
     saved = [0] + list(itertools.accumulate(x.saved_bytes + i for x, i in zip(samples, inner)))  # saved[j + 1]: blocks 0..j
     after = list(itertools.accumulate(reversed(grads)))[::-1] + [0]  # after[j]: gradients of blocks j..
     # The gradient a block's backward starts from, until it is consumed: the next block's input gradient
-    # (the stage's last block starts from the loss, or from a received gradient counted with the stage).
-    incoming = [x.output_bytes for x in samples[:-1]] + [0]
+    # (the stage's last block starts from the loss, or from a received gradient counted with the stage,
+    # or ``last_incoming``: the gradient the loss's backward gave it).
+    incoming = [x.output_bytes for x in samples[:-1]] + [last_incoming]
     if bucket_cap <= 0:  # each block's gradients appear as it runs and stay (profiled cold), or all at once, at most
         cold = [x.cold_backward_bytes or grads[j] + x.backward_workspace_bytes for j, x in enumerate(samples)]
         return max(saved[j + 1] + after[j + 1] + incoming[j] + cold[j] for j in range(len(samples)))
@@ -86,12 +92,41 @@ def _first_backward(samples: Sequence[BlockSample], grads: Sequence[int], bucket
     return max(peaks)
 
 
+def _backward_excess(samples: Sequence[BlockSample], last_incoming: int = 0) -> int:
+    """Peak bytes of one microbatch's backward through the blocks (gradients already there) beyond
+    its saved tensors: while block ``j``'s backward runs, the saved tensors of blocks ``0..j``,
+    the gradient it starts from and its temporaries; the blocks after it have freed theirs. So
+    a block with large temporaries early in the stage adds less than the same block last."""
+    inner = [0] + [max(b.saved_input_bytes - a.saved_output_bytes, 0) for a, b in zip(samples, samples[1:])]
+    saved = list(itertools.accumulate(x.saved_bytes + i for x, i in zip(samples, inner)))  # saved[j]: blocks 0..j
+    incoming = [x.output_bytes for x in samples[:-1]] + [last_incoming]  # as in _first_backward
+    return max(saved[j] + incoming[j] + x.backward_workspace_bytes for j, x in enumerate(samples)) - saved[-1]
+
+
+def _recomputed(samples: Sequence[BlockSample]) -> tuple[list[BlockSample], int]:
+    """A recomputed last stage's blocks as its backward finds them, and the gradient its last
+    block starts from: the loss runs outside the recomputation, so its backward has run, freed
+    what it saved and left the gradient of the stage output before the blocks are recomputed."""
+    x = samples[-1]
+    alone = dataclasses.replace(x, saved_bytes=x.saved_bytes - x.loss_saved_bytes, backward_workspace_bytes=x.block_backward_workspace_bytes,
+                                after_gradient_bytes=x.block_after_gradient_bytes, cold_backward_bytes=x.block_cold_backward_bytes)  # fmt: skip
+    return [*samples[:-1], alone], x.output_bytes
+
+
 def bucketed_bytes(computed: int, total: int, bucket_cap: int) -> int:
     """Gradient bytes a stage holds once ``computed`` of its ``total`` exist, in buckets of at most
     ``bucket_cap`` bytes, each made whole at its first gradient. Buckets fill whole parameters
     from the last one back, so the ones begun are every one passed plus the current one, whose
     rest is under ``bucket_cap``: an upper bound, exact while the stage's gradients fit one bucket."""
     return min(total, computed + bucket_cap) if computed > 0 else 0
+
+
+def step_bytes(profile: Profile, blocks: Iterable[BlockProfile]) -> int:
+    """Temporaries of one optimizer step over ``blocks``' parameters (see ``Profile.step_bytes_add_up``)."""
+    sizes = [b.optimizer_step_bytes for b in blocks]
+    if not sizes:
+        return 0
+    return sum(sizes) if profile.step_bytes_add_up else max(sizes)
 
 
 def _inner_inputs(samples: Sequence[BlockSample]) -> int:
@@ -108,6 +143,8 @@ def range_costs(profile: Profile, blocks: range, microbatch_size: int, recompute
     mine = [samples[i] if samples is not None else profile.blocks[i].at(microbatch_size) for i in blocks]
     states = [profile.blocks[i] for i in blocks]
     first = blocks.start
+    # A full backward's blocks (with recompute on the last stage, as the loss's backward leaves them; profiled since loss_bytes).
+    backward, incoming = _recomputed(mine) if recompute and mine[-1].loss_bytes else (mine, 0)
     return StageCosts(
         forward=sum(x.forward for x in mine),
         backward=sum(x.backward + (x.recompute if recompute else 0.0) for x in mine),
@@ -123,8 +160,12 @@ def range_costs(profile: Profile, blocks: range, microbatch_size: int, recompute
         optimizer_bytes=sum(b.optimizer_bytes for b in states),
         forward_workspace_bytes=max(x.forward_workspace_bytes for x in mine),
         backward_workspace_bytes=max(x.backward_workspace_bytes for x in mine),
-        first_backward_bytes=_first_backward(mine, [b.gradient_bytes for b in states], bucket_cap),
+        first_backward_bytes=_first_backward(backward, [b.gradient_bytes for b in states], bucket_cap, incoming),
         captured_bytes=sum(x.captured_bytes for x in mine),
+        backward_excess_bytes=_backward_excess(backward, incoming),
+        loss_bytes=mine[-1].loss_bytes,
+        loss_saved_bytes=mine[-1].loss_saved_bytes,
+        optimizer_step_bytes=step_bytes(profile, states),
     )  # fmt: skip
 
 
@@ -323,11 +364,15 @@ def weight_versions(plan: PipelinePlan) -> int:
     return 2 if plan.schedule == "2bw" else 1
 
 
+#: The step's loss every rank holds during a training step (a float32 scalar, runtime/engine.py).
+STEP_LOSS_BYTES = 4
+
+
 def batch_bytes(profile: Profile, plan: PipelinePlan, microbatch_size: int) -> int:
     """Bytes of the batch a rank holds: its replica's (``m * b`` samples), or the whole global batch
-    when every rank loads it (``profile.loads_global_batch``)."""
+    when every rank loads it (``profile.loads_global_batch``); and the step's loss."""
     replicas = plan.width if profile.loads_global_batch else 1
-    return int(profile.batch_bytes_per_sample * plan.microbatches * microbatch_size * replicas)
+    return int(profile.batch_bytes_per_sample * plan.microbatches * microbatch_size * replicas) + STEP_LOSS_BYTES
 
 
 def gradient_sets(profile: Profile, plan: PipelinePlan, stage: int) -> int:
@@ -350,11 +395,13 @@ def predict_memory(profile: Profile, plan: PipelinePlan, microbatch_size: int, h
     costs, versions, batch = stage_costs(profile, plan, microbatch_size), weight_versions(plan), batch_bytes(profile, plan, microbatch_size)
     last = len(costs) - 1
     if plan.virtual_stages > 1:
+        ranges = plan.stage_ranges()
         return [rank_peak_bytes([costs[s] for s in mine], walked, [plan.recompute[s] for s in mine], [s == 0 for s in mine],
-                                [s == last for s in mine], batch, plan.depth == 2, plan.width > 1) + profile.device_bytes
+                                [s == last for s in mine], batch, plan.depth == 2, plan.width > 1, plan.split_backward,
+                                step_bytes(profile, [profile.blocks[i] for s in mine for i in ranges[s]])) + profile.device_bytes
                 for mine, walked in zip(map(plan.stages_of, range(plan.depth)), moments(plan))]  # fmt: skip
-    return [stage_peak_bytes(st, held[s], versions, plan.recompute[s], s == 0, s == last, batch, gradient_sets(profile, plan, s))
-            + profile.device_bytes for s, st in enumerate(costs)]  # fmt: skip
+    return [stage_peak_bytes(st, held[s], versions, plan.recompute[s], s == 0, s == last, batch, gradient_sets(profile, plan, s),
+                             plan.split_backward) + profile.device_bytes for s, st in enumerate(costs)]  # fmt: skip
 
 
 def traffic(profile: Profile, plan: PipelinePlan, microbatch_size: int) -> tuple[float, float]:

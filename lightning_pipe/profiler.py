@@ -41,6 +41,12 @@ class BlockSample:
     captured_bytes: int = 0  # gradients split backward's I captures for the block's W (held until W)
     after_gradient_bytes: int = 0  # peak bytes alive from its backward's first weight-gradient accumulation on (see ``_workspace``)
     cold_backward_bytes: int = 0  # peak temporaries and new gradients of its backward when no gradient exists before it
+    loss_saved_bytes: int = 0  # the last block: what the loss saves for its backward (part of saved_bytes; outside a recomputed stage)
+    loss_bytes: int = 0  # the last block: the loss itself, kept until the microbatch's backward (the same at every size)
+    # The last block's backward alone, the loss's left out (as above): a recomputed last stage runs the loss's backward first.
+    block_backward_workspace_bytes: int = 0
+    block_after_gradient_bytes: int = 0
+    block_cold_backward_bytes: int = 0
 
     @property
     def recompute(self) -> float:
@@ -57,6 +63,7 @@ class BlockProfile:
     parameter_bytes: int
     gradient_bytes: int
     optimizer_bytes: int
+    optimizer_step_bytes: int = 0  # the temporaries of an optimizer step over the block's parameters
 
     def at(self, size: int) -> BlockSample:
         """Every field at microbatch ``size``: linear in ``size`` through the two nearest samples (seed 000,
@@ -74,19 +81,25 @@ class BlockProfile:
 
 _FIELDS = ("forward", "backward", "input_grad", "weight_grad", "saved_bytes", "output_bytes", "saved_input_bytes",
            "saved_output_bytes", "forward_workspace_bytes", "backward_workspace_bytes", "captured_bytes", "after_gradient_bytes",
-           "cold_backward_bytes")
+           "cold_backward_bytes", "loss_saved_bytes", "block_backward_workspace_bytes", "block_after_gradient_bytes",
+           "block_cold_backward_bytes")
+
+
+def _sample(size: int, values: dict[str, float], like: BlockSample) -> BlockSample:
+    """A sample at ``size`` of these ``_FIELDS`` values, ``like``'s in every field that does not depend on the size."""
+    return BlockSample(size, **{f: int(v) if f.endswith("bytes") else v for f, v in values.items()}, loss_bytes=like.loss_bytes)  # type: ignore[arg-type]
 
 
 def _interpolate(lo: BlockSample, hi: BlockSample, size: int) -> BlockSample:
     t = (size - lo.microbatch_size) / (hi.microbatch_size - lo.microbatch_size)
     values = {f: max(getattr(lo, f) + t * (getattr(hi, f) - getattr(lo, f)), 0.0) for f in _FIELDS}
-    return BlockSample(size, **{f: int(v) if f.endswith("bytes") else v for f, v in values.items()})  # type: ignore[arg-type]
+    return _sample(size, values, lo)
 
 
 def _scaled(sample: BlockSample, size: int) -> BlockSample:
     r = size / sample.microbatch_size
     values = {f: getattr(sample, f) * r for f in _FIELDS}
-    return BlockSample(size, **{f: int(v) if f.endswith("bytes") else v for f, v in values.items()})  # type: ignore[arg-type]
+    return _sample(size, values, sample)
 
 
 @dataclass
@@ -120,6 +133,9 @@ class Profile:
             measured between two steps; added to every stage's predicted peak.
         shared_blocks: groups of blocks that share a parameter (tied weights), by index;
             ``None``: unknown (the planner then assumes they are split across stages).
+        step_bytes_add_up: an optimizer step over several blocks allocates the sum of their
+            steps' temporaries (whole-list ``foreach`` kernels), not the largest block's (one
+            tensor at a time); measured by :func:`profile_blocks`, else assumed (an upper bound).
     """
 
     blocks: list[BlockProfile]
@@ -136,6 +152,7 @@ class Profile:
     device: str = "cpu"
     device_bytes: int = 0
     shared_blocks: Optional[list[list[int]]] = None
+    step_bytes_add_up: bool = True
     meta: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -232,7 +249,18 @@ def _measure_block(block: nn.Module, x: tuple[Tensor, ...], first: bool, device:
     block.zero_grad(set_to_none=True)
     sample = BlockSample(batch_size(x), t_f, t_b, t_i, t_w, saved.other_bytes(), out_bytes,
                          saved.bytes_of(inputs), saved_output_bytes=saved_output, captured_bytes=captured)
+    if loss is not None:
+        sample.loss_saved_bytes, sample.loss_bytes = _loss_bytes(out, loss)
     return sample, tuple(o.detach() for o in out)
+
+
+def _loss_bytes(out: tuple[Tensor, ...], loss: Callable[[tuple[Tensor, ...]], Tensor]) -> tuple[int, int]:
+    """What the loss saves for its backward, and the loss itself, on the last block's output ``out``."""
+    detached = tuple(o.detach().requires_grad_(o.is_floating_point()) for o in out)
+    saved = _SavedByBlock(detached, ())
+    with saved.hooks():
+        value = loss(detached)
+    return sum(saved.saved.values()), value.untyped_storage().nbytes()
 
 
 def _captured_bytes(work: split.WeightWork, input_grads: Sequence[Optional[Tensor]]) -> int:
@@ -324,7 +352,7 @@ def _loss_of(module: nn.Module, microbatch: Any, out: tuple[Tensor, ...]) -> Ten
 
 def _median(samples: list[BlockSample]) -> BlockSample:
     values = {f: statistics.median(getattr(s, f) for s in samples) for f in _FIELDS}
-    return BlockSample(samples[0].microbatch_size, **{f: int(v) if f.endswith("bytes") else v for f, v in values.items()})  # type: ignore[arg-type]
+    return _sample(samples[0].microbatch_size, values, samples[0])
 
 
 def profile_blocks(module: nn.Module, batch: Any, microbatch_sizes: Sequence[int], repeats: int = 3,
@@ -361,7 +389,7 @@ def profile_blocks(module: nn.Module, batch: Any, microbatch_sizes: Sequence[int
         for i, sample in enumerate(_profile_microbatch(module, blocks, mb, loss, repeats, device, sync)):
             by_size[i].append(sample)
     profiles = [BlockProfile(f"{i}:{type(b).__name__}", by_size[i], *_state_bytes(b, optimizer)) for i, b in enumerate(blocks)]
-    step = _optimizer_step_seconds(module, optimizer, device, sync=sync)
+    step, step_bytes = _optimizer_step_seconds(module, optimizer, device, sync=sync)
     leaves = [t for t in tree_leaves(batch) if isinstance(t, Tensor)]
     batch_storages = {t.untyped_storage().data_ptr() for t in leaves}
     data = as_tuple(module.pipeline_inputs(batch), "pipeline_inputs")
@@ -370,8 +398,13 @@ def profile_blocks(module: nn.Module, batch: Any, microbatch_sizes: Sequence[int
     if with_loss and sync is not None:
         sync()
     per_action = _action_overhead(module, blocks, batch, profiles, min(microbatch_sizes), repeats, device) if with_loss else 0.0
+    # One tensor at a time (torch's default on CPU) a step's temporaries are about its largest block's; with
+    # whole-list (foreach) kernels they add up: the step over every block tells which it is nearer.
+    sizes = [b.optimizer_step_bytes for b in profiles]
+    adds_up = len(sizes) > 1 and step_bytes >= (sum(sizes) + max(sizes)) / 2
     return Profile(profiles, optimizer_step=step, action_overhead=per_action, input_bytes_per_sample=per_sample,
-                   batch_bytes_per_sample=batch_per_sample, device=str(device), shared_blocks=shared_blocks(module, blocks))
+                   batch_bytes_per_sample=batch_per_sample, device=str(device), shared_blocks=shared_blocks(module, blocks),
+                   step_bytes_add_up=adds_up)  # fmt: skip
 
 
 def _profile_microbatch(module: nn.Module, blocks: list[nn.Module], mb: Any, loss: Loss, repeats: int,
@@ -389,6 +422,7 @@ def _profile_chain(blocks: list[nn.Module], start: Callable[[], tuple[Tensor, ..
     ``sync`` is called before every pass."""
     runs: list[list[BlockSample]] = [[] for _ in blocks]
     workspace = [(0, 0, 0, 0)] * len(blocks)
+    alone = (0, 0, 0, 0)  # the last block's without the loss
     for run in range(repeats + 1):
         if sync is not None:
             sync()
@@ -397,10 +431,16 @@ def _profile_chain(blocks: list[nn.Module], start: Callable[[], tuple[Tensor, ..
             last = loss if i == len(blocks) - 1 else None
             if run == 0:
                 workspace[i] = _workspace(block, x, first and i == 0, last)
+                if last is not None:
+                    alone = _workspace(block, x, first and i == 0, None)
             sample, x = _measure_block(block, x, first and i == 0, device, last)
             runs[i].append(sample)
-    return [dataclasses.replace(_median(measured[1:]), forward_workspace_bytes=fw, backward_workspace_bytes=bw, after_gradient_bytes=ag,
-                                cold_backward_bytes=cold) for measured, (fw, bw, ag, cold) in zip(runs, workspace)]
+    samples = [dataclasses.replace(_median(measured[1:]), forward_workspace_bytes=fw, backward_workspace_bytes=bw, after_gradient_bytes=ag,
+                                   cold_backward_bytes=cold) for measured, (fw, bw, ag, cold) in zip(runs, workspace)]  # fmt: skip
+    if loss is not None:
+        samples[-1] = dataclasses.replace(samples[-1], block_backward_workspace_bytes=alone[1], block_after_gradient_bytes=alone[2],
+                                          block_cold_backward_bytes=alone[3])  # fmt: skip
+    return samples
 
 
 def profile_stage(blocks: Sequence[nn.Module], first_block: int, inputs: Sequence[tuple[Tensor, ...]],
@@ -537,38 +577,46 @@ def _make_optimizer(params: list[nn.Parameter], optimizer: Optional[Callable]) -
     return optimizer(params) if optimizer is not None else torch.optim.Adam(params)
 
 
-def _state_bytes(block: nn.Module, optimizer: Optional[Callable]) -> tuple[int, int, int]:
-    """Parameter, gradient and optimizer-state bytes of ``block`` (the optimizer after one step)."""
+def _state_bytes(block: nn.Module, optimizer: Optional[Callable]) -> tuple[int, int, int, int]:
+    """Parameter, gradient and optimizer-state bytes of ``block`` (the optimizer after one step),
+    and the most bytes a later step allocates for the time it runs (e.g. the ``foreach``
+    implementations' whole-list temporaries: with large weights and small microbatches the step
+    can be a stage's peak)."""
     params = [p for p in block.parameters() if p.requires_grad]
     if not params:
-        return 0, 0, 0
+        return 0, 0, 0, 0
     opt = _make_optimizer(params, optimizer)
     saved = [p.detach().clone() for p in params]
     for p in params:
         p.grad = torch.zeros_like(p)
     opt.step()
+    with _Allocations() as mem:
+        opt.step()
     with torch.no_grad():
         for p, s in zip(params, saved):
             p.copy_(s)
     state = [t for s in opt.state.values() for t in s.values()]
     for p in params:
         p.grad = None
-    return _tensor_bytes(params), _tensor_bytes(params), _tensor_bytes(state)
+    return _tensor_bytes(params), _tensor_bytes(params), _tensor_bytes(state), mem.peak
 
 
 def _optimizer_step_seconds(module: nn.Module, optimizer: Optional[Callable], device: torch.device, repeats: int = 5,
-                            sync: Optional[Callable[[], None]] = None) -> float:  # fmt: skip
+                            sync: Optional[Callable[[], None]] = None) -> tuple[float, int]:  # fmt: skip
     """Median seconds of ``repeats`` optimizer steps over the module's parameters (a single timing,
     taken while other processes profile on the same cores, read 12.8 ms for the GPT example's
-    AdamW step against 7.0-7.5 ms alone and in the measured steps)."""
+    AdamW step against 7.0-7.5 ms alone and in the measured steps), and the most bytes one step
+    allocates for the time it runs."""
     params = [p for b in pipeline_blocks_of(module) for p in b.parameters() if p.requires_grad]
     if not params:
-        return 0.0
+        return 0.0, 0
     saved = [p.detach().clone() for p in params]
     opt = _make_optimizer(params, optimizer)
     for p in params:
         p.grad = torch.zeros_like(p)
     opt.step()  # warm-up: creates the state
+    with _Allocations() as mem:
+        opt.step()
     if sync is not None:
         sync()
     seconds = statistics.median(_timed(opt.step, device)[0] for _ in range(repeats))
@@ -576,7 +624,7 @@ def _optimizer_step_seconds(module: nn.Module, optimizer: Optional[Callable], de
         for p, s in zip(params, saved):
             p.copy_(s)
             p.grad = None
-    return seconds
+    return seconds, mem.peak
 
 
 def _synchronize(device: torch.device) -> None:

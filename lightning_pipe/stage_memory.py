@@ -13,7 +13,9 @@ import numpy as np
 
 from lightning_pipe.runtime.p2p import HEADER_LEN
 from lightning_pipe.schedules.actions import Action, Kind
-from lightning_pipe.schedules.flat import BACKWARD, CODES, FORWARD, INPUT_GRAD, SEND_ACT, SEND_GRAD, WEIGHT_GRAD, FlatProgram, flatten
+from lightning_pipe.schedules.flat import BACKWARD, CODES, FORWARD, INPUT_GRAD, RECV_ACT, SEND_ACT, SEND_GRAD, WEIGHT_GRAD, FlatProgram, flatten
+
+OPTIMIZER_STEP = CODES[Kind.OPTIMIZER_STEP]
 
 if TYPE_CHECKING:
     from lightning_pipe.planner import StageCosts
@@ -74,6 +76,29 @@ def unacknowledged(flat: FlatProgram) -> np.ndarray:
     first = np.concatenate(([True], channel[1:] != channel[:-1]))
     change[comm] = state - np.where(first[:, None, None], 0, np.roll(state, 1, axis=0))
     return _cumsum_per_rank(change, flat.starts)
+
+
+def posted_inputs(flat: FlatProgram) -> np.ndarray:
+    """After each action of a program of one stage per rank: 1 while its rank has an activation
+    still to receive in the program, else 0. The executor posts the receive of a neighbour's
+    next message (its header, and its payload where the link's last message gave the shape) as
+    soon as the previous one is in, and none beyond the program's last (runtime/executor.py):
+    through a GPipe backward phase or a 1F1B drain a stage holds no activation receive."""
+    posted = np.zeros(len(flat.kind), np.int64)
+    for r in range(flat.ranks):
+        lo, hi = int(flat.starts[r]), int(flat.starts[r + 1])
+        found = np.flatnonzero(flat.kind[lo:hi] == RECV_ACT)
+        if len(found):
+            posted[lo : lo + int(found[-1])] = 1
+    return posted
+
+
+def buffered(flat: FlatProgram) -> np.ndarray:
+    """After each action of a program of one stage per rank, what its rank's buffers keep beyond
+    the gradient receive (:func:`_posted_bytes`), as :data:`Sent` ``(headers, input-sized
+    tensors)``: the unacknowledged sends (:func:`unacknowledged`) and the activation receive
+    posted ahead (:func:`posted_inputs`), a header and a stage input's bytes."""
+    return unacknowledged(flat)[:, 0, :] + posted_inputs(flat)[:, None]
 
 
 def _channels(flat: FlatProgram) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -203,6 +228,7 @@ class HeldCounts:
         backward_warm: at any later backward, input gradient or weight gradient, and at a W
             that creates the gradients.
         input_cold: at an input gradient (split backward) before any W created gradients.
+        optimizer_step: at the optimizer step.
     """
 
     forward_cold: tuple[Point, ...] = ()
@@ -210,6 +236,7 @@ class HeldCounts:
     backward_first: tuple[Point, ...] = ()
     backward_warm: tuple[Point, ...] = ()
     input_cold: tuple[Point, ...] = ()
+    optimizer_step: tuple[Point, ...] = ()
 
     def __hash__(self) -> int:
         return self._hash
@@ -221,7 +248,7 @@ class HeldCounts:
     @property
     def peak(self) -> int:
         """Most microbatches held at any moment."""
-        points = self.forward_cold + self.forward_warm + self.backward_first + self.backward_warm + self.input_cold
+        points = self.forward_cold + self.forward_warm + self.backward_first + self.backward_warm + self.input_cold + self.optimizer_step
         return max((point[0] for point in points), default=0)
 
 
@@ -231,6 +258,7 @@ _MOMENT_KINDS = {
     Kind.BACKWARD: ("backward_first", "backward_warm"),
     Kind.INPUT_GRAD: ("input_cold", "backward_warm"),
     Kind.WEIGHT_GRAD: ("backward_warm", "backward_warm"),
+    Kind.OPTIMIZER_STEP: ("optimizer_step", "optimizer_step"),
 }
 
 
@@ -243,10 +271,10 @@ def _walk(actions: Sequence[Action], position: Callable[[int], int], count: int,
     :func:`unacknowledged` (``None``: none counted)."""
     held, pending, grads = [0] * count, [0] * count, [warm] * count
     rows = sent.tolist() if sent is not None else None
-    f, b, ig, w = Kind.FORWARD, Kind.BACKWARD, Kind.INPUT_GRAD, Kind.WEIGHT_GRAD  # compared by identity: Enum hashing is slow
+    f, b, ig, w, o = Kind.FORWARD, Kind.BACKWARD, Kind.INPUT_GRAD, Kind.WEIGHT_GRAD, Kind.OPTIMIZER_STEP  # by identity: Enum hashing is slow
     for i, a in enumerate(actions):
         k = a.kind
-        if k is f or k is b or k is ig or k is w:
+        if k is f or k is b or k is ig or k is w or k is o:
             c = position(a.stage)
             if k is f:
                 held[c] += 1
@@ -276,17 +304,17 @@ for _kind, _names in _MOMENT_KINDS.items():
 
 def program_held_counts(program: Sequence[Sequence[Action]], warm: bool = False, flat: Optional[FlatProgram] = None) -> list[HeldCounts]:
     """:func:`held_counts` of every rank of a program of one stage per rank, with its
-    :func:`unacknowledged` sends: the same walk on arrays (the planner walks millions of actions)."""
+    :func:`buffered` sends and receives: the same walk on arrays (the planner walks millions of actions)."""
     flat = flat or flatten(program)
     kind, starts = flat.kind, flat.starts
-    f, b, i, w = (kind == code for code in (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD))
+    f, b, i, w, o = (kind == code for code in (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD, OPTIMIZER_STEP))
     release = b | w  # after its moment, the microbatch lets go
     released = _cumsum_per_rank(release, starts)
     held = _cumsum_per_rank(f, starts) - released + release
     pending = _cumsum_per_rank(i, starts) - _cumsum_per_rank(w, starts) + w
     grads = (released - release > 0) | warm
-    sent = unacknowledged(flat)[:, 0, :]
-    at = np.flatnonzero(f | b | i | w)
+    sent = buffered(flat)
+    at = np.flatnonzero(f | b | i | w | o)
     columns = [flat.owner[at], _MOMENT_CODES[kind[at], grads[at].astype(np.int64)], held[at], pending[at], sent[at, 0], sent[at, 1]]
     seen: list[dict[str, set[Point]]] = [{name: set() for name in _FIELDS} for _ in range(flat.ranks)]
     for r, moment, h, p, headers, gradients in _unique_rows(columns):
@@ -311,7 +339,7 @@ def _unique_rows(columns: Sequence[np.ndarray]) -> list[tuple[int, ...]]:
 
 def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, recompute: bool = False,
                        first: bool = True, last: bool = True, batch_bytes: int = 0,
-                       gradient_sets: Optional[int] = None) -> dict[str, int]:  # fmt: skip
+                       gradient_sets: Optional[int] = None, split: bool = False) -> dict[str, int]:  # fmt: skip
     """Peak tensor bytes of one stage, by term, at its worst moment (see :class:`HeldCounts`).
 
     - ``state``: weights times the versions the schedule keeps (2 under 2BW, seed 000 section
@@ -325,32 +353,56 @@ def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, re
       take the place of a backward's temporaries, measured), also the gradients its I captured for its W. During
       the step's first backward the microbatch being run frees its saved tensors block by
       block while the gradients appear (``StageCosts.first_backward_bytes``).
+      On the last stage each held microbatch also keeps its loss; with recompute (and no split
+      backward, whose first forward keeps no graph) also what the loss saved, since the loss
+      runs outside the recomputed stage: a backward's loss node frees it before the stage is
+      recomputed, and the recomputed graph holds the rest of the saved tensors.
     - ``outputs``: until its backward (or I) a microbatch's output is kept: by a stage that is
       not last, what autograd does not save anyway; with recompute autograd saves none of it,
-      so all of it, and on the last stage what the loss saved of it.
-    - ``buffers``: the receives posted ahead (an input from the previous stage, a gradient from
-      the next, each with its header) and the sends not yet acknowledged at that moment (the
-      point's :data:`Sent`: their headers and input gradients).
-    - ``batch``: the replica's batch, which every rank of a pipeline holds during the step.
-    - ``workspace``: the running block's temporaries (largest forward, or largest backward);
-      during a backward of a stage that is not last, also the gradient it started from.
+      so all of it, and on the last stage nothing beyond what the loss saved (above).
+    - ``buffers``: the receives posted ahead (a gradient from the next stage, and, while the
+      program has more to come, an input from the previous one, each with its header) and the
+      sends not yet acknowledged at that moment (the point's :data:`Sent`, :func:`buffered`:
+      their headers and input gradients, and the input receive).
+    - ``batch``: the replica's batch, which every rank of a pipeline holds during the step (and on
+      the last stage the step's running loss sum).
+    - ``workspace``: the optimizer step's temporaries at the step; else the running block's
+      temporaries (largest forward, or on a stage that is not
+      last the header of its output's send, if larger; largest backward; a
+      full backward's blocks free their saved tensors as it goes, so there the most it holds
+      beyond them, ``StageCosts.backward_excess_bytes``); during a backward of a stage that is
+      not last, also the gradient it started from.
+
+    ``split``: the program runs split backward (I and W).
     """
     posted = _posted_bytes(st, first, last)
     weights = versions * st.weight_bytes + st.optimizer_bytes
     grads = (versions if gradient_sets is None else gradient_sets) * st.gradient_bytes
-    per_held = st.input_bytes + (0 if recompute else st.stash_bytes)
+    loss_graph = st.loss_saved_bytes if recompute and last and not split else 0
+    per_held = st.input_bytes + (0 if recompute else st.stash_bytes) + st.loss_bytes + loss_graph
     out, cap = _kept_output_bytes(st, recompute, last), st.captured_bytes
-    one = st.stash_bytes if recompute else 0  # recomputed for the backward that runs
-    fws, bws = st.forward_workspace_bytes, st.backward_workspace_bytes + (0 if last else st.output_bytes)
+    one = st.stash_bytes - loss_graph if recompute else 0  # recomputed for the backward that runs
+    # A forward's output goes out right after it, its temporaries gone, a new header kept with it (its moment is the send's).
+    fws = max(st.forward_workspace_bytes, 0 if last else HEADER_BYTES)
+    bws = st.backward_workspace_bytes + (0 if last else st.output_bytes)
     # Per kind of moment: its points, state, workspace, and activations as
     # a0 + ah h + am max(h - 1, 0) + ap p + a1 max(p, 1) (recomputed graphs: the one a backward
     # runs on, and under split backward each pending microbatch's, rebuilt before its I, kept for its W).
+    # A full backward (pending 0) frees each block's saved tensors as it goes (its peak is
+    # ``backward_excess_bytes`` over them); I and W (pending >= 1) free nothing before W.
+    full = [point for point in held.backward_warm if point[1] == 0]
+    excess = st.backward_workspace_bytes if st.backward_excess_bytes is None else st.backward_excess_bytes
     moments = [
         (held.forward_cold, weights, fws, (0, per_held, 0, one, 0)),
         (held.forward_warm, weights + grads, fws, (0, per_held, 0, one, 0)),
-        (held.backward_first, weights, bws - st.backward_workspace_bytes, (st.input_bytes + st.first_backward_bytes, 0, per_held, 0, 0)),
-        (held.backward_warm, weights + grads, bws, (0, per_held, 0, 0, one)),
+        (held.backward_first, weights, bws - st.backward_workspace_bytes,
+         (st.input_bytes + st.first_backward_bytes + st.loss_bytes, 0, per_held, 0, 0)),
+        (tuple(full), weights + grads, bws - st.backward_workspace_bytes + excess, (-loss_graph, per_held, 0, 0, one)),
+        (tuple(p for p in held.backward_warm if p[1] > 0), weights + grads, bws, (0, per_held, 0, 0, one)),
         (held.input_cold, weights, bws, (0, per_held, 0, 0, one)),
+        # Every microbatch's I and W done or not begun (2BW: windows overlap); pending ones counted
+        # with the running one's terms, an upper bound.
+        (held.optimizer_step, weights + grads, st.optimizer_step_bytes, (0, per_held, 0, one + cap, 0)),
     ]  # fmt: skip
     # Totals first, on plain numbers, parts only for the worst point: MadPipe asks millions of times.
     header, gradient = HEADER_BYTES, st.input_bytes
@@ -366,13 +418,13 @@ def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, re
     state, workspace, (h, p, sent), (a0, ah, am, ap, a1) = worst
     activations = a0 + ah * h + am * max(h - 1, 0) + ap * p + a1 * max(p, 1) + cap * max(p - 1, 0)
     return {"state": state, "activations": activations, "outputs": (h - p) * out, "workspace": workspace,
-            "buffers": posted + sent_bytes(st, sent), "batch": batch_bytes}  # fmt: skip
+            "buffers": posted + sent_bytes(st, sent), "batch": batch_bytes + st.loss_bytes}  # fmt: skip
 
 
 def _posted_bytes(st: "StageCosts", first: bool, last: bool) -> int:
-    """Receives posted ahead: an input from the previous stage, a gradient from the next, each with its header."""
-    neighbours = (not first) + (not last)
-    return (0 if first else st.input_bytes) + (0 if last else st.output_bytes) + HEADER_BYTES * neighbours
+    """The gradient receive a stage that is not last posts ahead, with its header. (Its input
+    receive is counted per moment, in the point's :data:`Sent`: :func:`buffered`.)"""
+    return 0 if last else st.output_bytes + HEADER_BYTES
 
 
 def sent_bytes(st: "StageCosts", sent: Sent) -> int:
@@ -385,13 +437,15 @@ def _kept_output_bytes(st: "StageCosts", recompute: bool, last: bool) -> int:
     """Bytes of one held microbatch's output kept beside what :attr:`StageCosts.stash_bytes` counts."""
     if not recompute:
         return 0 if last else st.unsaved_output_bytes
-    return st.output_bytes - st.unsaved_output_bytes if last else st.output_bytes
+    if last:  # what the loss saved of it: in the loss's saved bytes, once those are profiled
+        return 0 if st.loss_bytes else st.output_bytes - st.unsaved_output_bytes
+    return st.output_bytes
 
 
 def stage_peak_bytes(st: "StageCosts", held: HeldCounts, versions: int = 1, recompute: bool = False, first: bool = True,
-                     last: bool = True, batch_bytes: int = 0, gradient_sets: Optional[int] = None) -> int:  # fmt: skip
+                     last: bool = True, batch_bytes: int = 0, gradient_sets: Optional[int] = None, split: bool = False) -> int:  # fmt: skip
     """Peak tensor bytes of one stage: the sum of :func:`stage_memory_terms`."""
-    return int(sum(stage_memory_terms(st, held, versions, recompute, first, last, batch_bytes, gradient_sets).values()))
+    return int(sum(stage_memory_terms(st, held, versions, recompute, first, last, batch_bytes, gradient_sets, split).values()))
 
 
 def rank_moments(actions: Sequence[Action], stages: Sequence[int], sent: Optional[np.ndarray] = None) -> tuple[Moment, ...]:
@@ -409,7 +463,7 @@ def resting_bytes(st: "StageCosts", point: Point, grads: bool, recompute: bool, 
     h, p, _ = point
     one = st.stash_bytes if recompute else 0
     state = st.weight_bytes + st.optimizer_bytes + (st.gradient_bytes if grads else 0)
-    activations = h * (st.input_bytes + (0 if recompute else st.stash_bytes)) + p * (one + st.captured_bytes)
+    activations = h * (st.input_bytes + (0 if recompute else st.stash_bytes) + st.loss_bytes) + p * (one + st.captured_bytes)
     return state + activations + (h - p) * _kept_output_bytes(st, recompute, last)
 
 
@@ -417,7 +471,11 @@ def rank_buffer_bytes(stages: Sequence["StageCosts"], first: Sequence[bool], las
     """Receives a rank that runs several stages posts ahead: one per neighbour rank, not per stage
     (the largest input its stages receive from the previous rank, the largest gradient from the
     next; ``one_peer``: both neighbours are one rank, at depth 2), each with its header. Its
-    unacknowledged sends depend on the moment (:func:`sent_bytes`)."""
+    unacknowledged sends depend on the moment (:func:`sent_bytes`). A rank of one stage posts
+    its gradient receive here and its input receive per moment (:func:`buffered`), as
+    :func:`stage_memory_terms` counts them."""
+    if len(stages) == 1:
+        return _posted_bytes(stages[0], first[0], last[0])
     inputs = [st.input_bytes for st, f in zip(stages, first) if not f]
     outputs = [st.output_bytes for st, lst in zip(stages, last) if not lst]
     posted = [max(inputs + outputs)] if one_peer else [max(inputs, default=0), max(outputs, default=0)]
@@ -439,7 +497,7 @@ def _bucketed_moment(kind: str, grads: tuple[bool, ...]) -> tuple[str, tuple[boo
 
 def rank_peak_bytes(stages: Sequence["StageCosts"], moments: Sequence[Moment], recompute: Sequence[bool],
                     first: Sequence[bool], last: Sequence[bool], batch_bytes: int = 0, one_peer: bool = False,
-                    buckets: bool = False) -> int:  # fmt: skip
+                    buckets: bool = False, split: bool = False, step_bytes: Optional[int] = None) -> int:  # fmt: skip
     """Peak tensor bytes of a rank that runs several stages (one weight version): at each of its
     :func:`rank_moments`, the running stage's :func:`stage_memory_terms` at that moment but its
     buffers, plus every other stage's :func:`resting_bytes`, plus every stage's unacknowledged
@@ -448,7 +506,8 @@ def rank_peak_bytes(stages: Sequence["StageCosts"], moments: Sequence[Moment], r
     ``buckets``: the rank's gradients are averaged over replicas in buckets shared by its
     stages, each whole from its first gradient (runtime/buckets.py), so from the rank's first
     backward (or W) on every stage's gradients are counted (exact while they fit one bucket, an
-    upper bound beyond)."""
+    upper bound beyond). ``step_bytes``: the temporaries of the rank's optimizer step over all
+    its stages (default: their stages' sum)."""
     running: dict[tuple[int, str, tuple[int, int]], int] = {}
     resting: dict[tuple[int, tuple[int, int], bool], int] = {}
     best = 0
@@ -458,13 +517,16 @@ def rank_peak_bytes(stages: Sequence["StageCosts"], moments: Sequence[Moment], r
         key = (c, kind, points[c][:2])
         if key not in running:
             point = (*points[c][:2], NOTHING_SENT)
-            terms = stage_memory_terms(stages[c], HeldCounts(**{kind: (point,)}), 1, recompute[c], first[c], last[c])
-            running[key] = int(sum(terms.values())) - terms["buffers"]
+            terms = stage_memory_terms(stages[c], HeldCounts(**{kind: (point,)}), 1, recompute[c], first[c], last[c], split=split)
+            running[key] = int(sum(terms.values())) - terms["buffers"] - terms["batch"]
         total = running[key] + sum(sent_bytes(st, point[2]) for st, point in zip(stages, points))
+        if kind == "optimizer_step":  # one optimizer over all the rank's stages
+            whole = sum(st.optimizer_step_bytes for st in stages) if step_bytes is None else step_bytes
+            total += whole - stages[c].optimizer_step_bytes
         for o, (point, g) in enumerate(zip(points, grads)):
             if o != c:
                 if (o, point[:2], g) not in resting:
                     resting[o, point[:2], g] = resting_bytes(stages[o], point, g, recompute[o], last[o])
                 total += resting[o, point[:2], g]
         best = max(best, total)
-    return best + rank_buffer_bytes(stages, first, last, one_peer) + batch_bytes
+    return best + rank_buffer_bytes(stages, first, last, one_peer) + batch_bytes + sum(st.loss_bytes for st in stages)

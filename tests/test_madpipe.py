@@ -13,6 +13,7 @@ from lightning_pipe.partition import balanced
 from lightning_pipe import planner
 from lightning_pipe.planner import candidates, predict_memory
 from lightning_pipe.profiler import BlockProfile, BlockSample, Profile
+from lightning_pipe.stage_memory import stage_peak_bytes
 
 
 def _chain(times: list[float], saved: list[int], out: int = 64, weights: int = 1000, data: float = 32.0) -> Profile:
@@ -22,31 +23,12 @@ def _chain(times: list[float], saved: list[int], out: int = 64, weights: int = 1
 
 
 def _stage_memory(profile: Profile, a: int, z: int, s: int, depth: int, m: int, schedule: str) -> float:
-    """Peak bytes of blocks ``a .. z-1`` as stage ``s``, written out independently of the planner.
-
-    Held microbatches: GPipe runs m forwards (no gradients yet), then m backwards; 1F1B runs
-    k = min(d - s, m) forwards, its first backward at k held, then (if m > k) alternates at k
-    held with gradients; a last backward of a step holds k - 1 more at most otherwise. At any
-    moment: weights and optimizer state, gradients once a backward ran, per held microbatch the
-    saved activations, the stage input and (not last) its output; an input and a gradient
-    buffer from each neighbour, an input gradient sent upstream until acknowledged, and two
-    512-byte headers per neighbour; during a backward (not last) the gradient it started from.
-    During the first backward the microbatch being run frees block by block (last first) while
-    the gradients appear."""
-    samples = [profile.blocks[i].at(1) for i in range(a, z)]
-    grads = [profile.blocks[i].gradient_bytes for i in range(a, z)]
-    weights = sum(profile.blocks[i].parameter_bytes + profile.blocks[i].optimizer_bytes for i in range(a, z))
-    inp = profile.blocks[a - 1].at(1).output_bytes if a > 0 else profile.input_bytes_per_sample
-    first, last = s == 0, s == depth - 1
-    out = 0 if last else samples[-1].output_bytes
-    kept = inp + sum(x.saved_bytes for x in samples) + out
-    k = m if schedule == "gpipe" else min(depth - s, m)
-    warm = (m - 1) if schedule == "gpipe" else (k if m > k else k - 1)
-    first_backward = max(sum(x.saved_bytes for x in samples[: j + 1]) + sum(grads[j:]) for j in range(len(samples)))
-    moments = [weights + k * kept, weights + (k - 1) * kept + inp + first_backward + out + out]
-    if warm:
-        moments.append(weights + sum(grads) + warm * kept + out)
-    return max(moments) + (0 if first else 2 * inp) + out + 1024 * ((not first) + (not last))
+    """Peak bytes of blocks ``a .. z-1`` as stage ``s``: the planner's memory model for that one
+    stage (tested against measured steps in test_planner.py), so that the brute force below and
+    the dynamic program search the same function, and only the search is compared."""
+    plan = PipelinePlan(depth=depth, microbatches=m, schedule=schedule)
+    costs = planner.range_costs(profile, range(a, z), 1)
+    return stage_peak_bytes(costs, planner.held(plan)[s], 1, False, s == 0, s == depth - 1, planner.batch_bytes(profile, plan, 1))
 
 
 def _brute_force(profile: Profile, schedule: str, depth: int, m: int, limit: float) -> tuple[float, tuple[int, ...]] | None:
