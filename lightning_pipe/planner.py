@@ -60,17 +60,21 @@ class StageCosts:
     optimizer_step_bytes: int = 0  # the temporaries of the stage's optimizer step
 
 
-def _first_backward(samples: Sequence[BlockSample], grads: Sequence[int], bucket_cap: int = 0, last_incoming: int = 0) -> int:
-    """Peak of one microbatch's first backward through the blocks, last to first.
+def _backward_peaks(samples: Sequence[BlockSample], grads: Sequence[int], bucket_cap: int = 0, last_incoming: int = 0) -> tuple[int, int]:
+    """Peaks of one microbatch's backward through the blocks, last to first: the step's first
+    backward, while the gradients appear, and a later one beyond the microbatch's saved tensors.
 
-    While block ``j``'s backward runs: the saved tensors of blocks ``0..j``, the gradients of the
-    blocks after it and its own as they appear, and its temporaries. With replicas
+    While block ``j``'s backward runs: the saved tensors of blocks ``0..j`` (the blocks after it
+    have freed theirs), the gradient it starts from, and its temporaries; in the first backward
+    also the gradients of the blocks after it and its own as they appear. With replicas
     (``bucket_cap`` > 0) a gradient moves into its all-reduce bucket's flat buffer, made whole at
     the bucket's first gradient (runtime/buckets.py, :func:`bucketed_bytes`): until block ``j``
     accumulates its first weight gradient the buckets are those of the blocks after it; from then
     on they hold its gradients too, beside what the block still holds then
     (``after_gradient_bytes``, profiled: autograd frees a node's saved tensors before
-    accumulating its gradients) and the saved tensors of blocks ``0..j-1``."""
+    accumulating its gradients) and the saved tensors of blocks ``0..j-1``. A later backward
+    finds every gradient there: a block with large temporaries early in the stage adds less
+    than the same block last."""
     inner = [0] + [max(b.saved_input_bytes - a.saved_output_bytes, 0) for a, b in zip(samples, samples[1:])]
     saved = [0] + list(itertools.accumulate(x.saved_bytes + i for x, i in zip(samples, inner)))  # saved[j + 1]: blocks 0..j
     after = list(itertools.accumulate(reversed(grads)))[::-1] + [0]  # after[j]: gradients of blocks j..
@@ -78,9 +82,10 @@ def _first_backward(samples: Sequence[BlockSample], grads: Sequence[int], bucket
     # (the stage's last block starts from the loss, or from a received gradient counted with the stage,
     # or ``last_incoming``: the gradient the loss's backward gave it).
     incoming = [x.output_bytes for x in samples[:-1]] + [last_incoming]
+    excess = max(saved[j + 1] + incoming[j] + x.backward_workspace_bytes for j, x in enumerate(samples)) - saved[-1]
     if bucket_cap <= 0:  # each block's gradients appear as it runs and stay (profiled cold), or all at once, at most
         cold = [x.cold_backward_bytes or grads[j] + x.backward_workspace_bytes for j, x in enumerate(samples)]
-        return max(saved[j + 1] + after[j + 1] + incoming[j] + cold[j] for j in range(len(samples)))
+        return max(saved[j + 1] + after[j + 1] + incoming[j] + cold[j] for j in range(len(samples))), excess
     held = [bucketed_bytes(c, after[0], bucket_cap) for c in after]
     peaks = []
     for j, x in enumerate(samples):
@@ -89,18 +94,7 @@ def _first_backward(samples: Sequence[BlockSample], grads: Sequence[int], bucket
             peaks.append(saved[j] + inner[j] + held[j] + x.after_gradient_bytes)
         elif grads[j]:  # not profiled: everything the block holds beside its gradients' buckets
             peaks.append(saved[j + 1] + held[j] + incoming[j] + x.backward_workspace_bytes)
-    return max(peaks)
-
-
-def _backward_excess(samples: Sequence[BlockSample], last_incoming: int = 0) -> int:
-    """Peak bytes of one microbatch's backward through the blocks (gradients already there) beyond
-    its saved tensors: while block ``j``'s backward runs, the saved tensors of blocks ``0..j``,
-    the gradient it starts from and its temporaries; the blocks after it have freed theirs. So
-    a block with large temporaries early in the stage adds less than the same block last."""
-    inner = [0] + [max(b.saved_input_bytes - a.saved_output_bytes, 0) for a, b in zip(samples, samples[1:])]
-    saved = list(itertools.accumulate(x.saved_bytes + i for x, i in zip(samples, inner)))  # saved[j]: blocks 0..j
-    incoming = [x.output_bytes for x in samples[:-1]] + [last_incoming]  # as in _first_backward
-    return max(saved[j] + incoming[j] + x.backward_workspace_bytes for j, x in enumerate(samples)) - saved[-1]
+    return max(peaks), excess
 
 
 def _recomputed(samples: Sequence[BlockSample]) -> tuple[list[BlockSample], int]:
@@ -145,6 +139,7 @@ def range_costs(profile: Profile, blocks: range, microbatch_size: int, recompute
     first = blocks.start
     # A full backward's blocks (with recompute on the last stage, as the loss's backward leaves them; profiled since loss_bytes).
     backward, incoming = _recomputed(mine) if recompute and mine[-1].loss_bytes else (mine, 0)
+    first_backward, excess = _backward_peaks(backward, [b.gradient_bytes for b in states], bucket_cap, incoming)
     return StageCosts(
         forward=sum(x.forward for x in mine),
         backward=sum(x.backward + (x.recompute if recompute else 0.0) for x in mine),
@@ -160,9 +155,9 @@ def range_costs(profile: Profile, blocks: range, microbatch_size: int, recompute
         optimizer_bytes=sum(b.optimizer_bytes for b in states),
         forward_workspace_bytes=max(x.forward_workspace_bytes for x in mine),
         backward_workspace_bytes=max(x.backward_workspace_bytes for x in mine),
-        first_backward_bytes=_first_backward(backward, [b.gradient_bytes for b in states], bucket_cap, incoming),
+        first_backward_bytes=first_backward,
         captured_bytes=sum(x.captured_bytes for x in mine),
-        backward_excess_bytes=_backward_excess(backward, incoming),
+        backward_excess_bytes=excess,
         loss_bytes=mine[-1].loss_bytes,
         loss_saved_bytes=mine[-1].loss_saved_bytes,
         optimizer_step_bytes=step_bytes(profile, states),

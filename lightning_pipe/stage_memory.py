@@ -245,6 +245,16 @@ class HeldCounts:
     def _hash(self) -> int:  # computed once: the planner keys caches by counts
         return hash(tuple(getattr(self, name) for name in self.__dataclass_fields__))
 
+    @functools.cached_property
+    def full_backwards(self) -> tuple[Point, ...]:
+        """The points of :attr:`backward_warm` at a full backward (none pending: I and W have some)."""
+        return tuple(point for point in self.backward_warm if point[1] == 0)
+
+    @functools.cached_property
+    def split_backwards(self) -> tuple[Point, ...]:
+        """The points of :attr:`backward_warm` at an I or a W."""
+        return tuple(point for point in self.backward_warm if point[1] > 0)
+
     @property
     def peak(self) -> int:
         """Most microbatches held at any moment."""
@@ -390,15 +400,14 @@ def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, re
     # runs on, and under split backward each pending microbatch's, rebuilt before its I, kept for its W).
     # A full backward (pending 0) frees each block's saved tensors as it goes (its peak is
     # ``backward_excess_bytes`` over them); I and W (pending >= 1) free nothing before W.
-    full = [point for point in held.backward_warm if point[1] == 0]
     excess = st.backward_workspace_bytes if st.backward_excess_bytes is None else st.backward_excess_bytes
     moments = [
         (held.forward_cold, weights, fws, (0, per_held, 0, one, 0)),
         (held.forward_warm, weights + grads, fws, (0, per_held, 0, one, 0)),
         (held.backward_first, weights, bws - st.backward_workspace_bytes,
          (st.input_bytes + st.first_backward_bytes + st.loss_bytes, 0, per_held, 0, 0)),
-        (tuple(full), weights + grads, bws - st.backward_workspace_bytes + excess, (-loss_graph, per_held, 0, 0, one)),
-        (tuple(p for p in held.backward_warm if p[1] > 0), weights + grads, bws, (0, per_held, 0, 0, one)),
+        (held.full_backwards, weights + grads, bws - st.backward_workspace_bytes + excess, (-loss_graph, per_held, 0, 0, one)),
+        (held.split_backwards, weights + grads, bws, (0, per_held, 0, 0, one)),
         (held.input_cold, weights, bws, (0, per_held, 0, 0, one)),
         # Every microbatch's I and W done or not begun (2BW: windows overlap); pending ones counted
         # with the running one's terms, an upper bound.
