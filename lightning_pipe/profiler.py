@@ -187,13 +187,13 @@ def _inputs_for(x: tuple[Tensor, ...], first: bool) -> tuple[Tensor, ...]:
 
 
 class _SavedByBlock:
-    """Storages autograd saves inside a block, parameters (and their views) excluded: they are
-    held anyway. Inside a stage a block's input is the previous block's output, so a stage holds
+    """Storages autograd saves inside a block, parameters (and their views) and ``external`` storages
+    (the batch's: a loss saves its targets, views of the batch) excluded: they are held anyway. Inside a stage a block's input is the previous block's output, so a stage holds
     it for backward only if saved; the stage's own input is held regardless."""
 
-    def __init__(self, inputs: Sequence[Tensor], weights: Iterable[Tensor]) -> None:
+    def __init__(self, inputs: Sequence[Tensor], weights: Iterable[Tensor], external: frozenset[int] = frozenset()) -> None:
         self.inputs = {t.untyped_storage().data_ptr() for t in inputs}
-        self.weights = {t.untyped_storage().data_ptr() for t in weights}
+        self.weights = {t.untyped_storage().data_ptr() for t in weights} | external
         self.saved: dict[int, int] = {}
 
     def pack(self, t: Tensor) -> Tensor:
@@ -228,12 +228,12 @@ def _roots(out: tuple[Tensor, ...], loss: Loss) -> tuple[list[Tensor], list[Opti
 
 
 def _measure_block(block: nn.Module, x: tuple[Tensor, ...], first: bool, device: torch.device,
-                   loss: Loss = None) -> tuple[BlockSample, tuple]:  # fmt: skip
+                   loss: Loss = None, external: frozenset[int] = frozenset()) -> tuple[BlockSample, tuple]:  # fmt: skip
     """Time F, B, I + W of ``block`` on input ``x`` once (with ``loss``, the last block's loss is
     part of its forward and backward, as on the last stage); returns the sample and the output."""
     name = type(block).__name__
     inputs = _inputs_for(x, first)
-    saved = _SavedByBlock(inputs, block.parameters())
+    saved = _SavedByBlock(inputs, block.parameters(), external)
     with saved.hooks():
         t_f, (out, (roots, grads)) = _timed(lambda: _forward(block, inputs, loss, name), device)
     t_b, _ = _timed(lambda: torch.autograd.backward(roots, grads) if roots else None, device)
@@ -250,14 +250,14 @@ def _measure_block(block: nn.Module, x: tuple[Tensor, ...], first: bool, device:
     sample = BlockSample(batch_size(x), t_f, t_b, t_i, t_w, saved.other_bytes(), out_bytes,
                          saved.bytes_of(inputs), saved_output_bytes=saved_output, captured_bytes=captured)
     if loss is not None:
-        sample.loss_saved_bytes, sample.loss_bytes = _loss_bytes(out, loss)
+        sample.loss_saved_bytes, sample.loss_bytes = _loss_bytes(out, loss, external)
     return sample, tuple(o.detach() for o in out)
 
 
-def _loss_bytes(out: tuple[Tensor, ...], loss: Callable[[tuple[Tensor, ...]], Tensor]) -> tuple[int, int]:
+def _loss_bytes(out: tuple[Tensor, ...], loss: Callable[[tuple[Tensor, ...]], Tensor], external: frozenset[int] = frozenset()) -> tuple[int, int]:
     """What the loss saves for its backward, and the loss itself, on the last block's output ``out``."""
     detached = tuple(o.detach().requires_grad_(o.is_floating_point()) for o in out)
-    saved = _SavedByBlock(detached, ())
+    saved = _SavedByBlock(detached, (), external)
     with saved.hooks():
         value = loss(detached)
     return sum(saved.saved.values()), value.untyped_storage().nbytes()
@@ -412,14 +412,17 @@ def _profile_microbatch(module: nn.Module, blocks: list[nn.Module], mb: Any, los
     """Every block run in chain order on microbatch ``mb``, ``repeats`` times after a warm-up
     run that also measures each block's workspace; the median sample of each block."""
     start = lambda: as_tuple(module.pipeline_inputs(mb), "pipeline_inputs")  # noqa: E731
-    return _profile_chain(blocks, start, True, loss, repeats, device, sync)
+    batch = frozenset(t.untyped_storage().data_ptr() for t in tree_leaves(mb) if isinstance(t, Tensor))
+    return _profile_chain(blocks, start, True, loss, repeats, device, sync, batch)
 
 
 def _profile_chain(blocks: list[nn.Module], start: Callable[[], tuple[Tensor, ...]], first: bool, loss: Loss,
-                   repeats: int, device: torch.device, sync: Optional[Callable[[], None]] = None) -> list[BlockSample]:  # fmt: skip
+                   repeats: int, device: torch.device, sync: Optional[Callable[[], None]] = None,
+                   external: frozenset[int] = frozenset()) -> list[BlockSample]:  # fmt: skip
     """:func:`_profile_microbatch` from the inputs ``start()`` gives the first block (``first``: the
     chain's first block, whose inputs need no gradient); ``loss`` follows the last block if given;
-    ``sync`` is called before every pass."""
+    ``sync`` is called before every pass; ``external``: storages saved tensors may share that
+    training holds anyway (the batch's), not counted as saved."""
     runs: list[list[BlockSample]] = [[] for _ in blocks]
     workspace = [(0, 0, 0, 0)] * len(blocks)
     alone = (0, 0, 0, 0)  # the last block's without the loss
@@ -433,7 +436,7 @@ def _profile_chain(blocks: list[nn.Module], start: Callable[[], tuple[Tensor, ..
                 workspace[i] = _workspace(block, x, first and i == 0, last)
                 if last is not None:
                     alone = _workspace(block, x, first and i == 0, None)
-            sample, x = _measure_block(block, x, first and i == 0, device, last)
+            sample, x = _measure_block(block, x, first and i == 0, device, last, external)
             runs[i].append(sample)
     samples = [dataclasses.replace(_median(measured[1:]), forward_workspace_bytes=fw, backward_workspace_bytes=bw, after_gradient_bytes=ag,
                                    cold_backward_bytes=cold) for measured, (fw, bw, ag, cold) in zip(runs, workspace)]  # fmt: skip

@@ -329,7 +329,9 @@ def test_predicted_peak_matches_a_tracked_step_in_one_process(schedule: str, rec
     plan = PipelinePlan(1, 1, 4, schedule, split, partition=(6,), recompute=recompute)
     predicted = planner.predict(profile, plan, 16).stage_memory[0]
     measured = _tracked_second_step(place(ToyChain(), plan, 0), batch)
-    assert predicted == pytest.approx(measured, rel=0.05), (predicted, measured)
+    # Within 0.5%: 12 to 76 bytes apart on 2026-11-24 (at 5% before the loss's targets, views of
+    # the batch, stopped counting as saved and the losses themselves were counted: 148 to 1548 over).
+    assert predicted == pytest.approx(measured, rel=0.005), (predicted, measured)
 
 
 def _tracked_second_step(engine: Any, batch: Any, foreach: Optional[bool] = None) -> int:
