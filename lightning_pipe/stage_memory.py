@@ -388,7 +388,7 @@ def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, re
     posted = _posted_bytes(st, first, last)
     weights = versions * st.weight_bytes + st.optimizer_bytes
     grads = (versions if gradient_sets is None else gradient_sets) * st.gradient_bytes
-    loss_graph = st.loss_saved_bytes if recompute and last and not split else 0
+    loss_graph = _loss_graph_bytes(st, recompute, last, split)
     per_held = st.input_bytes + (0 if recompute else st.stash_bytes) + st.loss_bytes + loss_graph
     out, cap = _kept_output_bytes(st, recompute, last), st.captured_bytes
     one = st.stash_bytes - loss_graph if recompute else 0  # recomputed for the backward that runs
@@ -430,6 +430,12 @@ def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, re
             "buffers": posted + sent_bytes(st, sent), "batch": batch_bytes + st.loss_bytes}  # fmt: skip
 
 
+def _loss_graph_bytes(st: "StageCosts", recompute: bool, last: bool, split: bool) -> int:
+    """What the loss saved, kept per held microbatch beside a recomputed last stage's inputs (the
+    loss runs outside the recomputation; under split backward the first forward keeps no graph)."""
+    return st.loss_saved_bytes if recompute and last and not split else 0
+
+
 def _posted_bytes(st: "StageCosts", first: bool, last: bool) -> int:
     """The gradient receive a stage that is not last posts ahead, with its header. (Its input
     receive is counted per moment, in the point's :data:`Sent`: :func:`buffered`.)"""
@@ -464,7 +470,7 @@ def rank_moments(actions: Sequence[Action], stages: Sequence[int], sent: Optiona
     return tuple(dict.fromkeys(_walk(actions, index.__getitem__, len(stages), sent=sent)))
 
 
-def resting_bytes(st: "StageCosts", point: Point, grads: bool, recompute: bool, last: bool) -> int:
+def resting_bytes(st: "StageCosts", point: Point, grads: bool, recompute: bool, last: bool, split: bool = False) -> int:
     """Tensor bytes of a stage whose rank runs another of its stages: its weights, optimizer
     state and (once they exist) gradients, its held microbatches' saved tensors, inputs and kept
     outputs, and its pending microbatches' captured gradients (and, with recompute, their
@@ -472,7 +478,8 @@ def resting_bytes(st: "StageCosts", point: Point, grads: bool, recompute: bool, 
     h, p, _ = point
     one = st.stash_bytes if recompute else 0
     state = st.weight_bytes + st.optimizer_bytes + (st.gradient_bytes if grads else 0)
-    activations = h * (st.input_bytes + (0 if recompute else st.stash_bytes) + st.loss_bytes) + p * (one + st.captured_bytes)
+    kept = st.input_bytes + (0 if recompute else st.stash_bytes) + st.loss_bytes + _loss_graph_bytes(st, recompute, last, split)
+    activations = h * kept + p * (one + st.captured_bytes)
     return state + activations + (h - p) * _kept_output_bytes(st, recompute, last)
 
 
@@ -535,7 +542,7 @@ def rank_peak_bytes(stages: Sequence["StageCosts"], moments: Sequence[Moment], r
         for o, (point, g) in enumerate(zip(points, grads)):
             if o != c:
                 if (o, point[:2], g) not in resting:
-                    resting[o, point[:2], g] = resting_bytes(stages[o], point, g, recompute[o], last[o])
+                    resting[o, point[:2], g] = resting_bytes(stages[o], point, g, recompute[o], last[o], split)
                 total += resting[o, point[:2], g]
         best = max(best, total)
     return best + rank_buffer_bytes(stages, first, last, one_peer) + batch_bytes + sum(st.loss_bytes for st in stages)
