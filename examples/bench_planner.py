@@ -1,6 +1,6 @@
 """Planner fidelity: predicted step time and peak tensor memory per stage against measured runs, one table.
 
-    python examples/bench_planner.py                  # about 20 minutes on 2 cores (3 rounds)
+    python examples/bench_planner.py                  # about 10 minutes on 2 cores (3 rounds)
     python examples/bench_planner.py --rounds 1       # one round
     python examples/bench_planner.py --planning-time  # the planning-time part only
     python examples/bench_planner.py --workload gpt   # one workload's configurations only
