@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -9,7 +10,7 @@ import statistics
 import time
 import weakref
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -187,18 +188,19 @@ def _inputs_for(x: tuple[Tensor, ...], first: bool) -> tuple[Tensor, ...]:
 
 
 class _SavedByBlock:
-    """Storages autograd saves inside a block, parameters (and their views) and ``external`` storages
-    (the batch's: a loss saves its targets, views of the batch) excluded: they are held anyway. Inside a stage a block's input is the previous block's output, so a stage holds
-    it for backward only if saved; the stage's own input is held regardless."""
+    """Storages autograd saves inside a block, parameters (and their views) and ``external``
+    storages (the batch's: a loss saves its targets, views of the batch) excluded: they are held
+    anyway. Inside a stage a block's input is the previous block's output, so a stage holds it
+    for backward only if saved; the stage's own input is held regardless."""
 
     def __init__(self, inputs: Sequence[Tensor], weights: Iterable[Tensor], external: frozenset[int] = frozenset()) -> None:
         self.inputs = {t.untyped_storage().data_ptr() for t in inputs}
-        self.weights = {t.untyped_storage().data_ptr() for t in weights} | external
+        self.held = {t.untyped_storage().data_ptr() for t in weights} | external  # held anyway: never counted
         self.saved: dict[int, int] = {}
 
     def pack(self, t: Tensor) -> Tensor:
         key = t.untyped_storage().data_ptr()
-        if key not in self.weights and (key in self.inputs or not (t.is_leaf and t.requires_grad)):
+        if key not in self.held and (key in self.inputs or not (t.is_leaf and t.requires_grad)):
             self.saved[key] = t.untyped_storage().nbytes()
         return t
 
@@ -249,8 +251,6 @@ def _measure_block(block: nn.Module, x: tuple[Tensor, ...], first: bool, device:
     block.zero_grad(set_to_none=True)
     sample = BlockSample(batch_size(x), t_f, t_b, t_i, t_w, saved.other_bytes(), out_bytes,
                          saved.bytes_of(inputs), saved_output_bytes=saved_output, captured_bytes=captured)
-    if loss is not None:
-        sample.loss_saved_bytes, sample.loss_bytes = _loss_bytes(out, loss, external)
     return sample, tuple(o.detach() for o in out)
 
 
@@ -425,7 +425,7 @@ def _profile_chain(blocks: list[nn.Module], start: Callable[[], tuple[Tensor, ..
     training holds anyway (the batch's), not counted as saved."""
     runs: list[list[BlockSample]] = [[] for _ in blocks]
     workspace = [(0, 0, 0, 0)] * len(blocks)
-    alone = (0, 0, 0, 0)  # the last block's without the loss
+    alone, losses = (0, 0, 0, 0), (0, 0)  # the last block's workspace without the loss; the loss's bytes
     for run in range(repeats + 1):
         if sync is not None:
             sync()
@@ -436,13 +436,16 @@ def _profile_chain(blocks: list[nn.Module], start: Callable[[], tuple[Tensor, ..
                 workspace[i] = _workspace(block, x, first and i == 0, last)
                 if last is not None:
                     alone = _workspace(block, x, first and i == 0, None)
-            sample, x = _measure_block(block, x, first and i == 0, device, last, external)
+            sample, out = _measure_block(block, x, first and i == 0, device, last, external)
+            if run == 0 and last is not None:
+                losses = _loss_bytes(out, last, external)
             runs[i].append(sample)
+            x = out
     samples = [dataclasses.replace(_median(measured[1:]), forward_workspace_bytes=fw, backward_workspace_bytes=bw, after_gradient_bytes=ag,
                                    cold_backward_bytes=cold) for measured, (fw, bw, ag, cold) in zip(runs, workspace)]  # fmt: skip
     if loss is not None:
         samples[-1] = dataclasses.replace(samples[-1], block_backward_workspace_bytes=alone[1], block_after_gradient_bytes=alone[2],
-                                          block_cold_backward_bytes=alone[3])  # fmt: skip
+                                          block_cold_backward_bytes=alone[3], loss_saved_bytes=losses[0], loss_bytes=losses[1])  # fmt: skip
     return samples
 
 
@@ -580,6 +583,27 @@ def _make_optimizer(params: list[nn.Parameter], optimizer: Optional[Callable]) -
     return optimizer(params) if optimizer is not None else torch.optim.Adam(params)
 
 
+@contextlib.contextmanager
+def _trial_steps(params: list[nn.Parameter], optimizer: Optional[Callable]) -> Iterator[tuple[torch.optim.Optimizer, int]]:
+    """An optimizer over ``params`` after one step on zero gradients (Adam's state exists only
+    then), and the most bytes a second step allocates for the time it runs; on exit the
+    parameters get their values back and lose the gradients."""
+    saved = [p.detach().clone() for p in params]
+    opt = _make_optimizer(params, optimizer)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    with _Allocations() as mem:
+        opt.step()
+    try:
+        yield opt, mem.peak
+    finally:
+        with torch.no_grad():
+            for p, s in zip(params, saved):
+                p.copy_(s)
+                p.grad = None
+
+
 def _state_bytes(block: nn.Module, optimizer: Optional[Callable]) -> tuple[int, int, int, int]:
     """Parameter, gradient and optimizer-state bytes of ``block`` (the optimizer after one step),
     and the most bytes a later step allocates for the time it runs (e.g. the ``foreach``
@@ -588,20 +612,9 @@ def _state_bytes(block: nn.Module, optimizer: Optional[Callable]) -> tuple[int, 
     params = [p for p in block.parameters() if p.requires_grad]
     if not params:
         return 0, 0, 0, 0
-    opt = _make_optimizer(params, optimizer)
-    saved = [p.detach().clone() for p in params]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    opt.step()
-    with _Allocations() as mem:
-        opt.step()
-    with torch.no_grad():
-        for p, s in zip(params, saved):
-            p.copy_(s)
-    state = [t for s in opt.state.values() for t in s.values()]
-    for p in params:
-        p.grad = None
-    return _tensor_bytes(params), _tensor_bytes(params), _tensor_bytes(state), mem.peak
+    with _trial_steps(params, optimizer) as (opt, step_bytes):
+        state = [t for s in opt.state.values() for t in s.values()]
+        return _tensor_bytes(params), _tensor_bytes(params), _tensor_bytes(state), step_bytes
 
 
 def _optimizer_step_seconds(module: nn.Module, optimizer: Optional[Callable], device: torch.device, repeats: int = 5,
@@ -613,21 +626,10 @@ def _optimizer_step_seconds(module: nn.Module, optimizer: Optional[Callable], de
     params = [p for b in pipeline_blocks_of(module) for p in b.parameters() if p.requires_grad]
     if not params:
         return 0.0, 0
-    saved = [p.detach().clone() for p in params]
-    opt = _make_optimizer(params, optimizer)
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    opt.step()  # warm-up: creates the state
-    with _Allocations() as mem:
-        opt.step()
-    if sync is not None:
-        sync()
-    seconds = statistics.median(_timed(opt.step, device)[0] for _ in range(repeats))
-    with torch.no_grad():
-        for p, s in zip(params, saved):
-            p.copy_(s)
-            p.grad = None
-    return seconds, mem.peak
+    with _trial_steps(params, optimizer) as (opt, step_bytes):
+        if sync is not None:
+            sync()
+        return statistics.median(_timed(opt.step, device)[0] for _ in range(repeats)), step_bytes
 
 
 def _synchronize(device: torch.device) -> None:
