@@ -1,7 +1,7 @@
 """Planner fidelity: predicted step time and peak tensor memory per stage against measured runs, one table.
 
     python examples/bench_planner.py                  # about 10 minutes on 2 cores (3 rounds)
-    python examples/bench_planner.py --rounds 1       # one round
+    python examples/bench_planner.py --rounds 1       # one round of each workload
     python examples/bench_planner.py --planning-time  # the planning-time part only
     python examples/bench_planner.py --workload gpt   # one workload's configurations only
 
@@ -13,15 +13,23 @@ Workloads:
 - ``gpt``: the GPT example's model (configs/gpt_1f1b.yaml: 4 layers, width 128, context 64,
   AdamW), real compute, at most 2 processes (one core each).
 
-In each round the planner measures the links, then profiles each workload in as many
-concurrent processes as a group of configurations runs (the GPT workload again right before each
-of its configurations) and predicts that group, which then runs for real (gloo processes, ``place`` engines) and is measured: the median step time, and
-the peak tensor bytes of each stage during one step by a tracker of every tensor storage
-created (independent of the planner's own accounting). The table gives the medians over the
-rounds, and each configuration's time error as the median of its rounds' errors (each a
-prediction and a run minutes apart at most): this 2-core VM's speed drifts by up to 25% within seconds (a
-fixed matmul loop, measured), so one profile and one run far apart in time disagree by that
-much whatever the model.
+In each round the planner measures the links, then profiles each group of configurations (a
+workload at one process count) in as many concurrent processes. That profile is the planner's
+view: it partitions every configuration of the group and predicts its ``planned`` step. The
+group then runs side by side in one launch (gloo processes, ``place`` engines): in each pass
+every rank profiles the workload again (all at once, one timed run per block and size) and
+times one step of every configuration. A configuration's error in a round is the median over
+its passes of the step that pass's profile predicts over the step that pass measured (its
+slowest rank), less 1: this 2-core VM's speed drifts by up to 40% for seconds at a time (both
+processes at once; a fixed GPT forward and backward loop, measured), so that a profile and a run
+even seconds apart disagree by that much whatever the model, while a pass's profile and steps
+see the same drift. The table gives the medians over the rounds. Each engine then runs one step
+under a tracker of every tensor storage created (independent of the planner's own accounting):
+the peak tensor bytes of each stage.
+
+The ranking: the planner's first choice among the configurations with the most processes (the
+shortest ``planned`` step, median over rounds) against the fastest of them measured, the ratio
+the median over passes of the two configurations' steps in the same pass.
 
 Each configuration also runs 3 steps with the executor's trace on, and the simulator replays
 its program with every traced action's median seconds, replica by replica (receives as the link model charges them): a
@@ -50,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_pipelines, gpt
 from bench_pipelines import PeakTensorBytes  # noqa: E402
 from lightning_pipe import PipelineGroups, PipelinePlan, place, planner  # noqa: E402
 from lightning_pipe.monitor import held_tensors  # noqa: E402
-from lightning_pipe.profiler import profile_concurrently, profile_links  # noqa: E402
+from lightning_pipe.profiler import mean_profile, profile_blocks, profile_concurrently, profile_links  # noqa: E402
 from lightning_pipe.spawn import run_gloo  # noqa: E402
 
 BLOCKS, DIM, ACT = 8, 64, 4096  # ACT floats per sample kept by every block for its backward
@@ -134,7 +142,7 @@ class Chain:
     """The sleeping chain: global batch 16, Adam."""
 
     global_batch, sizes = 16, (1, 2, 4)
-    profile_each = False  # sleeping blocks: one profile serves a group of configurations
+    passes = 6  # profiles and steps of every configuration per round (a pass of the 4-process group takes about 5 s)
 
     def model(self, heavy_first: bool = False) -> nn.Module:
         return HoldChain(heavy_first)
@@ -150,7 +158,7 @@ class GPTWorkload:
     """The GPT example's model and byte windows: global batch 32, AdamW."""
 
     global_batch, sizes = 32, (4, 8, 16)
-    profile_each = True  # real compute drifts with the machine: profiled again right before each configuration
+    passes = 10  # a pass takes about 2.5 s
 
     def model(self, heavy_first: bool = False) -> nn.Module:
         from gpt import GPT
@@ -190,17 +198,62 @@ def _measure(rank: int, world: int, name: str, plan: PipelinePlan, b: int, steps
         engine.train_step(batch, opt)
         times.append(time.perf_counter() - start)
     traced = _traced_step(engine, batch, opt)
-    for p in engine.parameters():
-        p.grad = None  # the step creates them again, tracked
-    dist.barrier()
-    with PeakTensorBytes(held_tensors(engine.parameters(), [opt])) as tracker:
-        engine.train_step(batch, opt)
-    return {"step": statistics.median(times[1:]), "peak": tracker.peak, "stage": engine.stage_index, **traced}
+    peak = _peak_bytes(engine, batch, opt)
+    return {"step": statistics.median(times[1:]), "peak": peak, "stage": engine.stage_index, **traced}
 
 
 def _stage_peaks(measured: Sequence[dict[str, Any]], depth: int) -> list[int]:
     """Each stage's peak tensor bytes: the largest over its replicas' ``_measure`` results."""
     return [max(v["peak"] for v in measured if v["stage"] == s) for s in range(depth)]
+
+
+def _run_group(rank: int, world: int, name: str, plans: Sequence[tuple[PipelinePlan, int]],
+               passes: int) -> dict[str, Any]:  # fmt: skip
+    """A group of configurations (same process count) profiled and measured side by side, in one launch.
+
+    Every plan's engine is built, then each of ``passes`` passes (after one that warms up)
+    profiles the workload (:func:`profile_blocks`, every rank at once behind barriers, one timed
+    run per block and size) and times one step of every plan, the order rotating from pass to
+    pass. The host's drift (up to 40% for seconds at a time, both processes at once) then
+    slows a pass's profile and its steps alike, which a profile and a run in separate launches
+    cannot promise. Afterwards each engine runs its traced steps and one step under the tensor
+    tracker (its peak bytes).
+
+    Returns:
+        ``times``: per plan, this rank's step seconds per pass; ``profiles``: this rank's profile
+        per pass; ``each``: per plan, its traced step, action times, peak bytes and stage.
+    """
+    torch.set_num_threads(1)
+    work, runs = WORKLOADS[name], []
+    for plan, b in plans:
+        engine = place(work.model(), plan, rank, groups=PipelineGroups.build(plan.topology, rank))
+        torch.manual_seed(plan.topology.replica_of(rank))  # the stages of a pipeline see the same batch
+        runs.append((engine, work.optimizer(engine.parameters()), work.batch(plan.microbatches * b)))
+    model, sample, sizes = work.model(), work.batch(max(work.sizes)), [min(work.sizes), max(work.sizes)]
+    times: list[list[float]] = [[] for _ in runs]
+    profiles = []
+    for p in range(passes + 1):
+        profiles.append(profile_blocks(model, sample, sizes, repeats=1, optimizer=work.optimizer, sync=dist.barrier))
+        for k in range(len(runs)):
+            i = (p + k) % len(runs)
+            engine, opt, batch = runs[i]
+            dist.barrier()
+            start = time.perf_counter()
+            engine.train_step(batch, opt)
+            times[i].append(time.perf_counter() - start)
+    each = [{**_traced_step(engine, batch, opt), "peak": _peak_bytes(engine, batch, opt), "stage": engine.stage_index}
+            for engine, opt, batch in runs]  # fmt: skip
+    return {"times": [t[1:] for t in times], "profiles": profiles[1:], "each": each}
+
+
+def _peak_bytes(engine: Any, batch: Any, opt: torch.optim.Optimizer) -> int:
+    """Peak tensor bytes of one step on this rank, by a tracker of every tensor storage (gradients included)."""
+    for p in engine.parameters():
+        p.grad = None  # the step creates them again, tracked
+    dist.barrier()
+    with PeakTensorBytes(held_tensors(engine.parameters(), [opt])) as tracker:
+        engine.train_step(batch, opt)
+    return tracker.peak
 
 
 def _traced_step(engine: Any, batch: Any, opt: torch.optim.Optimizer, steps: int = 3) -> dict[str, Any]:
@@ -245,40 +298,50 @@ def replayed_step(profile: Any, plan: PipelinePlan, b: int, measured: Sequence[d
     return max(replay(traced) for traced in replicas.values())
 
 
-def _profile(name: str, processes: int) -> Any:
+def _profile(name: str, processes: int, links: Optional[dict[str, float]] = None) -> Any:
     """The workload profiled in ``processes`` concurrent processes of one thread each (as the
-    measured ranks run), so that the times include their contention for the 2 cores."""
+    measured ranks run), so that the times include their contention for the 2 cores; ``links``:
+    the round's measured links, set on the profile."""
     work = WORKLOADS[name]
-    sizes = sorted({c.b for c in CONFIGS if c.workload == name})
-    return profile_concurrently(work.model, work.batch(max(sizes)), [min(sizes), max(sizes)], processes, repeats=3,
-                                optimizer=work.optimizer)  # fmt: skip
+    sizes = [min(work.sizes), max(work.sizes)]
+    profile = profile_concurrently(work.model, work.batch(max(sizes)), sizes, processes, repeats=3, optimizer=work.optimizer)
+    profile.__dict__.update(links or {})
+    return profile
 
 
 def _round(links: dict[str, float], workloads: Sequence[str]) -> dict[tuple, dict[str, Any]]:
-    """One round: each workload profiled in as many processes as a group of configurations runs,
-    then that group predicted and measured at once, so that the machine's drift between the
-    profile and the runs stays small (a workload of real compute is profiled again before each
-    configuration of the group)."""
+    """One round: each group of configurations (a workload at one process count) profiled once in
+    as many processes (the planner's view: every plan, its partition and its ``planned`` step
+    from that profile), then run side by side in one launch (:func:`_run_group`). A
+    configuration's prediction in a pass comes from that pass's profile (the ranks' mean), its
+    error in the round is the median over passes of its predicted over measured step, less 1."""
     out = {}
     for name, n in sorted({(c.workload, c.w * c.d) for c in CONFIGS if c.workload in workloads}):
-        profile = None
-        for config in (c for c in CONFIGS if (c.workload, c.w * c.d) == (name, n)):
-            if profile is None or WORKLOADS[name].profile_each:
-                profile = _profile(name, n)
-                profile.__dict__.update(links)
-                out[("profile", name, n)] = profile
-            w, d, b = config.w, config.d, config.b
-            plan = _plan(config, planner.time_balanced(profile, d * config.virtual, b))
-            predicted = planner.predict(profile, plan, b)
-            ran = run_gloo(_measure, w * d, name, plan, b, 4, timeout=300.0)
-            assert all(s == "ok" for s, _ in ran), [v for s, v in ran if s != "ok"]
-            measured = [v for _, v in ran]
-            peaks = _stage_peaks(measured, d)
-            out[config] = {"predicted": predicted, "measured": max(v["step"] for v in measured), "peaks": peaks,
-                           "replayed": replayed_step(profile, plan, b, measured), "traced": max(v["traced_step"] for v in measured)}  # fmt: skip
-            print(f"  {name} ({w},{d}) b={b} {_schedule(config)}{' recompute' if config.recompute else ''}: predicted "
-                  f"{predicted.step_time:.3f} s, measured {out[config]['measured']:.3f} s; replayed with the traced "
-                  f"actions {out[config]['replayed']:.3f} s, traced step {out[config]['traced']:.3f} s", flush=True)
+        group = _profile(name, n, links)
+        out[("profile", name, n)] = group
+        configs = [c for c in CONFIGS if (c.workload, c.w * c.d) == (name, n)]
+        plans = [(_plan(c, planner.time_balanced(group, c.d * c.virtual, c.b)), c.b) for c in configs]
+        ran = run_gloo(_run_group, n, name, plans, WORKLOADS[name].passes, timeout=1200.0)
+        assert all(s == "ok" for s, _ in ran), [v for s, v in ran if s != "ok"]
+        ranks = [v for _, v in ran]
+        for profile in (p for r in ranks for p in r["profiles"]):
+            profile.__dict__.update(links)
+        passes = [mean_profile([r["profiles"][k] for r in ranks]) for k in range(WORKLOADS[name].passes)]
+        whole = mean_profile([p for r in ranks for p in r["profiles"]])
+        for i, (config, (plan, b)) in enumerate(zip(configs, plans)):
+            steps = [max(r["times"][i][k] for r in ranks) for k in range(len(passes))]  # its slowest rank's
+            predicted = [planner.predict(profile, plan, b).step_time for profile in passes]
+            measured = [r["each"][i] for r in ranks]
+            out[config] = {"predicted": planner.predict(whole, plan, b), "predicted_step": statistics.median(predicted),
+                           "measured": statistics.median(steps), "steps": steps,
+                           "error": statistics.median(p / q - 1 for p, q in zip(predicted, steps)),
+                           "planned": planner.predict(group, plan, b).step_time, "plan": plan, "peaks": _stage_peaks(measured, config.d),
+                           "replayed": replayed_step(whole, plan, b, measured), "traced": max(v["traced_step"] for v in measured)}  # fmt: skip
+            x = out[config]
+            print(f"  {name} ({config.w},{config.d}) b={b} {_schedule(config)}{' recompute' if config.recompute else ''}: "
+                  f"predicted {x['predicted_step']:.3f} s, measured {x['measured']:.3f} s (median over {len(steps)} passes), "
+                  f"error {x['error']:+.1%}; replayed with the traced actions {x['replayed']:.3f} s, traced step {x['traced']:.3f} s",
+                  flush=True)  # fmt: skip
     return out
 
 
@@ -295,16 +358,17 @@ def main(rounds: int, workloads: Sequence[str]) -> None:
         name, w, d, b, _, recompute, _ = config
         mine = [run[config] for run in runs]
         predicted = mine[-1]["predicted"]  # the plan and its memory (the profiled bytes do not drift)
-        predicted_step = statistics.median(x["predicted"].step_time for x in mine)
+        predicted_step = statistics.median(x["predicted_step"] for x in mine)
         step = statistics.median(x["measured"] for x in mine)
         peaks = [max(x["peaks"][s] for x in mine) for s in range(d)]
-        t_err = statistics.median(x["predicted"].step_time / x["measured"] - 1 for x in mine)  # paired in time
+        t_err = statistics.median(x["error"] for x in mine)  # each round's paired pass by pass
         m_err = max(abs(p / q - 1) for x in mine for p, q in zip(x["predicted"].stage_memory, x["peaks"]))
         time_errors.append(abs(t_err))
         memory_errors.append(m_err)
-        results.append({"workload": name, "config": (w, d), "schedule": _schedule(config), "predicted": predicted,
-                        "predicted_step": predicted_step, "measured": step, "peaks": peaks})  # fmt: skip
-        each = ", ".join(f"{x['predicted'].step_time / x['measured'] - 1:+.0%}" for x in mine)
+        results.append({"workload": name, "config": (w, d), "schedule": _schedule(config), "predicted": predicted, "b": b, "recompute": recompute,
+                        "planned_step": statistics.median(x["planned"] for x in mine), "plan": mine[-1]["plan"],
+                        "measured": step, "steps": [t for x in mine for t in x["steps"]], "peaks": peaks})  # fmt: skip
+        each = ", ".join(f"{x['error']:+.0%}" for x in mine)
         rows.append(f"| {name} | ({w},{d}) | {b} | {plan_m(config)} | {_schedule(config)} | {'yes' if recompute else 'no'} | "
                     f"{predicted_step:.3f} | {step:.3f} | {t_err:+.1%} ({each}) | "
                     f"{', '.join(f'{p / 2**20:.2f}' for p in predicted.stage_memory)} | "
@@ -351,15 +415,24 @@ def _schedule(config: Config) -> str:
 
 
 def _ranking(results: list[dict[str, Any]], name: str) -> None:
-    """The planner's first choice among the configurations with the most processes against the best measured one."""
+    """The planner's first choice among the configurations with the most processes against the
+    best measured one. The choice: the shortest step its one profile per round predicts (the
+    median over rounds; same global batch, so the shortest step is the fastest). The measurement:
+    the configurations ran side by side (:func:`_run_group`), so the ratio is the median over
+    every pass of every round of the chosen plan's step over the best plan's in the same pass."""
     most = max(r["config"][0] * r["config"][1] for r in results)
     same = [r for r in results if r["config"][0] * r["config"][1] == most]
-    chosen = min(same, key=lambda r: r["predicted_step"])  # same global batch: shortest step is fastest
-    best = min(same, key=lambda r: r["measured"])
-    print(f"\n{name} ranking ({most} processes, {len(same)} configurations): planner's first choice "
-          f"{chosen['config']} {chosen['schedule']} b={chosen['predicted'].microbatch_size} measured "
-          f"{chosen['measured']:.3f} s; best measured {best['config']} {best['schedule']} "
-          f"b={best['predicted'].microbatch_size} {best['measured']:.3f} s; ratio {chosen['measured'] / best['measured']:.3f}")
+    steps, passes = [r["steps"] for r in same], len(same[0]["steps"])
+    chosen = min(range(len(same)), key=lambda i: same[i]["planned_step"])
+    best = min(range(len(same)), key=lambda i: statistics.median(steps[i]))
+    ratio = statistics.median(c / b for c, b in zip(steps[chosen], steps[best]))
+    print(f"\n{name} ranking ({most} processes, {len(same)} configurations measured side by side, {passes} passes):")
+    for i in sorted(range(len(same)), key=lambda i: same[i]["planned_step"]):
+        r = same[i]
+        print(f"  {r['config']} {r['schedule']} b={r['b']}{' recompute' if r['recompute'] else ''}: planned "
+              f"{r['planned_step']:.3f} s, measured side by side {statistics.median(steps[i]):.3f} s")
+    print(f"  planner's first choice {same[chosen]['config']} {same[chosen]['schedule']} b={same[chosen]['b']}; best measured "
+          f"{same[best]['config']} {same[best]['schedule']} b={same[best]['b']}; ratio {ratio:.3f}")
 
 
 def _verdicts(results: list[dict[str, Any]], name: str) -> None:
