@@ -185,12 +185,7 @@ def _plan(config: Config, partition: tuple[int, ...]) -> PipelinePlan:
 def _measure(rank: int, world: int, name: str, plan: PipelinePlan, b: int, steps: int, heavy_first: bool = False) -> dict[str, Any]:
     """One configuration on this rank: median step seconds and peak tensor bytes of one step."""
     torch.set_num_threads(1)
-    work = WORKLOADS[name]
-    groups = PipelineGroups.build(plan.topology, rank)
-    engine = place(work.model(heavy_first), plan, rank, groups=groups)
-    opt = work.optimizer(engine.parameters())
-    torch.manual_seed(plan.topology.replica_of(rank))  # the stages of a pipeline see the same batch
-    batch = work.batch(plan.microbatches * b)
+    engine, opt, batch = _engine(name, plan, b, rank, heavy_first)
     times = []
     for _ in range(steps + 1):
         dist.barrier()
@@ -200,6 +195,15 @@ def _measure(rank: int, world: int, name: str, plan: PipelinePlan, b: int, steps
     traced = _traced_step(engine, batch, opt)
     peak = _peak_bytes(engine, batch, opt)
     return {"step": statistics.median(times[1:]), "peak": peak, "stage": engine.stage_index, **traced}
+
+
+def _engine(name: str, plan: PipelinePlan, b: int, rank: int, heavy_first: bool = False) -> tuple[Any, torch.optim.Optimizer, Any]:
+    """This rank's engine for ``plan``, its optimizer, and the batch of its replica (the stages of a pipeline see the same one)."""
+    work = WORKLOADS[name]
+    engine = place(work.model(heavy_first), plan, rank, groups=PipelineGroups.build(plan.topology, rank))
+    opt = work.optimizer(engine.parameters())
+    torch.manual_seed(plan.topology.replica_of(rank))
+    return engine, opt, work.batch(plan.microbatches * b)
 
 
 def _stage_peaks(measured: Sequence[dict[str, Any]], depth: int) -> list[int]:
@@ -224,11 +228,7 @@ def _run_group(rank: int, world: int, name: str, plans: Sequence[tuple[PipelineP
         per pass; ``each``: per plan, its traced step, action times, peak bytes and stage.
     """
     torch.set_num_threads(1)
-    work, runs = WORKLOADS[name], []
-    for plan, b in plans:
-        engine = place(work.model(), plan, rank, groups=PipelineGroups.build(plan.topology, rank))
-        torch.manual_seed(plan.topology.replica_of(rank))  # the stages of a pipeline see the same batch
-        runs.append((engine, work.optimizer(engine.parameters()), work.batch(plan.microbatches * b)))
+    work, runs = WORKLOADS[name], [_engine(name, plan, b, rank) for plan, b in plans]
     model, sample, sizes = work.model(), work.batch(max(work.sizes)), [min(work.sizes), max(work.sizes)]
     times: list[list[float]] = [[] for _ in runs]
     profiles = []

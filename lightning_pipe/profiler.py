@@ -471,18 +471,16 @@ def _profile_chain(blocks: list[nn.Module], start: Callable[[], tuple[Tensor, ..
             if run == 0 and last is not None:
                 losses = _loss_bytes(out, last, external)
             if stage_order:
-                pending.append((x, forwarded))
+                pending.append((x, forwarded, last))
                 x = out
-                continue
-            t_b = _timed_backward(block, forwarded, device)
-            del out  # not alive during I and W's forward: profiling stays within a step's memory
-            sample, x = _block_sample(block, x, first and i == 0, device, last, forwarded, t_b)
-            runs[i].append(sample)
-        backward = [0.0] * len(pending)
-        for i in reversed(range(len(pending))):
-            backward[i] = _timed_backward(blocks[i], pending[i][1], device)
-        for i, ((x, forwarded), t_b) in enumerate(zip(pending, backward)):
-            runs[i].append(_block_sample(blocks[i], x, first and i == 0, device, loss if i == len(blocks) - 1 else None, forwarded, t_b)[0])
+            else:
+                t_b = _timed_backward(block, forwarded, device)
+                del out  # not alive during I and W's forward: profiling stays within a step's memory
+                sample, x = _block_sample(block, x, first and i == 0, device, last, forwarded, t_b)
+                runs[i].append(sample)
+        backward = [_timed_backward(blocks[i], pending[i][1], device) for i in reversed(range(len(pending)))][::-1]
+        for i, ((x, forwarded, last), t_b) in enumerate(zip(pending, backward)):
+            runs[i].append(_block_sample(blocks[i], x, first and i == 0, device, last, forwarded, t_b)[0])
     samples = [dataclasses.replace(_median(measured[1:]), forward_workspace_bytes=fw, backward_workspace_bytes=bw, after_gradient_bytes=ag,
                                    cold_backward_bytes=cold) for measured, (fw, bw, ag, cold) in zip(runs, workspace)]  # fmt: skip
     if loss is not None:
