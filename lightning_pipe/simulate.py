@@ -147,31 +147,51 @@ def simulate(schedule: list[list[Action]], costs: CostModel, stash: StashModel =
 
 @dataclass(frozen=True)
 class CompiledProgram:
-    """A program flattened once for repeated makespans under different costs (the planner's hot loop).
+    """A program compiled once for repeated makespans under different costs (the planner's hot loop).
 
-    Every action is listed in an order the simulator can run them (each after its rank's
-    previous action and after the send it receives), as three lists of plain integers (millions
-    of tuples would burden the garbage collector): ``order_ranks`` its rank, ``order_keys`` its
-    cost key, ``order_waits`` the index in that order of the send it waits for, or -1. An
-    action's cost depends only on its key, (stage, kind); ``keys`` holds the first action of each key.
+    Only a receive waits: between two receives a rank runs its actions back to back, so the time
+    a rank reaches any action is the end of its last receive before it plus a running sum of
+    costs. The makespan then takes one step per receive, the receives listed in an order the
+    simulator can run them (each after its rank's previous receive and after the receive that
+    precedes its send on the sending rank). An action's cost depends only on its key,
+    (stage, kind); ``keys`` holds the first action of each key.
+
+    Attributes:
+        ranks: ranks that run the program.
+        keys: the first action of each key.
+        key_of: each action's key, every rank's actions one after another.
+        starts: where each rank's actions begin in ``key_of``, and (last) their total.
+        receives: the receives' indices in ``key_of``, in run order.
+        waits: per receive in run order, the position it waits for on its own rank (the action
+            before it, -1 for none) and the last receive at or before that position (its index in
+            run order and in ``key_of``, -1 for none); likewise for the send it takes in.
+        finish: per rank, its last action and the last receive at or before it, as in ``waits``.
+        counts: actions of each key.
     """
 
     ranks: int
     keys: tuple[Action, ...]
-    order_ranks: list[int]
-    order_keys: list[int]
-    order_waits: list[int]
-    counts: tuple[int, ...] = ()  # actions of each key
+    key_of: np.ndarray
+    starts: np.ndarray
+    receives: np.ndarray
+    waits: tuple[np.ndarray, ...]
+    finish: tuple[np.ndarray, ...]
+    counts: tuple[int, ...] = ()
 
     def makespan(self, key_costs: list[float]) -> float:
         """The same makespan :func:`simulate` finds when every action costs ``key_costs[key]``."""
-        clock, end = [0.0] * self.ranks, [0.0] * len(self.order_ranks)
-        for i, (rank, key, dep) in enumerate(zip(self.order_ranks, self.order_keys, self.order_waits)):
-            start = clock[rank]
-            if dep >= 0 and end[dep] > start:
-                start = end[dep]
-            clock[rank] = end[i] = start + key_costs[key]
-        return max(clock, default=0.0)
+        cost = np.asarray(key_costs, dtype=float)[self.key_of]
+        ran = np.zeros(len(cost) + 1)  # ran[i]: a rank's costs up to action i; ran[-1] = 0 stands for none
+        for a, b in zip(self.starts[:-1].tolist(), self.starts[1:].tolist()):
+            ran[a:b] = np.cumsum(cost[a:b])
+        own_at, own_order, own_flat, send_at, send_order, send_flat = self.waits
+        own_gap, send_gap = (ran[own_at] - ran[own_flat]).tolist(), (ran[send_at] - ran[send_flat]).tolist()
+        end = [0.0] * (len(self.receives) + 1)  # end[-1] = 0: no receive before
+        for k, (p, g, q, h, c) in enumerate(zip(own_order.tolist(), own_gap, send_order.tolist(), send_gap, cost[self.receives].tolist())):
+            ready, sent = end[p] + g, end[q] + h
+            end[k] = (ready if ready > sent else sent) + c
+        last_at, last_order, last_flat = self.finish
+        return max((end[q] + g for q, g in zip(last_order.tolist(), (ran[last_at] - ran[last_flat]).tolist())), default=0.0)
 
     def busy(self, key_costs: list[float], kinds: frozenset[Kind] = COMPUTE_KINDS) -> float:
         """Seconds all ranks together spend in actions of ``kinds`` (compute, by default)."""
@@ -183,42 +203,62 @@ class CompiledProgram:
 
 
 def compile_program(schedule: list[list[Action]], flat: Optional[FlatProgram] = None) -> CompiledProgram:
-    """Flatten ``schedule`` in an order the simulator can run it (see :class:`CompiledProgram`):
-    each rank advances until a receive whose send is not placed yet, round after round, as
-    :func:`simulate` does, on its arrays (``flat``, made here if not given; Action objects are
-    slow to read).
+    """Compile ``schedule`` for :meth:`CompiledProgram.makespan`: its receives in an order the
+    simulator can run them, found as :func:`simulate` does (each rank advances until a receive
+    whose send is not reached yet, round after round), on the arrays of ``flat`` (made here if
+    not given; Action objects are slow to read).
 
     Raises:
         ScheduleError: if the ranks deadlock.
     """
     flat = flat or flatten(schedule)
-    codes = flat.stage * len(CODES) + flat.kind
-    _, first, key_of = np.unique(codes, return_index=True, return_inverse=True)
-    source, starts = flat.source.tolist(), flat.starts.tolist()
-    placed = [-1] * len(source)  # each action's index in the order
-    ranks: list[int] = []
-    order: list[int] = []  # the actions' indices in flat
-    waits: list[int] = []
-    ptrs, moved = starts[:-1], True
+    n, starts = len(flat.kind), flat.starts
+    _, first, key_of = np.unique(flat.stage * len(CODES) + flat.kind, return_index=True, return_inverse=True)
+    receives = np.flatnonzero(flat.source >= 0)
+    rank_start = starts[flat.owner] if n else np.zeros(0, np.int64)
+    last_receive = np.maximum.accumulate(np.where(flat.source >= 0, np.arange(n), -1)) if n else np.zeros(0, np.int64)
+    last_receive = np.where(last_receive >= rank_start, last_receive, -1)  # at or before each action, on its rank
+    receive_number = np.full(n + 1, -1)  # [-1]: none
+    receive_number[receives] = np.arange(len(receives))
+    own_at = np.where(receives > rank_start[receives], receives - 1, -1)
+    own_flat = np.where(own_at >= 0, last_receive[own_at], -1)
+    send_at = flat.source[receives]
+    send_flat = last_receive[send_at]
+    order, stuck = _receive_order(receive_number[send_flat].tolist(), np.searchsorted(receives, starts).tolist())
+    if stuck:
+        raise ScheduleError(f"deadlock: ranks wait at { {r: str(flat.actions[receives[k]]) for r, k in stuck.items()} }\n{grid(schedule)}")
+    placed = np.full(len(receives) + 1, -1)  # [-1]: none
+    placed[order] = np.arange(len(order))
+    order = np.asarray(order, dtype=np.int64)
+    numbered = lambda at: placed[receive_number[at]]  # noqa: E731  # a flat receive index (or -1) as its place in the order
+    waits = (own_at[order], numbered(own_flat[order]), own_flat[order], send_at[order], numbered(send_flat[order]), send_flat[order])
+    last_at = starts[1:] - 1
+    has = np.diff(starts) > 0
+    last_flat = np.where(has, last_receive[np.where(has, last_at, 0)] if n else -1, -1)
+    finish = (np.where(has, last_at, -1), numbered(last_flat), last_flat)
+    counts = np.bincount(key_of, minlength=len(first)).tolist()
+    return CompiledProgram(len(schedule), tuple(flat.actions[i] for i in first.tolist()), key_of, starts, receives[order], waits, finish, tuple(counts))
+
+
+def _receive_order(sender: list[int], bounds: list[int]) -> tuple[list[int], dict[int, int]]:
+    """Receives (numbered rank after rank; ``bounds``: where each rank's begin) in an order the
+    simulator can run them: a rank runs on until a receive whose send follows a receive not run
+    yet (``sender``: that receive's number, -1 for none), round after round. Also each rank
+    left waiting, at the number of its receive (none unless the program deadlocks)."""
+    placed = [False] * len(sender)
+    order: list[int] = []
+    ptrs, moved = bounds[:-1], True
     while moved:
         moved = False
-        for rank, end in enumerate(starts[1:]):
+        for rank, end in enumerate(bounds[1:]):
             p = ptrs[rank]
             while p < end:
-                dep = source[p]
-                if dep >= 0:
-                    dep = placed[dep]
-                    if dep < 0:
-                        break
-                placed[p] = len(order)
+                q = sender[p]
+                if q >= 0 and not placed[q]:
+                    break
+                placed[p] = True
                 order.append(p)
-                waits.append(dep)
                 p += 1
             moved |= p != ptrs[rank]
-            ranks += [rank] * (p - ptrs[rank])
             ptrs[rank] = p
-    stuck = {r: str(flat.actions[p]) for r, p in enumerate(ptrs) if p < starts[r + 1]}
-    if stuck:
-        raise ScheduleError(f"deadlock: ranks wait at {stuck}\n{grid(schedule)}")
-    counts = np.bincount(key_of, minlength=len(first)).tolist()
-    return CompiledProgram(len(schedule), tuple(flat.actions[i] for i in first.tolist()), ranks, key_of[order].tolist(), waits, tuple(counts))
+    return order, {r: p for r, (p, end) in enumerate(zip(ptrs, bounds[1:])) if p < end}

@@ -382,28 +382,43 @@ def test_a_stage_whose_weights_outweigh_its_activations_peaks_at_the_optimizer_s
     assert measured - 16 <= predicted <= measured * 1.01, (predicted, measured)  # below by at most a few scalars
 
 
-@pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
+@pytest.mark.parametrize("schedule", [*SCHEDULE_NAMES, "interleaved"])
 def test_compiled_program_makespan_equals_the_simulator(schedule: str) -> None:
-    # The planner's hot loop runs a flattened program; the simulator is the reference.
+    # The planner's hot loop runs a compiled program (one step per receive); the simulator, one
+    # action at a time, is the reference.
     import random
 
     from lightning_pipe.schedules import build_schedule, two_bw_run
     from lightning_pipe.simulate import compile_program, simulate
 
     rng = random.Random(0)
-    for depth, m, split in itertools.product((1, 2, 3, 5), (1, 4, 7), (False, True)):
-        if schedule == "2bw" and m < depth:
+    for depth, m, split in itertools.product((1, 2, 3, 5), (1, 4, 7, 10), (False, True)):
+        if schedule == "2bw" and m < depth or schedule == "interleaved" and (depth == 1 or m % depth):
             continue
-        program = two_bw_run(depth, m, 2, split) if schedule == "2bw" else build_schedule(schedule, depth, m, split)
+        if schedule == "2bw":
+            program = two_bw_run(depth, m, 2, split)
+        else:
+            program = build_schedule("1f1b" if schedule == "interleaved" else schedule, depth, m, split, virtual=1 + (schedule == "interleaved"))
         compiled = compile_program(program)
-        table: dict = {}
+        for _ in range(3):
+            table: dict = {}
 
-        def cost(a: Any) -> float:
-            return table.setdefault((a.stage, a.kind), rng.uniform(0.0, 2.0))
+            def cost(a: Any) -> float:
+                return table.setdefault((a.stage, a.kind), rng.choice((0.0, rng.uniform(0.0, 2.0))))
 
-        assert compiled.makespan(compiled.costs_from(cost)) == pytest.approx(simulate(program, cost).makespan, rel=1e-12)
-        busy = compiled.busy(compiled.costs_from(cost))
-        assert busy == pytest.approx(sum(simulate(program, cost).busy), rel=1e-12)
+            assert compiled.makespan(compiled.costs_from(cost)) == pytest.approx(simulate(program, cost).makespan, rel=1e-12)
+            busy = compiled.busy(compiled.costs_from(cost))
+            assert busy == pytest.approx(sum(simulate(program, cost).busy), rel=1e-12)
+
+
+def test_compiling_a_deadlocked_program_names_the_waiting_ranks() -> None:
+    # Rank 0 waits for microbatch 0's gradient before it sends the activation rank 1 needs.
+    from lightning_pipe.schedules import parse_actions
+    from lightning_pipe.simulate import ScheduleError, compile_program
+
+    program = [parse_actions("0F0 0RB0 0SF0 0B0"), parse_actions("1RF0 1F0 1B0 1SB0")]
+    with pytest.raises(ScheduleError, match=r"deadlock: ranks wait at \{0: '0RB0', 1: '1RF0'\}"):
+        compile_program(program)
 
 
 @pytest.mark.parametrize("width,depth", [(4, 1), (2, 2), (1, 4)])
