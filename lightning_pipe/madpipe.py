@@ -109,10 +109,7 @@ def madpipe_partition(profile: Profile, plan: PipelinePlan, microbatch_size: int
     Returns:
         ``None`` if no contiguous partition fits the limit.
     """
-    if ranges is not None and ranges.profile is not profile:
-        raise ValueError("ranges must hold the costs of the profile given")
-    n, depth = len(profile.blocks), plan.depth
-    ranges = ranges or RangeCosts(profile)
+    n, depth, ranges = len(profile.blocks), plan.depth, RangeCosts.of(profile, ranges)
     chain = _Chain(ranges, plan, microbatch_size)
     targets = sorted({chain.time(i, j) for i in range(n) for j in range(i + 1, n + 1)})
     hi = len(targets) - 1

@@ -200,6 +200,13 @@ class RangeCosts:
             self._balanced[key] = time_balanced(self.profile, depth, microbatch_size)
         return self._balanced[key]
 
+    @classmethod
+    def of(cls, profile: Profile, ranges: Optional["RangeCosts"] = None) -> "RangeCosts":
+        """``ranges``, checked to hold ``profile``'s costs, or new ones for it."""
+        if ranges is not None and ranges.profile is not profile:
+            raise ValueError("ranges must hold the costs of the profile given")
+        return ranges or cls(profile)
+
     def samples(self, microbatch_size: int) -> list[BlockSample]:
         """Every block at ``microbatch_size``."""
         if microbatch_size not in self._samples:
@@ -207,10 +214,12 @@ class RangeCosts:
         return self._samples[microbatch_size]
 
 
-def stage_costs(profile: Profile, plan: PipelinePlan, microbatch_size: int) -> list[StageCosts]:
-    """Sum the profiled blocks of every stage of ``plan`` (partition resolved) at ``microbatch_size``."""
+def stage_costs(profile: Profile, plan: PipelinePlan, microbatch_size: int,
+                samples: Optional[Sequence[BlockSample]] = None) -> list[StageCosts]:  # fmt: skip
+    """Sum the profiled blocks of every stage of ``plan`` (partition resolved) at ``microbatch_size``
+    (``samples``: every block already at that size, as :meth:`RangeCosts.samples` keeps them)."""
     cap = bucket_cap(plan)
-    return [range_costs(profile, rng, microbatch_size, plan.recompute[s], bucket_cap=cap) for s, rng in enumerate(plan.stage_ranges())]
+    return [range_costs(profile, rng, microbatch_size, plan.recompute[s], samples, cap) for s, rng in enumerate(plan.stage_ranges())]
 
 
 def bucket_cap(plan: PipelinePlan) -> int:
@@ -347,10 +356,12 @@ def step_time(plan: PipelinePlan, cost: Callable[[Action], float], cores: Option
     return max(seconds, plan.width * busy / cores) if cores else seconds
 
 
-def predict_step(profile: Profile, plan: PipelinePlan, microbatch_size: int) -> tuple[float, list[HeldCounts]]:
+def predict_step(profile: Profile, plan: PipelinePlan, microbatch_size: int,
+                 costs: Optional[Sequence[StageCosts]] = None) -> tuple[float, list[HeldCounts]]:  # fmt: skip
     """Predicted seconds of one training step (:func:`step_time`), and the microbatches each stage
-    holds (:func:`held`; empty for an interleaved plan, whose ranks have :func:`moments`)."""
-    cost = action_cost(profile, plan, stage_costs(profile, plan, microbatch_size))
+    holds (:func:`held`; empty for an interleaved plan, whose ranks have :func:`moments`).
+    ``costs``: the plan's :func:`stage_costs`, if already summed."""
+    cost = action_cost(profile, plan, costs if costs is not None else stage_costs(profile, plan, microbatch_size))
     return step_time(plan, cost, profile.cores), (held(plan) if plan.virtual_stages == 1 else [])
 
 
@@ -383,11 +394,14 @@ def gradient_sets(profile: Profile, plan: PipelinePlan, stage: int) -> int:
     return 2 if tied else 1
 
 
-def predict_memory(profile: Profile, plan: PipelinePlan, microbatch_size: int, held: Sequence[HeldCounts]) -> list[int]:
+def predict_memory(profile: Profile, plan: PipelinePlan, microbatch_size: int, held: Sequence[HeldCounts],
+                   costs: Optional[Sequence[StageCosts]] = None) -> list[int]:  # fmt: skip
     """Predicted peak tensor bytes of every pipeline rank: of its stage
     (:func:`~lightning_pipe.stage_memory.stage_peak_bytes` over ``held``), or of an interleaved
-    rank's stages together (:func:`~lightning_pipe.stage_memory.rank_peak_bytes` over :func:`moments`)."""
-    costs, versions, batch = stage_costs(profile, plan, microbatch_size), weight_versions(plan), batch_bytes(profile, plan, microbatch_size)
+    rank's stages together (:func:`~lightning_pipe.stage_memory.rank_peak_bytes` over :func:`moments`).
+    ``costs``: the plan's :func:`stage_costs`, if already summed."""
+    costs = costs if costs is not None else stage_costs(profile, plan, microbatch_size)
+    versions, batch = weight_versions(plan), batch_bytes(profile, plan, microbatch_size)
     last = len(costs) - 1
     if plan.virtual_stages > 1:
         ranges = plan.stage_ranges()
@@ -476,10 +490,13 @@ def _size(nbytes: float) -> str:
     return f"{int(nbytes)} B"
 
 
-def predict(profile: Profile, plan: PipelinePlan, microbatch_size: int, memory_limit: Optional[float] = None) -> Prediction:
-    """Predicted step time and memory of one resolved plan at ``microbatch_size``."""
-    seconds, peaks = predict_step(profile, plan, microbatch_size)
-    return Prediction(plan, microbatch_size, seconds, tuple(predict_memory(profile, plan, microbatch_size, peaks)), memory_limit)
+def predict(profile: Profile, plan: PipelinePlan, microbatch_size: int, memory_limit: Optional[float] = None,
+            samples: Optional[Sequence[BlockSample]] = None) -> Prediction:  # fmt: skip
+    """Predicted step time and memory of one resolved plan at ``microbatch_size`` (``samples``: every
+    block already at that size, see :func:`stage_costs`)."""
+    costs = stage_costs(profile, plan, microbatch_size, samples)
+    seconds, peaks = predict_step(profile, plan, microbatch_size, costs)
+    return Prediction(plan, microbatch_size, seconds, tuple(predict_memory(profile, plan, microbatch_size, peaks, costs)), memory_limit)
 
 
 def time_balanced(profile: Profile, depth: int, microbatch_size: int) -> tuple[int, ...]:
@@ -512,7 +529,8 @@ def _runs(name: str, depth: int, m: int, virtual: int) -> bool:
 
 def candidates(profile: Profile, devices: int, global_batch: int, allow_stale: bool = False,
                schedules: Optional[Sequence[str]] = None, memory_limit: Optional[float] = None,
-               partitions: Sequence[tuple[int, ...]] = (), virtual_stages: Sequence[int] = (1, 2)) -> Iterator[Candidate]:  # fmt: skip
+               partitions: Sequence[tuple[int, ...]] = (), virtual_stages: Sequence[int] = (1, 2),
+               ranges: Optional[RangeCosts] = None) -> Iterator[Candidate]:  # fmt: skip
     """Every ``(w, d)`` with ``w * d = devices``; every microbatch size ``b`` with
     ``m = global_batch / (w * b)`` whole; every registered schedule (2BW only with
     ``allow_stale``: its update is 1-stale; a schedule registered later is covered with no change
@@ -520,9 +538,10 @@ def candidates(profile: Profile, devices: int, global_batch: int, allow_stale: b
     blocks and ``m``, a multiple of ``d``, allow); split backward on and off; the time-balanced
     partition and, under a memory limit, the memory-aware one
     (:func:`lightning_pipe.madpipe.madpipe_partition`, one stage per rank) when they differ;
-    and each of ``partitions`` (a running job's own, for example) at its stage count."""
+    and each of ``partitions`` (a running job's own, for example) at its stage count.
+    ``ranges``: the profile's block-range costs, to share with :func:`evaluate`."""
     names = [s for s in (schedules or SCHEDULE_NAMES) if allow_stale or s != "2bw"]
-    ranges = RangeCosts(profile)
+    ranges = RangeCosts.of(profile, ranges)
     layouts = _layouts(devices, len(profile.blocks), virtual_stages)
     for (width, depth, virtual), name, split in itertools.product(layouts, names, (False, True)):
         for b in (b for b in range(1, global_batch + 1) if global_batch % (width * b) == 0):
@@ -545,9 +564,12 @@ def _memory_aware(ranges: RangeCosts, plan: PipelinePlan, b: int, memory_limit: 
     return found.sizes if found is not None else None
 
 
-def evaluate(profile: Profile, candidate: Candidate, memory_limit: Optional[float] = None) -> Prediction:
-    """The candidate as is, or with recomputation on exactly the stages that would not fit."""
-    return _with_recompute(profile, candidate.plan, candidate.microbatch_size, memory_limit)
+def evaluate(profile: Profile, candidate: Candidate, memory_limit: Optional[float] = None,
+             ranges: Optional[RangeCosts] = None) -> Prediction:  # fmt: skip
+    """The candidate as is, or with recomputation on exactly the stages that would not fit
+    (``ranges``: the profile's block-range costs, shared by a search's candidates)."""
+    samples = RangeCosts.of(profile, ranges).samples(candidate.microbatch_size) if ranges is not None else None
+    return _with_recompute(profile, candidate.plan, candidate.microbatch_size, memory_limit, samples)
 
 
 def rank(predictions: Iterable[Prediction]) -> list[Prediction]:
@@ -560,9 +582,10 @@ def search(profile: Profile, devices: int, global_batch: int, memory_limit: Opti
            partitions: Sequence[tuple[int, ...]] = (), virtual_stages: Sequence[int] = (1, 2)) -> list[Prediction]:  # fmt: skip
     """Every :func:`candidates` plan evaluated and ranked, best first (see :func:`rank`); each
     infeasible one says which stage (or interleaved rank) exceeds the budget and by how much."""
-    found = candidates(profile, devices, global_batch, allow_stale, schedules, memory_limit, partitions, virtual_stages)
+    ranges = RangeCosts(profile)
+    found = candidates(profile, devices, global_batch, allow_stale, schedules, memory_limit, partitions, virtual_stages, ranges)
     with _collector_paused():
-        return rank(evaluate(profile, c, memory_limit) for c in found)
+        return rank(evaluate(profile, c, memory_limit, ranges) for c in found)
 
 
 @contextlib.contextmanager
@@ -578,13 +601,14 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _with_recompute(profile: Profile, plan: PipelinePlan, b: int, memory_limit: Optional[float]) -> Prediction:
+def _with_recompute(profile: Profile, plan: PipelinePlan, b: int, memory_limit: Optional[float],
+                    samples: Optional[Sequence[BlockSample]] = None) -> Prediction:  # fmt: skip
     """The plan as is, or with recomputation on the stages over the limit when that makes it fit (not with split)."""
-    first = predict(profile, plan, b, memory_limit)
+    first = predict(profile, plan, b, memory_limit, samples)
     if first.feasible or plan.split_backward:
         return first
     over = [mem > (memory_limit or 0) for mem in first.stage_memory]  # per pipeline rank: all its stages
     flags = tuple(over[s % plan.depth] for s in range(plan.stages))
-    second = predict(profile, plan.replace(recompute=flags), b, memory_limit)
+    second = predict(profile, plan.replace(recompute=flags), b, memory_limit, samples)
     return second if second.feasible else first
 
