@@ -276,7 +276,7 @@ def _program(schedule: str, depth: int, m: int, split: bool, max_pending: Option
     if schedule == "2bw":  # two_bw_run, from windows shared between the runs of 2 and 3 windows
         parts = [_two_bw_part(depth, m, t, split, False) for t in range(steps)]
         parts.append(_two_bw_part(depth, m, steps - 1, split, True))
-        return [[a for part in parts for a in part[s]] for s in range(depth)]
+        return [list(itertools.chain.from_iterable(part[s] for part in parts)) for s in range(depth)]
     return build_schedule(schedule, depth, m, split, max_pending, virtual)
 
 

@@ -42,7 +42,7 @@ class ScheduleError(ValueError):
     """A schedule that cannot run: deadlock, missing or duplicated work, wrong order."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a planner's search holds most of a million
 class Action:
     """One step of a rank's schedule, e.g. ``1F3``: stage 1 runs the forward of microbatch 3.
 
