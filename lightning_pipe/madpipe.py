@@ -83,7 +83,7 @@ def _fits(chain: _Chain, n: int, depth: int, target: float, limit: float) -> Opt
     def rest(i: int, s: int) -> Optional[tuple[int, ...]]:
         if s == depth:
             return () if i == n else None
-        for stop in range(i + 1, n - (depth - s - 1) + 1):
+        for stop in range(i + 1, n - (depth - s - 1) + 1) if s < depth - 1 else (n,):  # the last stage takes the rest
             if chain.time(i, stop) > target:
                 break  # longer stages only take longer
             if chain.fits(i, stop, s, limit):
@@ -101,8 +101,9 @@ def madpipe_partition(profile: Profile, plan: PipelinePlan, microbatch_size: int
 
     Binary search (seed 004, 4.2.3) over the candidate periods, the times of every contiguous
     block range: feasibility is monotone in the target, so the smallest feasible one is optimal.
-    The loosest period is tried first (when nothing fits there the search is over), then the
-    time-balanced partition's, the lowest any partition reaches.
+    The time-balanced partition's period is tried first: no partition is faster, and it often
+    fits. Else the loosest period (when nothing fits there the search is over), then the
+    periods between.
 
     ``ranges``: the profile's block-range costs, shared by the searches over many plans.
 
@@ -112,18 +113,19 @@ def madpipe_partition(profile: Profile, plan: PipelinePlan, microbatch_size: int
     n, depth, ranges = len(profile.blocks), plan.depth, RangeCosts.of(profile, ranges)
     chain = _Chain(ranges, plan, microbatch_size)
     targets = sorted({chain.time(i, j) for i in range(n) for j in range(i + 1, n + 1)})
-    hi = len(targets) - 1
-    best = _fits(chain, n, depth, targets[hi], memory_limit)  # the loosest period: if nothing fits there, nothing does
-    if best is None:
-        return None
     # Algorithm 1's lower bound U(1, L) / P, tightened: no partition is faster than the
     # time-balanced one, which often fits (a margin for the two ways of summing the times).
     balanced = ranges.balanced(depth, microbatch_size)
     floor = max(chain.time(a, a + k) for a, k in zip(itertools.accumulate((0, *balanced)), balanced))
-    lo, hi = bisect.bisect_left(targets, floor * (1 - 1e-9)), hi - 1
-    if lo <= hi:
-        found = _fits(chain, n, depth, targets[lo], memory_limit)
-        lo, hi, best = (lo, lo - 1, found) if found is not None else (lo + 1, hi, best)
+    lo, hi = bisect.bisect_left(targets, floor * (1 - 1e-9)), len(targets) - 1
+    best = _fits(chain, n, depth, targets[lo], memory_limit) if lo < hi else None
+    if best is not None:
+        hi = lo - 1
+    else:
+        best = _fits(chain, n, depth, targets[hi], memory_limit)  # the loosest period: if nothing fits there, nothing does
+        if best is None:
+            return None
+        lo, hi = lo + 1, hi - 1
     while lo <= hi:
         mid = (lo + hi) // 2
         found = _fits(chain, n, depth, targets[mid], memory_limit)
