@@ -214,13 +214,10 @@ def compile_program(schedule: list[list[Action]], flat: Optional[FlatProgram] = 
     flat = flat or flatten(schedule)
     n, starts = len(flat.kind), flat.starts
     _, first, key_of = np.unique(flat.stage * len(CODES) + flat.kind, return_index=True, return_inverse=True)
-    receives = np.flatnonzero(flat.source >= 0)
-    rank_start = starts[flat.owner] if n else np.zeros(0, np.int64)
-    last_receive = np.maximum.accumulate(np.where(flat.source >= 0, np.arange(n), -1)) if n else np.zeros(0, np.int64)
-    last_receive = np.where(last_receive >= rank_start, last_receive, -1)  # at or before each action, on its rank
+    receives, last_receive = np.flatnonzero(flat.source >= 0), _last_receives(flat)
     receive_number = np.full(n + 1, -1)  # [-1]: none
     receive_number[receives] = np.arange(len(receives))
-    own_at = np.where(receives > rank_start[receives], receives - 1, -1)
+    own_at = np.where(receives > starts[flat.owner[receives]], receives - 1, -1)
     own_flat = np.where(own_at >= 0, last_receive[own_at], -1)
     send_at = flat.source[receives]
     send_flat = last_receive[send_at]
@@ -238,6 +235,14 @@ def compile_program(schedule: list[list[Action]], flat: Optional[FlatProgram] = 
     finish = (np.where(has, last_at, -1), numbered(last_flat), last_flat)
     counts = np.bincount(key_of, minlength=len(first)).tolist()
     return CompiledProgram(len(schedule), tuple(flat.actions[i] for i in first.tolist()), key_of, starts, receives[order], waits, finish, tuple(counts))
+
+
+def _last_receives(flat: FlatProgram) -> np.ndarray:
+    """For each action, the last receive at or before it on its rank (its index), or -1."""
+    if not len(flat.kind):
+        return np.zeros(0, np.int64)
+    last = np.maximum.accumulate(np.where(flat.source >= 0, np.arange(len(flat.kind)), -1))
+    return np.where(last >= flat.starts[flat.owner], last, -1)
 
 
 def _receive_order(sender: list[int], bounds: list[int]) -> tuple[list[int], dict[int, int]]:
