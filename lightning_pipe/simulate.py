@@ -8,7 +8,7 @@ from typing import Callable, Mapping, Optional, Union
 import numpy as np
 
 from lightning_pipe.schedules.actions import COMPUTE_KINDS, Action, Kind, ScheduleError, format_actions
-from lightning_pipe.schedules.flat import CODES, FlatProgram, flatten
+from lightning_pipe.schedules.flat import CODES, SEND_ACT, SEND_GRAD, FlatProgram, flatten
 
 CostModel = Union[Mapping[Kind, float], Callable[[Action], float]]
 
@@ -104,26 +104,63 @@ def _microbatch_delta(kind: Kind) -> float:
     return float(kind in STASH_IN) - float(kind in STASH_OUT)
 
 
-def _advance(rank: int, actions: list[Action], ptr: int, clock: float, done: dict, cost, out: list) -> tuple[int, float]:
-    """Run rank's actions from ``ptr`` until one waits on a send not yet simulated."""
+@dataclass(frozen=True)
+class Exchange:
+    """What a message costs beyond its receive's cost when the two ranks of a link send each
+    other at once: under gloo on a CPU host such a message arrives milliseconds late, where one
+    sent to a waiting rank takes a tenth of one (see :func:`lightning_pipe.profiler.profile_links`).
+
+    Args:
+        window: a receive is part of an exchange when the send it takes in ended less than this
+            many seconds before or after the receiving rank's last send to the same peer.
+        extra: seconds such a receive takes beyond its cost.
+    """
+
+    window: float
+    extra: float
+
+    def applies(self, sent: float, own: Optional[float]) -> bool:
+        """Whether a receive whose send ended at ``sent`` is part of an exchange with the receiving
+        rank's last send to that peer, which ended at ``own`` (``None``: it sent none)."""
+        return own is not None and abs(sent - own) < self.window
+
+
+def _peer(action: Action, ranks: int) -> Optional[int]:
+    """The rank a send goes to or a receive comes from (stage ``s`` runs on rank ``s % ranks``)."""
+    offset = {Kind.SEND_ACT: 1, Kind.RECV_GRAD: 1, Kind.SEND_GRAD: -1, Kind.RECV_ACT: -1}.get(action.kind)
+    return None if offset is None else (action.stage + offset) % ranks
+
+
+def _advance(rank: int, actions: list[Action], ptr: int, clock: float, done: dict, cost, out: list,
+             exchange: Optional[Exchange] = None, last_sent: Optional[dict] = None, ranks: int = 1) -> tuple[int, float]:  # fmt: skip
+    """Run rank's actions from ``ptr`` until one waits on a send not yet simulated
+    (``last_sent``: when each rank's last send to each peer ended, for ``exchange``)."""
+    last_sent = {} if last_sent is None else last_sent
     while ptr < len(actions):
         action = actions[ptr]
         dep = _dependency(action)
         if dep is not None and dep not in done:
             break
         start = max(clock, done.get(dep, 0.0)) if dep is not None else clock
-        clock = start + cost(action)
+        seconds = cost(action)
+        if dep is not None and exchange is not None and exchange.applies(done[dep], last_sent.get((rank, _peer(action, ranks)))):
+            seconds += exchange.extra
+        clock = start + seconds
         done[action] = clock
+        if action.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
+            last_sent[rank, _peer(action, ranks)] = clock
         out.append(Interval(rank, action, start, clock))
         ptr += 1
     return ptr, clock
 
 
-def simulate(schedule: list[list[Action]], costs: CostModel, stash: StashModel = StashModel()) -> SimResult:
+def simulate(schedule: list[list[Action]], costs: CostModel, stash: StashModel = StashModel(),
+             exchange: Optional[Exchange] = None) -> SimResult:  # fmt: skip
     """Simulate one pipeline; rank ``r`` runs ``schedule[r]`` in order, sends never block.
 
     Reports the makespan, busy time per rank, peak microbatches stashed per stage (held from
     F until B, or until W with split backward) and peak stashed bytes under ``stash``.
+    ``exchange``: charge the receives of messages two ranks send each other at once more.
 
     Raises:
         ScheduleError: if the ranks deadlock (a receive whose send never comes).
@@ -131,11 +168,12 @@ def simulate(schedule: list[list[Action]], costs: CostModel, stash: StashModel =
     cost = _cost_fn(costs)
     ptrs, clocks = [0] * len(schedule), [0.0] * len(schedule)
     done: dict[Action, float] = {}
+    last_sent: dict[tuple[int, int], float] = {}
     timeline: list[Interval] = []
     while any(p < len(a) for p, a in zip(ptrs, schedule)):
         before = list(ptrs)
         for r, actions in enumerate(schedule):
-            ptrs[r], clocks[r] = _advance(r, actions, ptrs[r], clocks[r], done, cost, timeline)
+            ptrs[r], clocks[r] = _advance(r, actions, ptrs[r], clocks[r], done, cost, timeline, exchange, last_sent, len(schedule))
         if ptrs == before:
             stuck = {r: str(schedule[r][p]) for r, p in enumerate(ptrs) if p < len(schedule[r])}
             raise ScheduleError(f"deadlock: ranks wait at {stuck}\n{grid(schedule)}")
@@ -164,7 +202,8 @@ class CompiledProgram:
         receives: the receives' indices in ``key_of``, in run order.
         waits: per receive in run order, the position it waits for on its own rank (the action
             before it, -1 for none) and the last receive at or before that position (its index in
-            run order and in ``key_of``, -1 for none); likewise for the send it takes in.
+            run order and in ``key_of``, -1 for none); likewise for the send it takes in, and for
+            its rank's last send to the same peer before it (for :class:`Exchange`).
         finish: per rank, its last action and the last receive at or before it, as in ``waits``.
         counts: actions of each key.
     """
@@ -178,18 +217,26 @@ class CompiledProgram:
     finish: tuple[np.ndarray, ...]
     counts: tuple[int, ...] = ()
 
-    def makespan(self, key_costs: list[float]) -> float:
+    def makespan(self, key_costs: list[float], exchange: Optional[Exchange] = None) -> float:
         """The same makespan :func:`simulate` finds when every action costs ``key_costs[key]``."""
         cost = np.asarray(key_costs, dtype=float)[self.key_of]
         ran = np.zeros(len(cost) + 1)  # ran[i]: a rank's costs up to action i; ran[-1] = 0 stands for none
         for a, b in zip(self.starts[:-1].tolist(), self.starts[1:].tolist()):
             ran[a:b] = np.cumsum(cost[a:b])
-        own_at, own_order, own_flat, send_at, send_order, send_flat = self.waits
+        own_at, own_order, own_flat, send_at, send_order, send_flat, mine_at, mine_order, mine_flat = self.waits
         own_gap, send_gap = (ran[own_at] - ran[own_flat]).tolist(), (ran[send_at] - ran[send_flat]).tolist()
         end = [0.0] * (len(self.receives) + 1)  # end[-1] = 0: no receive before
-        for k, (p, g, q, h, c) in enumerate(zip(own_order.tolist(), own_gap, send_order.tolist(), send_gap, cost[self.receives].tolist())):
-            ready, sent = end[p] + g, end[q] + h
-            end[k] = (ready if ready > sent else sent) + c
+        columns = zip(own_order.tolist(), own_gap, send_order.tolist(), send_gap, cost[self.receives].tolist())
+        if exchange is None:
+            for k, (p, g, q, h, c) in enumerate(columns):
+                ready, sent = end[p] + g, end[q] + h
+                end[k] = (ready if ready > sent else sent) + c
+        else:  # as above, and a receive that is part of an exchange costs more
+            mine_gap = (ran[mine_at] - ran[mine_flat]).tolist()
+            for k, ((p, g, q, h, c), o, x, at) in enumerate(zip(columns, mine_order.tolist(), mine_gap, mine_at.tolist())):
+                ready, sent = end[p] + g, end[q] + h
+                extra = exchange.extra if exchange.applies(sent, end[o] + x if at >= 0 else None) else 0.0
+                end[k] = (ready if ready > sent else sent) + c + extra
         last_at, last_order, last_flat = self.finish
         return max((end[q] + g for q, g in zip(last_order.tolist(), (ran[last_at] - ran[last_flat]).tolist())), default=0.0)
 
@@ -221,6 +268,8 @@ def compile_program(schedule: list[list[Action]], flat: Optional[FlatProgram] = 
     own_flat = np.where(own_at >= 0, last_receive[own_at], -1)
     send_at = flat.source[receives]
     send_flat = last_receive[send_at]
+    mine_at = _last_sends_to_source(flat, receives)
+    mine_flat = np.where(mine_at >= 0, last_receive[mine_at], -1)
     order, stuck = _receive_order(receive_number[send_flat].tolist(), np.searchsorted(receives, starts).tolist())
     if stuck:
         raise ScheduleError(f"deadlock: ranks wait at { {r: str(flat.actions[receives[k]]) for r, k in stuck.items()} }\n{grid(schedule)}")
@@ -228,7 +277,8 @@ def compile_program(schedule: list[list[Action]], flat: Optional[FlatProgram] = 
     placed[order] = np.arange(len(order))
     order = np.asarray(order, dtype=np.int64)
     numbered = lambda at: placed[receive_number[at]]  # noqa: E731  # a flat receive index (or -1) as its place in the order
-    waits = (own_at[order], numbered(own_flat[order]), own_flat[order], send_at[order], numbered(send_flat[order]), send_flat[order])
+    waits = (own_at[order], numbered(own_flat[order]), own_flat[order], send_at[order], numbered(send_flat[order]), send_flat[order],
+             mine_at[order], numbered(mine_flat[order]), mine_flat[order])  # fmt: skip
     last_at = starts[1:] - 1
     has = np.diff(starts) > 0
     last_flat = np.where(has, last_receive[np.where(has, last_at, 0)] if n else -1, -1)
@@ -243,6 +293,24 @@ def _last_receives(flat: FlatProgram) -> np.ndarray:
         return np.zeros(0, np.int64)
     last = np.maximum.accumulate(np.where(flat.source >= 0, np.arange(len(flat.kind)), -1))
     return np.where(last >= flat.starts[flat.owner], last, -1)
+
+
+def _last_sends_to_source(flat: FlatProgram, receives: np.ndarray) -> np.ndarray:
+    """For each receive, its rank's last send before it to the rank it receives from (its
+    index), or -1."""
+    n = len(flat.kind)
+    sends = np.flatnonzero((flat.kind == SEND_ACT) | (flat.kind == SEND_GRAD))
+    link = lambda at: (flat.owner[at] * flat.ranks + flat.peer[at]) * (n + 1) + at  # noqa: E731  # by link, then position
+    keyed = link(sends)
+    by_link = np.argsort(keyed, kind="stable")
+    wanted = link(receives)
+    found = np.searchsorted(keyed[by_link], wanted) - 1
+    valid = found >= 0
+    found = np.where(valid, found, 0)
+    if not len(sends):
+        return np.full(len(receives), -1)
+    same = valid & (keyed[by_link][found] // (n + 1) == wanted // (n + 1))
+    return np.where(same, sends[by_link][found], -1)
 
 
 def _receive_order(sender: list[int], bounds: list[int]) -> tuple[list[int], dict[int, int]]:
