@@ -389,7 +389,7 @@ def test_compiled_program_makespan_equals_the_simulator(schedule: str) -> None:
     import random
 
     from lightning_pipe.schedules import build_schedule, two_bw_run
-    from lightning_pipe.simulate import compile_program, simulate
+    from lightning_pipe.simulate import Exchange, compile_program, simulate
 
     rng = random.Random(0)
     for depth, m, split in itertools.product((1, 2, 3, 5), (1, 4, 7, 10), (False, True)):
@@ -407,8 +407,31 @@ def test_compiled_program_makespan_equals_the_simulator(schedule: str) -> None:
                 return table.setdefault((a.stage, a.kind), rng.choice((0.0, rng.uniform(0.0, 2.0))))
 
             assert compiled.makespan(compiled.costs_from(cost)) == pytest.approx(simulate(program, cost).makespan, rel=1e-12)
+            exchange = Exchange(rng.uniform(0.0, 3.0), rng.uniform(0.0, 1.0))
+            expected = simulate(program, cost, exchange=exchange).makespan
+            assert compiled.makespan(compiled.costs_from(cost), exchange) == pytest.approx(expected, rel=1e-12)
             busy = compiled.busy(compiled.costs_from(cost))
             assert busy == pytest.approx(sum(simulate(program, cost).busy), rel=1e-12)
+
+
+def test_a_message_two_ranks_send_each_other_at_once_costs_the_exchange() -> None:
+    # 1F1B, d=2, m=2, F = B = 1 s, transfers free. Rank 0: F0 [0,1] SF0, F1 [1,2] SF1, RB0, B0,
+    # RB1, B1; rank 1: RF0 at 1, F0 [1,2], B0 [2,3] SB0, RF1, F1, B1, SB1. Rank 1's RF1 takes SF1
+    # (sent at 2) one second from its own SB0 (3), and rank 0's RB0 takes SB0 (3) one second from
+    # its own SF1 (2): with a window over 1 s each costs the extra x = 0.25 s, so RF1 ends at
+    # 3.25, F1 and B1 at 4.25 and 5.25 (SB1), RB0 at 3.25, B0 at 4.25; RB1 takes SB1 (5.25), 3.25
+    # s from rank 0's SF1: no extra, B1 ends at 6.25. Within a window of 0.5 s nothing changes: 6.
+    from lightning_pipe.schedules import build_schedule
+    from lightning_pipe.simulate import Exchange, compile_program, simulate, unit_costs
+
+    program = build_schedule("1f1b", 2, 2)
+    compiled = compile_program(program)
+    costs = compiled.costs_from(lambda a: unit_costs()[a.kind] if a.kind in unit_costs() else 0.0)
+    for window, expected in ((1.5, 6.25), (0.5, 6.0)):
+        exchange = Exchange(window, 0.25)
+        assert simulate(program, unit_costs(), exchange=exchange).makespan == pytest.approx(expected)
+        assert compiled.makespan(costs, exchange) == pytest.approx(expected)
+    assert compiled.makespan(costs) == pytest.approx(6.0)
 
 
 def test_compiling_a_deadlocked_program_names_the_waiting_ranks() -> None:
@@ -726,6 +749,7 @@ def test_loaded_link_measurement_relays_compute_and_leaves_the_link_clean(launch
     # measurement is rank 0's (the job plans on it).
     ranks = launched(world).ok("profiler_loaded_links" + ("_four" if world == 4 else ""))
     assert ranks[0][0]["link_latency"] > 0 and ranks[0][0]["send_overhead"] > 0, ranks[0][0]
+    assert ranks[0][0]["exchange_latency"] >= ranks[0][0]["link_latency"], ranks[0][0]
     for rank, (links, relay, got) in enumerate(ranks):
         assert relay >= 4 * 0.02 * (2 if rank < 2 else 1), (rank, relay)
         assert got == ([float(1 - rank)] * 3 if rank < 2 else []), (rank, got)
