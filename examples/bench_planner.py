@@ -293,7 +293,7 @@ def replayed_step(profile: Any, plan: PipelinePlan, b: int, measured: Sequence[d
                 return model(a)
             return traced.get((a.kind.name, a.stage, a.microbatch), model(a))
 
-        return planner.step_time(plan, cost, profile.cores)
+        return planner.step_time(plan, cost, profile.cores, planner.exchange(profile))
 
     return max(replay(traced) for traced in replicas.values())
 
@@ -493,7 +493,8 @@ def _madpipe_order(profile: Any) -> None:
 
 
 def synthetic_profile(blocks: int, seed: int = 0) -> Any:
-    """A profile of ``blocks`` blocks with times and bytes varying up to 2x, linear in b (samples at 1 and 8)."""
+    """A profile of ``blocks`` blocks with times and bytes varying up to 2x, linear in b (samples at 1 and 8),
+    and links like this host's (an exchange 25 times slower than a message to a waiting rank)."""
     import random
 
     from lightning_pipe.profiler import BlockProfile, BlockSample, Profile
@@ -506,7 +507,7 @@ def synthetic_profile(blocks: int, seed: int = 0) -> Any:
         return BlockProfile(f"b{i}", samples, 2**22, 2**22, 2**23)
 
     return Profile([block(i) for i in range(blocks)], optimizer_step=0.01, link_latency=1e-4, link_bandwidth=1e9,
-                   allreduce_bandwidth=1e9)  # fmt: skip
+                   allreduce_bandwidth=1e9, exchange_latency=2.5e-3)  # fmt: skip
 
 
 def planning_time() -> None:

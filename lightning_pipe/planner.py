@@ -22,7 +22,7 @@ from lightning_pipe.profiler import BlockProfile, BlockSample, Profile
 from lightning_pipe.runtime.buckets import DEFAULT_BUCKET_BYTES
 from lightning_pipe.schedules import SCHEDULE_NAMES, Action, Kind, build_schedule, two_bw_drain, two_bw_window
 from lightning_pipe.schedules.flat import FlatProgram, flatten
-from lightning_pipe.simulate import CompiledProgram, compile_program
+from lightning_pipe.simulate import CompiledProgram, Exchange, compile_program
 from lightning_pipe.stage_memory import (  # noqa: F401
     HeldCounts,
     Moment,
@@ -336,23 +336,32 @@ def moments(plan: PipelinePlan) -> list[tuple[Moment, ...]]:
 _CPU_KINDS = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.INPUT_GRAD, Kind.WEIGHT_GRAD, Kind.OPTIMIZER_STEP})
 
 
-def step_time(plan: PipelinePlan, cost: Callable[[Action], float], cores: Optional[int] = None) -> float:
+def exchange(profile: Profile) -> Optional[Exchange]:
+    """What a message two ranks send each other at once costs beyond any other, from the
+    profile's links (``None`` where its exchange latency is not above its link latency)."""
+    extra = profile.exchange_latency - profile.link_latency
+    return Exchange(profile.exchange_latency, extra) if extra > 0 else None
+
+
+def step_time(plan: PipelinePlan, cost: Callable[[Action], float], cores: Optional[int] = None,
+              exchange: Optional[Exchange] = None) -> float:  # fmt: skip
     """Seconds of one step of ``plan``'s program under ``cost`` (the simulator's makespan, on the
     program compiled once). 2BW never flushes: its step is one steady-state window, the
     difference of runs of 3 and 2 windows.
 
     ``cores``: the job's processes share this many CPU cores (one host, CPU device); a step then
     takes at least the compute of every rank of every replica divided by the cores (processes
-    that all compute at once share the cores: 4 data-parallel ranks on 2 cores run at half speed)."""
+    that all compute at once share the cores: 4 data-parallel ranks on 2 cores run at half speed).
+    ``exchange``: charge the messages two ranks send each other at once more (:func:`exchange`)."""
     if plan.schedule == "2bw":
         longer, shorter = _compiled(*_program_key(plan, 3)), _compiled(*_program_key(plan, 2))
         long_costs, short_costs = longer.costs_from(cost), shorter.costs_from(cost)
-        seconds = longer.makespan(long_costs) - shorter.makespan(short_costs)
+        seconds = longer.makespan(long_costs, exchange) - shorter.makespan(short_costs, exchange)
         busy = longer.busy(long_costs, _CPU_KINDS) - shorter.busy(short_costs, _CPU_KINDS)
     else:
         compiled = _compiled(*_program_key(plan, 1))
         costs = compiled.costs_from(cost)
-        seconds, busy = compiled.makespan(costs), compiled.busy(costs, _CPU_KINDS)
+        seconds, busy = compiled.makespan(costs, exchange), compiled.busy(costs, _CPU_KINDS)
     return max(seconds, plan.width * busy / cores) if cores else seconds
 
 
@@ -362,7 +371,7 @@ def predict_step(profile: Profile, plan: PipelinePlan, microbatch_size: int,
     holds (:func:`held`; empty for an interleaved plan, whose ranks have :func:`moments`).
     ``costs``: the plan's :func:`stage_costs`, if already summed."""
     cost = action_cost(profile, plan, costs if costs is not None else stage_costs(profile, plan, microbatch_size))
-    return step_time(plan, cost, profile.cores), (held(plan) if plan.virtual_stages == 1 else [])
+    return step_time(plan, cost, profile.cores, exchange(profile)), (held(plan) if plan.virtual_stages == 1 else [])
 
 
 def weight_versions(plan: PipelinePlan) -> int:

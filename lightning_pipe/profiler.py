@@ -121,6 +121,10 @@ class Profile:
             :func:`profile_links`).
         link_bandwidth: bytes per second of a point-to-point transfer.
         allreduce_bandwidth: bytes per second of a gradient all-reduce across replicas (0: unknown).
+        exchange_latency: seconds a message takes to arrive when the two ranks of a link send
+            each other at once, beyond its bytes' time (on a CPU host under gloo milliseconds,
+            where :attr:`link_latency` is a tenth of one; see :func:`profile_links`); 0: not
+            measured, charged as any message.
         send_overhead: seconds a rank spends posting one transfer (header and payload sends;
             the transfer itself goes on while it computes), charged to each send action; on CPU
             measured right after computing, as :attr:`link_latency`.
@@ -148,6 +152,7 @@ class Profile:
     link_bandwidth: float = float("inf")
     allreduce_bandwidth: float = 0.0
     send_overhead: float = 0.0
+    exchange_latency: float = 0.0
     loads_global_batch: bool = False
     cores: Optional[int] = None
     device: str = "cpu"
@@ -720,9 +725,11 @@ def _link_worker(rank: int, world: int, small: int, large: int, repeats: int,
         return {}
     t_small, t_large = _ping(small, repeats, device), _ping(large, repeats, device)
     posting = _posting(large, repeats, device)
-    latency = t_small
+    latency = exchange = t_small
+    bandwidth = (large - small) / max(t_large - t_small, 1e-9)
     if device.type == "cpu" and busy > 0:
         latency, posting = _loaded_hop(small, busy, 4 * repeats, device)
+        exchange = max(_exchange_hop(EXCHANGE_BYTES, busy, 4 * repeats, device) - EXCHANGE_BYTES / bandwidth, latency)
     flat = torch.zeros(large // 4, device=device)
     times = []
     for _ in range(repeats + 1):
@@ -733,8 +740,8 @@ def _link_worker(rank: int, world: int, small: int, large: int, repeats: int,
         _synchronize(device)
         times.append(time.perf_counter() - start)
     ring = 2 * (world - 1) / world * large  # bytes each rank moves in a ring all-reduce
-    return {"link_latency": latency, "link_bandwidth": (large - small) / max(t_large - t_small, 1e-9),
-            "allreduce_bandwidth": ring / statistics.median(times[1:]), "send_overhead": posting}  # fmt: skip
+    return {"link_latency": latency, "link_bandwidth": bandwidth, "allreduce_bandwidth": ring / statistics.median(times[1:]),
+            "send_overhead": posting, "exchange_latency": exchange}  # fmt: skip
 
 
 def _compute_for(seconds: float, operands: tuple[Tensor, Tensor]) -> None:
@@ -800,6 +807,53 @@ def _loaded_hop(nbytes: int, busy: float, rounds: int, device: torch.device) -> 
     return max(statistics.median(hops), 0.0), statistics.median(posts[1:])
 
 
+#: Bytes of the message each rank sends in the exchange measurement (a GPT example activation is 128-256 KiB).
+EXCHANGE_BYTES = 128 * 2**10
+
+
+def _exchange_hop(nbytes: int, busy: float, rounds: int, device: torch.device) -> float:
+    """Median seconds a message of ``nbytes`` takes to arrive when ranks 0 and 1 compute for
+    ``busy`` seconds, then send each other one at once and wait for the other's, as the
+    executor sends and receives; from the sender's posting to the receiver having it (one
+    clock for the processes of a host). Rank 0's result is the measurement.
+
+    On the 2-core development machine under gloo such a message arrives 1.7-2.7 ms after its
+    send (median; 128-256 KiB, 2026-11-25), where one sent to a waiting rank takes 0.1-0.2 ms:
+    a pipeline whose ranks send each other at the same moment (1F1B's steady state with many
+    microbatches, interleaved 1F1B) waits that long for each such message
+    (:class:`~lightning_pipe.simulate.Exchange`)."""
+    import torch.distributed as dist
+
+    from lightning_pipe.runtime import p2p
+
+    rank, payload = dist.get_rank(), torch.zeros(max(nbytes // 4, 1), device=device)
+    operands = (torch.randn(128, 128, device=device), torch.randn(128, 128, device=device))
+    specs, peer = p2p.specs_of([payload]), 1 - rank
+    sent, arrived = [], []
+    for _ in range(rounds + 1):  # the other ranks compute meanwhile
+        incoming = p2p.Incoming(peer, device, specs) if rank < 2 else None
+        dist.barrier()
+        _compute_for(busy, operands)
+        if incoming is None:
+            continue
+        sent.append(time.time())
+        works = p2p.send_tensors([payload], peer, device, posted=specs)
+        incoming.wait()
+        arrived.append(time.time())
+        for work in works:
+            work.wait()
+    if rank == 1:
+        dist.send(torch.tensor(sent, dtype=torch.float64), 0)
+        dist.send(torch.tensor(arrived, dtype=torch.float64), 0)
+    if rank != 0:
+        return 0.0
+    their_sent, their_arrived = torch.zeros(len(sent), dtype=torch.float64), torch.zeros(len(sent), dtype=torch.float64)
+    dist.recv(their_sent, 1)
+    dist.recv(their_arrived, 1)
+    delays = [a - s for a, s in zip(arrived[1:], their_sent.tolist()[1:])] + [a - s for a, s in zip(their_arrived.tolist()[1:], sent[1:])]
+    return max(statistics.median(delays), 0.0)
+
+
 def _posting(nbytes: int, repeats: int, device: torch.device) -> float:
     """Median seconds rank 0 spends posting one transfer of ``nbytes`` to rank 1 as the executor
     does (:func:`~lightning_pipe.runtime.p2p.send_tensors`), not counting its delivery."""
@@ -831,8 +885,9 @@ def profile_links(world: int = 2, small: int = 1024, large: int = 8 * 2**20, rep
                   busy: float = LOADED_GAP) -> dict[str, float]:  # fmt: skip
     """Measure this machine's transfers between local gloo processes: latency (a small message,
     between processes that compute ``busy`` seconds between transfers on ``threads`` torch
-    threads each, as the job's ranks will), bandwidth (the slope to a large one) and the
-    bandwidth of a ring all-reduce over ``world``."""
+    threads each, as the job's ranks will), the latency of a message in an exchange (two ranks
+    that compute, then send each other one at once), bandwidth (the slope to a large one) and
+    the bandwidth of a ring all-reduce over ``world``."""
     from lightning_pipe.spawn import run_gloo
 
     status, value = run_gloo(_threaded_link_worker, world, threads, small, large, repeats, torch.device("cpu"), busy,
