@@ -133,7 +133,7 @@ class AutoPlanner(Callback):
         self._step_start = time.perf_counter()
         if not self._profiling(trainer):
             return
-        trainer.strategy.engine.instrument = True  # the executor's trace calibrates the profile
+        trainer.strategy.engine.record_trace = True  # the executor's trace calibrates the profile (no stash counting: it slows the step)
         if self._steps_seen == self.profile_steps - 1:
             self._batch = trainer.strategy.replica_batch(batch)
             self._hooks = self._capture_inputs(trainer.strategy.engine)
@@ -150,7 +150,7 @@ class AutoPlanner(Callback):
         self._steps_seen += 1
         if self._steps_seen > 1:  # the first is a warm-up
             self._collect(trainer.strategy.engine)
-        trainer.strategy.engine.instrument = False  # a PipelineMonitor turns it on again for its steps
+        trainer.strategy.engine.record_trace = False  # a PipelineMonitor turns it on again for its steps
         if self._steps_seen == self.profile_steps:
             self._remove_hooks()
             self._decide(trainer, pl_module)

@@ -152,6 +152,9 @@ def _memory_worker(rank: int, world: int) -> dict:
         engine.instrument = True  # count the bytes held for backward, as the monitor does
         engine.train_step(make_data(4 * world * 8, seed=0), torch.optim.SGD(model.parameters(), lr=0.0))
         peaks[(split, bound)] = (engine.last_peak_stash, engine.last_peak_stash_bytes)
+    engine.record_trace, engine.count_stash = True, False  # the AutoPlanner's trace, without the counting's hooks
+    engine.train_step(make_data(4 * world * 8, seed=0), torch.optim.SGD(model.parameters(), lr=0.0))
+    peaks["trace only"] = (len(engine.trace.intervals), engine.last_peak_stash_bytes)
     return peaks
 
 
@@ -170,3 +173,5 @@ def test_runtime_reports_stash_and_bounded_split_lowers_it(launched) -> None:
         assert bounded[0] < split[0]
         assert plain[1] > 0 and split[1] > plain[1] > 0
         assert bounded[1] < split[1]
+        traced, counted = peaks["trace only"]
+        assert traced > 0 and counted == 0  # the trace recorded, no bytes counted
