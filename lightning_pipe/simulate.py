@@ -125,17 +125,19 @@ class Exchange:
         return own is not None and abs(sent - own) < self.window
 
 
-def _peer(action: Action, ranks: int) -> Optional[int]:
+#: The stage a send goes to or a receive comes from, relative to the action's own.
+_PEER_OFFSET = {Kind.SEND_ACT: 1, Kind.RECV_GRAD: 1, Kind.SEND_GRAD: -1, Kind.RECV_ACT: -1}
+
+
+def _peer(action: Action, ranks: int) -> int:
     """The rank a send goes to or a receive comes from (stage ``s`` runs on rank ``s % ranks``)."""
-    offset = {Kind.SEND_ACT: 1, Kind.RECV_GRAD: 1, Kind.SEND_GRAD: -1, Kind.RECV_ACT: -1}.get(action.kind)
-    return None if offset is None else (action.stage + offset) % ranks
+    return (action.stage + _PEER_OFFSET[action.kind]) % ranks
 
 
 def _advance(rank: int, actions: list[Action], ptr: int, clock: float, done: dict, cost, out: list,
-             exchange: Optional[Exchange] = None, last_sent: Optional[dict] = None, ranks: int = 1) -> tuple[int, float]:  # fmt: skip
+             exchange: Optional[Exchange], last_sent: dict, ranks: int) -> tuple[int, float]:  # fmt: skip
     """Run rank's actions from ``ptr`` until one waits on a send not yet simulated
     (``last_sent``: when each rank's last send to each peer ended, for ``exchange``)."""
-    last_sent = {} if last_sent is None else last_sent
     while ptr < len(actions):
         action = actions[ptr]
         dep = _dependency(action)
