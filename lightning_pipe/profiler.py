@@ -297,7 +297,7 @@ def _loss_bytes(out: tuple[Tensor, ...], loss: Callable[[tuple[Tensor, ...]], Te
 def _captured_bytes(work: split.WeightWork, input_grads: Sequence[Optional[Tensor]]) -> int:
     """Bytes of the gradients I captured for W, each storage once (the input gradients are sent on, not kept)."""
     sent = {g.untyped_storage().data_ptr() for g in input_grads if g is not None}
-    kept = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for group in work.grads for g in group if g is not None}
+    kept = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in work.kept()}
     return sum(n for key, n in kept.items() if key not in sent)
 
 

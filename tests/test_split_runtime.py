@@ -35,6 +35,48 @@ def test_transformer_block_split_matches_backward_and_runs_no_forward() -> None:
         torch.testing.assert_close(split[n], p.grad, rtol=1e-6, atol=1e-7)
 
 
+class _TwiceLinear(torch.nn.Module):
+    """One ``nn.Linear`` applied twice: both applications feed the same weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(5, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.tanh(self.lin(x)))
+
+
+class _TransposedOnce(torch.nn.Module):
+    """A weight transformed once (its transpose scaled) and used by two matmuls, beside an unshared Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w, self.other = torch.nn.Parameter(torch.randn(5, 5)), torch.nn.Linear(5, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wt = self.w.t() * 0.5
+        return self.other(torch.tanh(x @ wt) @ wt)
+
+
+@pytest.mark.parametrize("make", [_TwiceLinear, _TransposedOnce])
+def test_weights_shared_within_a_stage_get_full_backward_gradients(make) -> None:
+    torch.manual_seed(0)
+    block = make()
+    x = torch.randn(3, 5, requires_grad=True)
+    out = block(x)
+    grad = torch.randn_like(out)
+    with pytest.warns(UserWarning, match="feed several operations of one stage"):
+        (gx,), work = input_grads([out], [grad], [x])
+    weight_grads(work)
+    split = {n: p.grad.clone() for n, p in block.named_parameters()}
+    block.zero_grad()
+    x2 = x.detach().requires_grad_()
+    block(x2).backward(grad)
+    torch.testing.assert_close(gx, x2.grad)
+    for n, p in block.named_parameters():
+        torch.testing.assert_close(split[n], p.grad, msg=n)
+
+
 class _Scale(torch.autograd.Function):
     """``x * w`` as one custom Function: an activation and a weight meet in one backward."""
 

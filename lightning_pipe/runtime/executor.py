@@ -368,7 +368,7 @@ class Executor:
         self._keep_input_grads(a, st, floats, [by_input.get(id(x)) for x in floats])
         st.weight_work[key] = work
         if self.account:
-            st.hold(key, sum(g.numel() * g.element_size() for group in work.grads for g in group if g is not None))
+            st.hold(key, sum(g.numel() * g.element_size() for g in work.kept()))
 
     def _weight_grad(self, a: Action, st: StepState) -> None:
         key = (a.stage, a.microbatch)

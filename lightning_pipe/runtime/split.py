@@ -17,7 +17,7 @@ again in W (results stay correct; that node's work is done twice, and a warning 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -28,11 +28,16 @@ from torch.autograd.graph import GradientEdge, Node
 @dataclass
 class WeightWork:
     """What W needs: each frontier node's output edges, the gradients I captured there, and
-    the weights below it."""
+    the weights below it; and the weights whose gradients I computed itself (see :func:`input_grads`)."""
 
     edges: list[list[GradientEdge]]
     grads: list[list[Optional[Tensor]]]
     weights: list[list[Tensor]]
+    early: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+
+    def kept(self) -> list[Tensor]:
+        """The gradients held from I until W: captured ones and early weight gradients."""
+        return [g for group in self.grads for g in group if g is not None] + [g for _, g in self.early]
 
 
 def _children(node: Node) -> list[Node]:
@@ -64,7 +69,16 @@ def _weight_only(roots: Sequence[Node], inputs: set[int]) -> dict[Node, bool]:
     return result
 
 
-def _weights_below(node: Node, weight_only: dict[Node, bool]) -> list[Tensor]:
+@dataclass
+class _Front:
+    """A frontier node, the weights under its weight-only children, and every node on the way (leaves included)."""
+
+    node: Node
+    weights: list[Tensor]
+    below: set[Node]
+
+
+def _below(node: Node, weight_only: dict[Node, bool]) -> _Front:
     found, stack, seen = [], [c for c in _children(node) if weight_only[c]], set()
     while stack:
         current = stack.pop()
@@ -75,11 +89,11 @@ def _weights_below(node: Node, weight_only: dict[Node, bool]) -> list[Tensor]:
         if leaf is not None:
             found.append(leaf)
         stack.extend(_children(current))
-    return found
+    return _Front(node, found, seen)
 
 
-def _frontier(roots: Sequence[Node], inputs: set[int]) -> list[tuple[Node, list[Tensor]]]:
-    """Nodes on the input path with a weight-only child, and the weights under those children.
+def _frontier(roots: Sequence[Node], inputs: set[int]) -> list[_Front]:
+    """Nodes on the input path with a weight-only child, with what lies under those children.
 
     A root that is itself weight-only is a frontier of its own (its gradient is given)."""
     weight_only = _weight_only(roots, inputs)
@@ -88,18 +102,33 @@ def _frontier(roots: Sequence[Node], inputs: set[int]) -> list[tuple[Node, list[
         if _leaf(node) is not None:
             continue
         if (not only_weights and any(weight_only[c] for c in _children(node))) or (only_weights and node in roots):
-            front.append((node, _weights_below(node, weight_only)))
+            front.append(_below(node, weight_only))
     return front
+
+
+def _sharing(front: list[_Front]) -> tuple[list[_Front], list[_Front]]:
+    """Split the frontier into nodes whose weight subgraph is their own, and nodes sharing one.
+
+    W cannot run a shared part from each frontier node separately: a node that several share
+    would run twice (autograd has freed what it saved), and a call from the later frontier
+    node would also re-run the input path down to the earlier one, which leads to the same
+    weights, adding its gradient twice (one ``nn.Linear`` applied twice in a stage)."""
+    users: dict[Node, int] = {}
+    for f in front:
+        for n in f.below:
+            users[n] = users.get(n, 0) + 1
+    shared = [any(users[n] > 1 for n in f.below) for f in front]
+    return [f for f, s in zip(front, shared) if not s], [f for f, s in zip(front, shared) if s]
 
 
 _WARNED: set[str] = set()
 
 
-def _warn_custom_functions(front: list[tuple[Node, list[Tensor]]]) -> None:
+def _warn_custom_functions(front: list[_Front]) -> None:
     """Warn, once per class, of a custom ``autograd.Function`` on the frontier: its backward runs in I and again in W."""
-    for node, _ in front:
-        name = type(node).__name__
-        if isinstance(node, torch.autograd.function.BackwardCFunction) and name not in _WARNED:
+    for f in front:
+        name = type(f.node).__name__
+        if isinstance(f.node, torch.autograd.function.BackwardCFunction) and name not in _WARNED:
             _WARNED.add(name)
             warnings.warn(
                 f"split backward: the custom autograd.Function {name.removesuffix('Backward')} takes both an activation "
@@ -114,8 +143,24 @@ def _outputs(node: Node) -> int:
     return max(len(getattr(node, "_input_metadata", ())), 1)
 
 
+def _warn_shared(shared: list[_Front]) -> None:
+    """Warn, once per set of weight shapes, that weights shared by several operations of a stage get their gradients in I."""
+    shapes = sorted({tuple(w.shape) for f in shared for w in f.weights})
+    if shapes and f"shared {shapes}" not in _WARNED:
+        _WARNED.add(f"shared {shapes}")
+        warnings.warn(
+            f"split backward: weights of shapes {shapes} feed several operations of one stage (a module applied "
+            "twice, or a weight transformed once and used twice), so their gradients are computed in I with the "
+            "input gradients instead of in W. Gradients stay correct; only W's share of the work is smaller.",
+            stacklevel=3,
+        )
+
+
 def input_grads(roots: Sequence[Tensor], grads: Sequence[Optional[Tensor]], inputs: Sequence[Tensor]) -> tuple[list[Optional[Tensor]], WeightWork]:
     """I: gradients of ``roots`` w.r.t. ``inputs``, and what W needs to finish the weights.
+
+    Weights whose subgraph several frontier nodes share get their gradients here, in the same
+    autograd call (see :func:`_sharing`); W only adds them.
 
     Args:
         roots: the stage outputs (or the loss) to backpropagate from.
@@ -125,43 +170,52 @@ def input_grads(roots: Sequence[Tensor], grads: Sequence[Optional[Tensor]], inpu
     nodes = [r.grad_fn for r in roots if r.grad_fn is not None]
     front = _frontier(nodes, {id(t) for t in inputs})
     _warn_custom_functions(front)
-    edges = [[GradientEdge(node, i) for i in range(_outputs(node))] for node, _ in front]
+    own, shared = _sharing(front)
+    _warn_shared(shared)
+    early = list({id(w): w for f in shared for w in f.weights}.values())
+    edges = [[GradientEdge(f.node, i) for i in range(_outputs(f.node))] for f in own]
     flat = [e for group in edges for e in group]
-    result = torch.autograd.grad(
-        list(roots), [*inputs, *flat], list(grads), retain_graph=True, allow_unused=True
-    ) if (inputs or flat) else ()  # fmt: skip
-    captured = list(result[len(inputs) :])
-    grouped, start = [], 0
+    wanted = [*inputs, *flat, *early]
+    result = list(torch.autograd.grad(list(roots), wanted, list(grads), retain_graph=True, allow_unused=True)) if wanted else []
+    captured, start, grouped = result[len(inputs) : len(inputs) + len(flat)], 0, []
     for group in edges:
         grouped.append(captured[start : start + len(group)])
         start += len(group)
-    return list(result[: len(inputs)]), WeightWork(edges, grouped, [w for _, w in front])
+    done = [(w, g) for w, g in zip(early, result[len(inputs) + len(flat) :]) if g is not None]
+    return result[: len(inputs)], WeightWork(edges, grouped, [f.weights for f in own], done)
+
+
+def _accumulate(w: Tensor, g: Tensor) -> None:
+    """Add ``g`` to ``w.grad`` as autograd does: in place if a gradient exists (a view of a replica
+    all-reduce bucket stays one), else it becomes the gradient."""
+    if w.grad is None:
+        w.grad = g
+    else:
+        w.grad.add_(g)
 
 
 def weight_grads(work: WeightWork) -> list[Tensor]:
-    """W: run the weight parts from the gradients captured by I; accumulate into ``.grad``.
+    """W: run the weight parts from the gradients captured by I, one autograd call per frontier
+    node (one call for all would re-run the input path between them: autograd runs every node
+    on a path from its roots to its inputs); accumulate into ``.grad``.
 
-    A gradient that existed before is added to in place, as autograd does (one that is a view
-    of a replica all-reduce bucket stays one); one set by this call may be a tensor autograd
-    still uses for another frontier node, so it is never written in place here.
+    Frontier nodes handed to W share no weights (see :func:`_sharing`), so each weight is
+    written once here.
 
     Returns:
         The weights whose gradient received this microbatch's contribution, each once.
     """
-    updated: dict[int, tuple[Tensor, bool]] = {}  # weight, and whether this call set its gradient
+    updated = []
     for edges, grads, weights in zip(work.edges, work.grads, work.weights):
         pairs = [(e, g) for e, g in zip(edges, grads) if g is not None]
         if not pairs or not weights:
             continue
         results = torch.autograd.grad([e for e, _ in pairs], weights, [g for _, g in pairs], allow_unused=True)
         for w, g in zip(weights, results):
-            if g is None:
-                continue
-            if w.grad is None:
-                w.grad = g
-            elif id(w) in updated and updated[id(w)][1]:
-                w.grad = w.grad + g
-            else:
-                w.grad.add_(g)
-            updated.setdefault(id(w), (w, w.grad is g))
-    return [w for w, _ in updated.values()]
+            if g is not None:
+                _accumulate(w, g)
+                updated.append(w)
+    for w, g in work.early:
+        _accumulate(w, g)
+        updated.append(w)
+    return updated
