@@ -44,9 +44,10 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpt import GPT  # noqa: E402
-from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place, simulate  # noqa: E402
+from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place, planner, simulate  # noqa: E402
 from lightning_pipe.costmodel import SleepChain  # noqa: E402
 from lightning_pipe.monitor import held_tensors  # noqa: E402
+from lightning_pipe.profiler import Profile, profile_blocks  # noqa: E402
 from lightning_pipe.partition import block_cost, partition_sizes, stage_ranges  # noqa: E402
 from lightning_pipe.runtime.microbatch import split_batch  # noqa: E402
 from lightning_pipe.schedules import Kind, build_schedule, two_bw_window  # noqa: E402
@@ -99,16 +100,40 @@ class Workload:
         method = "uniform" if self.name == "costmodel" else "balanced"
         return partition_sizes(method, [block_cost(b) for b in blocks], self.depth * virtual)
 
-    def predicted_step(self, schedule: str, split: bool, virtual: int = 1, steps: int = 2) -> Optional[float]:
+    def predicted_step(self, schedule: str, split: bool, virtual: int = 1, steps: int = 2,
+                       profile: Optional[Profile] = None) -> Optional[float]:  # fmt: skip
         """Simulator step time on the cost model, of what :func:`_time` measures: for 2BW, ``steps``
-        windows that start together (after a barrier) with the untimed window's sends in flight."""
+        windows that start together (after a barrier) with the untimed window's sends in flight.
+
+        Each action costs its blocks' nominal sleep, or with ``profile`` (:meth:`profile`) their
+        time measured in one process (a sleep overruns, and the block's ops after it take time);
+        transfers and the executor's own work cost nothing either way."""
         if self.name != "costmodel":
             return None
-        cost = self.model().predicted_cost(virtual)
+        cost = self.model().predicted_cost(virtual) if profile is None else self.profiled_cost(profile, schedule, split, virtual)
         d, m = self.depth, self.microbatches
         if schedule == "2bw":
             return simulate(timed_windows(d, m, split, steps), cost).makespan / steps
         return simulate(build_schedule(schedule, d, m, split=split, virtual=virtual), cost).makespan
+
+
+    def profile(self) -> Profile:
+        """Every block's F, B, I and W measured in this process at the microbatch size (:func:`profile_blocks`)."""
+        return profile_blocks(self.model(), self.batch(), [self.batch_size // self.microbatches], repeats=5)
+
+    def profiled_cost(self, profile: Profile, schedule: str, split: bool, virtual: int = 1) -> Callable[[Any], float]:
+        """Each compute action's profiled seconds (its stage's blocks summed, as the planner sums
+        them); every other action free."""
+        plan = PipelinePlan(1, self.depth, self.microbatches, schedule, split, partition=self.partition(self.model(), virtual),
+                            virtual_stages=virtual)  # fmt: skip
+        stages = planner.stage_costs(profile, plan, self.batch_size // self.microbatches)
+        field = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.INPUT_GRAD: "input_grad", Kind.WEIGHT_GRAD: "weight_grad"}
+        return lambda a: getattr(stages[a.stage], field[a.kind]) if a.kind in field else 0.0
+
+    def profiled_single(self, profile: Profile) -> float:
+        """One process's profiled step: every block's forward and full backward for each microbatch."""
+        size = self.batch_size // self.microbatches
+        return self.microbatches * sum(s.forward + s.backward for s in (b.at(size) for b in profile.blocks))
 
 
 def timed_windows(depth: int, m: int, split: bool, steps: int) -> list[list[Any]]:
@@ -326,6 +351,7 @@ def _worker(rank: int, world: int, work: Workload, rounds: int, steps: int, thre
 
 def run(work: Workload, rounds: int, steps: int, threads: int, only: Sequence[str] = ()) -> list[dict]:
     """Run the contenders on ``work`` (those :func:`selected` by ``only``); one row per contender."""
+    profile = work.profile() if work.name == "costmodel" else None  # before the run, while the machine is quiet
     out = run_gloo(_worker, work.depth, work, rounds, steps, threads, only, timeout=3000, pg_timeout=600)
     if any(status != "ok" for status, _ in out):
         raise RuntimeError("\n".join(str(v) for s, v in out if s != "ok"))
@@ -340,13 +366,16 @@ def run(work: Workload, rounds: int, steps: int, threads: int, only: Sequence[st
         ref = _row(rows, f"torch {SAME[ours]}")
         row["vs"] = (ref["name"].removeprefix("torch "), row["samples_s"] / ref["samples_s"])
         row["sim_s"] = work.predicted_step(*ours, steps=steps)
+        row["profiled_s"] = work.predicted_step(*ours, steps=steps, profile=profile)
     simulated = {"gpipe": ("gpipe", False), "1f1b": ("1f1b", False), "interleaved": ("1f1b", False, VIRTUAL["interleaved"])}
     for kind, args in simulated.items():
         if f"torch {kind}" in times:
             _row(rows, f"torch {kind}")["sim_s"] = work.predicted_step(*args)
-    if work.name == "costmodel":  # one process runs every block's F, I and W for each microbatch
+            _row(rows, f"torch {kind}")["profiled_s"] = work.predicted_step(*args, profile=profile)
+    if profile is not None:  # one process runs every block's F, I and W for each microbatch
         depth, blocks, cost = work.spec
         _row(rows, "one process")["sim_s"] = work.microbatches * depth * blocks * 3 * cost
+        _row(rows, "one process")["profiled_s"] = work.profiled_single(profile)
     return rows
 
 
@@ -364,15 +393,16 @@ def table(rows: list[dict]) -> str:
         f"### {work.name}, d={work.depth}, m={work.microbatches}, batch {work.batch_size} "
         f"(ideal speedup d*m/(m+d-1) = {ideal:.2f})\n",
         "| contender | step (s) | samples/s | speedup over one process | vs torch (same schedule) | "
-        "measured / simulated step | peak tensor memory per stage |",
-        "|---|---|---|---|---|---|---|",
+        "measured / simulated step (nominal costs) | measured / simulated step (profiled costs) | peak tensor memory per stage |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         vs = f"{r['vs'][1]:.2f}x {r['vs'][0]}" if "vs" in r else ""
         sim = f"{r['step_s'] / r['sim_s']:.3f}" if r.get("sim_s") else ""
+        profiled = f"{r['step_s'] / r['profiled_s']:.3f}" if r.get("profiled_s") else ""
         peaks = ", ".join(_size(p) for p in r["peaks"])
         lines.append(f"| {r['name']} | {r['step_s']:.3f} | {r['samples_s']:.1f} | {r['samples_s'] / single:.2f} | "
-                     f"{vs} | {sim} | {peaks} |")  # fmt: skip
+                     f"{vs} | {sim} | {profiled} | {peaks} |")  # fmt: skip
     return "\n".join(lines)
 
 
