@@ -346,7 +346,7 @@ def _worker(rank: int, world: int, work: Workload, rounds: int, steps: int, thre
         del contenders
         gc.collect()
     progress.close()
-    return {"times": {n: statistics.median(t) for n, t in times.items()}, "peaks": peaks}
+    return {"times": {n: statistics.median(t) for n, t in times.items()}, "rounds": times, "peaks": peaks}
 
 
 def run(work: Workload, rounds: int, steps: int, threads: int, only: Sequence[str] = ()) -> list[dict]:
@@ -360,7 +360,7 @@ def run(work: Workload, rounds: int, steps: int, threads: int, only: Sequence[st
     for name, seconds in times.items():
         peaks = [rank_out["peaks"][name] for _, rank_out in out]
         rows.append({"workload": work, "name": name, "step_s": seconds, "samples_s": work.batch_size / seconds,
-                     "peaks": peaks[:1] if name == "one process" else peaks})  # fmt: skip
+                     "rounds": out[0][1]["rounds"][name], "peaks": peaks[:1] if name == "one process" else peaks})  # fmt: skip
     for ours in (o for o in OURS if _name(*o) in times):
         row = _row(rows, _name(*ours))
         ref = _row(rows, f"torch {SAME[ours]}")
@@ -403,6 +403,8 @@ def table(rows: list[dict]) -> str:
         peaks = ", ".join(_size(p) for p in r["peaks"])
         lines.append(f"| {r['name']} | {r['step_s']:.3f} | {r['samples_s']:.1f} | {r['samples_s'] / single:.2f} | "
                      f"{vs} | {sim} | {profiled} | {peaks} |")  # fmt: skip
+    lines.append("\nStep time of each round (s), in the order run: " + "; ".join(
+        f"{r['name']} {', '.join(f'{t:.3f}' for t in r['rounds'])}" for r in rows))
     return "\n".join(lines)
 
 
