@@ -77,6 +77,27 @@ def test_weights_shared_within_a_stage_get_full_backward_gradients(make) -> None
         torch.testing.assert_close(split[n], p.grad, msg=n)
 
 
+def test_weight_gradient_passed_through_is_not_the_sent_input_gradient() -> None:
+    # ``x + b`` passes its gradient through to both: adopted as b.grad, that tensor (the input
+    # gradient sent to the previous stage) would take the next microbatch's W in place.
+    b = torch.nn.Parameter(torch.zeros(3, 4))
+    grads, sent = [], []
+    for seed in range(2):
+        torch.manual_seed(seed)
+        x = torch.randn(3, 4, requires_grad=True)
+        grad = torch.randn(3, 4)
+        (gx,), work = input_grads([torch.tanh(x + b)], [grad], [x])
+        weight_grads(work)
+        grads.append(gx)
+        sent.append(gx.clone())
+        reference = x.detach().requires_grad_()
+        torch.tanh(reference + b.detach()).backward(grad)
+        torch.testing.assert_close(gx, reference.grad)
+    for gx, copy in zip(grads, sent):
+        assert torch.equal(gx, copy)
+    torch.testing.assert_close(b.grad, sent[0] + sent[1])
+
+
 class _Scale(torch.autograd.Function):
     """``x * w`` as one custom Function: an activation and a weight meet in one backward."""
 

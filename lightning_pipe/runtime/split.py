@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -181,15 +181,29 @@ def input_grads(roots: Sequence[Tensor], grads: Sequence[Optional[Tensor]], inpu
     for group in edges:
         grouped.append(captured[start : start + len(group)])
         start += len(group)
-    done = [(w, g) for w, g in zip(early, result[len(inputs) + len(flat) :]) if g is not None]
+    others = _storages(t for t in result[: len(inputs) + len(flat)] if t is not None)
+    done = [(w, _unshared(g, others)) for w, g in zip(early, result[len(inputs) + len(flat) :]) if g is not None]
     return result[: len(inputs)], WeightWork(edges, grouped, [f.weights for f in own], done)
 
 
-def _accumulate(w: Tensor, g: Tensor) -> None:
+def _storages(tensors: Iterable[Tensor]) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+def _unshared(g: Tensor, taken: set[int]) -> Tensor:
+    """``g``, or a copy of it where it shares memory with one of the ``taken`` storages.
+
+    An operation that passes its gradient through (``x + b`` with ``b`` of ``x``'s shape) gives
+    the weight the very tensor I captured and sent on as the input gradient: adopted as
+    ``.grad``, the next microbatch's W would add into it while its send may still read it."""
+    return g.clone() if g.untyped_storage().data_ptr() in taken else g
+
+
+def _accumulate(w: Tensor, g: Tensor, taken: set[int]) -> None:
     """Add ``g`` to ``w.grad`` as autograd does: in place if a gradient exists (a view of a replica
-    all-reduce bucket stays one), else it becomes the gradient."""
+    all-reduce bucket stays one), else it becomes the gradient (a copy if it shares ``taken`` memory)."""
     if w.grad is None:
-        w.grad = g
+        w.grad = _unshared(g, taken)
     else:
         w.grad.add_(g)
 
@@ -200,12 +214,13 @@ def weight_grads(work: WeightWork) -> list[Tensor]:
     on a path from its roots to its inputs); accumulate into ``.grad``.
 
     Frontier nodes handed to W share no weights (see :func:`_sharing`), so each weight is
-    written once here.
+    written once here. A weight's first gradient that is one of I's own gradients (passed
+    through) is copied, never adopted (see :func:`_unshared`).
 
     Returns:
         The weights whose gradient received this microbatch's contribution, each once.
     """
-    updated = []
+    updated, taken = [], _storages(g for group in work.grads for g in group if g is not None)
     for edges, grads, weights in zip(work.edges, work.grads, work.weights):
         pairs = [(e, g) for e, g in zip(edges, grads) if g is not None]
         if not pairs or not weights:
@@ -213,9 +228,9 @@ def weight_grads(work: WeightWork) -> list[Tensor]:
         results = torch.autograd.grad([e for e, _ in pairs], weights, [g for _, g in pairs], allow_unused=True)
         for w, g in zip(weights, results):
             if g is not None:
-                _accumulate(w, g)
+                _accumulate(w, g, taken)
                 updated.append(w)
     for w, g in work.early:
-        _accumulate(w, g)
+        _accumulate(w, g, set())  # already unshared in I
         updated.append(w)
     return updated
