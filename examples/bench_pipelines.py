@@ -116,7 +116,6 @@ class Workload:
             return simulate(timed_windows(d, m, split, steps), cost).makespan / steps
         return simulate(build_schedule(schedule, d, m, split=split, virtual=virtual), cost).makespan
 
-
     def profile(self) -> Profile:
         """Every block's F, B, I and W measured in this process at the microbatch size (:func:`profile_blocks`)."""
         return profile_blocks(self.model(), self.batch(), [self.batch_size // self.microbatches], repeats=5)

@@ -25,14 +25,20 @@ def test_transformer_block_split_matches_backward_and_runs_no_forward() -> None:
     grad = torch.randn_like(out)
     (gx,), work = input_grads([out], [grad], [x])
     weight_grads(work)
+    _assert_matches_full_backward(block, x, grad, gx, rtol=1e-6, atol=1e-7)
+    assert len(calls) == 2  # one forward each; I and W re-ran none
+
+
+def _assert_matches_full_backward(block: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, gx: torch.Tensor,
+                                  **tolerance: float) -> None:  # fmt: skip
+    """The input gradient ``gx`` and the weight gradients I and W left in ``block`` equal one full backward's."""
     split = {n: p.grad.clone() for n, p in block.named_parameters()}
     block.zero_grad()
     x2 = x.detach().requires_grad_()
     block(x2).backward(grad)
-    assert len(calls) == 2  # one forward each; I and W re-ran none
-    torch.testing.assert_close(gx, x2.grad, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(gx, x2.grad, **tolerance)
     for n, p in block.named_parameters():
-        torch.testing.assert_close(split[n], p.grad, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(split[n], p.grad, msg=n, **tolerance)
 
 
 class _TwiceLinear(torch.nn.Module):
@@ -68,13 +74,7 @@ def test_weights_shared_within_a_stage_get_full_backward_gradients(make) -> None
     with pytest.warns(UserWarning, match="feed several operations of one stage"):
         (gx,), work = input_grads([out], [grad], [x])
     weight_grads(work)
-    split = {n: p.grad.clone() for n, p in block.named_parameters()}
-    block.zero_grad()
-    x2 = x.detach().requires_grad_()
-    block(x2).backward(grad)
-    torch.testing.assert_close(gx, x2.grad)
-    for n, p in block.named_parameters():
-        torch.testing.assert_close(split[n], p.grad, msg=n)
+    _assert_matches_full_backward(block, x, grad, gx)
 
 
 def test_weight_gradient_passed_through_is_not_the_sent_input_gradient() -> None:

@@ -35,9 +35,13 @@ class WeightWork:
     weights: list[list[Tensor]]
     early: list[tuple[Tensor, Tensor]] = field(default_factory=list)
 
+    def captured(self) -> list[Tensor]:
+        """The gradients I captured at the frontier nodes."""
+        return [g for group in self.grads for g in group if g is not None]
+
     def kept(self) -> list[Tensor]:
         """The gradients held from I until W: captured ones and early weight gradients."""
-        return [g for group in self.grads for g in group if g is not None] + [g for _, g in self.early]
+        return self.captured() + [g for _, g in self.early]
 
 
 def _children(node: Node) -> list[Node]:
@@ -220,7 +224,7 @@ def weight_grads(work: WeightWork) -> list[Tensor]:
     Returns:
         The weights whose gradient received this microbatch's contribution, each once.
     """
-    updated, taken = [], _storages(g for group in work.grads for g in group if g is not None)
+    updated, taken = [], _storages(work.captured())
     for edges, grads, weights in zip(work.edges, work.grads, work.weights):
         pairs = [(e, g) for e, g in zip(edges, grads) if g is not None]
         if not pairs or not weights:
