@@ -19,6 +19,11 @@ Workloads:
 
 Peak memory per stage is measured for every contender the same way, in one extra untimed step
 under :class:`PeakTensorBytes` (every CPU tensor storage alive, each until it is freed).
+
+After the rounds, each of ours alternates single steps with its torch counterpart (``--pairs``
+pairs): a pair's two steps are seconds apart, so the ratio of each pair's times compares the
+two on the same machine where rounds minutes apart do not. Both workloads are also simulated
+with every block's profiled time (the cost model with its nominal cost too).
 """
 
 from __future__ import annotations
@@ -108,17 +113,23 @@ class Workload:
         Each action costs its blocks' nominal sleep, or with ``profile`` (:meth:`profile`) their
         time measured in one process (a sleep overruns, and the block's ops after it take time);
         transfers and the executor's own work cost nothing either way."""
-        if self.name != "costmodel":
-            return None
+        if self.name != "costmodel" and profile is None:
+            return None  # a GPT block has no nominal cost
         cost = self.model().predicted_cost(virtual) if profile is None else self.profiled_cost(profile, schedule, split, virtual)
         d, m = self.depth, self.microbatches
         if schedule == "2bw":
             return simulate(timed_windows(d, m, split, steps), cost).makespan / steps
         return simulate(build_schedule(schedule, d, m, split=split, virtual=virtual), cost).makespan
 
-    def profile(self) -> Profile:
-        """Every block's F, B, I and W measured in this process at the microbatch size (:func:`profile_blocks`)."""
-        return profile_blocks(self.model(), self.batch(), [self.batch_size // self.microbatches], repeats=5)
+    def profile(self, threads: int) -> Profile:
+        """Every block's F, B, I and W measured in this process at the microbatch size
+        (:func:`profile_blocks`), on ``threads`` threads as the contenders run."""
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return profile_blocks(self.model(), self.batch(), [self.batch_size // self.microbatches], repeats=5)
+        finally:
+            torch.set_num_threads(before)
 
     def profiled_cost(self, profile: Profile, schedule: str, split: bool, virtual: int = 1) -> Callable[[Any], float]:
         """Each compute action's profiled seconds (its stage's blocks summed, as the planner sums
@@ -251,6 +262,12 @@ def _name(schedule: str, split: bool, virtual: int = 1) -> str:
     return f"lightning_pipe {schedule}" + interleaved + (" + split" if split else "") + loss
 
 
+def counterparts(names: Iterable[str]) -> dict[str, str]:
+    """Each of our contenders among ``names`` -> the torch contender it is compared with, where both are there."""
+    pairs = {_name(*ours): f"torch {SAME[ours]}" for ours in OURS}
+    return {ours: torch_name for ours, torch_name in pairs.items() if ours in names and torch_name in names}
+
+
 # -- measurement -----------------------------------------------------------------------------
 def _time(step: Contender, batch: Any, steps: int) -> float:
     """Seconds per step over ``steps`` steps, after one untimed step (so 2BW is in steady state)."""
@@ -268,6 +285,37 @@ def _time(step: Contender, batch: Any, steps: int) -> float:
 def _finish(step: Contender) -> None:
     step.finish()
     dist.barrier()
+
+
+def _one_step(step: Contender, batch: Any) -> tuple[float, float]:
+    """One step between barriers, drained: (wall seconds to the closing barrier, this process's CPU
+    seconds before it)."""
+    dist.barrier()
+    wall, cpu = time.perf_counter(), time.process_time()
+    step(batch)
+    step.finish()
+    cpu = time.process_time() - cpu
+    dist.barrier()
+    return time.perf_counter() - wall, cpu
+
+
+def _paired(ours: Contender, theirs: Contender, batch: Any, pairs: int) -> list[tuple[float, ...]]:
+    """``pairs`` pairs of single steps, ours and torch's back to back, which one goes first swapping
+    every pair, so both see the same machine: (our wall, our CPU, their wall, their CPU) per pair.
+
+    On this host the speed of a core drifts by 10% and more over seconds (rounds of the same
+    contender differ by up to 50% in a busy hour), which decides ratios of a few percent between
+    contenders timed minutes apart; a pair's two steps are seconds apart."""
+    out = []
+    for i in range(pairs):
+        if i % 2:
+            theirs_t = _one_step(theirs, batch)
+            ours_t = _one_step(ours, batch)
+        else:
+            ours_t = _one_step(ours, batch)
+            theirs_t = _one_step(theirs, batch)
+        out.append((*ours_t, *theirs_t))
+    return out
 
 
 class PeakTensorBytes(TorchDispatchMode):
@@ -316,8 +364,10 @@ def _peak_bytes(step: Contender, batch: Any) -> int:
     return tracker.peak
 
 
-def _worker(rank: int, world: int, work: Workload, rounds: int, steps: int, threads: int, only: Sequence[str]) -> dict:
-    """Each round builds every contender afresh, in a rotated order, then times each in that order.
+def _worker(rank: int, world: int, work: Workload, rounds: int, steps: int, threads: int, only: Sequence[str],
+            pairs: int) -> dict:  # fmt: skip
+    """Each round builds every contender afresh, in a rotated order, then times each in that order;
+    after the last round, ``pairs`` paired steps of each of ours with its torch counterpart.
 
     Rebuilding matters: on this machine whichever model is allocated first ran up to 8% faster
     (the allocator's state differs), so every contender takes each place in turn.
@@ -328,7 +378,10 @@ def _worker(rank: int, world: int, work: Workload, rounds: int, steps: int, thre
     batch, names = work.batch(), list(builders)
     times: dict[str, list[float]] = {name: [] for name in names}
     peaks: dict[str, int] = {}
-    progress = tqdm(total=rounds * len(names), desc=f"{work.name} d={work.depth}", disable=rank != 0, file=sys.stderr)
+    matched = counterparts(names)
+    progress = tqdm(total=rounds * len(names) + len(matched), desc=f"{work.name} d={work.depth}", disable=rank != 0,
+                    file=sys.stderr)  # fmt: skip
+    paired: dict[str, list[tuple[float, ...]]] = {}
     for r in range(rounds):
         shift = r * len(names) // rounds
         order = names[shift:] + names[:shift]
@@ -341,17 +394,22 @@ def _worker(rank: int, world: int, work: Workload, rounds: int, steps: int, thre
             progress.set_postfix_str(f"round {r + 1}: {name} {times[name][-1]:.3f} s/step")
             progress.update()
         if r == rounds - 1:
+            for ours, theirs in matched.items():
+                paired[ours] = _paired(contenders[ours], contenders[theirs], batch, pairs)
+                progress.set_postfix_str(f"paired: {ours} with {theirs}")
+                progress.update()
             peaks = {name: _peak_bytes(step, batch) for name, step in contenders.items()}
         del contenders
         gc.collect()
     progress.close()
-    return {"times": {n: statistics.median(t) for n, t in times.items()}, "rounds": times, "peaks": peaks}
+    return {"times": {n: statistics.median(t) for n, t in times.items()}, "rounds": times, "peaks": peaks,
+            "paired": paired}
 
 
-def run(work: Workload, rounds: int, steps: int, threads: int, only: Sequence[str] = ()) -> list[dict]:
+def run(work: Workload, rounds: int, steps: int, threads: int, only: Sequence[str] = (), pairs: int = 0) -> list[dict]:
     """Run the contenders on ``work`` (those :func:`selected` by ``only``); one row per contender."""
-    profile = work.profile() if work.name == "costmodel" else None  # before the run, while the machine is quiet
-    out = run_gloo(_worker, work.depth, work, rounds, steps, threads, only, timeout=3000, pg_timeout=600)
+    profile = work.profile(threads)  # before the run, while the machine is quiet
+    out = run_gloo(_worker, work.depth, work, rounds, steps, threads, only, pairs, timeout=3000, pg_timeout=600)
     if any(status != "ok" for status, _ in out):
         raise RuntimeError("\n".join(str(v) for s, v in out if s != "ok"))
     times = out[0][1]["times"]
@@ -366,16 +424,29 @@ def run(work: Workload, rounds: int, steps: int, threads: int, only: Sequence[st
         row["vs"] = (ref["name"].removeprefix("torch "), row["samples_s"] / ref["samples_s"])
         row["sim_s"] = work.predicted_step(*ours, steps=steps)
         row["profiled_s"] = work.predicted_step(*ours, steps=steps, profile=profile)
+        if out[0][1]["paired"].get(row["name"]):
+            row["paired"] = paired_summary([rank_out["paired"][row["name"]] for _, rank_out in out])
     simulated = {"gpipe": ("gpipe", False), "1f1b": ("1f1b", False), "interleaved": ("1f1b", False, VIRTUAL["interleaved"])}
     for kind, args in simulated.items():
         if f"torch {kind}" in times:
             _row(rows, f"torch {kind}")["sim_s"] = work.predicted_step(*args)
             _row(rows, f"torch {kind}")["profiled_s"] = work.predicted_step(*args, profile=profile)
-    if profile is not None:  # one process runs every block's F, I and W for each microbatch
+    if work.name == "costmodel":  # one process runs every block's F, I and W for each microbatch
         depth, blocks, cost = work.spec
         _row(rows, "one process")["sim_s"] = work.microbatches * depth * blocks * 3 * cost
-        _row(rows, "one process")["profiled_s"] = work.profiled_single(profile)
+    _row(rows, "one process")["profiled_s"] = work.profiled_single(profile)
     return rows
+
+
+def paired_summary(per_rank: list[list[tuple[float, ...]]]) -> dict:
+    """Torch's step time over ours, pair by pair (above 1: ours faster), from :func:`_paired`'s rows
+    of every rank: rank 0's wall-clock ratios (median, quartiles, pairs ours won) and each rank's
+    median CPU-time ratio."""
+    speed = [theirs / ours for ours, _, theirs, _ in per_rank[0]]
+    q1, _, q3 = statistics.quantiles(speed, n=4) if len(speed) > 1 else (speed[0],) * 3
+    cpu = [statistics.median(theirs / ours for _, ours, _, theirs in rows) for rows in per_rank]
+    return {"median": statistics.median(speed), "quartiles": (q1, q3), "won": sum(s > 1 for s in speed),
+            "pairs": len(speed), "cpu": cpu}
 
 
 def _row(rows: list[dict], name: str) -> dict:
@@ -405,6 +476,22 @@ def table(rows: list[dict]) -> str:
     lines.append("\nStep time of each round (s), in the order run: " + "; ".join(
         f"{r['name']} {', '.join(f'{t:.3f}' for t in r['rounds'])}" for r in rows))
     return "\n".join(lines)
+
+
+def paired_table(rows: list[dict]) -> str:
+    """Markdown table of the paired steps (:func:`_paired`), or "" when none were run."""
+    paired = [r for r in rows if "paired" in r]
+    if not paired:
+        return ""
+    lines = ["| contender | against | pairs ours won | torch's step / ours: median of pairs | quartiles | "
+             "torch's CPU time / ours, per stage |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in paired:
+        p = r["paired"]
+        cpu = ", ".join(f"{c:.3f}" for c in p["cpu"])
+        lines.append(f"| {r['name']} | torch {r['vs'][0]} | {p['won']} of {p['pairs']} | {p['median']:.3f} | "
+                     f"{p['quartiles'][0]:.3f} to {p['quartiles'][1]:.3f} | {cpu} |")  # fmt: skip
+    title = "Paired steps, each of ours alternating with its torch counterpart, one step each, drained:"
+    return title + "\n\n" + "\n".join(lines)
 
 
 def _size(nbytes: float) -> str:
@@ -462,6 +549,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8,
                         help="timed steps per contender per round, back to back as in training (2BW's stream "
                         "restarts after the barrier that starts a timing: few steps understate its steady state)")
+    parser.add_argument("--pairs", type=int, default=10,
+                        help="after the rounds, pairs of single steps of each of ours and its torch counterpart, "
+                        "alternating (0: none)")
     parser.add_argument("--only", nargs="+", default=[], metavar="TEXT",
                         help="run only the contenders whose name contains one of these (with one process "
                         "and the torch schedules they are compared with)")
@@ -469,9 +559,9 @@ def main() -> None:
     args = parser.parse_args()
     results = []
     for work in workloads(args):
-        rows = run(work, args.rounds, args.steps, args.threads, args.only)
+        rows = run(work, args.rounds, args.steps, args.threads, args.only, args.pairs)
         results.append(rows)
-        print(table(rows) + "\n", flush=True)
+        print(table(rows) + "\n\n" + paired_table(rows) + "\n", flush=True)
     chart(results, args.chart)
     print(f"chart: {args.chart}")
 
