@@ -549,7 +549,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8,
                         help="timed steps per contender per round, back to back as in training (2BW's stream "
                         "restarts after the barrier that starts a timing: few steps understate its steady state)")
-    parser.add_argument("--pairs", type=int, default=10,
+    parser.add_argument("--pairs", type=int, default=20,
                         help="after the rounds, pairs of single steps of each of ours and its torch counterpart, "
                         "alternating (0: none)")
     parser.add_argument("--only", nargs="+", default=[], metavar="TEXT",
