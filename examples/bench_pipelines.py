@@ -107,7 +107,7 @@ class Workload:
 
     def predicted_step(self, schedule: str, split: bool, virtual: int = 1, steps: int = 2,
                        profile: Optional[Profile] = None) -> Optional[float]:  # fmt: skip
-        """Simulator step time on the cost model, of what :func:`_time` measures: for 2BW, ``steps``
+        """Simulator step time of what :func:`_time` measures: for 2BW, ``steps``
         windows that start together (after a barrier) with the untimed window's sends in flight.
 
         Each action costs its blocks' nominal sleep, or with ``profile`` (:meth:`profile`) their
@@ -378,7 +378,7 @@ def _worker(rank: int, world: int, work: Workload, rounds: int, steps: int, thre
     batch, names = work.batch(), list(builders)
     times: dict[str, list[float]] = {name: [] for name in names}
     peaks: dict[str, int] = {}
-    matched = counterparts(names)
+    matched = counterparts(names) if pairs else {}
     progress = tqdm(total=rounds * len(names) + len(matched), desc=f"{work.name} d={work.depth}", disable=rank != 0,
                     file=sys.stderr)  # fmt: skip
     paired: dict[str, list[tuple[float, ...]]] = {}
