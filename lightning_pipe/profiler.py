@@ -782,19 +782,18 @@ def _loaded_hop(nbytes: int, busy: float, rounds: int, device: torch.device) -> 
         _compute_for(busy, operands)
         if rank < 2:
             posted = time.perf_counter()
-            works = p2p.send_tensors([payload], peer, device, posted=specs)
+            transfer = p2p.send_tensors([payload], peer, device, posted=specs)
             posts.append(time.perf_counter() - posted)
         if rank == 0:
             incoming.wait()  # type: ignore[union-attr]
             incoming = p2p.Incoming(peer, device, specs)
             trips.append(time.perf_counter() - start)
-        for work in works if rank < 2 else []:
-            work.wait()
+        if rank < 2:
+            transfer.wait()
     if incoming is not None:  # the one posted for a message that never comes: the peer sends one more
-        works = p2p.send_tensors([payload], peer, device, posted=specs)
+        transfer = p2p.send_tensors([payload], peer, device, posted=specs)
         incoming.wait()
-        for work in works:
-            work.wait()
+        transfer.wait()
     if rank == 1:
         dist.send(torch.tensor(posts, dtype=torch.float64), 0)
     if rank != 0:
@@ -837,11 +836,10 @@ def _exchange_hop(nbytes: int, busy: float, rounds: int, device: torch.device) -
         if incoming is None:
             continue
         sent.append(time.time())
-        works = p2p.send_tensors([payload], peer, device, posted=specs)
+        transfer = p2p.send_tensors([payload], peer, device, posted=specs)
         incoming.wait()
         arrived.append(time.time())
-        for work in works:
-            work.wait()
+        transfer.wait()
     if rank == 1:
         dist.send(torch.tensor(sent, dtype=torch.float64), 0)
         dist.send(torch.tensor(arrived, dtype=torch.float64), 0)
@@ -856,23 +854,23 @@ def _exchange_hop(nbytes: int, busy: float, rounds: int, device: torch.device) -
 
 def _posting(nbytes: int, repeats: int, device: torch.device) -> float:
     """Median seconds rank 0 spends posting one transfer of ``nbytes`` to rank 1 as the executor
-    does (:func:`~lightning_pipe.runtime.p2p.send_tensors`), not counting its delivery."""
+    does once the link's shapes are known (:func:`~lightning_pipe.runtime.p2p.send_tensors`:
+    one message, header and tensor packed), not counting its delivery."""
     import torch.distributed as dist
 
     from lightning_pipe.runtime import p2p
 
     t = torch.zeros(max(nbytes // 4, 1), device=device)
-    times = []
+    specs, times = p2p.specs_of([t]), []
     for _ in range(repeats + 1):
         dist.barrier()
         if dist.get_rank() == 0:
             start = time.perf_counter()
-            works = p2p.send_tensors([t], 1, device)
+            transfer = p2p.send_tensors([t], 1, device, posted=specs)
             times.append(time.perf_counter() - start)
-            for work in works:
-                work.wait()
+            transfer.wait()
         elif dist.get_rank() == 1:
-            p2p.Incoming(0, device).wait()
+            p2p.Incoming(0, device, specs).wait()
     return statistics.median(times[1:]) if times else 0.0
 
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Sequen
 
 import numpy as np
 
-from lightning_pipe.runtime.p2p import HEADER_LEN
+from lightning_pipe.runtime.p2p import HEADER_BYTES
 from lightning_pipe.schedules.actions import Action, Kind
 from lightning_pipe.schedules.flat import BACKWARD, CODES, FORWARD, INPUT_GRAD, RECV_ACT, SEND_ACT, SEND_GRAD, WEIGHT_GRAD, FlatProgram, flatten
 
@@ -20,13 +20,12 @@ OPTIMIZER_STEP = CODES[Kind.OPTIMIZER_STEP]
 if TYPE_CHECKING:
     from lightning_pipe.planner import StageCosts
 
-#: Bytes of one point-to-point message header (:mod:`lightning_pipe.runtime.p2p`).
-HEADER_BYTES = HEADER_LEN * 8
-
-#: ``(headers, gradients)``: a stage's sends not yet acknowledged by their peer (see
-#: :func:`unacknowledged`), by what they keep alive: every one its header, and an input gradient
-#: sent upstream is kept by the message alone. A sent output needs nothing more: the stage keeps
-#: it until its backward, which needs the peer's gradient for it, and that message acknowledges it.
+#: ``(outputs, gradients)``: a stage's sends not yet acknowledged by their peer (see
+#: :func:`unacknowledged`), outputs sent downstream and input gradients sent upstream. Once a
+#: link's shapes are known each is one message, its header (:data:`HEADER_BYTES`) and a copy of
+#: its tensors packed (runtime/p2p.py), kept until acknowledged: the header and an output's
+#: bytes, or the header and an input's. (The stage keeps a sent output itself too, until its
+#: backward, which needs the peer's gradient for it, and that message acknowledges it.)
 Sent = tuple[int, int]
 NOTHING_SENT: Sent = (0, 0)
 
@@ -42,7 +41,7 @@ Moment = tuple[int, str, tuple[Point, ...], tuple[bool, ...]]
 
 def unacknowledged(flat: FlatProgram) -> np.ndarray:
     """After each action of a program, its rank's sends not yet acknowledged by their peer:
-    ``[action, position, (headers, gradients)]``, by the stage that sent them (its position among
+    ``[action, position, (outputs, gradients)]``, by the stage that sent them (its position among
     the rank's stages, ``stage // ranks``; see :data:`Sent`).
 
     The executor keeps every message it posted, header and tensors, until it knows the peer has
@@ -68,7 +67,7 @@ def unacknowledged(flat: FlatProgram) -> np.ndarray:
     gradient = flat.kind[link_sends] == SEND_GRAD
     state = np.zeros((len(comm), int(flat.stage.max(initial=0)) // ranks + 1, 2), np.int64)
     for o in range(state.shape[1]):
-        for j, counted in enumerate((sender_position == o, (sender_position == o) & gradient)):
+        for j, counted in enumerate(((sender_position == o) & ~gradient, (sender_position == o) & gradient)):
             prefix = np.concatenate(([0], np.cumsum(counted)))
             state[:, o, j] = prefix[link_start + issued] - prefix[link_start + acked]
     # As changes after each action, summed along each rank's program.
@@ -95,10 +94,13 @@ def posted_inputs(flat: FlatProgram) -> np.ndarray:
 
 def buffered(flat: FlatProgram) -> np.ndarray:
     """After each action of a program of one stage per rank, what its rank's buffers keep beyond
-    the gradient receive (:func:`_posted_bytes`), as :data:`Sent` ``(headers, input-sized
-    tensors)``: the unacknowledged sends (:func:`unacknowledged`) and the activation receive
-    posted ahead (:func:`posted_inputs`), a header and a stage input's bytes."""
-    return unacknowledged(flat)[:, 0, :] + posted_inputs(flat)[:, None]
+    the gradient receive (:func:`_posted_bytes`), as :data:`Sent` ``(output-sized,
+    input-sized)`` messages, each with its header: the unacknowledged sends
+    (:func:`unacknowledged`) and the activation receive posted ahead (:func:`posted_inputs`),
+    one message of a header and a stage input's bytes."""
+    sent = unacknowledged(flat)[:, 0, :]
+    sent[:, 1] += posted_inputs(flat)
+    return sent
 
 
 def _channels(flat: FlatProgram) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -161,48 +163,48 @@ def _dominant(points: Iterable[Point]) -> tuple[Point, ...]:
 
 def _uncovered(points: Iterable[Point]) -> list[Point]:
     """``points`` without those another point of the same pending count covers: as many held
-    microbatches or more, and as many unacknowledged headers and gradients or more. At one kind
+    microbatches or more, and as many unacknowledged outputs and gradients or more. At one kind
     of moment and pending count a stage's bytes never fall as those grow."""
     by_pending: dict[int, list[tuple[int, int, int]]] = {}
-    for h, p, (hd, g) in set(points):
-        by_pending.setdefault(p, []).append((h, hd, g))
+    for h, p, (o, g) in set(points):
+        by_pending.setdefault(p, []).append((h, o, g))
     kept: list[Point] = []
     for pending, triples in by_pending.items():
         # Held most first: a point can only be covered by one before it, if one of those has as
-        # many headers and gradients. Their (headers, gradients) Pareto front answers that:
-        # headers ascending, gradients descending.
-        front_headers: list[int] = []
+        # many outputs and gradients. Their (outputs, gradients) Pareto front answers that:
+        # outputs ascending, gradients descending.
+        front_outputs: list[int] = []
         front_gradients: list[int] = []
-        for h, hd, g in sorted(triples, reverse=True):
-            i = bisect.bisect_left(front_headers, hd)
-            if i < len(front_headers) and front_gradients[i] >= g:
+        for h, o, g in sorted(triples, reverse=True):
+            i = bisect.bisect_left(front_outputs, o)
+            if i < len(front_outputs) and front_gradients[i] >= g:
                 continue
-            kept.append((h, pending, (hd, g)))
-            j = bisect.bisect_right(front_headers, hd)
-            k = i  # the front's points this one covers: headers at most hd, gradients at most g
+            kept.append((h, pending, (o, g)))
+            j = bisect.bisect_right(front_outputs, o)
+            k = i  # the front's points this one covers: outputs at most o, gradients at most g
             while k > 0 and front_gradients[k - 1] <= g:
                 k -= 1
-            front_headers[k:j], front_gradients[k:j] = [hd], [g]
+            front_outputs[k:j], front_gradients[k:j] = [o], [g]
     return kept
 
 
 def _ends_of_segments(points: Iterable[Point]) -> list[Point]:
     """``points`` without those that lie between two others of the same pending count on a
-    straight line through (held, headers, gradients): at one kind of moment and pending count a
+    straight line through (held, outputs, gradients): at one kind of moment and pending count a
     stage's bytes are affine in those three (every held microbatch is at least at its backward,
     see :func:`stage_memory_terms`), so such a point is never above both ends. A pipeline's
     drain walks such lines (each backward frees a microbatch and sends its input gradient)."""
     by_pending: dict[int, set[tuple[int, int, int]]] = {}
-    for h, p, (hd, g) in points:
-        by_pending.setdefault(p, set()).add((h, hd, g))
+    for h, p, (o, g) in points:
+        by_pending.setdefault(p, set()).add((h, o, g))
     kept: list[Point] = []
     for pending, triples in by_pending.items():
         stack: list[tuple[int, int, int]] = []
-        for h, hd, g in sorted(triples):
-            while len(stack) >= 2 and _between(stack[-2], stack[-1], (h, hd, g)):
+        for h, o, g in sorted(triples):
+            while len(stack) >= 2 and _between(stack[-2], stack[-1], (h, o, g)):
                 stack.pop()
-            stack.append((h, hd, g))
-        kept += [(h, pending, (hd, g)) for h, hd, g in stack]
+            stack.append((h, o, g))
+        kept += [(h, pending, (o, g)) for h, o, g in stack]
     return kept
 
 
@@ -327,8 +329,8 @@ def program_held_counts(program: Sequence[Sequence[Action]], warm: bool = False,
     at = np.flatnonzero(f | b | i | w | o)
     columns = [flat.owner[at], _MOMENT_CODES[kind[at], grads[at].astype(np.int64)], held[at], pending[at], sent[at, 0], sent[at, 1]]
     seen: list[dict[str, set[Point]]] = [{name: set() for name in _FIELDS} for _ in range(flat.ranks)]
-    for r, moment, h, p, headers, gradients in _unique_rows(columns):
-        seen[r][_FIELDS[moment]].add((h, p, (headers, gradients)))
+    for r, moment, h, p, outputs, gradients in _unique_rows(columns):
+        seen[r][_FIELDS[moment]].add((h, p, (outputs, gradients)))
     return [HeldCounts(**{name: _dominant(points) for name, points in mine.items()}) for mine in seen]
 
 
@@ -356,7 +358,8 @@ def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, re
       3.1), optimizer state and, once they exist, gradients: ``gradient_sets`` batches' worth
       (default one per version; under 2BW the first stage holds one, as it steps right after
       its all-reduce, unless weights are tied across stages: schedules/two_bw.py).
-    - ``activations``: per held microbatch what autograd saved plus the stage input (with
+    - ``activations``: per held microbatch what autograd saved plus the stage input (received
+      from the previous stage: with its message's header, :func:`received_input_bytes`; with
       recompute: the inputs only, plus one microbatch's activations during its backward, or
       under split backward every pending microbatch's, recomputed before its I); per
       pending microbatch (split backward) but the one whose I or W runs (its captured gradients
@@ -373,15 +376,15 @@ def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, re
     - ``buffers``: the receives posted ahead (a gradient from the next stage, and, while the
       program has more to come, an input from the previous one, each with its header) and the
       sends not yet acknowledged at that moment (the point's :data:`Sent`, :func:`buffered`:
-      their headers and input gradients, and the input receive).
+      outputs and input gradients, each packed with its header, and the input receive).
     - ``batch``: the replica's batch, which every rank of a pipeline holds during the step (and on
       the last stage the step's running loss sum).
     - ``workspace``: the optimizer step's temporaries at the step; else the running block's
       temporaries (largest forward, or on a stage that is not
-      last the header of its output's send, if larger; largest backward; a
+      last its output's send, header and a copy of the output, if larger; largest backward; a
       full backward's blocks free their saved tensors as it goes, so there the most it holds
       beyond them, ``StageCosts.backward_excess_bytes``); during a backward of a stage that is
-      not last, also the gradient it started from.
+      not last, also the gradient it started from, with its message's header.
 
     ``split``: the program runs split backward (I and W).
     """
@@ -389,12 +392,14 @@ def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, re
     weights = versions * st.weight_bytes + st.optimizer_bytes
     grads = (versions if gradient_sets is None else gradient_sets) * st.gradient_bytes
     loss_graph = _loss_graph_bytes(st, recompute, last, split)
-    per_held = st.input_bytes + (0 if recompute else st.stash_bytes) + st.loss_bytes + loss_graph
+    received = received_input_bytes(st, first)
+    per_held = received + (0 if recompute else st.stash_bytes) + st.loss_bytes + loss_graph
     out, cap = _kept_output_bytes(st, recompute, last), st.captured_bytes
     one = st.stash_bytes - loss_graph if recompute else 0  # recomputed for the backward that runs
-    # A forward's output goes out right after it, its temporaries gone, a new header kept with it (its moment is the send's).
-    fws = max(st.forward_workspace_bytes, 0 if last else HEADER_BYTES)
-    bws = st.backward_workspace_bytes + (0 if last else st.output_bytes)
+    # A forward's output goes out right after it, its temporaries gone, packed with a header into
+    # a new message kept until acknowledged (its moment is the send's).
+    fws = max(st.forward_workspace_bytes, 0 if last else HEADER_BYTES + st.output_bytes)
+    bws = st.backward_workspace_bytes + (0 if last else HEADER_BYTES + st.output_bytes)
     # Per kind of moment: its points, state, workspace, and activations as
     # a0 + ah h + am max(h - 1, 0) + ap p + a1 max(p, 1) (recomputed graphs: the one a backward
     # runs on, and under split backward each pending microbatch's, rebuilt before its I, kept for its W).
@@ -405,7 +410,7 @@ def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, re
         (held.forward_cold, weights, fws, (0, per_held, 0, one, 0)),
         (held.forward_warm, weights + grads, fws, (0, per_held, 0, one, 0)),
         (held.backward_first, weights, bws - st.backward_workspace_bytes,
-         (st.input_bytes + st.first_backward_bytes + st.loss_bytes, 0, per_held, 0, 0)),
+         (received + st.first_backward_bytes + st.loss_bytes, 0, per_held, 0, 0)),
         (held.full_backwards, weights + grads, bws - st.backward_workspace_bytes + excess, (-loss_graph, per_held, 0, 0, one)),
         (held.split_backwards, weights + grads, bws, (0, per_held, 0, 0, one)),
         (held.input_cold, weights, bws, (0, per_held, 0, 0, one)),
@@ -414,14 +419,14 @@ def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, re
         (held.optimizer_step, weights + grads, st.optimizer_step_bytes, (0, per_held, 0, one + cap, 0)),
     ]  # fmt: skip
     # Totals first, on plain numbers, parts only for the worst point: MadPipe asks millions of times.
-    header, gradient = HEADER_BYTES, st.input_bytes
+    per_output, per_gradient = HEADER_BYTES + st.output_bytes, HEADER_BYTES + st.input_bytes
     worst, most = (weights + grads, 0, (0, 0, NOTHING_SENT), (0,) * 5), -1
     for points, state, workspace, (a0, ah, am, ap, a1) in moments:
         base, per_h, per_p = state + workspace + a0, ah + out, ap - out
         for point in points:
-            h, p, (hd, g) = point
+            h, p, (o, g) = point
             total = base + per_h * h + am * (h - 1 if h > 1 else 0) + per_p * p + a1 * (p if p > 1 else 1) + cap * (p - 1 if p > 1 else 0)
-            total += header * hd + gradient * g
+            total += per_output * o + per_gradient * g
             if total > most:
                 worst, most = (state, workspace, point, (a0, ah, am, ap, a1)), total
     state, workspace, (h, p, sent), (a0, ah, am, ap, a1) = worst
@@ -444,8 +449,14 @@ def _posted_bytes(st: "StageCosts", first: bool, last: bool) -> int:
 
 def sent_bytes(st: "StageCosts", sent: Sent) -> int:
     """Bytes a stage's unacknowledged sends keep alive (see :data:`Sent`)."""
-    headers, gradients = sent
-    return headers * HEADER_BYTES + gradients * st.input_bytes
+    outputs, gradients = sent
+    return outputs * (HEADER_BYTES + st.output_bytes) + gradients * (HEADER_BYTES + st.input_bytes)
+
+
+def received_input_bytes(st: "StageCosts", first: bool) -> int:
+    """Bytes a held stage input keeps alive: received from the previous stage it is a view of one
+    message, its header included (runtime/p2p.py); the first stage's comes from the batch."""
+    return st.input_bytes + (0 if first else HEADER_BYTES)
 
 
 def _kept_output_bytes(st: "StageCosts", recompute: bool, last: bool) -> int:
@@ -470,7 +481,7 @@ def rank_moments(actions: Sequence[Action], stages: Sequence[int], sent: Optiona
     return tuple(dict.fromkeys(_walk(actions, index.__getitem__, len(stages), sent=sent)))
 
 
-def resting_bytes(st: "StageCosts", point: Point, grads: bool, recompute: bool, last: bool, split: bool = False) -> int:
+def resting_bytes(st: "StageCosts", point: Point, grads: bool, recompute: bool, first: bool, last: bool, split: bool = False) -> int:
     """Tensor bytes of a stage whose rank runs another of its stages: its weights, optimizer
     state and (once they exist) gradients, its held microbatches' saved tensors, inputs and kept
     outputs, and its pending microbatches' captured gradients (and, with recompute, their
@@ -478,7 +489,7 @@ def resting_bytes(st: "StageCosts", point: Point, grads: bool, recompute: bool, 
     h, p, _ = point
     one = st.stash_bytes if recompute else 0
     state = st.weight_bytes + st.optimizer_bytes + (st.gradient_bytes if grads else 0)
-    kept = st.input_bytes + (0 if recompute else st.stash_bytes) + st.loss_bytes + _loss_graph_bytes(st, recompute, last, split)
+    kept = received_input_bytes(st, first) + (0 if recompute else st.stash_bytes) + st.loss_bytes + _loss_graph_bytes(st, recompute, last, split)
     activations = h * kept + p * (one + st.captured_bytes)
     return state + activations + (h - p) * _kept_output_bytes(st, recompute, last)
 
@@ -542,7 +553,7 @@ def rank_peak_bytes(stages: Sequence["StageCosts"], moments: Sequence[Moment], r
         for o, (point, g) in enumerate(zip(points, grads)):
             if o != c:
                 if (o, point[:2], g) not in resting:
-                    resting[o, point[:2], g] = resting_bytes(stages[o], point, g, recompute[o], last[o], split)
+                    resting[o, point[:2], g] = resting_bytes(stages[o], point, g, recompute[o], first[o], last[o], split)
                 total += resting[o, point[:2], g]
         best = max(best, total)
     return best + rank_buffer_bytes(stages, first, last, one_peer) + batch_bytes + sum(st.loss_bytes for st in stages)

@@ -220,26 +220,35 @@ def test_messages_read_in_another_order_than_sent(launched) -> None:
     assert_close_dicts({**out[0][1], **out[1][1]}, reference_grads(ToyChain(6), make_data(8, seed=0)), rtol=1e-5)
 
 
-def _link_worker(rank: int, world: int) -> int:
-    """Messages sent after the first step that did not match the receives their reader posted ahead."""
+def _link_worker(rank: int, world: int) -> tuple[int, int, int]:
+    """Messages sent after the first step that did not match the receives their reader posted
+    ahead; the sends those steps posted; and their programs' send actions."""
+    import torch.distributed as dist
+
     from lightning_pipe.runtime import p2p
+    from lightning_pipe.schedules.actions import Kind
 
     _, engine = _interleaved(rank, world, 4)
     engine.train_step(make_data(8, seed=0), _frozen(engine))
-    mismatched, original = [0], p2p._fillers
+    mismatched, posted, original, isend = [0], [0], p2p._unexpected, dist.isend
 
-    def counting(posted: Any, specs: Any, device: Any) -> list:
-        fillers = original(posted, specs, device)
-        mismatched[0] += bool(fillers)
-        return fillers
+    def counting(posted: Any, specs: Any) -> bool:
+        unexpected = original(posted, specs)
+        mismatched[0] += unexpected
+        return unexpected
 
-    p2p._fillers = counting
+    def sending(*args: Any, **kwargs: Any) -> Any:
+        posted[0] += 1
+        return isend(*args, **kwargs)
+
+    p2p._unexpected, dist.isend = counting, sending
     try:
         for step in range(1, 3):
             engine.train_step(make_data(8, seed=step), _frozen(engine))
     finally:
-        p2p._fillers = original
-    return mismatched[0]
+        p2p._unexpected, dist.isend = original, isend
+    sends = sum(a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD) for a in engine.train_program(4))
+    return mismatched[0], posted[0], 2 * sends
 
 
 scenario(2, "executor_link_specs", _link_worker)
@@ -249,6 +258,9 @@ def test_links_carrying_activations_and_gradients_post_receives_that_fit(launche
     # Interleaved at d = 2 the two ranks send each other both kinds; ToyChain's activations are
     # (hidden, mask), its gradients (hidden,). Expecting each message to look like the last one
     # of its kind, every receive posted ahead fits (by the last message on the link alone, 12 of
-    # each rank's messages in steps 2 and 3 did not, and each sent a placeholder first).
+    # each rank's messages in steps 2 and 3 did not, and each sent a placeholder first: now a
+    # header padded to the size of the one message the receiver posted for).
+    # Once shapes are known every transfer is one message, header and tensors packed (issue 12):
+    # two per transfer before, header then payload.
     out = launched(2)["executor_link_specs"]
-    assert out == [("ok", 0), ("ok", 0)], out
+    assert all(status == "ok" and mismatched == 0 and posted == sends > 0 for status, (mismatched, posted, sends) in out), out

@@ -66,29 +66,27 @@ class Outbox:
 
     def __init__(self) -> None:
         self.posted = 0
-        self.messages: deque[tuple[int, list[dist.Work], Tensors]] = deque()
+        self.messages: deque[tuple[int, p2p.Transfer]] = deque()
 
-    def post(self, works: list[dist.Work], tensors: Tensors) -> None:
+    def post(self, transfer: p2p.Transfer) -> None:
         """Keep one just-posted message."""
-        self.messages.append((self.posted, works, tensors))
+        self.messages.append((self.posted, transfer))
         self.posted += 1
 
     def release(self, delivered: int) -> None:
         """Drop the first ``delivered`` messages (the peer has them) and any reported complete."""
-        kept: deque[tuple[int, list[dist.Work], Tensors]] = deque()
-        for index, works, tensors in self.messages:
+        kept: deque[tuple[int, p2p.Transfer]] = deque()
+        for index, transfer in self.messages:
             if index < delivered:
-                for work in works:
-                    work.wait()
-            elif not all(w.is_completed() for w in works):
-                kept.append((index, works, tensors))
+                transfer.wait()
+            elif not all(w.is_completed() for w in transfer.works):
+                kept.append((index, transfer))
         self.messages = kept
 
     def wait(self) -> None:
         """Wait for every message still kept."""
-        for _, works, _ in self.messages:
-            for work in works:
-                work.wait()
+        for _, transfer in self.messages:
+            transfer.wait()
         self.messages.clear()
 
 
@@ -382,7 +380,7 @@ class Executor:
         assert dst is not None
         box = st.sent.setdefault(dst, Outbox())
         posted = self.links.sent.get((dst, kind))
-        box.post(p2p.send_tensors(tensors, dst, self.device, ack=st.received[dst], posted=posted, channel=self.channel), tensors)
+        box.post(p2p.send_tensors(tensors, dst, self.device, ack=st.received[dst], posted=posted, channel=self.channel))
         self.links.sent[dst, kind] = p2p.specs_of(tensors)
 
     def _send_act(self, a: Action, st: StepState) -> None:

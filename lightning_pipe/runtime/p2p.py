@@ -1,6 +1,8 @@
-"""Point-to-point transfer of tensor tuples between stages, with shape headers (on a CPU side channel when tensors go over NCCL) and abort notices."""
+"""Point-to-point transfer of tensor tuples between stages: one message per tuple once its shapes are known (header and tensors packed), shape headers (on a CPU side channel when tensors go over NCCL) and abort notices."""
 
 from __future__ import annotations
+
+import math
 
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -10,7 +12,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 HEADER_LEN = 64
-_OK, _ABORT = 1, 2
+HEADER_BYTES = HEADER_LEN * 8
+_OK, _ABORT, _PACKED = 1, 2, 3  # _OK: the tensors follow, each its own message; _PACKED: they follow the header in its message
+_ALIGN = 8  # packed tensors start at multiples of the largest element size
 _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
@@ -51,28 +55,39 @@ class Channel:
         """The device of a header for tensors on ``device``."""
         return self.header_device if self.header_device is not None else device
 
+    @property
+    def packs(self) -> bool:
+        """Whether headers travel with the tensors, so that a tuple of known shapes goes as one
+        message (its header, then its tensors, in one buffer: :func:`packed_bytes`)."""
+        return self.headers is self.payload and self.header_device is None
+
 
 DIRECT = Channel()  # headers and tensors together, over the default group
 
 
-def encode_header(tensors: Sequence[Tensor], ack: int = 0) -> Tensor:
-    """Fixed-size int64 header: status, count, ``ack`` (how many messages the sender has received
-    from the destination so far), then (dtype, ndim, *shape) per tensor."""
-    fields = [_OK, len(tensors), ack]
+def header_fields(tensors: Sequence[Tensor], ack: int = 0, status: int = _OK) -> list[int]:
+    """The :data:`HEADER_LEN` fields of a header: status, count, ``ack`` (how many messages the
+    sender has received from the destination so far), then (dtype, ndim, *shape) per tensor."""
+    fields = [status, len(tensors), ack]
     for t in tensors:
         if t.dtype not in _DTYPE_INDEX:
             raise TypeError(f"cannot send a tensor of dtype {t.dtype} between pipeline stages")
         fields += [_DTYPE_INDEX[t.dtype], t.dim(), *t.shape]
     if len(fields) > HEADER_LEN:
         raise ValueError(f"a stage output with {len(tensors)} tensors and these shapes does not fit the {HEADER_LEN}-field header")
-    return torch.tensor(fields + [0] * (HEADER_LEN - len(fields)), dtype=torch.int64)
+    return fields + [0] * (HEADER_LEN - len(fields))
+
+
+def encode_header(tensors: Sequence[Tensor], ack: int = 0, status: int = _OK) -> Tensor:
+    """Fixed-size int64 header of :func:`header_fields`."""
+    return torch.tensor(header_fields(tensors, ack, status), dtype=torch.int64)
 
 
 Specs = list[tuple[torch.dtype, tuple[int, ...]]]
 
 
 def decode_header(header: Tensor) -> Specs:
-    """Inverse of :func:`encode_header` for an OK header: (dtype, shape) of each tensor."""
+    """Inverse of :func:`encode_header` for a header that is not an abort notice: (dtype, shape) of each tensor."""
     fields = header.tolist()
     specs, pos = [], 3
     for _ in range(fields[1]):
@@ -97,22 +112,89 @@ def _empty(specs: Specs, device: torch.device) -> list[Tensor]:
 
 
 def _fillers(posted: Optional[Specs], specs: Optional[Specs], device: torch.device) -> list[Tensor]:
-    """What fills the payload receives the peer posted ahead for ``posted`` when the message does not match them."""
-    return [] if posted is None or posted == specs else _empty(posted, device)
+    """What fills the payload receives the peer posted ahead for ``posted`` when the message does
+    not match them (a channel that does not pack: each tensor is its own message)."""
+    return _empty(posted, device) if _unexpected(posted, specs) else []
+
+
+def _unexpected(posted: Optional[Specs], specs: Optional[Specs]) -> bool:
+    """Whether a message (``specs``; ``None``: an abort notice) differs from what its receiver posted for."""
+    return posted is not None and posted != specs
+
+
+def _spans(specs: Specs) -> list[tuple[int, int]]:
+    """Where each tensor of a packed message starts and ends: after the header, each at the next multiple of 8 bytes."""
+    spans, end = [], HEADER_BYTES
+    for dtype, shape in specs:
+        start = -(-end // _ALIGN) * _ALIGN
+        end = start + math.prod(shape) * dtype.itemsize
+        spans.append((start, end))
+    return spans
+
+
+def packed_bytes(specs: Specs) -> int:
+    """Bytes of one message that carries a header and tensors of ``specs`` (:func:`_spans`)."""
+    spans = _spans(specs)
+    return spans[-1][1] if spans else HEADER_BYTES
+
+
+def _unpack(message: Tensor, specs: Specs) -> list[Tensor]:
+    """Views of a packed message's tensors (they share its storage, header included)."""
+    return [message[start:end].view(dtype).view(shape) for (dtype, shape), (start, end) in zip(specs, _spans(specs))]
+
+
+def _message(fields: list[int], nbytes: int, device: torch.device) -> Tensor:
+    """A message of ``nbytes`` that begins with a header of ``fields`` (the rest is filled by the
+    caller, or not read). The fields are written in place, so that the message is the only
+    tensor a send allocates on its device (the memory model counts it alone)."""
+    message = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    header = message[:HEADER_BYTES].view(torch.int64)
+    if message.device.type == "cpu":
+        header.numpy()[:] = fields
+    else:  # from a host tensor: no device memory beyond the message
+        header.copy_(torch.tensor(fields, dtype=torch.int64))
+    return message
+
+
+@dataclass
+class Transfer:
+    """Sends posted for one message: their handles and the tensors they read, kept alive until
+    the message is known delivered."""
+
+    works: list[dist.Work]
+    kept: list[Tensor]
+
+    def wait(self) -> None:
+        """Wait for every send."""
+        for work in self.works:
+            work.wait()
 
 
 def send_tensors(tensors: Sequence[Tensor], dst: int, device: torch.device, ack: int = 0,
-                 posted: Optional[Specs] = None, channel: Channel = DIRECT) -> list[dist.Work]:  # fmt: skip
-    """Post non-blocking sends of a header (carrying ``ack``) and each tensor to global rank ``dst``.
+                 posted: Optional[Specs] = None, channel: Channel = DIRECT) -> Transfer:  # fmt: skip
+    """Post the non-blocking sends of one tensor tuple, with its header (carrying ``ack``), to global rank ``dst``.
 
-    ``posted`` are the specs the receiver posted its payload receives for before the header came
-    (those of the previous message on this link, see :class:`Incoming`): if the tensors differ,
-    placeholders of those specs are sent first, and the receiver posts new receives.
+    ``posted`` are the specs the receiver posted for before the header came (those of the
+    previous message of its kind on this link, see :class:`Incoming`). On a channel that packs,
+    tensors of those specs go with their header as one message (a copy, kept until delivered);
+    others go after a header padded to the size that message would have had. On one that does
+    not, placeholders of the posted specs go first when the tensors differ, and the receiver
+    posts new receives.
     """
     tensors = [t.detach().contiguous() for t in tensors]
+    specs = specs_of(tensors)
+    if channel.packs and posted is not None:
+        if not _unexpected(posted, specs):
+            message = _message(header_fields(tensors, ack, _PACKED), packed_bytes(specs), device)
+            for view, t in zip(_unpack(message, specs), tensors):
+                view.copy_(t)
+            return Transfer([dist.isend(message, dst, group=channel.payload)], [message])
+        notice = _message(header_fields(tensors, ack), packed_bytes(posted), device)
+        return Transfer([dist.isend(notice, dst, group=channel.payload)] + _send_payload(tensors, dst, channel), [notice, *tensors])
     header = encode_header(tensors, ack).to(channel.header_on(device))
-    fillers = _fillers(posted, specs_of(tensors), device)
-    return [dist.isend(header, dst, group=channel.headers)] + _send_payload(fillers + tensors, dst, channel)
+    fillers = _fillers(posted, specs, device)
+    works = [dist.isend(header, dst, group=channel.headers)] + _send_payload(fillers + tensors, dst, channel)
+    return Transfer(works, [header, *fillers, *tensors])
 
 
 def _send_payload(tensors: list[Tensor], dst: int, channel: Channel) -> list[dist.Work]:
@@ -120,17 +202,25 @@ def _send_payload(tensors: list[Tensor], dst: int, channel: Channel) -> list[dis
 
 
 class Incoming:
-    """One tuple on its way from global rank ``src``: the header receive is posted at once, and
-    so are the payload receives when ``expected`` says what the payload will be (the specs of
-    the previous message on this link: a payload whose receive is posted only after its
-    header arrived waits milliseconds longer under gloo). Otherwise the payload receives are
-    posted as soon as the header is in (:meth:`advance`) or when needed (:meth:`wait`)."""
+    """One tuple on its way from global rank ``src``, the receive of its first message posted at
+    once. Where ``expected`` says what the tuple will be (the specs of the previous message of
+    its kind on this link), that receive is sized for it: on a channel that packs, one message
+    with header and tensors; on one that does not, the header, with the payload receives
+    posted beside it (a payload whose receive is posted only after its header arrived waits
+    milliseconds longer under gloo). Otherwise, or when the header says the tuple differs, the
+    payload receives are posted as soon as the header is in (:meth:`advance`) or when needed
+    (:meth:`wait`)."""
 
     def __init__(self, src: int, device: torch.device, expected: Optional[Specs] = None, channel: Channel = DIRECT) -> None:
         self.src, self.device, self.expected, self.channel = src, device, expected, channel
-        self.header = torch.empty(HEADER_LEN, dtype=torch.int64, device=channel.header_on(device))
-        self.header_work = dist.irecv(self.header, src, group=channel.headers)
-        self.early = _empty(expected, device) if expected is not None else []
+        packed = channel.packs and expected is not None
+        if packed:
+            self.message = torch.empty(packed_bytes(expected), dtype=torch.uint8, device=device)  # type: ignore[arg-type]
+            self.header = self.message[:HEADER_BYTES].view(torch.int64)
+        else:
+            self.message = self.header = torch.empty(HEADER_LEN, dtype=torch.int64, device=channel.header_on(device))
+        self.header_work = dist.irecv(self.message, src, group=channel.headers)
+        self.early = _empty(expected, device) if expected is not None and not packed else []
         self.early_works = self._receive(self.early)
         self.buffers: Optional[list[Tensor]] = None
         self.works: list[dist.Work] = []
@@ -145,13 +235,17 @@ class Incoming:
 
     def _post_payload(self) -> None:
         header = self.header.cpu()
-        if int(header[0]) == _ABORT:
+        status = int(header[0])
+        if status == _ABORT:
             self.aborted = True
             specs: Specs = [(torch.uint8, (int(header[1]),))]
         else:
             self.ack = int(header[2])
             specs = self.specs = decode_header(header)
-        if self.expected is not None and not self.aborted and specs == self.expected:
+        if status == _PACKED:
+            self.buffers = _unpack(self.message, specs)
+            return
+        if self.early and not self.aborted and specs == self.expected:
             self.buffers, self.works = self.early, self.early_works
             return
         self.buffers = _empty(specs, self.device)
@@ -179,8 +273,11 @@ def send_abort(message: str, dst: int, device: torch.device, posted: Optional[Sp
     """Tell rank ``dst`` that this pipeline failed, in place of the next tensor tuple it awaits
     (``posted``, ``channel``: as for :func:`send_tensors`)."""
     data = torch.tensor(list(message.encode("utf-8")), dtype=torch.uint8, device=device)
-    header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=channel.header_on(device))
-    header[0], header[1] = _ABORT, data.numel()
+    fields = [_ABORT, data.numel()] + [0] * (HEADER_LEN - 2)
+    if channel.packs and posted is not None:
+        notice = _message(fields, packed_bytes(posted), device)
+        return [dist.isend(notice, dst, group=channel.payload), dist.isend(data, dst, group=channel.payload)]
+    header = torch.tensor(fields, dtype=torch.int64, device=channel.header_on(device))
     return [dist.isend(header, dst, group=channel.headers)] + _send_payload(_fillers(posted, None, device) + [data], dst, channel)
 
 
