@@ -25,7 +25,9 @@ if TYPE_CHECKING:
 #: link's shapes are known each is one message, its header (:data:`HEADER_BYTES`) and a copy of
 #: its tensors packed (runtime/p2p.py), kept until acknowledged: the header and an output's
 #: bytes, or the header and an input's. (The stage keeps a sent output itself too, until its
-#: backward, which needs the peer's gradient for it, and that message acknowledges it.)
+#: backward, which needs the peer's gradient for it, and that message acknowledges it.) Where
+#: headers take a CPU side channel (NCCL) nothing is packed: there these terms, the headers kept
+#: with received inputs and gradients, and a forward's packed copy, are an upper bound.
 Sent = tuple[int, int]
 NOTHING_SENT: Sent = (0, 0)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -174,6 +175,41 @@ def test_rank_failing_mid_step_stops_every_rank(width: int, depth: int, virtual:
     # all-reduce; the ring's ends under interleaving) do not wait abort_timeout (10 s) for each other.
     ends = [float(re.search(r"\[failed at ([0-9.]+)\]", msg).group(1)) for _, msg in out]  # type: ignore[union-attr]
     assert max(ends) - min(ends) < 5, ends
+
+
+def _fail_in_a_send(rank: int, world: int) -> None:
+    """Interleaved at d = 2 (activations and gradients on one link both ways): rank 1's third
+    gradient send of step 2 fails before it is posted, with an activation send next in its program."""
+    from lightning_pipe.runtime.executor import Executor
+    from lightning_pipe.schedules.actions import Kind
+
+    groups = PipelineGroups.build(Topology(world, world), rank)
+    model = ToyChain(6)
+    engine = place(model, PipelinePlan(1, 2, 4, "1f1b", partition="uniform", virtual_stages=2), rank, groups=groups)
+    original, calls = Executor._send_grad, [0]
+
+    def failing(self: Any, a: Any, st: Any) -> None:
+        calls[0] += 1
+        later = self._actions[self._at + 1 :]
+        if rank == 1 and calls[0] > 8 and later and next(x for x in later if x.kind in (Kind.SEND_ACT, Kind.SEND_GRAD)).kind is Kind.SEND_ACT:
+            raise RuntimeError("send failed before posting")
+        original(self, a, st)
+
+    Executor._send_grad = failing
+    try:
+        for step in range(2):
+            engine.train_step(make_data(8, seed=step), _frozen(engine))
+    finally:
+        Executor._send_grad = original
+
+
+def test_a_send_that_fails_before_posting_aborts_its_peer_with_a_notice_that_fits() -> None:
+    # The notice takes the place of the failed message: sized for the activations that come
+    # next instead (the old scan began after the failed action), it is larger than the gradient
+    # receive the peer posted, and gloo kills the peer (SIGABRT) instead of raising there.
+    out = run_workers(_fail_in_a_send, 2, timeout=90, pg_timeout=20)
+    assert [status for status, _ in out] == ["error", "error"], out
+    assert all("send failed before posting" in msg for _, msg in out), out
 
 
 def test_trainer_rank_failing_mid_step_exits_all(tmp_path) -> None:

@@ -222,6 +222,7 @@ class Executor:
         self._arrivals: dict[int, list[Action]] = {}  # per source: all of the program's receives, in send order
         self._actions: list[Action] = []  # the program running, and the index of its action now running
         self._at = 0
+        self._posted_at = -1  # the action whose send was posted last (see _next_send_kind)
         self._arrived: dict[Action, Tensors] = {}  # received ahead of the action that reads them
         self._handlers: dict[Kind, Callable[[Action, StepState], Optional[float]]] = {
             Kind.FORWARD: self._forward,
@@ -258,7 +259,7 @@ class Executor:
         """
         split_run = any(a.kind is Kind.INPUT_GRAD for a in actions)
         self._replayed = {s for s, (stage, _) in self._chunks.items() if stage.recompute and split_run}
-        self._actions = actions
+        self._actions, self._at, self._posted_at = actions, 0, -1
         try:
             self._post_receives(actions, arrivals)
             for self._at, action in enumerate(actions):
@@ -381,6 +382,7 @@ class Executor:
         box = st.sent.setdefault(dst, Outbox())
         posted = self.links.sent.get((dst, kind))
         box.post(p2p.send_tensors(tensors, dst, self.device, ack=st.received[dst], posted=posted, channel=self.channel))
+        self._posted_at = self._at
         self.links.sent[dst, kind] = p2p.specs_of(tensors)
 
     def _send_act(self, a: Action, st: StepState) -> None:
@@ -403,7 +405,9 @@ class Executor:
         """Post the first receive from each neighbour the program reads from.
 
         Each receive is posted one ahead (the next from a neighbour as soon as the previous is
-        in), and its payload as soon as its header arrives, so transfers overlap compute rather
+        in), sized for the link's last message of its kind (one message with its header where
+        headers travel with tensors; else its payload beside the header, or as soon as the
+        header arrives when the shapes are new), so transfers overlap compute rather
         than start when the schedule reaches them. Only receives the program will consume are
         posted, so none is left over for the next program. Messages from one neighbour arrive
         in the order it sent them; one that arrives before its action is kept until then.
@@ -420,14 +424,15 @@ class Executor:
         self._incoming = {src: self._incoming_from(src) for src in self._expected}
 
     def _advance_receives(self) -> None:
-        """Post the payload receives of every message whose header is in. (A loop in :meth:`run`
+        """Post the payload receives of every message whose header is in and whose tensors come
+        apart from it (a first message, new shapes, a side channel). (A loop in :meth:`run`
         would keep its variable, and with it a message already read, alive to the program's end.)"""
         for incoming in self._incoming.values():
             incoming.advance()
 
     def _incoming_from(self, src: int) -> p2p.Incoming:
-        """The next message from ``src``, its payload receives posted for the specs its kind
-        (activations or gradients) last had on this link."""
+        """The next message from ``src``, its receive posted for the specs its kind (activations
+        or gradients) last had on this link."""
         return p2p.Incoming(src, self.device, self.links.received.get((src, self._next_kind(src))), self.channel)
 
     def _next_kind(self, src: int) -> Kind:
@@ -495,8 +500,11 @@ class Executor:
 
     def _next_send_kind(self, peer: int) -> Kind:
         """What ``peer`` reads our next message as (so an abort notice fills the receives it
-        posted for it): our next send to it, or our program's first (the next program's)."""
-        for a in self._actions[self._at + 1 :] + self._actions:
+        posted for it): our next send to it (the running action, if a send that failed before
+        posting: a notice larger than the receive posted for it kills the peer under gloo), or
+        our program's first (the next program's)."""
+        start = self._at + 1 if self._posted_at == self._at else self._at
+        for a in self._actions[start:] + self._actions:
             if a.kind in DELIVERS and self._destination(a) == peer:
                 return DELIVERS[a.kind][0]
         return Kind.RECV_ACT

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -78,9 +77,9 @@ def header_fields(tensors: Sequence[Tensor], ack: int = 0, status: int = _OK) ->
     return fields + [0] * (HEADER_LEN - len(fields))
 
 
-def encode_header(tensors: Sequence[Tensor], ack: int = 0, status: int = _OK) -> Tensor:
-    """Fixed-size int64 header of :func:`header_fields`."""
-    return torch.tensor(header_fields(tensors, ack, status), dtype=torch.int64)
+def encode_header(tensors: Sequence[Tensor], ack: int = 0) -> Tensor:
+    """Fixed-size int64 header of :func:`header_fields` (tensors sent after it, each its own message)."""
+    return torch.tensor(header_fields(tensors, ack), dtype=torch.int64)
 
 
 Specs = list[tuple[torch.dtype, tuple[int, ...]]]
@@ -181,16 +180,18 @@ def send_tensors(tensors: Sequence[Tensor], dst: int, device: torch.device, ack:
     not, placeholders of the posted specs go first when the tensors differ, and the receiver
     posts new receives.
     """
-    tensors = [t.detach().contiguous() for t in tensors]
+    tensors = [t.detach() for t in tensors]
     specs = specs_of(tensors)
     if channel.packs and posted is not None:
-        if not _unexpected(posted, specs):
+        if not _unexpected(posted, specs):  # copied strided as they are: no contiguous copy first
             message = _message(header_fields(tensors, ack, _PACKED), packed_bytes(specs), device)
             for view, t in zip(_unpack(message, specs), tensors):
                 view.copy_(t)
             return Transfer([dist.isend(message, dst, group=channel.payload)], [message])
         notice = _message(header_fields(tensors, ack), packed_bytes(posted), device)
+        tensors = [t.contiguous() for t in tensors]
         return Transfer([dist.isend(notice, dst, group=channel.payload)] + _send_payload(tensors, dst, channel), [notice, *tensors])
+    tensors = [t.contiguous() for t in tensors]
     header = encode_header(tensors, ack).to(channel.header_on(device))
     fillers = _fillers(posted, specs, device)
     works = [dist.isend(header, dst, group=channel.headers)] + _send_payload(fillers + tensors, dst, channel)
@@ -243,6 +244,8 @@ class Incoming:
             self.ack = int(header[2])
             specs = self.specs = decode_header(header)
         if status == _PACKED:
+            if specs != self.expected:  # the sender packs only what this receive was posted for
+                raise RuntimeError(f"rank {self.src} packed {specs} into a message posted for {self.expected}: the links disagree")
             self.buffers = _unpack(self.message, specs)
             return
         if self.early and not self.aborted and specs == self.expected:
@@ -283,8 +286,9 @@ def send_abort(message: str, dst: int, device: torch.device, posted: Optional[Sp
 
 @dataclass
 class Links:
-    """What each link of a rank last carried, so that payload receives can be posted before their
-    header arrives: the receiver expects the specs it last received from a peer for the kind
+    """What each link of a rank last carried, so that a receive can be posted for the whole tuple
+    before its header arrives (one packed message, or the header and payload receives beside
+    it where headers take a side channel): the receiver expects the specs it last received from a peer for the kind
     of message (activations or gradients: two ranks may exchange both, interleaved 1F1B at
     d = 2) it reads next, and the sender knows them as the specs it last sent of that kind.
     Keyed by (peer, the receiving action's kind). Both ends must keep (or reset) theirs
