@@ -749,8 +749,13 @@ def test_loaded_link_measurement_relays_compute_and_leaves_the_link_clean(launch
     # Each of 3 round trips (and the untimed first) runs 20 ms of compute on each of ranks 0 and 1
     # in turn, at least 160 ms, the other ranks computing alongside (20 ms a round trip). The
     # measurement is rank 0's (the job plans on it).
+    # A transfer's cost is split between the sender's posting and the hop after it. A posting
+    # that stalls (about 8 ms, two scheduler ticks of this host) while the message moves takes
+    # the whole hop, and the hop is measured 0: so both parts are not each required above 0.
+    # Measured 2026-11-25 with 2 and 4 processes: the hop came out 0 (posting 5-10 ms) in 3 of
+    # 17 runs of the code before one message per transfer (b7405e8), and in 4 of 18 after it.
     ranks = launched(world).ok("profiler_loaded_links" + ("_four" if world == 4 else ""))
-    assert ranks[0][0]["link_latency"] > 0 and ranks[0][0]["send_overhead"] > 0, ranks[0][0]
+    assert ranks[0][0]["send_overhead"] > 0 and ranks[0][0]["link_latency"] + ranks[0][0]["send_overhead"] > 0.0001, ranks[0][0]
     assert ranks[0][0]["exchange_latency"] >= ranks[0][0]["link_latency"], ranks[0][0]
     for rank, (links, relay, got) in enumerate(ranks):
         assert relay >= 4 * 0.02 * (2 if rank < 2 else 1), (rank, relay)
