@@ -79,7 +79,7 @@ class Outbox:
         for index, transfer in self.messages:
             if index < delivered:
                 transfer.wait()
-            elif not all(w.is_completed() for w in transfer.works):
+            elif not transfer.is_completed():
                 kept.append((index, transfer))
         self.messages = kept
 

@@ -77,16 +77,11 @@ def header_fields(tensors: Sequence[Tensor], ack: int = 0, status: int = _OK) ->
     return fields + [0] * (HEADER_LEN - len(fields))
 
 
-def encode_header(tensors: Sequence[Tensor], ack: int = 0) -> Tensor:
-    """Fixed-size int64 header of :func:`header_fields` (tensors sent after it, each its own message)."""
-    return torch.tensor(header_fields(tensors, ack), dtype=torch.int64)
-
-
 Specs = list[tuple[torch.dtype, tuple[int, ...]]]
 
 
 def decode_header(header: Tensor) -> Specs:
-    """Inverse of :func:`encode_header` for a header that is not an abort notice: (dtype, shape) of each tensor."""
+    """Inverse of :func:`header_fields` for a header that is not an abort notice: (dtype, shape) of each tensor."""
     fields = header.tolist()
     specs, pos = [], 3
     for _ in range(fields[1]):
@@ -168,6 +163,10 @@ class Transfer:
         for work in self.works:
             work.wait()
 
+    def is_completed(self) -> bool:
+        """Whether every send reports completion (gloo's only once waited on)."""
+        return all(work.is_completed() for work in self.works)
+
 
 def send_tensors(tensors: Sequence[Tensor], dst: int, device: torch.device, ack: int = 0,
                  posted: Optional[Specs] = None, channel: Channel = DIRECT) -> Transfer:  # fmt: skip
@@ -182,20 +181,26 @@ def send_tensors(tensors: Sequence[Tensor], dst: int, device: torch.device, ack:
     """
     tensors = [t.detach() for t in tensors]
     specs = specs_of(tensors)
-    if channel.packs and posted is not None:
-        if not _unexpected(posted, specs):  # copied strided as they are: no contiguous copy first
-            message = _message(header_fields(tensors, ack, _PACKED), packed_bytes(specs), device)
-            for view, t in zip(_unpack(message, specs), tensors):
-                view.copy_(t)
-            return Transfer([dist.isend(message, dst, group=channel.payload)], [message])
-        notice = _message(header_fields(tensors, ack), packed_bytes(posted), device)
-        tensors = [t.contiguous() for t in tensors]
-        return Transfer([dist.isend(notice, dst, group=channel.payload)] + _send_payload(tensors, dst, channel), [notice, *tensors])
+    if channel.packs and posted is not None and not _unexpected(posted, specs):
+        message = _message(header_fields(tensors, ack, _PACKED), packed_bytes(specs), device)
+        for view, t in zip(_unpack(message, specs), tensors):
+            view.copy_(t)  # strided as they are: no contiguous copy first
+        return Transfer([dist.isend(message, dst, group=channel.payload)], [message])
     tensors = [t.contiguous() for t in tensors]
-    header = encode_header(tensors, ack).to(channel.header_on(device))
-    fillers = _fillers(posted, specs, device)
-    works = [dist.isend(header, dst, group=channel.headers)] + _send_payload(fillers + tensors, dst, channel)
-    return Transfer(works, [header, *fillers, *tensors])
+    first = _header_first(header_fields(tensors, ack), specs, posted, device, channel)
+    works = [dist.isend(first[0], dst, group=channel.headers)] + _send_payload(first[1:] + tensors, dst, channel)
+    return Transfer(works, first + tensors)
+
+
+def _header_first(fields: list[int], specs: Optional[Specs], posted: Optional[Specs], device: torch.device,
+                  channel: Channel) -> list[Tensor]:  # fmt: skip
+    """What goes before a message's tensors (``specs``; ``None``: an abort notice's text) when
+    they go one message each: where the receiver posted for a packed message, the header padded
+    to that message's size; else the header, then placeholders for payload receives posted for
+    other specs (:func:`_fillers`)."""
+    if channel.packs and posted is not None:
+        return [_message(fields, packed_bytes(posted), device)]
+    return [torch.tensor(fields, dtype=torch.int64, device=channel.header_on(device))] + _fillers(posted, specs, device)
 
 
 def _send_payload(tensors: list[Tensor], dst: int, channel: Channel) -> list[dist.Work]:
@@ -276,12 +281,8 @@ def send_abort(message: str, dst: int, device: torch.device, posted: Optional[Sp
     """Tell rank ``dst`` that this pipeline failed, in place of the next tensor tuple it awaits
     (``posted``, ``channel``: as for :func:`send_tensors`)."""
     data = torch.tensor(list(message.encode("utf-8")), dtype=torch.uint8, device=device)
-    fields = [_ABORT, data.numel()] + [0] * (HEADER_LEN - 2)
-    if channel.packs and posted is not None:
-        notice = _message(fields, packed_bytes(posted), device)
-        return [dist.isend(notice, dst, group=channel.payload), dist.isend(data, dst, group=channel.payload)]
-    header = torch.tensor(fields, dtype=torch.int64, device=channel.header_on(device))
-    return [dist.isend(header, dst, group=channel.headers)] + _send_payload(_fillers(posted, None, device) + [data], dst, channel)
+    first = _header_first([_ABORT, data.numel()] + [0] * (HEADER_LEN - 2), None, posted, device, channel)
+    return [dist.isend(first[0], dst, group=channel.headers)] + _send_payload(first[1:] + [data], dst, channel)
 
 
 @dataclass
