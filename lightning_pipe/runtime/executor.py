@@ -224,6 +224,7 @@ class Executor:
         self._at = 0
         self._posted_at = -1  # the action whose send was posted last (see _next_send_kind)
         self._arrived: dict[Action, Tensors] = {}  # received ahead of the action that reads them
+        self._polls = False  # whether a posted header receive can report its arrival unwaited
         self._handlers: dict[Kind, Callable[[Action, StepState], Optional[float]]] = {
             Kind.FORWARD: self._forward,
             Kind.BACKWARD: self._backward,
@@ -422,11 +423,17 @@ class Executor:
         self._expected = {src: deque(keys) for src, keys in self._arrivals.items()}
         self._arrived = {}
         self._incoming = {src: self._incoming_from(src) for src in self._expected}
+        self._polls = bool(self._incoming) and self.channel.polls()
 
     def _advance_receives(self) -> None:
         """Post the payload receives of every message whose header is in and whose tensors come
-        apart from it (a first message, new shapes, a side channel). (A loop in :meth:`run`
-        would keep its variable, and with it a message already read, alive to the program's end.)"""
+        apart from it (a first message, new shapes, a side channel). Not where headers go over
+        gloo, whose receives report completion only once waited on: there a check after every
+        action found nothing and cost about 0.3 ms a step (measured, small GPT stage). (A loop in
+        :meth:`run` would keep its variable, and with it a message already read, alive to the
+        program's end.)"""
+        if not self._polls:
+            return
         for incoming in self._incoming.values():
             incoming.advance()
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from functools import lru_cache
+from typing import Any, Optional, Sequence, Union
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -60,6 +62,11 @@ class Channel:
         message (its header, then its tensors, in one buffer: :func:`packed_bytes`)."""
         return self.headers is self.payload and self.header_device is None
 
+    def polls(self) -> bool:
+        """Whether a posted header receive reports completion before it is waited on. Gloo's
+        do not (``is_completed`` stays false until ``wait``), so polling them is wasted work."""
+        return dist.get_backend(self.headers) != "gloo"
+
 
 DIRECT = Channel()  # headers and tensors together, over the default group
 
@@ -67,33 +74,36 @@ DIRECT = Channel()  # headers and tensors together, over the default group
 def header_fields(tensors: Sequence[Tensor], ack: int = 0, status: int = _OK) -> list[int]:
     """The :data:`HEADER_LEN` fields of a header: status, count, ``ack`` (how many messages the
     sender has received from the destination so far), then (dtype, ndim, *shape) per tensor."""
-    fields = [status, len(tensors), ack]
     for t in tensors:
         if t.dtype not in _DTYPE_INDEX:
             raise TypeError(f"cannot send a tensor of dtype {t.dtype} between pipeline stages")
-        fields += [_DTYPE_INDEX[t.dtype], t.dim(), *t.shape]
+    fields = [status, len(tensors), ack, *_spec_fields(specs_of(tensors))]
     if len(fields) > HEADER_LEN:
         raise ValueError(f"a stage output with {len(tensors)} tensors and these shapes does not fit the {HEADER_LEN}-field header")
     return fields + [0] * (HEADER_LEN - len(fields))
 
 
-Specs = list[tuple[torch.dtype, tuple[int, ...]]]
+Specs = tuple[tuple[torch.dtype, tuple[int, ...]], ...]
 
 
-def decode_header(header: Tensor) -> Specs:
-    """Inverse of :func:`header_fields` for a header that is not an abort notice: (dtype, shape) of each tensor."""
-    fields = header.tolist()
+def _spec_fields(specs: Specs) -> list[int]:
+    """The header fields that describe ``specs``: (dtype, ndim, *shape) per tensor."""
+    return [field for dtype, shape in specs for field in (_DTYPE_INDEX[dtype], len(shape), *shape)]
+
+
+def decode_header(fields: list[int]) -> Specs:
+    """Inverse of :func:`header_fields` for a header (its fields) that is not an abort notice: (dtype, shape) of each tensor."""
     specs, pos = [], 3
     for _ in range(fields[1]):
         dtype, ndim = _DTYPES[fields[pos]], fields[pos + 1]
         specs.append((dtype, tuple(fields[pos + 2 : pos + 2 + ndim])))
         pos += 2 + ndim
-    return specs
+    return tuple(specs)
 
 
 def specs_of(tensors: Sequence[Tensor]) -> Specs:
     """(dtype, shape) of each tensor, as a header describes them."""
-    return [(t.dtype, tuple(t.shape)) for t in tensors]
+    return tuple((t.dtype, tuple(t.shape)) for t in tensors)
 
 
 def _wire(t: Tensor) -> Tensor:
@@ -116,28 +126,61 @@ def _unexpected(posted: Optional[Specs], specs: Optional[Specs]) -> bool:
     return posted is not None and posted != specs
 
 
-def _spans(specs: Specs) -> list[tuple[int, int]]:
-    """Where each tensor of a packed message starts and ends: after the header, each at the next multiple of 8 bytes."""
+@dataclass(frozen=True)
+class Packing:
+    """The layout of a packed message for tensors of ``specs``, worked out once per specs
+    (:func:`packing`): a transfer on a link of known shapes allocates the message, copies or
+    reads its header and takes views, rather than building and decoding the header's fields.
+
+    Attributes:
+        specs: (dtype, shape) of each tensor.
+        spans: where each tensor starts and ends: after the header, each at the next multiple of 8 bytes.
+        nbytes: the message's size.
+        fields: its header's fields (status packed, ack 0).
+    """
+
+    specs: Specs
+    spans: tuple[tuple[int, int], ...]
+    nbytes: int
+    fields: tuple[int, ...]
+    _header: np.ndarray = field(compare=False, repr=False)  # the fields, to copy into a message
+    _described: list[int] = field(compare=False, repr=False)  # the fields after the ack that describe the specs
+
+    def message(self, ack: int, device: torch.device) -> Tensor:
+        """A new message on ``device`` with its header written (carrying ``ack``), the tensors' bytes left to the caller."""
+        fields = self._header.copy()
+        fields[2] = ack
+        return _message(fields, self.nbytes, device)
+
+    def views(self, message: Tensor) -> list[Tensor]:
+        """Views of a packed message's tensors (they share its storage, header included)."""
+        return [message[start:end].view(dtype).view(shape) for (dtype, shape), (start, end) in zip(self.specs, self.spans)]
+
+    def describes(self, header: list[int]) -> bool:
+        """Whether ``header`` (its fields) describes this packing's tensors, whatever its status and ack."""
+        return header[1] == len(self.specs) and header[3 : 3 + len(self._described)] == self._described
+
+
+@lru_cache(maxsize=256)
+def packing(specs: Specs) -> Packing:
+    """The :class:`Packing` of tensors of ``specs`` (cached)."""
     spans, end = [], HEADER_BYTES
     for dtype, shape in specs:
         start = -(-end // _ALIGN) * _ALIGN
         end = start + math.prod(shape) * dtype.itemsize
         spans.append((start, end))
-    return spans
+    described = _spec_fields(specs)
+    fields = [_PACKED, len(specs), 0, *described]
+    fields += [0] * (HEADER_LEN - len(fields))
+    return Packing(specs, tuple(spans), end, tuple(fields), np.array(fields, dtype=np.int64), described)
 
 
 def packed_bytes(specs: Specs) -> int:
-    """Bytes of one message that carries a header and tensors of ``specs`` (:func:`_spans`)."""
-    spans = _spans(specs)
-    return spans[-1][1] if spans else HEADER_BYTES
+    """Bytes of one message that carries a header and tensors of ``specs`` (:class:`Packing`)."""
+    return packing(specs).nbytes
 
 
-def _unpack(message: Tensor, specs: Specs) -> list[Tensor]:
-    """Views of a packed message's tensors (they share its storage, header included)."""
-    return [message[start:end].view(dtype).view(shape) for (dtype, shape), (start, end) in zip(specs, _spans(specs))]
-
-
-def _message(fields: list[int], nbytes: int, device: torch.device) -> Tensor:
+def _message(fields: Union[list[int], np.ndarray], nbytes: int, device: torch.device) -> Tensor:
     """A message of ``nbytes`` that begins with a header of ``fields`` (the rest is filled by the
     caller, or not read). The fields are written in place, so that the message is the only
     tensor a send allocates on its device (the memory model counts it alone)."""
@@ -146,7 +189,7 @@ def _message(fields: list[int], nbytes: int, device: torch.device) -> Tensor:
     if message.device.type == "cpu":
         header.numpy()[:] = fields
     else:  # from a host tensor: no device memory beyond the message
-        header.copy_(torch.tensor(fields, dtype=torch.int64))
+        header.copy_(torch.as_tensor(fields, dtype=torch.int64))
     return message
 
 
@@ -182,8 +225,9 @@ def send_tensors(tensors: Sequence[Tensor], dst: int, device: torch.device, ack:
     tensors = [t.detach() for t in tensors]
     specs = specs_of(tensors)
     if channel.packs and posted is not None and not _unexpected(posted, specs):
-        message = _message(header_fields(tensors, ack, _PACKED), packed_bytes(specs), device)
-        for view, t in zip(_unpack(message, specs), tensors):
+        layout = packing(specs)
+        message = layout.message(ack, device)
+        for view, t in zip(layout.views(message), tensors):
             view.copy_(t)  # strided as they are: no contiguous copy first
         return Transfer([dist.isend(message, dst, group=channel.payload)], [message])
     tensors = [t.contiguous() for t in tensors]
@@ -219,14 +263,13 @@ class Incoming:
 
     def __init__(self, src: int, device: torch.device, expected: Optional[Specs] = None, channel: Channel = DIRECT) -> None:
         self.src, self.device, self.expected, self.channel = src, device, expected, channel
-        packed = channel.packs and expected is not None
-        if packed:
-            self.message = torch.empty(packed_bytes(expected), dtype=torch.uint8, device=device)  # type: ignore[arg-type]
-            self.header = self.message[:HEADER_BYTES].view(torch.int64)
+        self.packing = packing(expected) if channel.packs and expected is not None else None
+        if self.packing is not None:
+            self.message = torch.empty(self.packing.nbytes, dtype=torch.uint8, device=device)
         else:
-            self.message = self.header = torch.empty(HEADER_LEN, dtype=torch.int64, device=channel.header_on(device))
+            self.message = torch.empty(HEADER_LEN, dtype=torch.int64, device=channel.header_on(device))
         self.header_work = dist.irecv(self.message, src, group=channel.headers)
-        self.early = _empty(expected, device) if expected is not None and not packed else []
+        self.early = _empty(expected, device) if expected is not None and self.packing is None else []
         self.early_works = self._receive(self.early)
         self.buffers: Optional[list[Tensor]] = None
         self.works: list[dist.Work] = []
@@ -240,19 +283,22 @@ class Incoming:
             self._post_payload()
 
     def _post_payload(self) -> None:
-        header = self.header.cpu()
-        status = int(header[0])
+        header = (self.message[:HEADER_BYTES].view(torch.int64) if self.packing is not None else self.message).tolist()
+        status = header[0]
+        if status == _PACKED:
+            assert self.packing is not None  # a header alone is never packed
+            if not self.packing.describes(header):  # the sender packs only what this receive was posted for
+                raise RuntimeError(f"rank {self.src} packed {decode_header(header)} into a message posted for "
+                                   f"{self.expected}: the links disagree")  # fmt: skip
+            self.ack, self.specs = header[2], self.packing.specs
+            self.buffers = self.packing.views(self.message)
+            return
         if status == _ABORT:
             self.aborted = True
-            specs: Specs = [(torch.uint8, (int(header[1]),))]
+            specs: Specs = ((torch.uint8, (header[1],)),)
         else:
-            self.ack = int(header[2])
+            self.ack = header[2]
             specs = self.specs = decode_header(header)
-        if status == _PACKED:
-            if specs != self.expected:  # the sender packs only what this receive was posted for
-                raise RuntimeError(f"rank {self.src} packed {specs} into a message posted for {self.expected}: the links disagree")
-            self.buffers = _unpack(self.message, specs)
-            return
         if self.early and not self.aborted and specs == self.expected:
             self.buffers, self.works = self.early, self.early_works
             return

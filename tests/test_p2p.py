@@ -1,0 +1,41 @@
+"""Packed messages in one process: the cached layout agrees with the header built from the tensors themselves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_pipe.runtime import p2p
+
+TUPLES = [
+    [torch.randn(3, 4)],
+    [torch.randn(2, 3, 5).half(), torch.ones(7, dtype=torch.bool), torch.arange(3)],  # odd sizes: padding before int64
+    [torch.tensor(2.5), torch.zeros(0, 4)],  # a 0-dim and an empty tensor
+]
+
+
+@pytest.mark.parametrize("tensors", TUPLES)
+def test_a_packed_message_carries_the_header_of_its_tensors_and_their_values(tensors: list[torch.Tensor]) -> None:
+    layout = p2p.packing(p2p.specs_of(tensors))
+    message = layout.message(11, torch.device("cpu"))
+    for view, t in zip(layout.views(message), tensors):
+        view.copy_(t)
+    header = message[: p2p.HEADER_BYTES].view(torch.int64).tolist()
+    assert header == p2p.header_fields(tensors, 11, p2p._PACKED)  # built from the tensors, not the cache
+    assert layout.describes(header) and p2p.decode_header(header) == p2p.specs_of(tensors)
+    # Each tensor at the next multiple of 8 bytes after the previous one, written out.
+    end = p2p.HEADER_BYTES
+    for t, view in zip(tensors, layout.views(message)):
+        start = (end + 7) // 8 * 8
+        assert view.untyped_storage().data_ptr() + view.storage_offset() * t.element_size() == message.data_ptr() + start
+        assert view.dtype == t.dtype and view.shape == t.shape and torch.equal(view, t)
+        end = start + t.numel() * t.element_size()
+    assert message.numel() == layout.nbytes == end
+
+
+def test_a_header_for_other_shapes_is_not_described_by_the_packing() -> None:
+    layout = p2p.packing(p2p.specs_of([torch.randn(3, 4)]))
+    assert not layout.describes(p2p.header_fields([torch.randn(4, 3)]))
+    assert not layout.describes(p2p.header_fields([torch.randn(3, 4).double()]))
+    assert not layout.describes(p2p.header_fields([torch.randn(3, 4), torch.randn(1)]))
+    assert layout.describes(p2p.header_fields([torch.randn(3, 4)], ack=5))
