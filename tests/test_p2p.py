@@ -11,15 +11,14 @@ TUPLES = [
     [torch.randn(3, 4)],
     [torch.randn(2, 3, 5).half(), torch.ones(7, dtype=torch.bool), torch.arange(3)],  # odd sizes: padding before int64
     [torch.tensor(2.5), torch.zeros(0, 4)],  # a 0-dim and an empty tensor
+    [torch.randn(4, 3).t(), torch.ones(5, dtype=torch.bool)],  # strided: copied into views, not concatenated
 ]
 
 
 @pytest.mark.parametrize("tensors", TUPLES)
 def test_a_packed_message_carries_the_header_of_its_tensors_and_their_values(tensors: list[torch.Tensor]) -> None:
     layout = p2p.packing(p2p.specs_of(tensors))
-    message = layout.message(11, torch.device("cpu"))
-    for view, t in zip(layout.views(message), tensors):
-        view.copy_(t)
+    message = layout.pack(tensors, 11, torch.device("cpu"))
     header = message[: p2p.HEADER_BYTES].view(torch.int64).tolist()
     assert header == p2p.header_fields(tensors, 11, p2p._PACKED)  # built from the tensors, not the cache
     assert layout.describes(header) and p2p.decode_header(header) == p2p.specs_of(tensors)
@@ -31,6 +30,9 @@ def test_a_packed_message_carries_the_header_of_its_tensors_and_their_values(ten
         assert view.dtype == t.dtype and view.shape == t.shape and torch.equal(view, t)
         end = start + t.numel() * t.element_size()
     assert message.numel() == layout.nbytes == end
+    layout.pack(tensors, 12, torch.device("cpu"))  # another message: the first and the cached header keep theirs
+    assert message[: p2p.HEADER_BYTES].view(torch.int64).tolist() == header and layout.fields[2] == 0
+    assert layout.pack(tensors, 0, torch.device("cpu"))[: p2p.HEADER_BYTES].view(torch.int64).tolist()[:3] == [p2p._PACKED, len(tensors), 0]
 
 
 def test_a_header_for_other_shapes_is_not_described_by_the_packing() -> None:

@@ -380,11 +380,12 @@ class Executor:
     def _send(self, tensors: Tensors, dst: Optional[int], st: StepState, kind: Kind) -> None:
         """Post ``tensors`` to ``dst``, where a ``kind`` (RECV_ACT or RECV_GRAD) action reads them."""
         assert dst is not None
-        box = st.sent.setdefault(dst, Outbox())
-        posted = self.links.sent.get((dst, kind))
-        box.post(p2p.send_tensors(tensors, dst, self.device, ack=st.received[dst], posted=posted, channel=self.channel))
+        box = st.sent.get(dst) or st.sent.setdefault(dst, Outbox())
+        transfer = p2p.send_tensors(tensors, dst, self.device, ack=st.received[dst], posted=self.links.sent.get((dst, kind)),
+                                    channel=self.channel)  # fmt: skip
+        box.post(transfer)
         self._posted_at = self._at
-        self.links.sent[dst, kind] = p2p.specs_of(tensors)
+        self.links.sent[dst, kind] = transfer.specs
 
     def _send_act(self, a: Action, st: StepState) -> None:
         key = (a.stage, a.microbatch)
@@ -466,7 +467,7 @@ class Executor:
             self.links.received.pop((src, kind), None)
             raise
         self._expected[src].popleft()
-        self.links.received[src, kind] = p2p.specs_of(received)
+        self.links.received[src, kind] = incoming.specs  # type: ignore[assignment] - set once a tuple is in
         st.received[src] += 1
         if src in st.sent:
             st.sent[src].release(incoming.ack)

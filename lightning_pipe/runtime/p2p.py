@@ -14,6 +14,7 @@ from torch import Tensor
 
 HEADER_LEN = 64
 HEADER_BYTES = HEADER_LEN * 8
+_ACK = 2  # the header field that carries the ack
 _OK, _ABORT, _PACKED = 1, 2, 3  # _OK: the tensors follow, each its own message; _PACKED: they follow the header in its message
 _ALIGN = 8  # packed tensors start at multiples of the largest element size
 _DTYPES = [
@@ -145,12 +146,30 @@ class Packing:
     fields: tuple[int, ...]
     _header: np.ndarray = field(compare=False, repr=False)  # the fields, to copy into a message
     _described: list[int] = field(compare=False, repr=False)  # the fields after the ack that describe the specs
+    _pads: tuple[Tensor, ...] = field(compare=False, repr=False)  # zero bytes before each tensor, to its span
+    _header_bytes: Tensor = field(compare=False, repr=False)  # the fields' bytes (never written)
 
-    def message(self, ack: int, device: torch.device) -> Tensor:
-        """A new message on ``device`` with its header written (carrying ``ack``), the tensors' bytes left to the caller."""
-        fields = self._header.copy()
-        fields[2] = ack
-        return _message(fields, self.nbytes, device)
+    def pack(self, tensors: Sequence[Tensor], ack: int, device: torch.device) -> Tensor:
+        """A new message on ``device``: the header (carrying ``ack``), then the tensors' bytes.
+
+        On the CPU, from contiguous tensors, it is one ``torch.cat`` of the header and the
+        tensors' bytes: each torch call costs tens of microseconds in a step's cold caches
+        (measured: an empty allocation 0.04 ms, a slice and view 0.06 ms), and this path makes
+        about five where allocating, writing the header and copying into views made twelve.
+        """
+        if device.type != "cpu" or not all(t.is_contiguous() for t in tensors):
+            fields = self._header.copy()
+            fields[_ACK] = ack
+            message = _message(fields, self.nbytes, device)
+            for view, t in zip(self.views(message), tensors):
+                view.copy_(t)  # strided as they are: no contiguous copy first
+            return message
+        pieces = [self._header_bytes]  # no header tensor per send: the message stays the only allocation
+        for pad, t in zip(self._pads, tensors):
+            pieces += [pad, t.reshape(-1).view(torch.uint8)] if pad.numel() else [t.reshape(-1).view(torch.uint8)]
+        message = torch.cat(pieces)
+        message.numpy()[8 * _ACK : 8 * _ACK + 8].view(np.int64)[0] = ack
+        return message
 
     def views(self, message: Tensor) -> list[Tensor]:
         """Views of a packed message's tensors (they share its storage, header included)."""
@@ -164,15 +183,17 @@ class Packing:
 @lru_cache(maxsize=256)
 def packing(specs: Specs) -> Packing:
     """The :class:`Packing` of tensors of ``specs`` (cached)."""
-    spans, end = [], HEADER_BYTES
+    spans, pads, end = [], [], HEADER_BYTES
     for dtype, shape in specs:
         start = -(-end // _ALIGN) * _ALIGN
+        pads.append(torch.zeros(start - end, dtype=torch.uint8))
         end = start + math.prod(shape) * dtype.itemsize
         spans.append((start, end))
     described = _spec_fields(specs)
     fields = [_PACKED, len(specs), 0, *described]
     fields += [0] * (HEADER_LEN - len(fields))
-    return Packing(specs, tuple(spans), end, tuple(fields), np.array(fields, dtype=np.int64), described)
+    header = np.array(fields, dtype=np.int64)
+    return Packing(specs, tuple(spans), end, tuple(fields), header, described, tuple(pads), torch.from_numpy(header).view(torch.uint8))
 
 
 def packed_bytes(specs: Specs) -> int:
@@ -196,10 +217,11 @@ def _message(fields: Union[list[int], np.ndarray], nbytes: int, device: torch.de
 @dataclass
 class Transfer:
     """Sends posted for one message: their handles and the tensors they read, kept alive until
-    the message is known delivered."""
+    the message is known delivered, and the (dtype, shape) of the tensors it carries."""
 
     works: list[dist.Work]
     kept: list[Tensor]
+    specs: Specs = ()
 
     def wait(self) -> None:
         """Wait for every send."""
@@ -225,15 +247,12 @@ def send_tensors(tensors: Sequence[Tensor], dst: int, device: torch.device, ack:
     tensors = [t.detach() for t in tensors]
     specs = specs_of(tensors)
     if channel.packs and posted is not None and not _unexpected(posted, specs):
-        layout = packing(specs)
-        message = layout.message(ack, device)
-        for view, t in zip(layout.views(message), tensors):
-            view.copy_(t)  # strided as they are: no contiguous copy first
-        return Transfer([dist.isend(message, dst, group=channel.payload)], [message])
+        message = packing(specs).pack(tensors, ack, device)
+        return Transfer([dist.isend(message, dst, group=channel.payload)], [message], specs)
     tensors = [t.contiguous() for t in tensors]
     first = _header_first(header_fields(tensors, ack), specs, posted, device, channel)
     works = [dist.isend(first[0], dst, group=channel.headers)] + _send_payload(first[1:] + tensors, dst, channel)
-    return Transfer(works, first + tensors)
+    return Transfer(works, first + tensors, specs)
 
 
 def _header_first(fields: list[int], specs: Optional[Specs], posted: Optional[Specs], device: torch.device,
