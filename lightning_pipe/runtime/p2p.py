@@ -130,24 +130,27 @@ def _unexpected(posted: Optional[Specs], specs: Optional[Specs]) -> bool:
 @dataclass(frozen=True)
 class Packing:
     """The layout of a packed message for tensors of ``specs``, worked out once per specs
-    (:func:`packing`): a transfer on a link of known shapes allocates the message, copies or
-    reads its header and takes views, rather than building and decoding the header's fields.
+    (:func:`packing`): a transfer on a link of known shapes copies a ready header and reads one
+    back with a comparison, rather than building and decoding the header's fields.
 
     Attributes:
         specs: (dtype, shape) of each tensor.
         spans: where each tensor starts and ends: after the header, each at the next multiple of 8 bytes.
         nbytes: the message's size.
-        fields: its header's fields (status packed, ack 0).
     """
 
     specs: Specs
     spans: tuple[tuple[int, int], ...]
     nbytes: int
-    fields: tuple[int, ...]
-    _header: np.ndarray = field(compare=False, repr=False)  # the fields, to copy into a message
+    _header: np.ndarray = field(compare=False, repr=False)  # its header's fields (status packed, ack 0); never written
     _described: list[int] = field(compare=False, repr=False)  # the fields after the ack that describe the specs
     _pads: tuple[Tensor, ...] = field(compare=False, repr=False)  # zero bytes before each tensor, to its span
-    _header_bytes: Tensor = field(compare=False, repr=False)  # the fields' bytes (never written)
+    _header_bytes: Tensor = field(compare=False, repr=False)  # the header's bytes, sharing _header's memory
+
+    @property
+    def fields(self) -> tuple[int, ...]:
+        """Its header's fields (status packed, ack 0)."""
+        return tuple(self._header.tolist())
 
     def pack(self, tensors: Sequence[Tensor], ack: int, device: torch.device) -> Tensor:
         """A new message on ``device``: the header (carrying ``ack``), then the tensors' bytes.
@@ -166,7 +169,7 @@ class Packing:
             return message
         pieces = [self._header_bytes]  # no header tensor per send: the message stays the only allocation
         for pad, t in zip(self._pads, tensors):
-            pieces += [pad, t.reshape(-1).view(torch.uint8)] if pad.numel() else [t.reshape(-1).view(torch.uint8)]
+            pieces += [pad, t.reshape(-1).view(torch.uint8)]
         message = torch.cat(pieces)
         message.numpy()[8 * _ACK : 8 * _ACK + 8].view(np.int64)[0] = ack
         return message
@@ -193,7 +196,7 @@ def packing(specs: Specs) -> Packing:
     fields = [_PACKED, len(specs), 0, *described]
     fields += [0] * (HEADER_LEN - len(fields))
     header = np.array(fields, dtype=np.int64)
-    return Packing(specs, tuple(spans), end, tuple(fields), header, described, tuple(pads), torch.from_numpy(header).view(torch.uint8))
+    return Packing(specs, tuple(spans), end, header, described, tuple(pads), torch.from_numpy(header).view(torch.uint8))
 
 
 def packed_bytes(specs: Specs) -> int:
