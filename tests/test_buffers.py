@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from typing import Iterator
 
 import pytest
 import torch
@@ -38,9 +40,28 @@ class NormChain(ToyChain):
         self.blocks = nn.ModuleList(Normed() for _ in range(4))
 
 
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Compute as the launched workers do, on one intra-op thread (torchrun sets OMP_NUM_THREADS=1).
+    Two threads split a kernel's sums differently, and BatchNorm amplifies that: on an AVX-512
+    host the parameters drifted 4e-6 from a one-thread run in 3 steps (2026-11-25), against the
+    pipeline's bit-exact match of the one-thread reference."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _reference(model: NormChain, batches: list[tuple[Tensor, Tensor]], delay: int) -> NormChain:
     """One process, the batch's microbatches one after the other (gradient accumulation), SGD.
     ``delay=1``: 2BW's 1-stale rule (seed 000, 3.1), each batch's forward on W(t-1)."""
+    with _one_thread():
+        return _accumulated(model, batches, delay)
+
+
+def _accumulated(model: NormChain, batches: list[tuple[Tensor, Tensor]], delay: int) -> NormChain:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     versions = [copy.deepcopy(model.state_dict())]
     for t, (x, y) in enumerate(batches):
@@ -148,7 +169,8 @@ def _deferred_reference(model: NormChain, batches: list[tuple[Tensor, Tensor]]) 
 def test_deferred_batch_norm_keeps_whole_batch_statistics(launched, recompute: bool) -> None:
     ranks = launched(2).ok("buffers_deferred_1x2")
     torch.manual_seed(0)
-    want_stats, want_params = _deferred_reference(NormChain(), [make_data(BATCH, seed=s) for s in range(STEPS)])
+    with _one_thread():
+        want_stats, want_params = _deferred_reference(NormChain(), [make_data(BATCH, seed=s) for s in range(STEPS)])
     got = {**ranks[0][recompute]["stats"], **ranks[1][recompute]["stats"]}
     assert sorted(got) == sorted(want_stats)
     for name, value in want_stats.items():
