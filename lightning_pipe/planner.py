@@ -26,6 +26,7 @@ from lightning_pipe.simulate import CompiledProgram, Exchange, compile_program
 from lightning_pipe.stage_memory import (  # noqa: F401
     HeldCounts,
     Moment,
+    buffered,
     program_held_counts,
     rank_moments,
     rank_peak_bytes,
@@ -316,7 +317,7 @@ def held(plan: PipelinePlan) -> list[HeldCounts]:
 @functools.lru_cache(maxsize=1024)
 def _moments(*key: Any) -> list[tuple[Moment, ...]]:
     depth, virtual, program, flat = key[1], key[-1], _program(*key), _flat(*key)
-    sent = unacknowledged(flat)
+    sent = buffered(flat)
     return [rank_moments(actions, range(r, depth * virtual, depth), sent[flat.rank(r)]) for r, actions in enumerate(program)]
 
 
@@ -415,7 +416,7 @@ def predict_memory(profile: Profile, plan: PipelinePlan, microbatch_size: int, h
     if plan.virtual_stages > 1:
         ranges = plan.stage_ranges()
         return [rank_peak_bytes([costs[s] for s in mine], walked, [plan.recompute[s] for s in mine], [s == 0 for s in mine],
-                                [s == last for s in mine], batch, plan.depth == 2, plan.width > 1, plan.split_backward,
+                                [s == last for s in mine], batch, plan.width > 1, plan.split_backward,
                                 step_bytes(profile, [profile.blocks[i] for s in mine for i in ranges[s]])) + profile.device_bytes
                 for mine, walked in zip(map(plan.stages_of, range(plan.depth)), moments(plan))]  # fmt: skip
     return [stage_peak_bytes(st, held[s], versions, plan.recompute[s], s == 0, s == last, batch, gradient_sets(profile, plan, s),

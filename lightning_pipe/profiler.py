@@ -755,8 +755,9 @@ def _loaded_hop(nbytes: int, busy: float, rounds: int, device: torch.device) -> 
     """Median seconds one transfer of ``nbytes`` adds to a relay between ranks 0 and 1 that
     compute for ``busy`` seconds between transfers, beyond the sender's posting of it (each
     round's trip less that round's postings), and the median seconds the sender spends posting
-    it, as the executor sends and receives (payload receives posted ahead). Rank 0's result is
-    the measurement.
+    it, as the executor sends and receives (the receive of the reply posted just before each
+    send, :meth:`~lightning_pipe.runtime.executor.Executor._post_next`, and counted in the
+    posting). Rank 0's result is the measurement.
 
     Pipeline ranks compute between transfers. On a CPU host the processes share the cores with
     the transport's threads, and a transfer posted right after computing costs more than
@@ -771,29 +772,30 @@ def _loaded_hop(nbytes: int, busy: float, rounds: int, device: torch.device) -> 
     rank, payload = dist.get_rank(), torch.zeros(max(nbytes // 4, 1), device=device)
     operands = (torch.randn(128, 128, device=device), torch.randn(128, 128, device=device))
     specs, peer = p2p.specs_of([payload]), 1 - rank
-    incoming = p2p.Incoming(peer, device, specs) if rank < 2 else None
+    incoming = p2p.Incoming(peer, device, specs) if rank == 1 else None  # rank 1 receives first
     trips, posts = [], []
     dist.barrier()
     for _ in range(rounds + 1):
         start = time.perf_counter()
         if rank == 1:
             incoming.wait()  # type: ignore[union-attr]
-            incoming = p2p.Incoming(peer, device, specs)
         _compute_for(busy, operands)
         if rank < 2:
             posted = time.perf_counter()
+            incoming = p2p.Incoming(peer, device, specs)
             transfer = p2p.send_tensors([payload], peer, device, posted=specs)
             posts.append(time.perf_counter() - posted)
         if rank == 0:
             incoming.wait()  # type: ignore[union-attr]
-            incoming = p2p.Incoming(peer, device, specs)
             trips.append(time.perf_counter() - start)
         if rank < 2:
             transfer.wait()
-    if incoming is not None:  # the one posted for a message that never comes: the peer sends one more
-        transfer = p2p.send_tensors([payload], peer, device, posted=specs)
-        incoming.wait()
-        transfer.wait()
+    if rank < 2:  # rank 1's last receive is for a message that never came: rank 0 sends one more
+        transfer = p2p.send_tensors([payload], peer, device, posted=specs) if rank == 0 else None
+        if rank == 1:
+            incoming.wait()  # type: ignore[union-attr]
+        if transfer is not None:
+            transfer.wait()
     if rank == 1:
         dist.send(torch.tensor(posts, dtype=torch.float64), 0)
     if rank != 0:
@@ -830,12 +832,12 @@ def _exchange_hop(nbytes: int, busy: float, rounds: int, device: torch.device) -
     specs, peer = p2p.specs_of([payload]), 1 - rank
     sent, arrived = [], []
     for _ in range(rounds + 1):  # the other ranks compute meanwhile
-        incoming = p2p.Incoming(peer, device, specs) if rank < 2 else None
         dist.barrier()
         _compute_for(busy, operands)
-        if incoming is None:
+        if rank >= 2:
             continue
         sent.append(time.time())
+        incoming = p2p.Incoming(peer, device, specs)  # as the executor: posted just before the send to that peer
         transfer = p2p.send_tensors([payload], peer, device, posted=specs)
         incoming.wait()
         arrived.append(time.time())

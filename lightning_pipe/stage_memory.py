@@ -79,30 +79,50 @@ def unacknowledged(flat: FlatProgram) -> np.ndarray:
     return _cumsum_per_rank(change, flat.starts)
 
 
-def posted_inputs(flat: FlatProgram) -> np.ndarray:
-    """After each action of a program of one stage per rank: 1 while its rank has an activation
-    still to receive in the program, else 0. The executor posts the receive of a neighbour's
-    next message (its header, and its payload where the link's last message gave the shape) as
-    soon as the previous one is in, and none beyond the program's last (runtime/executor.py):
-    through a GPipe backward phase or a 1F1B drain a stage holds no activation receive."""
-    posted = np.zeros(len(flat.kind), np.int64)
-    for r in range(flat.ranks):
+def posted_receives(flat: FlatProgram) -> np.ndarray:
+    """After each action of a program, the receives its rank has posted and not yet read:
+    ``[action, position, (outputs, inputs)]``, by the stage that will read each (its position
+    among the rank's stages, ``stage // ranks``): a gradient for a stage's output, an activation
+    for its input, each one message with its header (see :data:`Sent`).
+
+    The executor posts the receive of a neighbour's next message just before the rank's first
+    send to that neighbour after the previous message was read, or else at the action that reads
+    it, and none beyond the program's last (runtime/executor.py, ``Executor._post_next``).
+    Messages from a neighbour are read in send order, each by the first receive action that
+    needs it or a later message. A receive is sized for the link's last message of its kind; on
+    a rank of several stages counting it at the size of the stage that reads it is exact when
+    those stages' sizes agree. Over 2BW's windows, which the executor runs as separate programs,
+    a receive posted by a send in the window before its own is an upper bound."""
+    ranks = flat.ranks
+    change = np.zeros((len(flat.kind), int(flat.stage.max(initial=0)) // ranks + 1, 2), np.int64)
+    receive, send = flat.source >= 0, (flat.kind == SEND_ACT) | (flat.kind == SEND_GRAD)
+    for r in range(ranks):
         lo, hi = int(flat.starts[r]), int(flat.starts[r + 1])
-        found = np.flatnonzero(flat.kind[lo:hi] == RECV_ACT)
-        if len(found):
-            posted[lo : lo + int(found[-1])] = 1
-    return posted
+        peers = flat.peer[lo:hi]
+        for peer in np.unique(peers[receive[lo:hi]]):
+            reads = lo + np.flatnonzero(receive[lo:hi] & (peers == peer))
+            numbers = flat.message[reads]
+            read_at = np.full(int(numbers.max()) + 1, hi, np.int64)
+            read_at[numbers] = reads
+            reader = read_at.copy()  # the action that needs each message
+            read_at = np.minimum.accumulate(read_at[::-1])[::-1]  # message k: read by the first action needing k or later
+            after = np.concatenate(([lo - 1], read_at[:-1]))  # the previous message's read
+            sends = lo + np.flatnonzero(send[lo:hi] & (peers == peer))
+            nxt = np.searchsorted(sends, after, side="right")
+            posted_at = np.where(nxt < len(sends), sends[np.minimum(nxt, len(sends) - 1)], hi)
+            early = posted_at < read_at
+            readers = np.where(reader < hi, reader, read_at)[early]
+            index = (flat.stage[readers] // ranks, np.where(flat.kind[readers] == RECV_ACT, 1, 0))
+            np.add.at(change, (posted_at[early], *index), 1)
+            np.add.at(change, (read_at[early], *index), -1)
+    return _cumsum_per_rank(change, flat.starts)
 
 
 def buffered(flat: FlatProgram) -> np.ndarray:
-    """After each action of a program of one stage per rank, what its rank's buffers keep beyond
-    the gradient receive (:func:`_posted_bytes`), as :data:`Sent` ``(output-sized,
-    input-sized)`` messages, each with its header: the unacknowledged sends
-    (:func:`unacknowledged`) and the activation receive posted ahead (:func:`posted_inputs`),
-    one message of a header and a stage input's bytes."""
-    sent = unacknowledged(flat)[:, 0, :]
-    sent[:, 1] += posted_inputs(flat)
-    return sent
+    """After each action of a program, what its rank's buffers keep, by stage position as
+    :data:`Sent` ``(output-sized, input-sized)`` messages, each with its header: the
+    unacknowledged sends (:func:`unacknowledged`) and the posted receives (:func:`posted_receives`)."""
+    return unacknowledged(flat) + posted_receives(flat)
 
 
 def _channels(flat: FlatProgram) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -327,7 +347,7 @@ def program_held_counts(program: Sequence[Sequence[Action]], warm: bool = False,
     held = _cumsum_per_rank(f, starts) - released + release
     pending = _cumsum_per_rank(i, starts) - _cumsum_per_rank(w, starts) + w
     grads = (released - release > 0) | warm
-    sent = buffered(flat)
+    sent = buffered(flat)[:, 0, :]
     at = np.flatnonzero(f | b | i | w | o)
     columns = [flat.owner[at], _MOMENT_CODES[kind[at], grads[at].astype(np.int64)], held[at], pending[at], sent[at, 0], sent[at, 1]]
     seen: list[dict[str, set[Point]]] = [{name: set() for name in _FIELDS} for _ in range(flat.ranks)]
@@ -375,10 +395,9 @@ def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, re
     - ``outputs``: until its backward (or I) a microbatch's output is kept: by a stage that is
       not last, what autograd does not save anyway; with recompute autograd saves none of it,
       so all of it, and on the last stage nothing beyond what the loss saved (above).
-    - ``buffers``: the receives posted ahead (a gradient from the next stage, and, while the
-      program has more to come, an input from the previous one, each with its header) and the
-      sends not yet acknowledged at that moment (the point's :data:`Sent`, :func:`buffered`:
-      outputs and input gradients, each packed with its header, and the input receive).
+    - ``buffers``: the receives posted and the sends not yet acknowledged at that moment (the
+      point's :data:`Sent`, :func:`buffered`: outputs and input gradients sent, each packed with
+      its header; a gradient and an input posted for, each with its header).
     - ``batch``: the replica's batch, which every rank of a pipeline holds during the step (and on
       the last stage the step's running loss sum).
     - ``workspace``: the optimizer step's temporaries at the step; else the running block's
@@ -390,7 +409,6 @@ def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, re
 
     ``split``: the program runs split backward (I and W).
     """
-    posted = _posted_bytes(st, first, last)
     weights = versions * st.weight_bytes + st.optimizer_bytes
     grads = (versions if gradient_sets is None else gradient_sets) * st.gradient_bytes
     loss_graph = _loss_graph_bytes(st, recompute, last, split)
@@ -434,19 +452,13 @@ def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, re
     state, workspace, (h, p, sent), (a0, ah, am, ap, a1) = worst
     activations = a0 + ah * h + am * max(h - 1, 0) + ap * p + a1 * max(p, 1) + cap * max(p - 1, 0)
     return {"state": state, "activations": activations, "outputs": (h - p) * out, "workspace": workspace,
-            "buffers": posted + sent_bytes(st, sent), "batch": batch_bytes + st.loss_bytes}  # fmt: skip
+            "buffers": sent_bytes(st, sent), "batch": batch_bytes + st.loss_bytes}  # fmt: skip
 
 
 def _loss_graph_bytes(st: "StageCosts", recompute: bool, last: bool, split: bool) -> int:
     """What the loss saved, kept per held microbatch beside a recomputed last stage's inputs (the
     loss runs outside the recomputation; under split backward the first forward keeps no graph)."""
     return st.loss_saved_bytes if recompute and last and not split else 0
-
-
-def _posted_bytes(st: "StageCosts", first: bool, last: bool) -> int:
-    """The gradient receive a stage that is not last posts ahead, with its header. (Its input
-    receive is counted per moment, in the point's :data:`Sent`: :func:`buffered`.)"""
-    return 0 if last else st.output_bytes + HEADER_BYTES
 
 
 def sent_bytes(st: "StageCosts", sent: Sent) -> int:
@@ -487,29 +499,13 @@ def resting_bytes(st: "StageCosts", point: Point, grads: bool, recompute: bool, 
     """Tensor bytes of a stage whose rank runs another of its stages: its weights, optimizer
     state and (once they exist) gradients, its held microbatches' saved tensors, inputs and kept
     outputs, and its pending microbatches' captured gradients (and, with recompute, their
-    rebuilt graphs). Buffers belong to the rank (:func:`rank_buffer_bytes`, :func:`sent_bytes`)."""
+    rebuilt graphs). Its buffers are counted per moment (:func:`sent_bytes`)."""
     h, p, _ = point
     one = st.stash_bytes if recompute else 0
     state = st.weight_bytes + st.optimizer_bytes + (st.gradient_bytes if grads else 0)
     kept = received_input_bytes(st, first) + (0 if recompute else st.stash_bytes) + st.loss_bytes + _loss_graph_bytes(st, recompute, last, split)
     activations = h * kept + p * (one + st.captured_bytes)
     return state + activations + (h - p) * _kept_output_bytes(st, recompute, last)
-
-
-def rank_buffer_bytes(stages: Sequence["StageCosts"], first: Sequence[bool], last: Sequence[bool], one_peer: bool) -> int:
-    """Receives a rank that runs several stages posts ahead: one per neighbour rank, not per stage
-    (the largest input its stages receive from the previous rank, the largest gradient from the
-    next; ``one_peer``: both neighbours are one rank, at depth 2), each with its header. Its
-    unacknowledged sends depend on the moment (:func:`sent_bytes`). A rank of one stage posts
-    its gradient receive here and its input receive per moment (:func:`buffered`), as
-    :func:`stage_memory_terms` counts them."""
-    if len(stages) == 1:
-        return _posted_bytes(stages[0], first[0], last[0])
-    inputs = [st.input_bytes for st, f in zip(stages, first) if not f]
-    outputs = [st.output_bytes for st, lst in zip(stages, last) if not lst]
-    posted = [max(inputs + outputs)] if one_peer else [max(inputs, default=0), max(outputs, default=0)]
-    neighbours = 1 if one_peer else bool(inputs) + bool(outputs)
-    return sum(posted) + HEADER_BYTES * neighbours
 
 
 #: The kind a moment of a stage takes once its gradients exist (the rank's shared buckets made them).
@@ -525,12 +521,12 @@ def _bucketed_moment(kind: str, grads: tuple[bool, ...]) -> tuple[str, tuple[boo
 
 
 def rank_peak_bytes(stages: Sequence["StageCosts"], moments: Sequence[Moment], recompute: Sequence[bool],
-                    first: Sequence[bool], last: Sequence[bool], batch_bytes: int = 0, one_peer: bool = False,
+                    first: Sequence[bool], last: Sequence[bool], batch_bytes: int = 0,
                     buckets: bool = False, split: bool = False, step_bytes: Optional[int] = None) -> int:  # fmt: skip
     """Peak tensor bytes of a rank that runs several stages (one weight version): at each of its
     :func:`rank_moments`, the running stage's :func:`stage_memory_terms` at that moment but its
-    buffers, plus every other stage's :func:`resting_bytes`, plus every stage's unacknowledged
-    sends (:func:`sent_bytes`), plus the rank's :func:`rank_buffer_bytes` and the batch.
+    buffers, plus every other stage's :func:`resting_bytes`, plus every stage's buffers at that
+    moment (its unacknowledged sends and the receives posted for it, :func:`sent_bytes`), plus the batch.
 
     ``buckets``: the rank's gradients are averaged over replicas in buckets shared by its
     stages, each whole from its first gradient (runtime/buckets.py), so from the rank's first
@@ -558,4 +554,4 @@ def rank_peak_bytes(stages: Sequence["StageCosts"], moments: Sequence[Moment], r
                     resting[o, point[:2], g] = resting_bytes(stages[o], point, g, recompute[o], first[o], last[o], split)
                 total += resting[o, point[:2], g]
         best = max(best, total)
-    return best + rank_buffer_bytes(stages, first, last, one_peer) + batch_bytes + sum(st.loss_bytes for st in stages)
+    return best + batch_bytes + sum(st.loss_bytes for st in stages)

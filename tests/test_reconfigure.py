@@ -509,14 +509,20 @@ def test_predicted_stage_memory_bounds_what_every_stage_measures(launched) -> No
     # Each stage's peak tensor bytes in real 4-process steps (test-side tracker, steps 2 and 3)
     # against the planner's prediction for that stage. A prediction under the measurement lets
     # the AutoPlanner exceed a budget; 2% below is the tracker's noise (a few KiB). Over by at
-    # most 10%: split backward's captured gradients are counted for every pending microbatch
-    # but the running one, an upper bound (measured 2 to 6% over at d = 4). An interleaved rank
-    # without split backward within 3%: its buffers are counted per neighbour rank (counted per
-    # stage they came out 2.4 to 4.8% over at (1, 4), measured; at (2, 2) the rank-0 ack buffer is 2.5% over).
+    # most 11%: split backward's captured gradients are counted for every pending microbatch
+    # but the running one, an upper bound (measured 2 to 6% over at d = 4; 10.4% on the last
+    # stage since receives are posted just before a send to the peer, 2026-11-25: its measured
+    # peak fell by the one input receive, 16 KiB, no longer posted then, while the bound's own
+    # worst moment, a different one, still has it posted, exactly as the executor does; the
+    # prediction is unchanged, the plain 1F1B stages here still match to the byte). An interleaved rank
+    # without split backward within 3%: its buffers are counted per moment, its posted receives
+    # at the size of the stage that reads each (before 2026-11-25 one receive per neighbour rank,
+    # always; counted per stage they came out 2.4 to 4.8% over at (1, 4), measured; at (2, 2)
+    # the rank-0 ack buffer is 2.5% over).
     for rank in launched(4).ok("planner_memory_spot_check"):
         for row in rank:
             ratio = row["measured"] / row["predicted"]
-            assert 0.90 <= ratio <= 1.02, (row["plan"].describe(), row["stage"], row["measured"], row["predicted"])
+            assert 0.89 <= ratio <= 1.02, (row["plan"].describe(), row["stage"], row["measured"], row["predicted"])
             if row["plan"].virtual_stages > 1 and not row["plan"].split_backward:
                 assert ratio >= 0.97, (row["plan"].describe(), row["stage"], row["measured"], row["predicted"])
 

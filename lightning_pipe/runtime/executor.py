@@ -380,6 +380,7 @@ class Executor:
     def _send(self, tensors: Tensors, dst: Optional[int], st: StepState, kind: Kind) -> None:
         """Post ``tensors`` to ``dst``, where a ``kind`` (RECV_ACT or RECV_GRAD) action reads them."""
         assert dst is not None
+        self._post_next(dst)  # before the send: the peer, likely waiting for it, is idle (see _post_receives)
         box = st.sent.get(dst) or st.sent.setdefault(dst, Outbox())
         transfer = p2p.send_tensors(tensors, dst, self.device, ack=st.received[dst], posted=self.links.sent.get((dst, kind)),
                                     channel=self.channel)  # fmt: skip
@@ -404,15 +405,15 @@ class Executor:
         return position.prev_rank if a.kind is Kind.RECV_ACT else position.next_rank
 
     def _post_receives(self, actions: list[Action], arrivals: Optional[Mapping[int, list[Action]]]) -> None:
-        """Post the first receive from each neighbour the program reads from.
+        """Learn which messages the program reads from each neighbour, in the order it sends them.
 
-        Each receive is posted one ahead (the next from a neighbour as soon as the previous is
-        in), sized for the link's last message of its kind (one message with its header where
-        headers travel with tensors; else its payload beside the header, or as soon as the
-        header arrives when the shapes are new), so transfers overlap compute rather
-        than start when the schedule reaches them. Only receives the program will consume are
-        posted, so none is left over for the next program. Messages from one neighbour arrive
-        in the order it sent them; one that arrives before its action is kept until then.
+        None is posted yet: the receive of a neighbour's next message (sized for the link's last
+        message of its kind: one message with its header where headers travel with tensors; else
+        its payload beside the header, or as soon as the header arrives when the shapes are new)
+        is posted just before this rank next sends to that neighbour, or else by the action that
+        reads it (:meth:`_post_next`). Only receives the program will consume are posted, so none
+        is left over for the next program. Messages from one neighbour arrive in the order it
+        sent them; one that arrives before its action is kept until then.
         """
         if arrivals is None:
             order: dict[int, list[Action]] = {}
@@ -423,8 +424,24 @@ class Executor:
         self._arrivals = {src: list(keys) for src, keys in arrivals.items() if keys}
         self._expected = {src: deque(keys) for src, keys in self._arrivals.items()}
         self._arrived = {}
-        self._incoming = {src: self._incoming_from(src) for src in self._expected}
-        self._polls = bool(self._incoming) and self.channel.polls()
+        self._incoming = {}
+        self._polls = bool(self._expected) and self.channel.polls()
+
+    def _post_next(self, src: int) -> None:
+        """Post the receive of the next message from ``src``, if the program reads another and it is not posted yet.
+
+        Called just before a send to ``src`` and by the action that reads the message. Under gloo
+        a posted receive lets the sender write the payload at once; where the sender's message
+        is already waiting, posting wakes the sender's transport thread to write it. Posted
+        before a send, the peer is most likely idle, waiting for that send, and its thread finds
+        a free core. Posted as soon as the previous message was in (until 2026-11-25), the peer
+        was computing: its woken thread took a core from one of the two busy compute threads,
+        and each post cost this rank 0.3-0.5 ms on average on a 2-core host (small GPT, d = 2:
+        about 4 ms a 45-ms step, which torch's schedules, posting a receive with the send before
+        it, did not pay).
+        """
+        if src not in self._incoming and self._expected.get(src):
+            self._incoming[src] = self._incoming_from(src)
 
     def _advance_receives(self) -> None:
         """Post the payload receives of every message whose header is in and whose tensors come
@@ -452,14 +469,15 @@ class Executor:
     def _receive(self, a: Action, st: StepState) -> Tensors:
         src = self._source(a)
         while a not in self._arrived:
-            if src not in self._incoming:
+            if not self._expected.get(src):
                 raise RuntimeError(f"{a} waits for a message rank {src} never sends in this program")
+            self._post_next(src)
             key = self._expected[src][0]
             self._arrived[key] = self._next_message(src, st)
         return self._arrived.pop(a)
 
     def _next_message(self, src: int, st: StepState) -> Tensors:
-        """Wait for the next message from ``src`` and post the receive of the one after it."""
+        """Wait for the next message from ``src`` (its receive posted)."""
         incoming, kind = self._incoming.pop(src), self._next_kind(src)
         try:
             received = incoming.wait()
@@ -471,8 +489,6 @@ class Executor:
         st.received[src] += 1
         if src in st.sent:
             st.sent[src].release(incoming.ack)
-        if self._expected[src]:
-            self._incoming[src] = self._incoming_from(src)
         return received
 
     def _recv_act(self, a: Action, st: StepState) -> None:
