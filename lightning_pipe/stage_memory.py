@@ -86,10 +86,11 @@ def posted_receives(flat: FlatProgram) -> np.ndarray:
     for its input, each one message with its header (see :data:`Sent`).
 
     The executor posts the receive of a neighbour's next message just before the rank's first
-    send to that neighbour after the previous message was read, or else at the action that reads
-    it, and none beyond the program's last (runtime/executor.py, ``Executor._post_next``).
-    Messages from a neighbour are read in send order, each by the first receive action that
-    needs it or a later message. A receive is sized for the link's last message of its kind; on
+    send to that neighbour after the previous message was read, where that send comes before
+    the rank's next receive action from the neighbour; else as soon as the previous message was
+    read (the first: when the program starts), and none beyond the program's last
+    (runtime/executor.py, ``Executor._post_ahead``). Messages from a neighbour are read in send
+    order, each by the first receive action that needs it or a later message. A receive is sized for the link's last message of its kind; on
     a rank of several stages counting it at the size of the stage that reads it is exact when
     those stages' sizes agree. Over 2BW's windows, which the executor runs as separate programs,
     a receive posted by a send in the window before its own is an upper bound."""
@@ -107,9 +108,10 @@ def posted_receives(flat: FlatProgram) -> np.ndarray:
             reader = read_at.copy()  # the action that needs each message
             read_at = np.minimum.accumulate(read_at[::-1])[::-1]  # message k: read by the first action needing k or later
             after = np.concatenate(([lo - 1], read_at[:-1]))  # the previous message's read
-            sends = lo + np.flatnonzero(send[lo:hi] & (peers == peer))
-            nxt = np.searchsorted(sends, after, side="right")
-            posted_at = np.where(nxt < len(sends), sends[np.minimum(nxt, len(sends) - 1)], hi)
+            sends = np.append(lo + np.flatnonzero(send[lo:hi] & (peers == peer)), hi)
+            next_send = sends[np.searchsorted(sends, after, side="right")]
+            next_read = np.append(reads, hi)[np.searchsorted(reads, after, side="right")]
+            posted_at = np.where(next_send < next_read, next_send, np.maximum(after, lo))
             early = posted_at < read_at
             readers = np.where(reader < hi, reader, read_at)[early]
             index = (flat.stage[readers] // ranks, np.where(flat.kind[readers] == RECV_ACT, 1, 0))

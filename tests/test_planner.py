@@ -886,7 +886,8 @@ def _emulated_posts(program: list[list[Any]]) -> list[list[list[int]]]:
     action, per stage position of the rank [gradients posted for, activations posted for]. A
     rank reads a neighbour's messages in the order the neighbour sends them; the next one's
     receive is posted at the rank's first send to that neighbour after the previous was read,
-    or by the action that reads it."""
+    if that send comes before the rank's next receive action from the neighbour; else as soon
+    as the previous one is read (the first: at the start)."""
     from lightning_pipe.schedules.actions import Action, Kind
 
     depth = len(program)
@@ -898,19 +899,28 @@ def _emulated_posts(program: list[list[Any]]) -> list[list[list[int]]]:
                 stage = a.stage + (1 if a.kind is Kind.SEND_ACT else -1)
                 kind = Kind.RECV_ACT if a.kind is Kind.SEND_ACT else Kind.RECV_GRAD
                 sent_to.setdefault((q, stage % depth), []).append(Action(stage, kind, a.microbatch))
+    def peer(a: Any) -> Optional[int]:  # the other rank of a send or a receive
+        step = {Kind.SEND_ACT: 1, Kind.SEND_GRAD: -1, Kind.RECV_ACT: -1, Kind.RECV_GRAD: 1}.get(a.kind)
+        return None if step is None else (a.stage + step) % depth
+
+    def ahead(actions: list[Any], i: int, q: int) -> bool:  # no send to q before the next receive from q
+        later = [a for a in actions[i + 1 :] if peer(a) == q]
+        return not later or later[0].kind in (Kind.RECV_ACT, Kind.RECV_GRAD)
+
     out = []
     for r, actions in enumerate(program):
         read = {q: 0 for q in range(depth)}
-        posted = {q: False for q in range(depth)}
+        posted = {q: bool(sent_to.get((q, r))) and ahead(actions, -1, q) for q in range(depth)}
         seen = []
-        for a in actions:
+        for i, a in enumerate(actions):
             if a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
-                q = (a.stage + (1 if a.kind is Kind.SEND_ACT else -1)) % depth
+                q = peer(a)
                 posted[q] = posted[q] or read[q] < len(sent_to.get((q, r), []))
             elif a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
-                q = (a.stage + (-1 if a.kind is Kind.RECV_ACT else 1)) % depth
+                q = peer(a)
                 while a in sent_to[q, r][read[q]:]:
-                    read[q], posted[q] = read[q] + 1, False
+                    read[q] += 1
+                    posted[q] = read[q] < len(sent_to[q, r]) and ahead(actions, i, q)
                     if sent_to[q, r][read[q] - 1] == a:
                         break
             elif a.kind is not Kind.ALL_REDUCE and a.kind is not Kind.VERSION:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import threading
 import time
@@ -224,6 +225,8 @@ class Executor:
         self._at = 0
         self._posted_at = -1  # the action whose send was posted last (see _next_send_kind)
         self._arrived: dict[Action, Tensors] = {}  # received ahead of the action that reads them
+        self._sends_to: dict[int, list[int]] = {}  # per peer: the program's sends to it, by action index
+        self._reads_from: dict[int, list[int]] = {}  # per peer: the program's receives from it, by action index
         self._polls = False  # whether a posted header receive can report its arrival unwaited
         self._handlers: dict[Kind, Callable[[Action, StepState], Optional[float]]] = {
             Kind.FORWARD: self._forward,
@@ -380,7 +383,7 @@ class Executor:
     def _send(self, tensors: Tensors, dst: Optional[int], st: StepState, kind: Kind) -> None:
         """Post ``tensors`` to ``dst``, where a ``kind`` (RECV_ACT or RECV_GRAD) action reads them."""
         assert dst is not None
-        self._post_next(dst)  # before the send: the peer, likely waiting for it, is idle (see _post_receives)
+        self._post_next(dst)  # before the send: the peer, likely waiting for it, is idle (see _post_next)
         box = st.sent.get(dst) or st.sent.setdefault(dst, Outbox())
         transfer = p2p.send_tensors(tensors, dst, self.device, ack=st.received[dst], posted=self.links.sent.get((dst, kind)),
                                     channel=self.channel)  # fmt: skip
@@ -407,13 +410,15 @@ class Executor:
     def _post_receives(self, actions: list[Action], arrivals: Optional[Mapping[int, list[Action]]]) -> None:
         """Learn which messages the program reads from each neighbour, in the order it sends them.
 
-        None is posted yet: the receive of a neighbour's next message (sized for the link's last
-        message of its kind: one message with its header where headers travel with tensors; else
-        its payload beside the header, or as soon as the header arrives when the shapes are new)
-        is posted just before this rank next sends to that neighbour, or else by the action that
-        reads it (:meth:`_post_next`). Only receives the program will consume are posted, so none
-        is left over for the next program. Messages from one neighbour arrive in the order it
-        sent them; one that arrives before its action is kept until then.
+        The receive of a neighbour's next message (sized for the link's last message of its
+        kind: one message with its header where headers travel with tensors; else its payload
+        beside the header, or as soon as the header arrives when the shapes are new) is posted
+        just before this rank next sends to that neighbour, where it does so before it next reads
+        from it; else at once (now for the first, or as soon as the previous message is in), so
+        that the transfer overlaps compute (:meth:`_post_next`). Only receives the program will
+        consume are posted, so none is left over for the next program. Messages from one
+        neighbour arrive in the order it sent them; one that arrives before its action is kept
+        until then.
         """
         if arrivals is None:
             order: dict[int, list[Action]] = {}
@@ -426,19 +431,37 @@ class Executor:
         self._arrived = {}
         self._incoming = {}
         self._polls = bool(self._expected) and self.channel.polls()
+        self._sends_to, self._reads_from = {}, {}
+        for i, a in enumerate(actions):
+            if a.kind in DELIVERS:
+                self._sends_to.setdefault(self._destination(a), []).append(i)
+            elif a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
+                self._reads_from.setdefault(self._source(a), []).append(i)
+        for src in self._expected:
+            self._post_ahead(src, -1)
+
+    def _post_ahead(self, src: int, after: int) -> None:
+        """Post the next receive from ``src`` now, unless this rank sends to ``src`` (after action
+        ``after``) before it next reads from it: then just before that send (:meth:`_post_next`)."""
+        sends, reads = self._sends_to.get(src, []), self._reads_from.get(src, [])
+        i, j = bisect.bisect_right(sends, after), bisect.bisect_right(reads, after)
+        if i == len(sends) or (j < len(reads) and reads[j] < sends[i]):
+            self._post_next(src)
 
     def _post_next(self, src: int) -> None:
         """Post the receive of the next message from ``src``, if the program reads another and it is not posted yet.
 
-        Called just before a send to ``src`` and by the action that reads the message. Under gloo
-        a posted receive lets the sender write the payload at once; where the sender's message
-        is already waiting, posting wakes the sender's transport thread to write it. Posted
-        before a send, the peer is most likely idle, waiting for that send, and its thread finds
-        a free core. Posted as soon as the previous message was in (until 2026-11-25), the peer
-        was computing: its woken thread took a core from one of the two busy compute threads,
-        and each post cost this rank 0.3-0.5 ms on average on a 2-core host (small GPT, d = 2:
-        about 4 ms a 45-ms step, which torch's schedules, posting a receive with the send before
-        it, did not pay).
+        Called just before a send to ``src``, by the action that reads the message, and ahead
+        (:meth:`_post_ahead`) where no send to ``src`` comes first. Under gloo a posted receive
+        lets the sender write the payload at once; where the sender's message is already waiting,
+        posting wakes the sender's transport thread to write it. Posted before a send, the peer
+        is most likely idle, waiting for that send, and its thread finds a free core. Posted as
+        soon as the previous message was in also where a send came first (until 2026-11-25), the
+        peer was computing: its woken thread took a core from one of the two busy compute
+        threads, and each post cost this rank 0.3-0.5 ms on average on a 2-core host (small GPT,
+        1F1B at d = 2: about 4 ms a 45-ms step, which torch's schedules, posting a receive with
+        the send before it, did not pay). Where no send comes first (GPipe's phases, a 1F1B
+        drain) posting ahead wins: posted only at the read, GPipe's steps took 58 ms against 51.
         """
         if src not in self._incoming and self._expected.get(src):
             self._incoming[src] = self._incoming_from(src)
@@ -477,7 +500,7 @@ class Executor:
         return self._arrived.pop(a)
 
     def _next_message(self, src: int, st: StepState) -> Tensors:
-        """Wait for the next message from ``src`` (its receive posted)."""
+        """Wait for the next message from ``src`` (its receive posted), and post the one after it where that goes ahead."""
         incoming, kind = self._incoming.pop(src), self._next_kind(src)
         try:
             received = incoming.wait()
@@ -489,6 +512,7 @@ class Executor:
         st.received[src] += 1
         if src in st.sent:
             st.sent[src].release(incoming.ack)
+        self._post_ahead(src, self._at)
         return received
 
     def _recv_act(self, a: Action, st: StepState) -> None:
