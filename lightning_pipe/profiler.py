@@ -790,12 +790,10 @@ def _loaded_hop(nbytes: int, busy: float, rounds: int, device: torch.device) -> 
             trips.append(time.perf_counter() - start)
         if rank < 2:
             transfer.wait()
-    if rank < 2:  # rank 1's last receive is for a message that never came: rank 0 sends one more
-        transfer = p2p.send_tensors([payload], peer, device, posted=specs) if rank == 0 else None
-        if rank == 1:
-            incoming.wait()  # type: ignore[union-attr]
-        if transfer is not None:
-            transfer.wait()
+    if rank == 0:  # rank 1's last receive is for a message that never came: rank 0 sends one more
+        p2p.send_tensors([payload], peer, device, posted=specs).wait()
+    elif rank == 1:
+        incoming.wait()  # type: ignore[union-attr]
     if rank == 1:
         dist.send(torch.tensor(posts, dtype=torch.float64), 0)
     if rank != 0:

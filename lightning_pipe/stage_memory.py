@@ -90,9 +90,9 @@ def posted_receives(flat: FlatProgram) -> np.ndarray:
     the rank's next receive action from the neighbour; else as soon as the previous message was
     read (the first: when the program starts), and none beyond the program's last
     (runtime/executor.py, ``Executor._post_ahead``). Messages from a neighbour are read in send
-    order, each by the first receive action that needs it or a later message. A receive is sized for the link's last message of its kind; on
-    a rank of several stages counting it at the size of the stage that reads it is exact when
-    those stages' sizes agree. Over 2BW's windows, which the executor runs as separate programs,
+    order, each by the first receive action that needs it or a later message. A receive is
+    sized for the link's last message of its kind; on a rank of several stages counting it at
+    the size of the stage that reads it is exact when those stages' sizes agree. Over 2BW's windows, which the executor runs as separate programs,
     a receive posted by a send in the window before its own is an upper bound."""
     ranks = flat.ranks
     change = np.zeros((len(flat.kind), int(flat.stage.max(initial=0)) // ranks + 1, 2), np.int64)
@@ -106,7 +106,8 @@ def posted_receives(flat: FlatProgram) -> np.ndarray:
             read_at = np.full(int(numbers.max()) + 1, hi, np.int64)
             read_at[numbers] = reads
             reader = read_at.copy()  # the action that needs each message
-            read_at = np.minimum.accumulate(read_at[::-1])[::-1]  # message k: read by the first action needing k or later
+            # Message k is read by the first action that needs it or a later one.
+            read_at = np.minimum.accumulate(read_at[::-1])[::-1]
             after = np.concatenate(([lo - 1], read_at[:-1]))  # the previous message's read
             sends = np.append(lo + np.flatnonzero(send[lo:hi] & (peers == peer)), hi)
             next_send = sends[np.searchsorted(sends, after, side="right")]

@@ -944,10 +944,10 @@ def test_posted_receives_follow_the_executor_rule(schedule: str, depth: int, m: 
 
     program = planner.program(PipelinePlan(1, depth, m, schedule, split_backward=split, virtual_stages=virtual))
     flat, want = flatten(program), _emulated_posts(program)
+    other = (Kind.SEND_ACT, Kind.SEND_GRAD, Kind.RECV_ACT, Kind.RECV_GRAD, Kind.ALL_REDUCE, Kind.VERSION)
     for r, actions in enumerate(program):
         rows = posted_receives(flat)[flat.rank(r)]
-        compute = [i for i, a in enumerate(actions) if a.kind not in (Kind.SEND_ACT, Kind.SEND_GRAD, Kind.RECV_ACT, Kind.RECV_GRAD,
-                                                                      Kind.ALL_REDUCE, Kind.VERSION)]  # fmt: skip
+        compute = [i for i, a in enumerate(actions) if a.kind not in other]
         assert [rows[i].tolist() for i in compute] == want[r], r
     totals = [sum(map(sum, counts)) for rank in want for counts in rank]
     assert 0 in totals and max(totals) > 0  # moments with receives posted and without

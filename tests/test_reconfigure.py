@@ -512,7 +512,7 @@ def test_predicted_stage_memory_bounds_what_every_stage_measures(launched) -> No
     # most 11%: split backward's captured gradients are counted for every pending microbatch
     # but the running one, an upper bound (measured 2 to 6% over at d = 4; 10.4% on the last
     # stage since receives are posted just before a send to the peer where one comes first, 2026-11-25: its measured
-    # peak fell by the one input receive, 16 KiB, no longer posted then, while the bound's own
+    # peak fell by the one input receive, 15.5 KiB, no longer posted then, while the bound's own
     # worst moment, a different one, still has it posted, exactly as the executor does; the
     # prediction is unchanged, the plain 1F1B stages here still match to the byte). An interleaved rank
     # without split backward within 3%: its buffers are counted per moment, its posted receives

@@ -420,23 +420,19 @@ class Executor:
         neighbour arrive in the order it sent them; one that arrives before its action is kept
         until then.
         """
+        self._sends_to, self._reads_from = {}, {}
+        for i, a in enumerate(actions):
+            if a.kind in DELIVERS:
+                self._sends_to.setdefault(self._destination(a), []).append(i)  # type: ignore[arg-type]
+            elif a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
+                self._reads_from.setdefault(self._source(a), []).append(i)  # type: ignore[arg-type]
         if arrivals is None:
-            order: dict[int, list[Action]] = {}
-            for a in actions:
-                if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
-                    order.setdefault(self._source(a), []).append(a)  # type: ignore[arg-type]
-            arrivals = order
+            arrivals = {src: [actions[i] for i in reads] for src, reads in self._reads_from.items()}
         self._arrivals = {src: list(keys) for src, keys in arrivals.items() if keys}
         self._expected = {src: deque(keys) for src, keys in self._arrivals.items()}
         self._arrived = {}
         self._incoming = {}
         self._polls = bool(self._expected) and self.channel.polls()
-        self._sends_to, self._reads_from = {}, {}
-        for i, a in enumerate(actions):
-            if a.kind in DELIVERS:
-                self._sends_to.setdefault(self._destination(a), []).append(i)
-            elif a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
-                self._reads_from.setdefault(self._source(a), []).append(i)
         for src in self._expected:
             self._post_ahead(src, -1)
 
@@ -500,7 +496,7 @@ class Executor:
         return self._arrived.pop(a)
 
     def _next_message(self, src: int, st: StepState) -> Tensors:
-        """Wait for the next message from ``src`` (its receive posted), and post the one after it where that goes ahead."""
+        """Wait for the next message from ``src`` (its receive posted); post the one after it where that goes ahead."""
         incoming, kind = self._incoming.pop(src), self._next_kind(src)
         try:
             received = incoming.wait()
