@@ -30,7 +30,7 @@ class PipelinePlan:
         schedule: "gpipe", "1f1b" or "2bw" (2BW needs ``microbatches >= depth``).
         split_backward: split each backward into input and weight gradients (2BP).
         split_max_pending: with ``split_backward``, the most microbatches waiting for their W on
-            every stage; ``None``: the schedule's placement (1F1B and 2BW: ``s`` on stage ``s``, ZB-H1).
+            every stage; ``None``: ``s`` on stage ``s`` (ZB-H1's bound), as the schedule places W's.
         partition: blocks per stage (a list of ``depth * virtual_stages`` positive counts), or "balanced" /
             "uniform" until :meth:`resolve` turns it into counts for a given chain, or "profile"
             (balanced by profiled time; :class:`~lightning_pipe.PipelineStrategy` resolves it).

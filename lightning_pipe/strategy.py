@@ -64,8 +64,8 @@ class PipelineStrategy(DDPStrategy):
         split_backward: split each backward into input gradients (sent upstream at once) and
             weight gradients (delayed into idle time), 2BP; any module, through autograd.
         split_max_pending: with ``split_backward``, the most microbatches waiting for their
-            weight gradients on every stage (bounds memory). ``None``: unbounded under GPipe;
-            under 1F1B and 2BW stage ``s`` keeps ``s`` (Zero Bubble's ZB-H1).
+            weight gradients on every stage (bounds memory). ``None``: stage ``s`` keeps ``s``
+            (Zero Bubble's ZB-H1 bound; GPipe defers W's up to it, see schedules/split.py).
         inner: "pp" (default): the stages of a pipeline run on neighbouring ranks, so
             activations stay inside a node; "dp": the replicas of a stage do, so the gradient
             all-reduce stays inside a node (multi-node jobs; ``python -m lightning_pipe.plan``

@@ -4,14 +4,9 @@
 all-reduce and the optimizer step, so it is delayed into time the stage would idle:
 
 - ``"end"`` (seed 001 section 3.2's GPipe): every W after the stage's last I.
-- ``"cooldown"`` (1F1B, seed 001's 2BP; GPipe by default): after each I of the cool-down
-  phase (no forward left to run) the stage would wait for the next gradient, so one pending W
-  runs there; the rest at the end. For GPipe this beats ``"end"`` once I and W differ by
-  stage: on the first stage I is empty and W is the whole backward, so deferring every W
-  leaves the stage idle while gradients arrive and then runs them all in a row. With the GPT
-  example's costs at d = 2, m = 8 the simulator gives ``"end"`` 1.25x plain GPipe's step and
-  ``"cooldown"`` 0.97x (equal F, I, W: both the same as seed 001's Table 1); measured on 2
-  CPU processes, ``"end"`` ran at 0.71-0.79x plain GPipe and ``"cooldown"`` at 0.79-0.92x.
+- ``"cooldown"`` (seed 001's 2BP for 1F1B): after each I of the cool-down phase (no forward
+  left to run) the stage would wait for the next gradient, so one pending W runs there; the
+  rest at the end.
 - ``"zb-h1"`` (1F1B and 2BW by default): ``"cooldown"`` with stage ``s`` keeping at most ``s``
   W's waiting, so W of microbatch ``k`` runs right after the I of microbatch ``k + s``. This
   is Zero Bubble's ZB-H1 (Qi et al., 2023, section 2.1): the start of W is delayed by the
@@ -19,11 +14,27 @@ all-reduce and the optimizer step, so it is delayed into time the stage would id
   1F1B's first stage holds, and the bubble shrinks from ``(d-1)(F+I+W)`` to ``(d-1)(F+I-W)``.
   Under interleaved 1F1B the bound is the rank's (its first stage's index ``r``), and the
   same holds with per-chunk costs (schedules/interleaved.py).
+- ``"bounded"`` (GPipe by default): ZB-H1's bound without the cool-down rule: stage ``s``
+  defers W's until ``s`` are waiting, then runs the oldest after each I; the rest before the
+  all-reduce. GPipe's backward phase is all cool-down, where ``"cooldown"`` runs each W right
+  after its I: the gradient sent upstream then waits for a whole I + W per microbatch, and on
+  real blocks I + W costs more than one backward (1.07x on the GPT example's blocks on a CPU),
+  so GPipe with split was simulated and measured slower than without. Deferring ``s`` W's lets
+  the first gradients go up at I's pace, which covers the stages below, whose backward is
+  longer (stage 0's input needs no gradient: its W is its whole backward). Simulated with the
+  GPT blocks' costs (stage 0: I = 0, W = B; others I = 0.60 B, W = 0.48 B; F = 0.5 B), GPipe
+  with split takes 0.97x plain GPipe's step at d = 2 and 0.93x at d = 4 (m = 8), where
+  ``"cooldown"`` took 1.01x and 0.96x (a brute-force search over every stage's bound up to 4
+  finds at most 0.3% more). On the benchmark's cost model (2 blocks a stage, 20 ms each in F,
+  I and W; stage 0 has one I) it is 0.93x at d = 2 and 0.88x at d = 4, ``"cooldown"`` 0.94x
+  and 0.89x; with equal F, I and W on every stage both give seed 001's Table 1.
+  ``"end"`` is the same with no bound: it idles stage 0 while gradients arrive and then runs
+  its whole backward in a row (1.28x plain GPipe's step with the GPT costs at d = 2).
 
 ``max_pending`` bounds how many microbatches may wait for their W (each holds activations
 and intermediate gradients): past it a W runs right after the I, as in seed 001's Figure 5.
-Under ``"zb-h1"`` it replaces the per-stage bound ``s`` (``max_pending >= m`` gives 2BP's
-``"cooldown"``). Pending W's always run before an all-reduce, which needs complete gradients
+Under ``"zb-h1"`` and ``"bounded"`` it replaces the per-stage bound ``s`` (under ``"zb-h1"``,
+``max_pending >= m`` gives 2BP's ``"cooldown"``). Pending W's always run before an all-reduce, which needs complete gradients
 (2BW relies on it).
 
 1F1B, d=2, m=3 (ZB-H1)::
@@ -39,8 +50,8 @@ from typing import Optional
 from lightning_pipe.schedules.actions import Action, Kind, action
 
 #: Where each schedule puts its weight-gradient actions.
-W_PLACEMENT = {"gpipe": "cooldown", "1f1b": "zb-h1", "2bw": "zb-h1"}
-PLACEMENTS = ("end", "cooldown", "zb-h1")
+W_PLACEMENT = {"gpipe": "bounded", "1f1b": "zb-h1", "2bw": "zb-h1"}
+PLACEMENTS = ("end", "cooldown", "zb-h1", "bounded")
 
 
 def split_backward(actions: list[Action], placement: str, max_pending: Optional[int] = None) -> list[Action]:
@@ -49,10 +60,10 @@ def split_backward(actions: list[Action], placement: str, max_pending: Optional[
         raise ValueError(f"unknown W placement {placement!r}; use one of {PLACEMENTS}")
     if max_pending is not None and max_pending < 0:
         raise ValueError(f"max_pending must be >= 0, got {max_pending}")
-    if placement == "zb-h1":
-        placement = "cooldown"
+    if placement in ("zb-h1", "bounded"):
         if max_pending is None and actions:
             max_pending = actions[0].stage
+        placement = "cooldown" if placement == "zb-h1" else "end"
     forwards_left = sum(a.kind is Kind.FORWARD for a in actions)
     out: list[Action] = []
     pending: list[Action] = []
