@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place
+from tests.nccl_order import record_batches, run_in_order
 from tests.shared import scenario, scenario_per_layout
 from tests.models import frozen as _frozen
 from tests.models import ToyChain, assert_close_dicts, make_data, reference_grads, reference_train
@@ -129,13 +130,14 @@ def _side_channel_worker(rank: int, world: int) -> tuple[list[dict], list[tuple[
         return original(tensor, dst, group=group, tag=tag)
 
     grads = []
-    dist.isend = recording
-    try:
-        for step, size in enumerate(SIZES):
-            engine.train_step(make_data(size, seed=step), _frozen(engine))
-            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-    finally:
-        dist.isend = original
+    with record_batches(payload) as batches:
+        dist.isend = recording  # inside the recorder's own wrapper: both see each single send
+        try:
+            for step, size in enumerate(SIZES):
+                engine.train_step(make_data(size, seed=step), _frozen(engine))
+                grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        finally:
+            dist.isend = original
     if rank == world - 1:
         model.pipeline_loss = lambda *args: (_ for _ in ()).throw(RuntimeError("loss exploded"))
     try:
@@ -143,7 +145,7 @@ def _side_channel_worker(rank: int, world: int) -> tuple[list[dict], list[tuple[
         failure = "none"
     except Exception as err:  # noqa: BLE001 - the test reads what each rank saw
         failure = f"{type(err).__name__}: {err}"
-    return grads, routes, failure
+    return grads, routes, failure, batches
 
 
 scenario(2, "executor_side_channel", _side_channel_worker)
@@ -151,9 +153,10 @@ scenario(2, "executor_side_channel", _side_channel_worker)
 
 def test_headers_over_a_side_channel(launched) -> None:
     # With tensors on NCCL, headers go over a gloo group so that reading one never waits on the
-    # GPU. Forced on here (gloo both): same gradients as one process while shapes change (so
-    # placeholders are sent too), every header on the side group and no tensor on it, and a
-    # failure's notice still reaches the other rank.
+    # GPU. Forced on here (gloo both): same gradients as one process while shapes change, every
+    # header on the side group, tensors on the payload group only in batches (NCCL's discipline,
+    # p2p.Channel.ordered), replayed in NCCL's order without a hang, and a failure's notice
+    # still reaches the other rank.
     out = launched(2)["executor_side_channel"]
     assert all(status == "ok" for status, _ in out), out
     torch.manual_seed(0)
@@ -161,12 +164,55 @@ def test_headers_over_a_side_channel(launched) -> None:
     for step, size in enumerate(SIZES):
         got = {**out[0][1][0][step], **out[1][1][0][step]}
         assert_close_dicts(got, reference_grads(reference, make_data(size, seed=step)), rtol=1e-5)
-    for _, (_, routes, _) in out:
-        assert routes and all(header == on_side and header != on_payload for header, on_side, on_payload in routes), routes
-        assert sum(header for header, _, _ in routes) * 2 <= len(routes)  # a header, then at least one tensor
+    for _, (_, routes, _, batches) in out:
+        assert routes and all(on_side and not on_payload for _, on_side, on_payload in routes), routes
+        assert sum(header for header, _, _ in routes) < len(routes)  # new shapes: their tensors beside their header
+        assert sum(kind == "send" for ops in batches for kind, _, _ in ops) > len(SIZES)  # known shapes: batched
+    assert run_in_order({rank: value[3] for rank, (_, value) in enumerate(out)}) > 0
     assert out[1][1][2] == "RuntimeError: loss exploded"
     assert out[0][1][2].startswith("PipelineAbortedError") and "loss exploded" in out[0][1][2], out[0][1][2]
 
+
+ORDERED = [("gpipe", False, 1), ("1f1b", False, 1), ("1f1b", True, 1), ("1f1b", False, 2), ("1f1b", True, 2),
+           ("2bw", False, 1), ("2bw", True, 1)]  # fmt: skip
+ORDERED_SIZES = [8, 8, 6]  # the last batch's microbatches are smaller: new shapes mid-run
+
+
+def _ordered_worker(rank: int, world: int) -> dict[tuple, tuple[dict, list]]:
+    """Every schedule at d = 4 with headers on a side channel (tensors batched as on NCCL):
+    each rank's weights after three Adam steps, and the transfer groups it posted."""
+    groups = PipelineGroups.build(Topology(world, world), rank, side_channel=True)
+    out = {}
+    for schedule, split, virtual in ORDERED:
+        torch.manual_seed(0)
+        model = ToyChain(depth=6)
+        plan = PipelinePlan(1, world, 4, schedule, split, partition="uniform", virtual_stages=virtual)
+        engine = place(model, plan, rank, groups=groups)
+        opt = torch.optim.Adam(model.parameters(), lr=model.lr)
+        with record_batches(groups.payload) as batches:
+            for step, size in enumerate(ORDERED_SIZES):
+                engine.train_step(make_data(size, seed=step), opt)
+            engine.drain()
+        out[schedule, split, virtual] = ({n: p.detach().clone() for n, p in model.named_parameters()}, batches)
+        engine.close()
+    return out
+
+
+scenario(4, "executor_ordered_channel", _ordered_worker)
+
+
+@pytest.mark.parametrize("combo", ORDERED, ids=lambda c: f"{c[0]}{'+split' if c[1] else ''}{f'-v{c[2]}' if c[2] > 1 else ''}")
+def test_every_schedule_keeps_to_nccls_order(launched, combo: tuple) -> None:
+    # d = 4: a rank's receives must not hold back its transfers to its other neighbour, and two
+    # neighbours that send each other must post both in one group. Replayed in NCCL's order,
+    # every group the ranks posted runs; and the weights match one process (2BW: its rule).
+    out = launched(4)["executor_ordered_channel"]
+    assert all(status == "ok" for status, _ in out), [v for s, v in out if s != "ok"]
+    assert run_in_order({rank: value[combo][1] for rank, (_, value) in enumerate(out)}) > 0
+    torch.manual_seed(0)
+    want = reference_train(ToyChain(depth=6), [make_data(n, seed=s) for s, n in enumerate(ORDERED_SIZES)],
+                           delay=1 if combo[0] == "2bw" else 0)  # fmt: skip
+    assert_close_dicts({k: v for _, value in out for k, v in value[combo][0].items()}, want, rtol=1e-5)
 
 
 # Rank 0 runs its backwards in the other order: it reads mb 1's gradient before mb 0's, which
@@ -264,3 +310,21 @@ def test_links_carrying_activations_and_gradients_post_receives_that_fit(launche
     # two per transfer before, header then payload.
     out = launched(2)["executor_link_specs"]
     assert all(status == "ok" and mismatched == 0 and posted == sends > 0 for status, (mismatched, posted, sends) in out), out
+
+
+def test_the_nccl_replay_finds_hangs_and_mismatched_sizes() -> None:
+    # Two ranks that each send, then receive, in groups of their own: each send waits for a
+    # receive queued behind the other's send. One group each (send and receive) runs.
+    apart = {0: [[("send", 1, 4)], [("recv", 1, 4)]], 1: [[("send", 0, 4)], [("recv", 0, 4)]]}
+    with pytest.raises(AssertionError, match="would hang"):
+        run_in_order(apart)
+    assert run_in_order({0: [[("send", 1, 4), ("recv", 1, 4)]], 1: [[("recv", 0, 4), ("send", 0, 4)]]}) == 2
+    # In a ring, a receive posted first holds back the rank's send to the other side, and so
+    # does a send posted first the receive: both hang; one group each runs.
+    ring = {r: [[("recv", (r + 1) % 3, 4)], [("send", (r - 1) % 3, 4)]] for r in range(3)}
+    for streams in (ring, {r: [ring[r][1], ring[r][0]] for r in range(3)}):
+        with pytest.raises(AssertionError, match="would hang"):
+            run_in_order(streams)
+    assert run_in_order({r: [ring[r][1] + ring[r][0]] for r in range(3)}) == 3
+    with pytest.raises(AssertionError, match="carries 4 bytes, its counterpart 8"):
+        run_in_order({0: [[("send", 1, 4)]], 1: [[("recv", 0, 8)]]})

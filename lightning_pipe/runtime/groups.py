@@ -26,6 +26,12 @@ class PipelineGroups:
         headers: a gloo group over the job for the transfers' headers when the tensors are not
             on the CPU (NCCL), so that reading a header never waits on the device (``None``:
             headers travel with the tensors).
+        payload: with ``headers``, a group over the job, of the devices' backend, for the
+            tensors alone: NCCL runs a group's batched transfers and its collectives on one
+            stream, in the order posted, so a loss broadcast posted at the start of a step on
+            ``pp`` (the whole job when ``w = 1``) would hold back every transfer behind it. Its
+            first operation is an all-reduce that every rank joins: a first batched transfer
+            between two ranks of a larger NCCL group is undefined (``batch_isend_irecv``'s note).
     """
 
     mesh: Any
@@ -33,6 +39,7 @@ class PipelineGroups:
     pp: Any
     norm: Optional[Any]
     headers: Optional[Any] = None
+    payload: Optional[Any] = None
 
     @classmethod
     def build(cls, topology: Topology, rank: int, device_type: str = "cpu",
@@ -47,17 +54,20 @@ class PipelineGroups:
         if side_channel is None:
             side_channel = device_type != "cpu" and topology.depth > 1
         headers = dist.new_group(backend="gloo") if side_channel else None
-        return cls(mesh, mesh.get_group("dp"), mesh.get_group("pp"), norm, headers)
+        payload = dist.new_group() if side_channel else None
+        if payload is not None and device_type != "cpu":  # NCCL: every rank joins the first operation on a group
+            dist.all_reduce(torch.zeros(1, device=device_type), group=payload)
+        return cls(mesh, mesh.get_group("dp"), mesh.get_group("pp"), norm, headers, payload)
 
     def destroy(self) -> None:
         """Destroy this rank's groups of the layout (each holds threads and sockets): once no
         engine uses them. The default group, which a dimension spanning the whole job reuses, stays."""
-        destroy_groups([self.dp, self.pp, self.norm, self.headers])
+        destroy_groups([self.dp, self.pp, self.norm, self.headers, self.payload])
 
     @property
     def channel(self) -> Channel:
         """Where the pipeline's transfers send their headers and tensors."""
-        return DIRECT if self.headers is None else Channel(self.headers, None, torch.device("cpu"))
+        return DIRECT if self.headers is None else Channel(self.headers, self.payload, torch.device("cpu"))
 
 
 def pipeline_group(topology: Topology, rank: int) -> Any:
