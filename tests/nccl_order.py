@@ -1,14 +1,18 @@
-"""NCCL's point-to-point discipline, emulated over recorded transfers: does a run that passed on gloo hang there?
+"""NCCL's point-to-point discipline, emulated over recorded transfers: would a run that passed on gloo hang there?
 
-Gloo matches a send with its receive whenever both are posted. NCCL runs a communicator's
-operations on one stream, one ``batch_isend_irecv`` group after another in the order each rank
-posted them, and a group ends only when every transfer in it has met its counterpart: a send
-waits for the receiving rank to run the group holding its receive (a rendezvous; small messages
-may go ahead eagerly, but nothing may rely on that). The ``n``-th send from ``a`` to ``b``
-meets the ``n``-th receive ``b`` posts from ``a``.
+Gloo matches a send with its receive whenever both are posted. NCCL runs each process group's
+operations on one stream per rank, in the order the rank posted them (a ``batch_isend_irecv``
+as one group of operations that run together), and an operation ends only once its counterpart
+runs: a send waits for the receiving rank to reach its receive (small messages may go ahead
+eagerly, but nothing may rely on that). On one group the ``n``-th send from ``a`` to ``b`` meets
+the ``n``-th receive ``b`` posts from ``a``.
 
-:func:`record_batches` records what each rank posts; :func:`run_in_order` replays every rank's
-groups under that discipline and fails on a hang or on a send and receive of different sizes.
+:func:`record` records what a rank posts; :func:`run_in_order` replays every rank's streams
+under that discipline and fails on a hang or on a send and receive of different sizes. One
+stream per group and rank: stricter than torch, which runs the single operations of a group
+of more than two ranks on a communicator per pair of ranks. Not modelled: waits outside the
+streams (a host reading a header over gloo, a device synchronisation), which a run that
+finished on gloo has already passed.
 """
 
 from __future__ import annotations
@@ -18,68 +22,92 @@ from typing import Any, Iterator
 
 import torch.distributed as dist
 
-#: One transfer: ("send" or "recv", peer's global rank, bytes).
+#: One transfer: ("send" or "recv", the peer's global rank, bytes).
 Op = tuple[str, int, int]
+#: A rank's stream: the name of the group it belongs to, and the operations posted on it, a batch each.
+Streams = dict[str, list[list[Op]]]
+
+
+def _op(kind: str, peer: int, tensor: Any) -> Op:
+    return kind, peer, tensor.numel() * tensor.element_size()
 
 
 @contextmanager
-def record_batches(group: Any = None) -> Iterator[list[list[Op]]]:
-    """Record every ``dist.batch_isend_irecv`` posted on this rank (its transfers on ``group``,
-    if given), and any single ``isend``/``irecv`` on ``group`` as a group of its own."""
-    batches: list[list[Op]] = []
+def record(skip: Any = None) -> Iterator[Streams]:
+    """Record every point-to-point operation this rank posts (single ``isend``/``irecv`` and
+    ``batch_isend_irecv``, but those on ``skip``) by the name of its group."""
+    streams: Streams = {}
     batched, isend, irecv = dist.batch_isend_irecv, dist.isend, dist.irecv
 
-    def on(g: Any) -> bool:
-        return group is None or g is group
+    def add(group: Any, ops: list[Op]) -> None:
+        group = group if group is not None else dist.group.WORLD
+        if group is not skip and ops:
+            streams.setdefault(group.group_name, []).append(ops)
 
     def batch(ops: list[dist.P2POp]) -> Any:
-        batches.append([("send" if op.op.__name__ == "isend" else "recv", op.peer, op.tensor.numel() * op.tensor.element_size())
-                        for op in ops if on(op.group)])  # fmt: skip
+        for group in {id(op.group): op.group for op in ops}.values():
+            add(
+                group,
+                [
+                    _op("send" if op.op.__name__ == "isend" else "recv", op.peer, op.tensor)
+                    for op in ops
+                    if op.group is group
+                ],
+            )
         return batched(ops)
 
     def single(kind: str, original: Any) -> Any:
         def post(tensor: Any, peer: int, group: Any = None, tag: int = 0) -> Any:
-            if on(group) and group is not None:
-                batches.append([(kind, peer, tensor.numel() * tensor.element_size())])
+            add(group, [_op(kind, peer, tensor)])
             return original(tensor, peer, group=group, tag=tag)
 
         return post
 
     dist.batch_isend_irecv, dist.isend, dist.irecv = batch, single("send", isend), single("recv", irecv)
     try:
-        yield batches
+        yield streams
     finally:
         dist.batch_isend_irecv, dist.isend, dist.irecv = batched, isend, irecv
 
 
-def run_in_order(streams: dict[int, list[list[Op]]]) -> int:
-    """Replay each rank's groups (``streams[rank]``) in order, as NCCL runs them; return how
-    many groups ran. Raise ``AssertionError`` on a hang (naming each rank's waiting group) or
-    on a send whose receive has another size."""
-    where: dict[tuple[str, int, int, int], tuple[int, int, int]] = {}  # (kind, src, dst, n) -> (rank, group, bytes)
-    counts: dict[tuple[str, int, int], int] = {}
-    for rank, groups in streams.items():
-        for g, ops in enumerate(groups):
+def run_in_order(ranks: dict[int, Streams]) -> int:
+    """Replay every rank's streams (``ranks[rank][group]``), each in its order, as NCCL runs them;
+    return how many operations ran. Raise ``AssertionError`` on a hang (naming what each stuck
+    stream waits in) or on a send whose receive has another size."""
+    streams = {(rank, group): batches for rank, by_group in ranks.items() for group, batches in by_group.items()}
+    where: dict[tuple[str, str, int, int, int], tuple[tuple[int, str], int, int]] = {}
+    counts: dict[tuple[str, str, int, int], int] = {}
+    for (rank, group), batches in streams.items():
+        for b, ops in enumerate(batches):
             for kind, peer, nbytes in ops:
                 src, dst = (rank, peer) if kind == "send" else (peer, rank)
-                n = counts[kind, src, dst] = counts.get((kind, src, dst), -1) + 1
-                where[kind, src, dst, n] = (rank, g, nbytes)
-    matches: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (rank, group) -> the (rank, group) of each counterpart
-    for (kind, src, dst, n), (rank, g, nbytes) in where.items():
-        other = where.get(("recv" if kind == "send" else "send", src, dst, n))
-        matches.setdefault((rank, g), []).append((-1, -1) if other is None else other[:2])
+                n = counts[kind, group, src, dst] = counts.get((kind, group, src, dst), -1) + 1
+                where[kind, group, src, dst, n] = ((rank, group), b, nbytes)
+    waits_on: dict[tuple[tuple[int, str], int], list[tuple[tuple[int, str], int]]] = {}
+    for (kind, group, src, dst, n), (stream, b, nbytes) in where.items():
+        other = where.get(("recv" if kind == "send" else "send", group, src, dst, n))
+        waits_on.setdefault((stream, b), []).append((stream, -1) if other is None else other[:2])
         if other is not None and other[2] != nbytes:
-            raise AssertionError(f"{kind} {n} from {src} to {dst} carries {nbytes} bytes, its counterpart {other[2]}")
-    head = {rank: 0 for rank in streams}
+            raise AssertionError(
+                f"{kind} {n} from {src} to {dst} on group {group} carries {nbytes} bytes, its counterpart {other[2]}"
+            )
+    head = {stream: 0 for stream in streams}
     ran = 0
     while True:
-        done = [rank for rank, g in head.items() if g < len(streams[rank]) and
-                all(peer >= 0 and head[peer] >= pg for peer, pg in matches.get((rank, g), []))]  # fmt: skip
+        done = [
+            s
+            for s, b in head.items()
+            if b < len(streams[s]) and all(o >= 0 and head[peer] >= o for peer, o in waits_on[s, b])
+        ]
         if not done:
             break
-        for rank in done:
-            head[rank] += 1
-            ran += 1
-    waiting = {rank: streams[rank][g] for rank, g in head.items() if g < len(streams[rank])}
-    assert not waiting, f"NCCL would hang: each rank's waiting group (kind, peer, bytes): {waiting}"
+        for stream in done:
+            ran += len(streams[stream][head[stream]])
+            head[stream] += 1
+    stuck = {
+        f"rank {rank} group {group}": streams[rank, group][b]
+        for (rank, group), b in head.items()
+        if b < len(streams[rank, group])
+    }
+    assert not stuck, f"NCCL would hang: each stuck stream's waiting operations (kind, peer, bytes): {stuck}"
     return ran

@@ -37,8 +37,9 @@ def test_simulator_reproduces_table_1(row: str) -> None:
         m = microbatches(n)
         assert simulate(build_schedule(name, n, m), EQUAL).total_bubble == pytest.approx(plain(n))
         assert simulate(build_schedule(name, n, m, split=True), EQUAL).total_bubble == pytest.approx(with_2bp(n))
-        if name == "gpipe":  # seed 001's own GPipe placement (every W after the last I) gives the same
-            assert simulate(_placed(n, m, "end"), EQUAL).total_bubble == pytest.approx(with_2bp(n))
+        if name == "gpipe":  # seed 001's own GPipe placement (every W after the last I), and one W per I, the same
+            for placement in ("end", "cooldown"):
+                assert simulate(_placed(n, m, placement), EQUAL).total_bubble == pytest.approx(with_2bp(n))
 
 
 def test_golden_split_and_placement() -> None:

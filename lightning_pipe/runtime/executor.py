@@ -224,7 +224,6 @@ class Executor:
         self._actions: list[Action] = []  # the program running, and the index of its action now running
         self._at = 0
         self._posted_at = -1  # the action whose send was posted last (see _next_send_kind)
-        self._batch: Optional[p2p.Batch] = None  # an ordered channel's run of sends, posted at its last send
         self._arrived: dict[Action, Tensors] = {}  # received ahead of the action that reads them
         self._sends_to: dict[int, list[int]] = {}  # per peer: the program's sends to it, by action index
         self._reads_from: dict[int, list[int]] = {}  # per peer: the program's receives from it, by action index
@@ -264,7 +263,7 @@ class Executor:
         """
         split_run = any(a.kind is Kind.INPUT_GRAD for a in actions)
         self._replayed = {s for s, (stage, _) in self._chunks.items() if stage.recompute and split_run}
-        self._actions, self._at, self._posted_at, self._batch = actions, 0, -1, None
+        self._actions, self._at, self._posted_at = actions, 0, -1
         try:
             self._post_receives(actions, arrivals)
             for self._at, action in enumerate(actions):
@@ -384,16 +383,10 @@ class Executor:
     def _send(self, tensors: Tensors, dst: Optional[int], st: StepState, kind: Kind) -> None:
         """Post ``tensors`` to ``dst``, where a ``kind`` (RECV_ACT or RECV_GRAD) action reads them."""
         assert dst is not None
-        batch = None
-        if self.channel.ordered:
-            batch = self._batch = self._batch or p2p.Batch()
-        else:
-            self._post_next(dst)  # before the send: the peer, likely waiting for it, is idle (see _post_next)
+        self._post_next(dst)  # before the send: the peer, likely waiting for it, is idle (see _post_next)
         box = st.sent.get(dst) or st.sent.setdefault(dst, Outbox())
         transfer = p2p.send_tensors(tensors, dst, self.device, ack=st.received[dst], posted=self.links.sent.get((dst, kind)),
-                                    channel=self.channel, batch=batch)  # fmt: skip
-        if batch is not None and not self._sends_next():
-            self._issue_run()
+                                    channel=self.channel)  # fmt: skip
         box.post(transfer)
         self._posted_at = self._at
         self.links.sent[dst, kind] = transfer.specs
@@ -445,48 +438,13 @@ class Executor:
 
     def _post_ahead(self, src: int, after: int) -> None:
         """Post the next receive from ``src`` now, unless this rank sends to ``src`` (after action
-        ``after``) before it next reads from it: then just before that send (:meth:`_post_next`).
-
-        Never on an ordered channel (:attr:`~lightning_pipe.runtime.p2p.Channel.ordered`, NCCL):
-        there a receive posted ahead would hold back every later transfer of this rank, to any
-        neighbour, until ``src`` sends, and ``src`` may be waiting for one of them: replayed in
-        NCCL's order, interleaved 1F1B at d = 4 hangs (tests/test_executor_parity.py). Its
-        receives are posted with the sends just before the read (:meth:`_issue_run`), else at the read.
-        """
-        if self.channel.ordered:
-            return
+        ``after``) before it next reads from it: then just before that send (:meth:`_post_next`)."""
         sends, reads = self._sends_to.get(src, []), self._reads_from.get(src, [])
         i, j = bisect.bisect_right(sends, after), bisect.bisect_right(reads, after)
         if i == len(sends) or (j < len(reads) and reads[j] < sends[i]):
             self._post_next(src)
 
-    def _sends_next(self) -> bool:
-        """Whether the action after this one sends too (the run of sends between two computations goes on)."""
-        return self._at + 1 < len(self._actions) and self._actions[self._at + 1].kind in DELIVERS
-
-    def _issue_run(self) -> None:
-        """Post the batch of this run's sends, with the receives of every read before this
-        rank's next send, as one group (an ordered channel, :attr:`~lightning_pipe.runtime.p2p.Channel.ordered`).
-
-        NCCL runs a rank's groups one after another and a send waits for its receive, so two
-        ranks that each send and then read from the other (1F1B's steady state), or a ring of
-        them (interleaved 1F1B's warm-up: every rank sends on, then reads from behind; with
-        split backward, every rank sends a gradient back, runs a W, then reads the next), would
-        each wait in a send whose receive is queued behind the other's send. Posted in the
-        group of the sends before them, as torch's schedules batch theirs, they run together;
-        posted earlier, they would hold back those sends. A read with no send before it posts
-        its receive when it reads, as does a second read from one neighbour before the next send.
-        """
-        batch, self._batch = self._batch, None
-        assert batch is not None
-        at = self._at + 1
-        while at < len(self._actions) and self._actions[at].kind not in DELIVERS:
-            if self._actions[at].kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
-                self._post_next(self._source(self._actions[at]), batch)  # type: ignore[arg-type]
-            at += 1
-        batch.issue()
-
-    def _post_next(self, src: int, batch: Optional[p2p.Batch] = None) -> None:
+    def _post_next(self, src: int) -> None:
         """Post the receive of the next message from ``src``, if the program reads another and it is not posted yet.
 
         Called just before a send to ``src``, by the action that reads the message, and ahead
@@ -502,7 +460,7 @@ class Executor:
         drain) posting ahead wins: posted only at the read, GPipe's steps took 58 ms against 51.
         """
         if src not in self._incoming and self._expected.get(src):
-            self._incoming[src] = self._incoming_from(src, batch)
+            self._incoming[src] = self._incoming_from(src)
 
     def _advance_receives(self) -> None:
         """Post the payload receives of every message whose header is in and whose tensors come
@@ -516,10 +474,10 @@ class Executor:
         for incoming in self._incoming.values():
             incoming.advance()
 
-    def _incoming_from(self, src: int, batch: Optional[p2p.Batch] = None) -> p2p.Incoming:
+    def _incoming_from(self, src: int) -> p2p.Incoming:
         """The next message from ``src``, its receive posted for the specs its kind (activations
-        or gradients) last had on this link (its payload receives added to ``batch``, if given)."""
-        return p2p.Incoming(src, self.device, self.links.received.get((src, self._next_kind(src))), self.channel, batch)
+        or gradients) last had on this link."""
+        return p2p.Incoming(src, self.device, self.links.received.get((src, self._next_kind(src))), self.channel)
 
     def _next_kind(self, src: int) -> Kind:
         """What the next message from ``src`` carries: the next receive in its send order (the
@@ -568,9 +526,6 @@ class Executor:
     # -- failure ---------------------------------------------------------------------------
     def _abort(self, err: BaseException) -> None:
         source = getattr(err, "source_rank", None)
-        if self._batch is not None:  # sends whose headers went out: their tensors follow, before any notice
-            self._batch, batch = None, self._batch
-            batch.issue()
         stages = sorted(self._chunks)
         if isinstance(err, p2p.PipelineAbortedError):
             message = str(err)

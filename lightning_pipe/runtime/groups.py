@@ -26,12 +26,9 @@ class PipelineGroups:
         headers: a gloo group over the job for the transfers' headers when the tensors are not
             on the CPU (NCCL), so that reading a header never waits on the device (``None``:
             headers travel with the tensors).
-        payload: with ``headers``, a group over the job, of the devices' backend, for the
-            tensors alone: NCCL runs a group's batched transfers and its collectives on one
-            stream, in the order posted, so a loss broadcast posted at the start of a step on
-            ``pp`` (the whole job when ``w = 1``) would hold back every transfer behind it. Its
-            first operation is an all-reduce that every rank joins: a first batched transfer
-            between two ranks of a larger NCCL group is undefined (``batch_isend_irecv``'s note).
+        links: with ``headers``, a group of the devices' backend for each direction of each link
+            between neighbouring stages (the last to the first too, for interleaved 1F1B), by
+            (sender, receiver) global ranks: the tensors' own streams (see :class:`Channel`).
     """
 
     mesh: Any
@@ -39,7 +36,7 @@ class PipelineGroups:
     pp: Any
     norm: Optional[Any]
     headers: Optional[Any] = None
-    payload: Optional[Any] = None
+    links: Optional[dict[tuple[int, int], Any]] = None
 
     @classmethod
     def build(cls, topology: Topology, rank: int, device_type: str = "cpu",
@@ -54,20 +51,18 @@ class PipelineGroups:
         if side_channel is None:
             side_channel = device_type != "cpu" and topology.depth > 1
         headers = dist.new_group(backend="gloo") if side_channel else None
-        payload = dist.new_group() if side_channel else None
-        if payload is not None and device_type != "cpu":  # NCCL: every rank joins the first operation on a group
-            dist.all_reduce(torch.zeros(1, device=device_type), group=payload)
-        return cls(mesh, mesh.get_group("dp"), mesh.get_group("pp"), norm, headers, payload)
+        links = link_groups(topology, rank) if side_channel else None
+        return cls(mesh, mesh.get_group("dp"), mesh.get_group("pp"), norm, headers, links)
 
     def destroy(self) -> None:
         """Destroy this rank's groups of the layout (each holds threads and sockets): once no
         engine uses them. The default group, which a dimension spanning the whole job reuses, stays."""
-        destroy_groups([self.dp, self.pp, self.norm, self.headers, self.payload])
+        destroy_groups([self.dp, self.pp, self.norm, self.headers, *(self.links or {}).values()])
 
     @property
     def channel(self) -> Channel:
         """Where the pipeline's transfers send their headers and tensors."""
-        return DIRECT if self.headers is None else Channel(self.headers, self.payload, torch.device("cpu"))
+        return DIRECT if self.headers is None else Channel(self.headers, None, torch.device("cpu"), self.links)
 
 
 def pipeline_group(topology: Topology, rank: int) -> Any:
@@ -75,6 +70,22 @@ def pipeline_group(topology: Topology, rank: int) -> Any:
     collective: every rank of the job creates every replica's group, in the same order)."""
     groups = [dist.new_group([topology.rank_of(r, s) for s in range(topology.depth)]) for r in range(topology.width)]
     return groups[topology.replica_of(rank)]
+
+
+def link_groups(topology: Topology, rank: int) -> dict[tuple[int, int], Any]:
+    """This rank's groups for its links, one per direction, by (sender, receiver) global rank (a
+    collective: every rank of the job creates every pipeline's groups, in the same order)."""
+    mine = {}
+    for replica in range(topology.width):
+        stages = [topology.rank_of(replica, s) for s in range(topology.depth)]
+        pairs = dict.fromkeys(
+            (a, b) for s, a in enumerate(stages) for b in (stages[s - 1], stages[(s + 1) % len(stages)]) if a != b
+        )
+        for pair in pairs:
+            group = dist.new_group(sorted(pair))
+            if rank in pair:
+                mine[pair] = group
+    return mine
 
 
 def destroy_groups(groups: Any) -> None:

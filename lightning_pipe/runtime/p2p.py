@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -47,11 +47,20 @@ class Channel:
             reading a header (to post or check the payload receives) never waits on the device.
         payload: the group the tensors go over; ``None``: the default.
         header_device: where headers live; ``None``: with the tensors.
+        links: where given, the group of its own that carries the tensors from one rank to
+            another, by (sender, receiver) global ranks, in place of ``payload``. NCCL runs a
+            group's transfers on one stream, in the order each rank posts them, and a large send
+            waits until its receive runs; on a group shared by both directions (or by several
+            neighbours) a receive posted ahead of a send would hold that send back, and two
+            neighbours that each send before they receive would each wait for the other (1F1B's
+            steady state). On a group that carries one direction of one link, every rank posts
+            its operations in the order the link's messages travel, so none waits on another.
     """
 
     headers: Any = None
     payload: Any = None
     header_device: Optional[torch.device] = None
+    links: Optional[Mapping[tuple[int, int], Any]] = field(default=None, hash=False, compare=False)
 
     def header_on(self, device: torch.device) -> torch.device:
         """The device of a header for tensors on ``device``."""
@@ -63,23 +72,9 @@ class Channel:
         message (its header, then its tensors, in one buffer: :func:`packed_bytes`)."""
         return self.headers is self.payload and self.header_device is None
 
-    @property
-    def ordered(self) -> bool:
-        """Whether this channel keeps tensors to the discipline of a backend that runs a rank's
-        point-to-point operations in the order they are posted (NCCL: one stream per
-        communicator), where a receive posted early holds back every operation behind it and
-        two ranks sending to each other, each before its receive, wait for each other.
-
-        Assumed wherever headers take a side channel, so that the CPU tests of that path run it
-        too. There the tensors go over the payload group only into receives posted before their
-        header (:class:`Incoming`), each receive in the :class:`Batch` of the sends before its
-        read (``Executor._issue_run``) or alone at the read, and every payload operation goes in
-        a batch (NCCL puts batched and single operations on different communicators, which
-        never match each other). tests/nccl_order.py replays what the ranks post in NCCL's order. Tensors whose
-        receiver could not post for them (a link's first message, new shapes, an abort notice)
-        go with their header over the side channel.
-        """
-        return not self.packs
+    def payload_from(self, src: int, dst: int) -> Any:
+        """The group that carries tensors from global rank ``src`` to ``dst``."""
+        return self.payload if self.links is None else self.links[src, dst]
 
     def polls(self) -> bool:
         """Whether a posted header receive reports completion before it is waited on. Gloo's
@@ -88,67 +83,6 @@ class Channel:
 
 
 DIRECT = Channel()  # headers and tensors together, over the default group
-
-
-_ISEND, _IRECV = dist.isend, dist.irecv  # as imported: batch_isend_irecv tells a send by identity, whatever wraps dist.isend later
-
-
-class Batch:
-    """Point-to-point operations posted together, as one ``dist.batch_isend_irecv``.
-
-    On NCCL the batch is one group: its sends and receives progress together, so two ranks that
-    each post a receive from the other beside their send to it never wait for each other.
-    """
-
-    def __init__(self) -> None:
-        self._ops: list[dist.P2POp] = []
-        self._works: Optional[list[dist.Work]] = None
-
-    def add(self, send: bool, tensor: Tensor, peer: int, group: Any) -> "BatchedWork":
-        """Add a send (or receive) of ``tensor`` to (from) global rank ``peer``; a handle on it."""
-        self._ops.append(dist.P2POp(_ISEND if send else _IRECV, tensor, peer, group))
-        return BatchedWork(self, len(self._ops) - 1)
-
-    def issue(self) -> None:
-        """Post every operation added."""
-        self._works = dist.batch_isend_irecv(self._ops) if self._ops else []
-
-    def works_of(self, index: int) -> list[dist.Work]:
-        """The handles that cover operation ``index``: its own, or the whole batch's where the
-        backend coalesced it into one."""
-        if self._works is None:
-            raise RuntimeError("a batched transfer was waited on before its batch was posted")
-        return [self._works[index]] if len(self._works) == len(self._ops) else self._works
-
-
-@dataclass
-class BatchedWork:
-    """A handle, like ``dist.Work``, on one operation of a :class:`Batch`."""
-
-    batch: Batch
-    index: int
-
-    def wait(self, timeout: Optional[Any] = None) -> bool:
-        """Wait for the operation (and whatever its batch's handle covers with it)."""
-        for work in self.batch.works_of(self.index):
-            work.wait() if timeout is None else work.wait(timeout)
-        return True
-
-    def is_completed(self) -> bool:
-        """Whether the operation reports completion."""
-        return all(work.is_completed() for work in self.batch.works_of(self.index))
-
-
-def _post(send: bool, tensor: Tensor, peer: int, channel: Channel, batch: Optional[Batch]) -> Any:
-    """Post one payload operation: in ``batch``; alone in a batch of its own on an ordered
-    channel (:attr:`Channel.ordered`); else directly."""
-    if batch is None and not channel.ordered:
-        return (dist.isend if send else dist.irecv)(tensor, peer, group=channel.payload)
-    own = Batch() if batch is None else batch
-    work = own.add(send, tensor, peer, channel.payload)
-    if batch is None:
-        own.issue()
-    return work
 
 
 def header_fields(tensors: Sequence[Tensor], ack: int = 0, status: int = _OK) -> list[int]:
@@ -316,7 +250,7 @@ class Transfer:
 
 
 def send_tensors(tensors: Sequence[Tensor], dst: int, device: torch.device, ack: int = 0,
-                 posted: Optional[Specs] = None, channel: Channel = DIRECT, batch: Optional[Batch] = None) -> Transfer:  # fmt: skip
+                 posted: Optional[Specs] = None, channel: Channel = DIRECT) -> Transfer:  # fmt: skip
     """Post the non-blocking sends of one tensor tuple, with its header (carrying ``ack``), to global rank ``dst``.
 
     ``posted`` are the specs the receiver posted for before the header came (those of the
@@ -324,23 +258,16 @@ def send_tensors(tensors: Sequence[Tensor], dst: int, device: torch.device, ack:
     tensors of those specs go with their header as one message (a copy, kept until delivered);
     others go after a header padded to the size that message would have had. On one that does
     not, placeholders of the posted specs go first when the tensors differ, and the receiver
-    posts new receives (on an ordered channel the tensors then go with the header: see
-    :attr:`Channel.ordered`). ``batch``: where payload sends are added (posted by the caller).
+    posts new receives.
     """
     tensors = [t.detach() for t in tensors]
     specs = specs_of(tensors)
     if channel.packs and posted is not None and not _unexpected(posted, specs):
         message = packing(specs).pack(tensors, ack, device)
-        return Transfer([dist.isend(message, dst, group=channel.payload)], [message], specs)
+        return Transfer([dist.isend(message, dst, group=channel.payload_from(dist.get_rank(), dst))], [message], specs)
     tensors = [t.contiguous() for t in tensors]
     first = _header_first(header_fields(tensors, ack), specs, posted, device, channel)
-    aside = channel.ordered and posted != specs
-    works = [dist.isend(first[0], dst, group=channel.headers)] + _send_payload(first[1:], dst, channel, batch)
-    if aside:
-        tensors = [t.to(channel.header_on(device)) for t in tensors]
-        works += [dist.isend(_wire(t), dst, group=channel.headers) for t in tensors]
-    else:
-        works += _send_payload(tensors, dst, channel, batch)
+    works = [dist.isend(first[0], dst, group=channel.headers)] + _send_payload(first[1:] + tensors, dst, channel)
     return Transfer(works, first + tensors, specs)
 
 
@@ -355,8 +282,9 @@ def _header_first(fields: list[int], specs: Optional[Specs], posted: Optional[Sp
     return [torch.tensor(fields, dtype=torch.int64, device=channel.header_on(device))] + _fillers(posted, specs, device)
 
 
-def _send_payload(tensors: list[Tensor], dst: int, channel: Channel, batch: Optional[Batch] = None) -> list[Any]:
-    return [_post(True, _wire(t), dst, channel, batch) for t in tensors]
+def _send_payload(tensors: list[Tensor], dst: int, channel: Channel) -> list[dist.Work]:
+    group = channel.payload_from(dist.get_rank(), dst)
+    return [dist.isend(_wire(t), dst, group=group) for t in tensors]
 
 
 class Incoming:
@@ -369,8 +297,9 @@ class Incoming:
     payload receives are posted as soon as the header is in (:meth:`advance`) or when needed
     (:meth:`wait`)."""
 
-    def __init__(self, src: int, device: torch.device, expected: Optional[Specs] = None, channel: Channel = DIRECT,
-                 batch: Optional[Batch] = None) -> None:  # fmt: skip
+    def __init__(
+        self, src: int, device: torch.device, expected: Optional[Specs] = None, channel: Channel = DIRECT
+    ) -> None:
         self.src, self.device, self.expected, self.channel = src, device, expected, channel
         self.packing = packing(expected) if channel.packs and expected is not None else None
         if self.packing is not None:
@@ -379,7 +308,7 @@ class Incoming:
             self.message = torch.empty(HEADER_LEN, dtype=torch.int64, device=channel.header_on(device))
         self.header_work = dist.irecv(self.message, src, group=channel.headers)
         self.early = _empty(expected, device) if expected is not None and self.packing is None else []
-        self.early_works = self._receive(self.early, batch)
+        self.early_works = self._receive(self.early)
         self.buffers: Optional[list[Tensor]] = None
         self.works: list[dist.Work] = []
         self.aborted = False
@@ -411,15 +340,12 @@ class Incoming:
         if self.early and not self.aborted and specs == self.expected:
             self.buffers, self.works = self.early, self.early_works
             return
-        if self.channel.ordered:  # not posted for before the header: the tensors came with it
-            self.buffers = _empty(specs, self.channel.header_on(self.device))
-            self.works = self.early_works + [dist.irecv(_wire(b), self.src, group=self.channel.headers) for b in self.buffers]
-            return
         self.buffers = _empty(specs, self.device)
         self.works = self.early_works + self._receive(self.buffers)
 
-    def _receive(self, buffers: list[Tensor], batch: Optional[Batch] = None) -> list[Any]:
-        return [_post(False, _wire(b), self.src, self.channel, batch) for b in buffers]
+    def _receive(self, buffers: list[Tensor]) -> list[dist.Work]:
+        group = self.channel.payload_from(self.src, dist.get_rank())
+        return [dist.irecv(_wire(b), self.src, group=group) for b in buffers]
 
     def wait(self) -> tuple[Tensor, ...]:
         """The received tuple; raise if ``src`` sent an abort notice instead."""
@@ -432,7 +358,7 @@ class Incoming:
         if self.aborted:
             message = bytes(self.buffers[0].cpu().tolist()).decode("utf-8", errors="replace")
             raise PipelineAbortedError(message, self.src)
-        return tuple(b.to(self.device) for b in self.buffers)
+        return tuple(self.buffers)
 
 
 def send_abort(message: str, dst: int, device: torch.device, posted: Optional[Specs] = None,
@@ -441,10 +367,7 @@ def send_abort(message: str, dst: int, device: torch.device, posted: Optional[Sp
     (``posted``, ``channel``: as for :func:`send_tensors`)."""
     data = torch.tensor(list(message.encode("utf-8")), dtype=torch.uint8, device=device)
     first = _header_first([_ABORT, data.numel()] + [0] * (HEADER_LEN - 2), None, posted, device, channel)
-    works = [dist.isend(first[0], dst, group=channel.headers)] + _send_payload(first[1:], dst, channel)
-    if channel.ordered:  # never posted for: it goes with its header (see Channel.ordered)
-        return works + [dist.isend(data.to(channel.header_on(device)), dst, group=channel.headers)]
-    return works + _send_payload([data], dst, channel)
+    return [dist.isend(first[0], dst, group=channel.headers)] + _send_payload(first[1:] + [data], dst, channel)
 
 
 @dataclass

@@ -23,7 +23,7 @@ all-reduce and the optimizer step, so it is delayed into time the stage would id
   the first gradients go up at I's pace, which covers the stages below, whose backward is
   longer (stage 0's input needs no gradient: its W is its whole backward). Simulated with the
   GPT blocks' costs (stage 0: I = 0, W = B; others I = 0.60 B, W = 0.48 B; F = 0.5 B), GPipe
-  with split takes 0.97x plain GPipe's step at d = 2 and 0.93x at d = 4 (m = 8), where
+  with split takes 0.98x plain GPipe's step at d = 2 and 0.93x at d = 4 (m = 8), where
   ``"cooldown"`` took 1.01x and 0.96x (a brute-force search over every stage's bound up to 4
   finds at most 0.3% more). On the benchmark's cost model (2 blocks a stage, 20 ms each in F,
   I and W; stage 0 has one I) it is 0.93x at d = 2 and 0.88x at d = 4, ``"cooldown"`` 0.94x
@@ -34,8 +34,8 @@ all-reduce and the optimizer step, so it is delayed into time the stage would id
 ``max_pending`` bounds how many microbatches may wait for their W (each holds activations
 and intermediate gradients): past it a W runs right after the I, as in seed 001's Figure 5.
 Under ``"zb-h1"`` and ``"bounded"`` it replaces the per-stage bound ``s`` (under ``"zb-h1"``,
-``max_pending >= m`` gives 2BP's ``"cooldown"``). Pending W's always run before an all-reduce, which needs complete gradients
-(2BW relies on it).
+``max_pending >= m`` gives 2BP's ``"cooldown"``). Pending W's always run before an all-reduce,
+which needs complete gradients (2BW relies on it).
 
 1F1B, d=2, m=3 (ZB-H1)::
 
