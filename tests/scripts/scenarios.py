@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import pickle
@@ -47,6 +48,7 @@ def main() -> None:
         print(f"[rank {rank}] {name}: {result[0]} in {time.monotonic() - start:.1f}s", flush=True)
         dist.barrier()  # a scenario that failed on one rank only times out here and ends the launch
         destroy_groups(shared.live_groups())  # each holds threads and sockets: the next scenario starts as a fresh launch would
+        gc.collect()  # a group a reference cycle keeps (a failed step's engine) closes its sockets now, not at some later collection
     dist.destroy_process_group()
 
 
