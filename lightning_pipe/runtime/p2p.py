@@ -264,7 +264,7 @@ def send_tensors(tensors: Sequence[Tensor], dst: int, device: torch.device, ack:
     specs = specs_of(tensors)
     if channel.packs and posted is not None and not _unexpected(posted, specs):
         message = packing(specs).pack(tensors, ack, device)
-        return Transfer([dist.isend(message, dst, group=channel.payload_from(dist.get_rank(), dst))], [message], specs)
+        return Transfer([dist.isend(message, dst, group=channel.payload)], [message], specs)  # packs: no links
     tensors = [t.contiguous() for t in tensors]
     first = _header_first(header_fields(tensors, ack), specs, posted, device, channel)
     works = [dist.isend(first[0], dst, group=channel.headers)] + _send_payload(first[1:] + tensors, dst, channel)
@@ -297,9 +297,7 @@ class Incoming:
     payload receives are posted as soon as the header is in (:meth:`advance`) or when needed
     (:meth:`wait`)."""
 
-    def __init__(
-        self, src: int, device: torch.device, expected: Optional[Specs] = None, channel: Channel = DIRECT
-    ) -> None:
+    def __init__(self, src: int, device: torch.device, expected: Optional[Specs] = None, channel: Channel = DIRECT) -> None:
         self.src, self.device, self.expected, self.channel = src, device, expected, channel
         self.packing = packing(expected) if channel.packs and expected is not None else None
         if self.packing is not None:
