@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from lightning_pipe.runtime import split
+from lightning_pipe.runtime.deferred_linear import DeferLinearWeights, LinearGrads, linear_weights_only
 from lightning_pipe.runtime.microbatch import batch_size, split_batch
 from lightning_pipe.runtime.placement import pipeline_blocks_of
 from lightning_pipe.runtime.stage import as_tuple
@@ -274,9 +275,11 @@ def _block_sample(block: nn.Module, x: tuple[Tensor, ...], first: bool, device: 
     """The block's sample: its timed forward and backward, then I and W timed once after a
     forward of their own on input ``x``; and that forward's detached output."""
     inputs = _inputs_for(x, first)
-    out, (roots, grads) = _forward(block, inputs, loss, type(block).__name__)
     needing = [t for t in inputs if t.requires_grad]
-    t_i, (found, work) = _timed(lambda: split.input_grads(roots, grads, needing), device)
+    deferred = LinearGrads([p for p in block.parameters() if p.requires_grad]) if needing and linear_weights_only(block.modules()) else None
+    with DeferLinearWeights(deferred) if deferred is not None else contextlib.nullcontext():  # as the runtime splits this block
+        out, (roots, grads) = _forward(block, inputs, loss, type(block).__name__)
+    t_i, (found, work) = _timed(lambda: split.input_grads(roots, grads, needing, deferred), device)
     captured = _captured_bytes(work, found)
     t_w, _ = _timed(lambda: split.weight_grads(work), device)
     block.zero_grad(set_to_none=True)

@@ -10,13 +10,14 @@ from collections import Counter, deque
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from lightning_pipe.runtime import p2p, split
+from lightning_pipe.runtime.deferred_linear import DeferLinearWeights, LinearGrads
 from lightning_pipe.runtime.stage import Stage, Tensors, as_tuple
 from lightning_pipe.schedules.actions import Action, Kind
 from lightning_pipe.schedules.passes import DELIVERS
@@ -109,6 +110,7 @@ class StepState:
     grads: dict[Key, Tensors] = field(default_factory=dict)
     input_grads: dict[Key, Tensors] = field(default_factory=dict)
     weight_work: dict[Key, split.WeightWork] = field(default_factory=dict)
+    deferred: dict[Key, LinearGrads] = field(default_factory=dict)  # split backward: linear calls waiting for I
     replay: dict[Key, "Replay"] = field(default_factory=dict)  # split backward with recompute: how to rerun F
     results: dict[int, Any] = field(default_factory=dict)
     loss_sum: Optional[Tensor] = None  # on the loss's device: read once per step, never per microbatch
@@ -185,6 +187,11 @@ def saved_bytes(weights: Iterable[Tensor] = ()) -> Iterator[list[int]]:
         yield counted
 
 
+def _storage_bytes(tensors: Iterable[Tensor]) -> int:
+    """Bytes of the storages under ``tensors``, each once (a linear call's input may feed several)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
 def _unwrap(values: Tensors) -> Any:
     return values[0] if len(values) == 1 else values
 
@@ -218,6 +225,7 @@ class Executor:
         self.links = links if links is not None else p2p.Links()
         self.channel = channel
         self._replayed: set[int] = set()  # split backward on a recomputed stage: F keeps no graph, I reruns it
+        self._deferring: set[int] = set()  # split backward on a stage whose linear calls defer their weight gradients
         self._incoming: dict[int, p2p.Incoming] = {}
         self._expected: dict[int, deque[Action]] = {}  # per source: the receives still to come, in send order
         self._arrivals: dict[int, list[Action]] = {}  # per source: all of the program's receives, in send order
@@ -263,6 +271,7 @@ class Executor:
         """
         split_run = any(a.kind is Kind.INPUT_GRAD for a in actions)
         self._replayed = {s for s, (stage, _) in self._chunks.items() if stage.recompute and split_run}
+        self._deferring = {s for s, (stage, _) in self._chunks.items() if stage.defers_linear and split_run}
         self._actions, self._at, self._posted_at = actions, 0, -1
         try:
             self._post_receives(actions, arrivals)
@@ -291,7 +300,7 @@ class Executor:
             st.replay[key] = Replay.capture(st.weights, self.device)
         stage = self._stage(a)
         with saved_bytes(stage.parameters()) if self.account and st.train else nullcontext([0]) as counted, \
-                torch.no_grad() if replay else nullcontext():  # fmt: skip
+                torch.no_grad() if replay else self._deferred_linear(a, st, st.weights, inputs):  # fmt: skip
             outputs = stage(inputs, st.weights)
         if st.train:
             st.stash(1)
@@ -307,6 +316,16 @@ class Executor:
             st.losses[key] = loss
         else:
             st.results[k] = _unwrap(outputs)
+
+    def _deferred_linear(self, a: Action, st: StepState, weights: Optional[list[Tensor]], inputs: Tensors) -> ContextManager[Any]:
+        """Split backward on a stage that defers its linear weight gradients: record the linear
+        calls of this microbatch's forward on ``weights`` (``None``: the stage's own) for its I and W
+        (:mod:`~lightning_pipe.runtime.deferred_linear`). Not where no input needs a gradient (the
+        first stage): there I is empty and W a whole backward, with nothing to defer."""
+        if a.stage not in self._deferring or not st.train or not any(x.requires_grad for x in inputs):
+            return nullcontext()
+        store = st.deferred[a.stage, a.microbatch] = LinearGrads(weights or self._stage(a).parameters())
+        return DeferLinearWeights(store)
 
     def _version(self, a: Action, st: StepState) -> None:
         st.weights = self.hooks.weights(a.microbatch)
@@ -350,7 +369,8 @@ class Executor:
         on the weights and random state of its first run, and return what I starts from."""
         key, stage = (a.stage, a.microbatch), self._stage(a)
         replay = st.replay.pop(key)
-        with replay.restored(self.device), saved_bytes(stage.parameters()) if self.account else nullcontext([0]) as counted:
+        with replay.restored(self.device), saved_bytes(stage.parameters()) if self.account else nullcontext([0]) as counted, \
+                self._deferred_linear(a, st, replay.weights, st.inputs[key]):  # fmt: skip
             outputs = stage.recompute_forward(st.inputs[key], replay.weights)
         if self.account:
             st.hold(key, counted[0])
@@ -366,11 +386,15 @@ class Executor:
         roots, grads = self._replayed_roots(a, st) if key in st.replay else self._roots(a, st)
         floats = [x for x in st.inputs.pop(key) if x.is_floating_point()]
         needing = [x for x in floats if x.requires_grad]
-        found, work = split.input_grads(roots, grads, needing) if roots else ([], split.WeightWork([], [], []))
+        deferred = st.deferred.pop(key, None)
+        found, work = split.input_grads(roots, grads, needing, deferred) if roots else ([], split.WeightWork([], [], []))
         by_input = {id(x): g for x, g in zip(needing, found)}
         self._keep_input_grads(a, st, floats, [by_input.get(id(x)) for x in floats])
         st.weight_work[key] = work
-        if self.account:
+        if self.account and deferred is not None and not work.roots:  # I freed the graph: W holds only what it kept
+            st.release(key)
+            st.hold(key, _storage_bytes(work.kept()))
+        elif self.account:
             st.hold(key, sum(g.numel() * g.element_size() for g in work.kept()))
 
     def _weight_grad(self, a: Action, st: StepState) -> None:

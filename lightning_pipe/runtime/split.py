@@ -12,6 +12,11 @@ Built-in operators compute only the gradients a pass asks for. A custom
 ``torch.autograd.Function`` that takes both an activation and a weight cannot: its
 ``ctx.needs_input_grad`` is fixed at forward time, so its backward runs in full in I and
 again in W (results stay correct; that node's work is done twice, and a warning says so).
+
+On a stage whose only weights of two or more dimensions are linear and embedding weights, the
+executor records the forward's linear calls instead (:mod:`~lightning_pipe.runtime.deferred_linear`):
+I is then one autograd call that frees the graph as it goes, computing every other weight's
+gradient with the input gradients, and W is the linear layers' weight products, no autograd.
 """
 
 from __future__ import annotations
@@ -24,24 +29,31 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node
 
+from lightning_pipe.runtime.deferred_linear import LinearGrads
+
 
 @dataclass
 class WeightWork:
     """What W needs: each frontier node's output edges, the gradients I captured there, and
-    the weights below it; and the weights whose gradients I computed itself (see :func:`input_grads`)."""
+    the weights below it; the weights whose gradients I computed itself (see :func:`input_grads`);
+    the deferred linear calls; and, where I left the whole backward to W, its roots."""
 
     edges: list[list[GradientEdge]]
     grads: list[list[Optional[Tensor]]]
     weights: list[list[Tensor]]
     early: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    deferred: Optional[LinearGrads] = None
+    roots: list[Tensor] = field(default_factory=list)
+    root_grads: list[Optional[Tensor]] = field(default_factory=list)
 
     def captured(self) -> list[Tensor]:
         """The gradients I captured at the frontier nodes."""
         return [g for group in self.grads for g in group if g is not None]
 
     def kept(self) -> list[Tensor]:
-        """The gradients held from I until W: captured ones and early weight gradients."""
-        return self.captured() + [g for _, g in self.early]
+        """The tensors held from I until W beyond the graph: captured gradients, early weight
+        gradients, and the deferred linear calls' inputs and output gradients."""
+        return self.captured() + [g for _, g in self.early] + (self.deferred.kept() if self.deferred else [])
 
 
 def _children(node: Node) -> list[Node]:
@@ -160,7 +172,8 @@ def _warn_shared(shared: list[_Front]) -> None:
         )
 
 
-def input_grads(roots: Sequence[Tensor], grads: Sequence[Optional[Tensor]], inputs: Sequence[Tensor]) -> tuple[list[Optional[Tensor]], WeightWork]:
+def input_grads(roots: Sequence[Tensor], grads: Sequence[Optional[Tensor]], inputs: Sequence[Tensor],
+                deferred: Optional[LinearGrads] = None) -> tuple[list[Optional[Tensor]], WeightWork]:  # fmt: skip
     """I: gradients of ``roots`` w.r.t. ``inputs``, and what W needs to finish the weights.
 
     Weights whose subgraph several frontier nodes share get their gradients here, in the same
@@ -170,7 +183,13 @@ def input_grads(roots: Sequence[Tensor], grads: Sequence[Optional[Tensor]], inpu
         roots: the stage outputs (or the loss) to backpropagate from.
         grads: the gradient of each root (``None`` for a scalar loss).
         inputs: stage inputs that require grad (empty on stage 0).
+        deferred: where the forward's linear calls keep what W needs (see
+            :mod:`~lightning_pipe.runtime.deferred_linear`), on a stage whose only weights of two
+            or more dimensions are linear or embedding weights: then I frees the graph as it
+            goes, and computes every other weight's gradient itself (norms, biases, embeddings).
     """
+    if deferred is not None:
+        return _eager_input_grads(list(roots), list(grads), list(inputs), deferred)
     nodes = [r.grad_fn for r in roots if r.grad_fn is not None]
     front = _frontier(nodes, {id(t) for t in inputs})
     _warn_custom_functions(front)
@@ -188,6 +207,19 @@ def input_grads(roots: Sequence[Tensor], grads: Sequence[Optional[Tensor]], inpu
     others = _storages(t for t in result[: len(inputs) + len(flat)] if t is not None)
     done = [(w, _unshared(g, others)) for w, g in zip(early, result[len(inputs) + len(flat) :]) if g is not None]
     return result[: len(inputs)], WeightWork(edges, grouped, [f.weights for f in own], done)
+
+
+def _eager_input_grads(roots: list[Tensor], grads: list[Optional[Tensor]], inputs: list[Tensor],
+                       deferred: LinearGrads) -> tuple[list[Optional[Tensor]], WeightWork]:  # fmt: skip
+    """I where the linear calls defer their weight gradients: one autograd call for the inputs and
+    every other weight, the graph freed as it goes. With no input to differentiate (stage 0) the
+    whole backward is left to W, which has nothing to wait for."""
+    if not inputs:
+        return [], WeightWork([], [], [], deferred=deferred, roots=roots, root_grads=grads)
+    result = torch.autograd.grad(roots, [*inputs, *deferred.weights], grads, allow_unused=True)
+    taken = _storages(g for g in result[: len(inputs)] if g is not None)
+    early = [(w, _unshared(g, taken)) for w, g in zip(deferred.weights, result[len(inputs) :]) if g is not None]
+    return list(result[: len(inputs)]), WeightWork([], [], [], early, deferred)
 
 
 def _storages(tensors: Iterable[Tensor]) -> set[int]:
@@ -234,7 +266,14 @@ def weight_grads(work: WeightWork) -> list[Tensor]:
             if g is not None:
                 _accumulate(w, g, taken)
                 updated.append(w)
+    if work.roots and work.deferred is not None and work.deferred.weights:  # I left the whole backward to W (no input gradient)
+        work.deferred.immediate = True  # as a full backward: each linear call's products at once, its gradients freed
+        results = torch.autograd.grad(work.roots, work.deferred.weights, work.root_grads, allow_unused=True)
+        work.early += [(w, g) for w, g in zip(work.deferred.weights, results) if g is not None]
     for w, g in work.early:
         _accumulate(w, g, set())  # already unshared in I
         updated.append(w)
+    if work.deferred is not None:
+        seen = {id(w) for w in updated}
+        updated += [w for w in work.deferred.accumulate() if id(w) not in seen]
     return updated

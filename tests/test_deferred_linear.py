@@ -1,0 +1,181 @@
+"""Split backward with deferred linear weight gradients: I computes input gradients and frees the graph, W runs the products."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_pipe.costmodel import SleepBlock
+from lightning_pipe.runtime.deferred_linear import DeferLinearWeights, LinearGrads, linear_weights_only
+from lightning_pipe.runtime.split import input_grads, weight_grads
+
+
+class _Block(nn.Module):
+    """A pre-norm transformer block with the cases deferral must get right besides plain linears:
+    one linear applied twice, one without bias, one frozen, and an embedding tied to a linear head."""
+
+    def __init__(self, width: int = 16, vocab: int = 11) -> None:
+        super().__init__()
+        self.norm, self.qkv, self.proj = nn.LayerNorm(width), nn.Linear(width, 3 * width), nn.Linear(width, width, bias=False)
+        self.fc, self.twice, self.frozen = nn.Linear(width, 2 * width), nn.Linear(2 * width, 2 * width), nn.Linear(2 * width, width)
+        self.frozen.weight.requires_grad_(False)
+        self.embed = nn.Embedding(vocab, width)
+        self.head = nn.Linear(width, vocab)
+        self.head.weight = self.embed.weight  # tied: a linear and an embedding feed one weight
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.norm(x + self.embed(tokens))).chunk(3, dim=-1)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        h = F.gelu(self.fc(x))
+        x = x + self.frozen(torch.tanh(self.twice(torch.tanh(self.twice(h)))))
+        return self.head(x)
+
+
+def _setup(seed: int = 0) -> tuple[_Block, torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(seed)
+    block = _Block()
+    x, tokens = torch.randn(3, 7, 16), torch.randint(0, 11, (3, 7))
+    return block, x, tokens, torch.randn(3, 7, 11)
+
+
+def _full(block: nn.Module, x: torch.Tensor, tokens: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """The reference: one ordinary backward."""
+    block.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    block(x, tokens).backward(grad)
+    grads = {n: p.grad.clone() for n, p in block.named_parameters() if p.grad is not None}
+    block.zero_grad(set_to_none=True)
+    return x.grad, grads
+
+
+def _deferred_forward(block: nn.Module, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, LinearGrads]:
+    store = LinearGrads([p for p in block.parameters() if p.requires_grad])
+    x = x.detach().requires_grad_()
+    with DeferLinearWeights(store):
+        out = block(x, tokens)
+    return x, out, store
+
+
+def test_deferred_split_matches_one_backward() -> None:
+    block, x, tokens, grad = _setup()
+    want_x, want = _full(block, x, tokens, grad)
+    x, out, store = _deferred_forward(block, x, tokens)
+    (gx,), work = input_grads([out], [grad], [x], store)
+    # I computed no linear weight's gradient, and kept one (input, output gradient) per linear call
+    # on a trainable weight: qkv, proj, fc, twice (two calls), head; not the frozen one.
+    assert all(p.grad is None for p in block.parameters())
+    assert sorted(tuple(c.weight.shape) for c in store.calls) == sorted([(48, 16), (16, 16), (32, 16), (32, 32), (32, 32), (11, 16)])
+    updated = weight_grads(work)
+    torch.testing.assert_close(gx, want_x, rtol=1e-6, atol=1e-7)
+    got = {n: p.grad for n, p in block.named_parameters() if p.grad is not None}
+    assert got.keys() == want.keys()  # the frozen weight has none, its bias has one
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-7, msg=name)
+    assert len(updated) == len({id(p) for p in updated}) == len(want)  # each updated leaf reported once
+
+
+def test_input_gradients_free_the_graph_and_w_runs_no_autograd(monkeypatch) -> None:
+    block, x, tokens, grad = _setup()
+    x, out, store = _deferred_forward(block, x, tokens)
+    _, work = input_grads([out], [grad], [x], store)
+    with pytest.raises(RuntimeError, match="second time"):  # I kept no graph (retain_graph off)
+        out.backward(grad)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("W called autograd")
+
+    monkeypatch.setattr(torch.autograd, "grad", refuse)
+    monkeypatch.setattr(torch.autograd, "backward", refuse)
+    weight_grads(work)
+    assert block.qkv.weight.grad is not None
+
+
+def test_the_autograd_split_keeps_the_graph_for_w() -> None:
+    # The check above can fail: without deferral the graph stays for W.
+    block, x, tokens, grad = _setup()
+    x = x.detach().requires_grad_()
+    out = block(x, tokens)
+    input_grads([out], [grad], [x])
+    out.backward(grad)
+
+
+class _Products(TorchDispatchMode):
+    """Counts the matrix products run inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_, torch.ops.aten.bmm):
+            self.count[func.overloadpacket] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_each_linear_product_runs_once_split_between_i_and_w() -> None:
+    block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    x, grad = torch.randn(5, 8, requires_grad=True), torch.randn(5, 4)
+    out = block(x)
+    with _Products() as full:
+        out.backward(grad)
+    block.zero_grad(set_to_none=True)
+    store = LinearGrads(list(block.parameters()))
+    with DeferLinearWeights(store):
+        out = block(x)
+    with _Products() as i_products:
+        _, work = input_grads([out], [grad], [x], store)
+    with _Products() as w_products:
+        weight_grads(work)
+    assert sum(i_products.count.values()) == 3  # one input gradient per layer
+    assert sum(w_products.count.values()) == 3  # one weight gradient per layer
+    assert sum(full.count.values()) == 6
+
+
+def test_without_an_input_gradient_w_runs_the_whole_backward() -> None:
+    block, x, tokens, grad = _setup()
+    _, want = _full(block, x, tokens, grad)
+    store = LinearGrads([p for p in block.parameters() if p.requires_grad])
+    with DeferLinearWeights(store):
+        out = block(x, tokens)  # x needs no gradient: the first stage
+    found, work = input_grads([out], [grad], [], store)
+    assert found == [] and all(p.grad is None for p in block.parameters())
+    weight_grads(work)
+    for name, p in block.named_parameters():
+        if name in want:
+            torch.testing.assert_close(p.grad, want[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_autocast_and_derived_weights_are_left_to_autograd_and_stay_correct() -> None:
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.utils.parametrizations.weight_norm(nn.Linear(8, 4)))
+    x, grad = torch.randn(5, 8), torch.randn(5, 4)
+    for cast in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cast):
+            ref_x = x.clone().requires_grad_()
+            block(ref_x).float().backward(grad)
+            want = {n: p.grad.clone() for n, p in block.named_parameters()}
+            block.zero_grad(set_to_none=True)
+            store = LinearGrads(list(block.parameters()))
+            xi = x.clone().requires_grad_()
+            with DeferLinearWeights(store):
+                out = block(xi).float()
+        (gx,), work = input_grads([out], [grad], [xi], store)
+        assert len(store.calls) == (0 if cast else 1)  # the weight-normed layer's weight is not a leaf
+        weight_grads(work)
+        torch.testing.assert_close(gx, ref_x.grad)
+        for n, p in block.named_parameters():
+            torch.testing.assert_close(p.grad, want[n], msg=n)
+        block.zero_grad(set_to_none=True)
+
+
+def test_only_stages_of_linear_and_embedding_weights_defer() -> None:
+    assert linear_weights_only(_Block().modules())
+    assert not linear_weights_only(nn.Sequential(nn.Conv2d(3, 3, 3), nn.Linear(3, 3)).modules())  # a convolution's W stays W
+    assert not linear_weights_only(nn.MultiheadAttention(8, 2).modules())  # its packed projection is a raw matrix
+    # The cost-model block's weight gradient is a sleep on a 1-D weight's path: no linear, no deferral.
+    assert not linear_weights_only(SleepBlock(4, (0.0, 0.0, 0.0)).modules())
