@@ -2,8 +2,10 @@
 
     python examples/bench_split_backward.py
 
-1. Overhead: a transformer block's backward done whole vs as I then W, interleaved.
-   Seed 001's split must not compute anything twice, so I + W should cost about one backward.
+1. Overhead: a GPT block's backward done whole vs as I then W, interleaved; W from the
+   deferred linear calls (the runtime's split on such blocks) and from autograd (its split
+   elsewhere). Seed 001's split must not compute anything twice, so I + W should cost about
+   one backward.
 2. Gain: a 4-stage pipeline of blocks that sleep a set time in F, I and W (so 4 processes fit
    on 2 cores and the schedule, not the cores, sets the time), for GPipe and 1F1B with and
    without split, against the simulator's prediction for the same cost model.
@@ -12,44 +14,62 @@
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
+import sys
 import time
+from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place
 from lightning_pipe.costmodel import SleepChain
+from lightning_pipe.runtime.deferred_linear import DeferLinearWeights, LinearGrads
 from lightning_pipe.runtime.split import input_grads, weight_grads
 from lightning_pipe.schedules import build_schedule
 from lightning_pipe.simulate import simulate
 from lightning_pipe.spawn import run_gloo
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpt  # noqa: E402
+from gpt import Block  # noqa: E402
+
 DEPTH, BLOCKS_PER_STAGE = 4, 2
 
 
-def backward_overhead(reps: int, dim: int, seq: int, batch: int, warmup: int = 5) -> list[float]:
-    """(I + W time) / (full backward time) for each interleaved repetition after ``warmup``."""
+def _backward_seconds(block: nn.Module, x: torch.Tensor, mode: str) -> tuple[float, int]:
+    """One backward of ``block`` on ``x``, whole or split (``mode``): its seconds and the minor page faults it took."""
+    inp = x.clone().requires_grad_()
+    store = LinearGrads(list(block.parameters())) if mode == "deferred" else None
+    with DeferLinearWeights(store) if store is not None else nullcontext():
+        out = block(inp)
+    grad = torch.ones_like(out)
+    faults, start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
+    if mode == "whole":
+        out.backward(grad)
+    else:
+        _, work = input_grads([out], [grad], [inp], store)
+        weight_grads(work)
+    seconds = time.perf_counter() - start
+    block.zero_grad()
+    return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+
+
+def backward_overhead(reps: int, dim: int, seq: int, batch: int, warmup: int = 5) -> dict[str, list[tuple[float, int]]]:
+    """Per split mode (linear weight gradients ``"deferred"``, or the ``"autograd"`` split): (I + W
+    time) / (full backward time), and the split's page faults, for each interleaved repetition after ``warmup``."""
     torch.manual_seed(0)
-    block = nn.TransformerEncoderLayer(dim, 8, 4 * dim, dropout=0.0, batch_first=True)
+    block = Block(dim, 8)
     x = torch.randn(batch, seq, dim)
-    ratios = []
+    ratios: dict[str, list[tuple[float, int]]] = {"deferred": [], "autograd": []}
     for _ in range(reps):
-        times = []
-        for split in (False, True):
-            inp = x.clone().requires_grad_()
-            out = block(inp)
-            grad = torch.ones_like(out)
-            start = time.perf_counter()
-            if split:
-                _, work = input_grads([out], [grad], [inp])
-                weight_grads(work)
-            else:
-                out.backward(grad)
-            times.append(time.perf_counter() - start)
-            block.zero_grad()
-        ratios.append(times[1] / times[0])
-    return ratios[warmup:]
+        whole, _ = _backward_seconds(block, x, "whole")
+        for mode in ratios:
+            seconds, faults = _backward_seconds(block, x, mode)
+            ratios[mode].append((seconds / whole, faults))
+    return {mode: r[warmup:] for mode, r in ratios.items()}
 
 
 def _pipeline_worker(rank: int, world: int, configs: list, costs: tuple, steps: int, rounds: int) -> dict:
@@ -99,12 +119,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    print("## Split backward overhead: TransformerEncoderLayer, 8 x 128 tokens, CPU\n")
-    print("| d_model | median (I + W) / full backward | min | max | pairs |\n|---|---|---|---|---|")
+    print(f"## Split backward overhead: a GPT block ({Path(gpt.__file__).name}), 8 x 128 tokens, CPU\n")
+    print("| d_model | split | median (I + W) / full backward | min | max | minor page faults per split backward | pairs |")
+    print("|---|---|---|---|---|---|---|")
     for dim in (256, 512):
-        ratios = backward_overhead(args.reps + 5, dim=dim, seq=128, batch=8)
-        print(f"| {dim} | {statistics.median(ratios):.3f} | {min(ratios):.3f} | {max(ratios):.3f} | "
-              f"{len(ratios)} interleaved, after 5 warm-up |")  # fmt: skip
+        for mode, rows in backward_overhead(args.reps + 5, dim=dim, seq=128, batch=8).items():
+            ratios = [r for r, _ in rows]
+            print(f"| {dim} | {mode} | {statistics.median(ratios):.3f} | {min(ratios):.3f} | {max(ratios):.3f} | "
+                  f"{statistics.median(f for _, f in rows):.0f} | {len(ratios)} interleaved, after 5 warm-up |")  # fmt: skip
     print()
     costs = (args.cost_ms / 1000,) * 3
     print(f"## Split backward gain, cost-model chain: d={DEPTH}, {BLOCKS_PER_STAGE} blocks/stage, "

@@ -31,7 +31,7 @@ class _Block(nn.Module):
     def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(self.norm(x + self.embed(tokens))).chunk(3, dim=-1)
         x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True))
-        h = F.gelu(self.fc(x))
+        h = F.gelu(F.linear(weight=self.fc.weight, input=x, bias=self.fc.bias))  # by keyword
         x = x + self.frozen(torch.tanh(self.twice(torch.tanh(self.twice(h)))))
         return self.head(x)
 
@@ -176,6 +176,6 @@ def test_autocast_and_derived_weights_are_left_to_autograd_and_stay_correct() ->
 def test_only_stages_of_linear_and_embedding_weights_defer() -> None:
     assert linear_weights_only(_Block().modules())
     assert not linear_weights_only(nn.Sequential(nn.Conv2d(3, 3, 3), nn.Linear(3, 3)).modules())  # a convolution's W stays W
-    assert not linear_weights_only(nn.MultiheadAttention(8, 2).modules())  # its packed projection is a raw matrix
+    assert not linear_weights_only(nn.MultiheadAttention(8, 2).modules())  # its packed projection: F.linear inside another torch function
     # The cost-model block's weight gradient is a sleep on a 1-D weight's path: no linear, no deferral.
     assert not linear_weights_only(SleepBlock(4, (0.0, 0.0, 0.0)).modules())

@@ -122,13 +122,14 @@ class DeferLinearWeights(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Optional[dict] = None) -> Any:  # noqa: D105
         kwargs = kwargs or {}
-        if func is F.linear and _deferrable(*args, **kwargs):
-            x, weight, bias = (list(args) + [kwargs.get("bias")])[:3]
-            return _DeferredLinear.apply(x, weight, bias, self.store)
+        if func is F.linear:
+            x, weight, bias = list(args) + [kwargs.get(name) for name in ("input", "weight", "bias")[len(args) :]]
+            if _deferrable(x, weight, bias):
+                return _DeferredLinear.apply(x, weight, bias, self.store)
         return func(*args, **kwargs)
 
 
-def _deferrable(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> bool:
+def _deferrable(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
     if not (torch.is_grad_enabled() and weight.requires_grad and weight.is_leaf):
         return False
     if bias is not None and not bias.is_leaf:
@@ -140,8 +141,9 @@ def linear_weights_only(modules: Iterable[nn.Module]) -> bool:
     """Whether ``modules`` hold a trainable ``nn.Linear`` and every trainable parameter of two or
     more dimensions among them is an ``nn.Linear`` or ``nn.Embedding`` weight: then deferring the
     linear calls leaves I only cheap weight gradients (norms, biases, embeddings' index additions),
-    and I need not keep the graph. Elsewhere (no linear layer; convolutions, attention's packed
-    projections, raw matrices) the autograd split of :mod:`~lightning_pipe.runtime.split` keeps
+    and I need not keep the graph. Elsewhere (no linear layer; convolutions, raw matrices, and
+    ``nn.MultiheadAttention``'s packed projection, which it applies inside a function that a
+    ``TorchFunctionMode`` sees whole) the autograd split of :mod:`~lightning_pipe.runtime.split` keeps
     those weights' work for W."""
     modules = list(modules)
     linear = [m for m in modules if isinstance(m, nn.Linear) and m.weight.requires_grad]
