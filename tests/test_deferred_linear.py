@@ -179,3 +179,43 @@ def test_only_stages_of_linear_and_embedding_weights_defer() -> None:
     assert not linear_weights_only(nn.MultiheadAttention(8, 2).modules())  # its packed projection: F.linear inside another torch function
     # The cost-model block's weight gradient is a sleep on a 1-D weight's path: no linear, no deferral.
     assert not linear_weights_only(SleepBlock(4, (0.0, 0.0, 0.0)).modules())
+
+
+def test_hugging_face_llama_layers_and_tied_head_defer_and_match_one_backward() -> None:
+    import sys
+
+    from tests.launch import ROOT
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from hf_llama import HFLlama
+
+    torch.manual_seed(0)
+    model = HFLlama(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    first, *stage = model.pipeline_blocks()  # the last stage: both decoder layers, the norm and the tied head
+    ids, targets = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        hidden, cos, sin = first(ids)
+    params = list({id(p): p for block in stage for p in block.parameters()}.values())
+    modules = [m for block in stage for m in block.modules()]
+    assert linear_weights_only(modules)
+
+    def run(store: LinearGrads | None) -> tuple[torch.Tensor, torch.Tensor]:
+        x = hidden.clone().requires_grad_()
+        out: tuple = (x, cos, sin)
+        with DeferLinearWeights(store) if store is not None else torch.enable_grad():
+            for block in stage:
+                out = block(*out)
+        return x, F.cross_entropy(out.flatten(0, 1), targets.flatten())
+
+    x, loss = run(None)
+    loss.backward()
+    want_x, want = x.grad, [p.grad.clone() for p in params]
+    model.zero_grad(set_to_none=True)
+    store = LinearGrads(params)
+    x, loss = run(store)
+    (gx,), work = input_grads([loss], [None], [x], store)
+    assert len(store.calls) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer; the head
+    weight_grads(work)
+    torch.testing.assert_close(gx, want_x, rtol=1e-6, atol=1e-7)
+    for p, w in zip(params, want):
+        torch.testing.assert_close(p.grad, w, rtol=1e-6, atol=1e-7)
