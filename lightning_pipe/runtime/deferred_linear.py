@@ -11,7 +11,7 @@ as a full backward does, and W is plain products, no autograd call.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -39,10 +39,20 @@ class LinearGrads:
     """
 
     def __init__(self, weights: Sequence[Tensor]) -> None:
-        self.weights = list(weights)
+        self.weights = [w for w in weights if w.requires_grad]
+        self._ids = {id(w) for w in self.weights}
+        self.forwarded = 0  # linear calls the forward deferred
         self.calls: list[_Call] = []
         self.immediate = False  # add each call's products as it is recorded (a backward with nothing to defer)
         self._done: dict[int, Tensor] = {}
+
+    def covers(self, weight: Tensor, bias: Optional[Tensor]) -> bool:
+        """Whether a linear call on ``weight`` and ``bias`` can defer: a 2-D weight of the stage (not,
+        say, a received activation), a bias of the stage or constant, neither with gradient hooks
+        (autograd would call them with no gradient)."""
+        if weight.dim() != 2 or id(weight) not in self._ids or weight._backward_hooks:
+            return False
+        return bias is None or not bias.requires_grad or (id(bias) in self._ids and not bias._backward_hooks)
 
     def record(self, call: _Call) -> None:
         """Keep a linear call's input and output gradient for W (or, if :attr:`immediate`, add its products now)."""
@@ -96,21 +106,24 @@ class _DeferredLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], store: LinearGrads) -> Tensor:  # noqa: D102
-        ctx.save_for_backward(x, weight)
-        ctx.bias, ctx.store = bias, store
+        ctx.save_for_backward(x, weight)  # values, checked for changes in place; saved-tensor hooks may return copies
+        ctx.weight, ctx.bias, ctx.store = weight, bias, store  # the leaves W adds into
+        store.forwarded += 1
         return F.linear(x, weight, bias)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], None, None, None]:  # noqa: D102
         x, weight = ctx.saved_tensors
-        ctx.store.record(_Call(x, grad, weight, ctx.bias))
+        ctx.store.record(_Call(x, grad, ctx.weight, ctx.bias))
         return (torch.matmul(grad, weight) if ctx.needs_input_grad[0] else None), None, None, None
 
 
 class DeferLinearWeights(TorchFunctionMode):
-    """While active, ``F.linear`` on a trainable leaf weight (and a leaf bias, or none) records
-    into ``store`` instead of autograd, where a graph is recorded and autocast is off.
+    """While active, ``F.linear`` on a weight of ``store`` (see :meth:`LinearGrads.covers`) records
+    into ``store`` instead of autograd, where a graph is recorded, autocast is off and no
+    saved-tensor hooks but transparent ones (:func:`keeps_saved_tensors`) are active: a block's own
+    checkpoint recomputes its forward outside this mode in the backward, and would save other tensors.
 
     Args:
         store: where the microbatch's linear calls keep what W needs.
@@ -124,17 +137,23 @@ class DeferLinearWeights(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.linear:
             x, weight, bias = list(args) + [kwargs.get(name) for name in ("input", "weight", "bias")[len(args) :]]
-            if _deferrable(x, weight, bias):
+            if _deferrable(x, weight, bias, self.store):
                 return _DeferredLinear.apply(x, weight, bias, self.store)
         return func(*args, **kwargs)
 
 
-def _deferrable(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
-    if not (torch.is_grad_enabled() and weight.requires_grad and weight.is_leaf):
+def _deferrable(x: Tensor, weight: Tensor, bias: Optional[Tensor], store: LinearGrads) -> bool:
+    if not torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type) or not store.covers(weight, bias):
         return False
-    if bias is not None and not bias.is_leaf:
-        return False
-    return not torch.is_autocast_enabled(x.device.type)
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is None or getattr(hooks[0], "keeps_saved_tensors", False)
+
+
+def keeps_saved_tensors(pack: Callable[[Tensor], Any]) -> Callable[[Tensor], Any]:
+    """Mark a saved-tensor pack hook that returns each tensor itself (e.g. one that only counts
+    bytes): linear calls under it may still defer."""
+    pack.keeps_saved_tensors = True  # type: ignore[attr-defined]
+    return pack
 
 
 def linear_weights_only(modules: Iterable[nn.Module]) -> bool:
@@ -145,8 +164,15 @@ def linear_weights_only(modules: Iterable[nn.Module]) -> bool:
     ``nn.MultiheadAttention``'s packed projection, which it applies inside a function that a
     ``TorchFunctionMode`` sees whole) the autograd split of :mod:`~lightning_pipe.runtime.split` keeps
     those weights' work for W."""
+    linear, other = weight_kinds(modules)
+    return linear and not other
+
+
+def weight_kinds(modules: Iterable[nn.Module]) -> tuple[bool, bool]:
+    """Whether ``modules`` hold a trainable ``nn.Linear`` weight, and a trainable parameter of two
+    or more dimensions that is no ``nn.Linear`` or ``nn.Embedding`` weight (see :func:`linear_weights_only`)."""
     modules = list(modules)
-    linear = [m for m in modules if isinstance(m, nn.Linear) and m.weight.requires_grad]
+    linear = any(isinstance(m, nn.Linear) and m.weight.requires_grad for m in modules)
     covered = {id(m.weight) for m in modules if isinstance(m, (nn.Linear, nn.Embedding))}
     heavy = [p for m in modules for p in m.parameters(recurse=False) if p.requires_grad and p.dim() >= 2]
-    return bool(linear) and all(id(p) in covered for p in heavy)
+    return linear, any(id(p) not in covered for p in heavy)

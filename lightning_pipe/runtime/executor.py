@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_pipe.runtime import p2p, split
-from lightning_pipe.runtime.deferred_linear import DeferLinearWeights, LinearGrads
+from lightning_pipe.runtime.deferred_linear import DeferLinearWeights, LinearGrads, keeps_saved_tensors
 from lightning_pipe.runtime.stage import Stage, Tensors, as_tuple
 from lightning_pipe.schedules.actions import Action, Kind
 from lightning_pipe.schedules.passes import DELIVERS
@@ -176,6 +176,7 @@ def saved_bytes(weights: Iterable[Tensor] = ()) -> Iterator[list[int]]:
     ``weights`` excluded: they are held anyway); the graph keeps them until the microbatch's backward."""
     counted, seen = [0], {t.untyped_storage().data_ptr() for t in weights}
 
+    @keeps_saved_tensors
     def pack(t: Tensor) -> Tensor:
         key = t.untyped_storage().data_ptr()
         if not (t.is_leaf and t.requires_grad) and key not in seen:

@@ -43,6 +43,7 @@ class WeightWork:
     weights: list[list[Tensor]]
     early: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     deferred: Optional[LinearGrads] = None
+    added: list[Tensor] = field(default_factory=list)  # weights whose gradient I already added (W reports them)
     roots: list[Tensor] = field(default_factory=list)
     root_grads: list[Optional[Tensor]] = field(default_factory=list)
 
@@ -188,7 +189,7 @@ def input_grads(roots: Sequence[Tensor], grads: Sequence[Optional[Tensor]], inpu
             or more dimensions are linear or embedding weights: then I frees the graph as it
             goes, and computes every other weight's gradient itself (norms, biases, embeddings).
     """
-    if deferred is not None:
+    if deferred is not None and deferred.forwarded:  # else (autocast, say) nothing was deferred: the autograd split
         return _eager_input_grads(list(roots), list(grads), list(inputs), deferred)
     nodes = [r.grad_fn for r in roots if r.grad_fn is not None]
     front = _frontier(nodes, {id(t) for t in inputs})
@@ -216,10 +217,19 @@ def _eager_input_grads(roots: list[Tensor], grads: list[Optional[Tensor]], input
     whole backward is left to W, which has nothing to wait for."""
     if not inputs:
         return [], WeightWork([], [], [], deferred=deferred, roots=roots, root_grads=grads)
-    result = torch.autograd.grad(roots, [*inputs, *deferred.weights], grads, allow_unused=True)
-    taken = _storages(g for g in result[: len(inputs)] if g is not None)
-    early = [(w, _unshared(g, taken)) for w, g in zip(deferred.weights, result[len(inputs) :]) if g is not None]
-    return list(result[: len(inputs)]), WeightWork([], [], [], early, deferred)
+    weights = [w for w in deferred.weights if w.requires_grad]  # one frozen since the forward has none
+    result = torch.autograd.grad(roots, [*inputs, *weights], grads, allow_unused=True)
+    # A gradient passed through to a weight may be one of these: the input gradients sent on, the
+    # linear calls' output gradients kept for W, the gradients received (see _unshared).
+    taken = _storages([*(g for g in result[: len(inputs)] if g is not None), *deferred.kept(), *(g for g in grads if g is not None)])
+    added = []
+    for w, g in zip(weights, result[len(inputs) :]):
+        if g is not None:  # added now, not held until W (an embedding's dense gradient is large); W reports it
+            g = _unshared(g, taken)
+            taken.add(g.untyped_storage().data_ptr())
+            _accumulate(w, g, set())
+            added.append(w)
+    return list(result[: len(inputs)]), WeightWork([], [], [], deferred=deferred, added=added)
 
 
 def _storages(tensors: Iterable[Tensor]) -> set[int]:
@@ -275,5 +285,5 @@ def weight_grads(work: WeightWork) -> list[Tensor]:
         updated.append(w)
     if work.deferred is not None:
         seen = {id(w) for w in updated}
-        updated += [w for w in work.deferred.accumulate() if id(w) not in seen]
+        updated += [w for w in [*work.added, *work.deferred.accumulate()] if id(w) not in seen and not seen.add(id(w))]
     return updated
