@@ -59,6 +59,7 @@ class StageCosts:
     loss_bytes: int = 0  # the last stage: one microbatch's loss, kept until its backward (and the step's running sum)
     loss_saved_bytes: int = 0  # the last stage: what the loss saves for backward (part of stash_bytes; kept outside a recomputed stage)
     optimizer_step_bytes: int = 0  # the temporaries of the stage's optimizer step
+    frees_graph_at_input_grad: bool = False  # split backward defers its linear weight gradients: I frees the graph (runtime/deferred_linear.py)
 
 
 def _backward_peaks(samples: Sequence[BlockSample], grads: Sequence[int], bucket_cap: int = 0, last_incoming: int = 0) -> tuple[int, int]:
@@ -162,6 +163,8 @@ def range_costs(profile: Profile, blocks: range, microbatch_size: int, recompute
         loss_bytes=mine[-1].loss_bytes,
         loss_saved_bytes=mine[-1].loss_saved_bytes,
         optimizer_step_bytes=step_bytes(profile, states),
+        # As the executor decides: a stage with an input gradient whose matrices are all linear or embedding weights.
+        frees_graph_at_input_grad=first > 0 and any(b.linear_weights for b in states) and not any(b.other_matrices for b in states),
     )  # fmt: skip
 
 

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from lightning_pipe.runtime import split
-from lightning_pipe.runtime.deferred_linear import DeferLinearWeights, LinearGrads, linear_weights_only
+from lightning_pipe.runtime.deferred_linear import DeferLinearWeights, LinearGrads, linear_weights_only, weight_kinds
 from lightning_pipe.runtime.microbatch import batch_size, split_batch
 from lightning_pipe.runtime.placement import pipeline_blocks_of
 from lightning_pipe.runtime.stage import as_tuple
@@ -66,6 +66,8 @@ class BlockProfile:
     gradient_bytes: int
     optimizer_bytes: int
     optimizer_step_bytes: int = 0  # the temporaries of an optimizer step over the block's parameters
+    linear_weights: bool = False  # it holds a trainable nn.Linear (split backward can defer its weight gradients)
+    other_matrices: bool = False  # it holds a trainable matrix that is no linear or embedding weight (it cannot)
 
     def at(self, size: int) -> BlockSample:
         """Every field at microbatch ``size``: linear in ``size`` through the two nearest samples (seed 000,
@@ -425,7 +427,7 @@ def profile_blocks(module: nn.Module, batch: Any, microbatch_sizes: Sequence[int
         loss = functools.partial(_loss_of, module, mb) if with_loss else None
         for i, sample in enumerate(_profile_microbatch(module, blocks, mb, loss, repeats, device, sync)):
             by_size[i].append(sample)
-    profiles = [BlockProfile(f"{i}:{type(b).__name__}", by_size[i], *_state_bytes(b, optimizer)) for i, b in enumerate(blocks)]
+    profiles = [_block_profile(f"{i}:{type(b).__name__}", b, by_size[i], optimizer) for i, b in enumerate(blocks)]
     step, step_bytes = _optimizer_step_seconds(module, optimizer, device, sync=sync)
     leaves = [t for t in tree_leaves(batch) if isinstance(t, Tensor)]
     batch_storages = {t.untyped_storage().data_ptr() for t in leaves}
@@ -526,8 +528,13 @@ def profile_stage(blocks: Sequence[nn.Module], first_block: int, inputs: Sequenc
                                  stage_order=False)  # fmt: skip
         for i, sample in enumerate(samples):
             by_size[i].append(sample)
-    return [BlockProfile(f"{first_block + i}:{type(b).__name__}", by_size[i], *_state_bytes(b, optimizer))
-            for i, b in enumerate(blocks)]
+    return [_block_profile(f"{first_block + i}:{type(b).__name__}", b, by_size[i], optimizer) for i, b in enumerate(blocks)]
+
+
+def _block_profile(name: str, block: nn.Module, samples: list[BlockSample], optimizer: Any) -> BlockProfile:
+    """A block's profile: its samples, the bytes of its state, and the kinds of its weights."""
+    linear, other = weight_kinds(block.modules())
+    return BlockProfile(name, samples, *_state_bytes(block, optimizer), linear_weights=linear, other_matrices=other)
 
 
 def _profile_worker(rank: int, world: int, factory: Callable[[], nn.Module], batch: Any, sizes: Sequence[int],

@@ -417,8 +417,9 @@ def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, re
     loss_graph = _loss_graph_bytes(st, recompute, last, split)
     received = received_input_bytes(st, first)
     per_held = received + (0 if recompute else st.stash_bytes) + st.loss_bytes + loss_graph
-    out, cap = _kept_output_bytes(st, recompute, last), st.captured_bytes
+    out = _kept_output_bytes(st, recompute, last)
     one = st.stash_bytes - loss_graph if recompute else 0  # recomputed for the backward that runs
+    cap = _after_input_grad_bytes(st, per_held + one)
     # A forward's output goes out right after it, its temporaries gone, packed with a header into
     # a new message kept until acknowledged (its moment is the send's).
     fws = max(st.forward_workspace_bytes, 0 if last else HEADER_BYTES + st.output_bytes)
@@ -439,7 +440,8 @@ def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, re
         (held.input_cold, weights, bws, (0, per_held, 0, 0, one)),
         # Every microbatch's I and W done or not begun (2BW: windows overlap); pending ones counted
         # with the running one's terms, an upper bound.
-        (held.optimizer_step, weights + grads, st.optimizer_step_bytes, (0, per_held, 0, one + cap, 0)),
+        # (Where I frees the graph, ``cap`` already counts p - 1 pending ones as they are, one as held.)
+        (held.optimizer_step, weights + grads, st.optimizer_step_bytes, (0, per_held, 0, 0 if st.frees_graph_at_input_grad else one + cap, 0)),
     ]  # fmt: skip
     # Totals first, on plain numbers, parts only for the worst point: MadPipe asks millions of times.
     per_output, per_gradient = HEADER_BYTES + st.output_bytes, HEADER_BYTES + st.input_bytes
@@ -456,6 +458,13 @@ def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, re
     activations = a0 + ah * h + am * max(h - 1, 0) + ap * p + a1 * max(p, 1) + cap * max(p - 1, 0)
     return {"state": state, "activations": activations, "outputs": (h - p) * out, "workspace": workspace,
             "buffers": sent_bytes(st, sent), "batch": batch_bytes + st.loss_bytes}  # fmt: skip
+
+
+def _after_input_grad_bytes(st: "StageCosts", held: int) -> int:
+    """What a pending microbatch (its I done, its W not) holds beyond the ``held`` bytes of a held
+    one: the gradients its I captured; on a stage whose I frees the graph (deferred linear weight
+    gradients), the linear calls' inputs and output gradients in place of everything it held."""
+    return st.captured_bytes - held if st.frees_graph_at_input_grad else st.captured_bytes
 
 
 def _loss_graph_bytes(st: "StageCosts", recompute: bool, last: bool, split: bool) -> int:
@@ -507,7 +516,7 @@ def resting_bytes(st: "StageCosts", point: Point, grads: bool, recompute: bool, 
     one = st.stash_bytes if recompute else 0
     state = st.weight_bytes + st.optimizer_bytes + (st.gradient_bytes if grads else 0)
     kept = received_input_bytes(st, first) + (0 if recompute else st.stash_bytes) + st.loss_bytes + _loss_graph_bytes(st, recompute, last, split)
-    activations = h * kept + p * (one + st.captured_bytes)
+    activations = h * kept + p * (one + _after_input_grad_bytes(st, kept + one))
     return state + activations + (h - p) * _kept_output_bytes(st, recompute, last)
 
 

