@@ -436,7 +436,8 @@ def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, re
         (held.backward_first, weights, bws - st.backward_workspace_bytes,
          (received + st.first_backward_bytes + st.loss_bytes, 0, per_held, 0, 0)),
         (held.full_backwards, weights + grads, bws - st.backward_workspace_bytes + excess, (-loss_graph, per_held, 0, 0, one)),
-        (held.split_backwards, weights + grads, bws, (0, per_held, 0, 0, one)),
+        # The first stage's W is a whole backward (no input gradient), freeing as it goes like one.
+        (held.split_backwards, weights + grads, bws - st.backward_workspace_bytes + excess if first else bws, (0, per_held, 0, 0, one)),
         (held.input_cold, weights, bws, (0, per_held, 0, 0, one)),
         # Every microbatch's I and W done or not begun (2BW: windows overlap); pending ones counted
         # with the running one's terms, an upper bound.

@@ -178,7 +178,8 @@ def input_grads(roots: Sequence[Tensor], grads: Sequence[Optional[Tensor]], inpu
     """I: gradients of ``roots`` w.r.t. ``inputs``, and what W needs to finish the weights.
 
     Weights whose subgraph several frontier nodes share get their gradients here, in the same
-    autograd call (see :func:`_sharing`); W only adds them.
+    autograd call (see :func:`_sharing`); W only adds them. With no input to differentiate (the
+    first stage) I does nothing and W is a plain backward.
 
     Args:
         roots: the stage outputs (or the loss) to backpropagate from.
@@ -191,6 +192,8 @@ def input_grads(roots: Sequence[Tensor], grads: Sequence[Optional[Tensor]], inpu
     """
     if deferred is not None and deferred.forwarded:  # else (autocast, say) nothing was deferred: the autograd split
         return _eager_input_grads(list(roots), list(grads), list(inputs), deferred)
+    if not inputs:  # nothing to send: W is the whole backward (see weight_grads)
+        return [], WeightWork([], [], [], roots=list(roots), root_grads=list(grads))
     nodes = [r.grad_fn for r in roots if r.grad_fn is not None]
     front = _frontier(nodes, {id(t) for t in inputs})
     _warn_custom_functions(front)
@@ -263,9 +266,16 @@ def weight_grads(work: WeightWork) -> list[Tensor]:
     written once here. A weight's first gradient that is one of I's own gradients (passed
     through) is copied, never adopted (see :func:`_unshared`).
 
+    Where I left the whole backward to W (no input gradient), W is a plain backward: each gradient
+    is added as it goes, as in any full backward (so its new gradients never all exist beside the
+    ones held), and the parameters' accumulation hooks report them, so none is returned.
+
     Returns:
         The weights whose gradient received this microbatch's contribution, each once.
     """
+    if work.roots and work.deferred is None:  # no input gradient: a full backward, each gradient added as it goes
+        torch.autograd.backward(work.roots, work.root_grads)
+        return []  # reported by the parameters' accumulation hooks, as for any full backward
     updated, taken = [], _storages(work.captured())
     for edges, grads, weights in zip(work.edges, work.grads, work.weights):
         pairs = [(e, g) for e, g in zip(edges, grads) if g is not None]
