@@ -430,14 +430,15 @@ def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, re
     # A full backward (pending 0) frees each block's saved tensors as it goes (its peak is
     # ``backward_excess_bytes`` over them); I and W (pending >= 1) free nothing before W.
     excess = st.backward_workspace_bytes if st.backward_excess_bytes is None else st.backward_excess_bytes
+    full_ws = bws - st.backward_workspace_bytes + excess  # a full backward's workspace beside its freeing blocks
     moments = [
         (held.forward_cold, weights, fws, (0, per_held, 0, one, 0)),
         (held.forward_warm, weights + grads, fws, (0, per_held, 0, one, 0)),
         (held.backward_first, weights, bws - st.backward_workspace_bytes,
          (received + st.first_backward_bytes + st.loss_bytes, 0, per_held, 0, 0)),
-        (held.full_backwards, weights + grads, bws - st.backward_workspace_bytes + excess, (-loss_graph, per_held, 0, 0, one)),
+        (held.full_backwards, weights + grads, full_ws, (-loss_graph, per_held, 0, 0, one)),
         # The first stage's W is a whole backward (no input gradient), freeing as it goes like one.
-        (held.split_backwards, weights + grads, bws - st.backward_workspace_bytes + excess if first else bws, (0, per_held, 0, 0, one)),
+        (held.split_backwards, weights + grads, full_ws if first else bws, (0, per_held, 0, 0, one)),
         (held.input_cold, weights, bws, (0, per_held, 0, 0, one)),
         # Every microbatch's I and W done or not begun (2BW: windows overlap); pending ones counted
         # with the running one's terms, an upper bound.

@@ -293,7 +293,6 @@ def weight_grads(work: WeightWork) -> list[Tensor]:
     for w, g in work.early:
         _accumulate(w, g, set())  # already unshared in I
         updated.append(w)
-    if work.deferred is not None:
-        seen = {id(w) for w in updated}
-        updated += [w for w in [*work.added, *work.deferred.accumulate()] if id(w) not in seen and not seen.add(id(w))]
+    if work.deferred is not None:  # each weight once, also where I's gradient and a product both went into it
+        updated = list({id(w): w for w in [*updated, *work.added, *work.deferred.accumulate()]}.values())
     return updated
