@@ -9,6 +9,7 @@ from typing import Optional, Sequence, Union
 from lightning_pipe.partition import partition_sizes, stage_ranges
 from lightning_pipe.schedules import check_name, two_bw
 from lightning_pipe.schedules.passes import check_virtual
+from lightning_pipe.schedules.split import PLACEMENTS
 from lightning_pipe.topology import Topology
 
 PartitionArg = Union[str, Sequence[int]]
@@ -44,6 +45,10 @@ class PipelinePlan:
             is interleaved 1F1B (``schedule="1f1b"``, ``microbatches`` a multiple of ``depth``;
             see ``schedules/interleaved.py``): the bubble shrinks ``v`` times for ``v`` times
             the messages. With ``split_backward`` each rank places its W's as ZB-H1 does.
+        split_placement: with ``split_backward``, where the W's go (``schedules/split.py``):
+            ``None`` for the schedule's own (ZB-H1 for 1F1B and 2BW, "bounded" for GPipe), or one
+            of "end", "cooldown", "zb-h1", "bounded", "drain". "drain" splits only the backwards
+            after a stage's last forward: 1F1B's peak memory with part of the split's gain.
     """
 
     width: int = 1
@@ -56,6 +61,7 @@ class PipelinePlan:
     recompute: RecomputeArg = False
     inner: str = "pp"
     virtual_stages: int = 1
+    split_placement: Optional[str] = None
 
     def __post_init__(self) -> None:
         Topology(self.width * self.depth, self.depth, self.inner)  # depth and width >= 1, a known orientation
@@ -74,6 +80,20 @@ class PipelinePlan:
                 raise ValueError("split_max_pending only applies with split_backward=True")
             if self.split_max_pending < 0:
                 raise ValueError(f"split_max_pending must be >= 0, got {self.split_max_pending}")
+        self._check_placement()
+
+    def _check_placement(self) -> None:
+        placement = self.split_placement
+        if placement is None:
+            return
+        if not self.split_backward:
+            raise ValueError("split_placement only applies with split_backward=True")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"unknown split_placement {placement!r}; use one of {PLACEMENTS}")
+        if self.schedule == "2bw":
+            raise ValueError("split_placement does not apply to schedule '2bw' (its stream never drains; it places W's as ZB-H1 does)")
+        if placement == "drain" and self.split_max_pending is not None:
+            raise ValueError("split_max_pending does not apply with split_placement='drain' (each W runs right after its I)")
 
     def _normalise_recompute(self) -> None:
         flags = self.recompute
@@ -152,6 +172,7 @@ class PipelinePlan:
     def describe(self) -> str:
         """One line: ``w x d``, microbatches, schedule, split, partition and the recomputing stages."""
         split = " + split backward" if self.split_backward else ""
+        split += f" ({self.split_placement})" if self.split_placement else ""
         ranks = ", replicas on neighbouring ranks" if self.inner == "dp" else ""
         virtual = f" interleaved, {self.virtual_stages} stages per rank" if self.virtual_stages > 1 else ""
         stages = [s for s, on in enumerate(self.recompute) if on]

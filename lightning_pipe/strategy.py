@@ -33,7 +33,7 @@ from lightning_pipe.topology import Topology
 
 _LAYOUT_DEFAULTS: dict[str, Any] = dict(schedule="1f1b", pipeline_depth=None, microbatches=1, partition="balanced",
                                          recompute=False, split_backward=False, split_max_pending=None, inner="pp",
-                                         virtual_stages=1)  # fmt: skip
+                                         virtual_stages=1, split_placement=None)  # fmt: skip
 
 
 class PipelineStrategy(DDPStrategy):
@@ -66,6 +66,10 @@ class PipelineStrategy(DDPStrategy):
         split_max_pending: with ``split_backward``, the most microbatches waiting for their
             weight gradients on every stage (bounds memory). ``None``: stage ``s`` keeps ``s``
             (Zero Bubble's ZB-H1 bound; GPipe defers W's up to it, see schedules/split.py).
+        split_placement: with ``split_backward``, where the weight gradients go: ``None`` for
+            the schedule's own, or "drain": only the backwards after a stage's last forward
+            split (1F1B's peak memory; most of the gain in 1F1B's bubble). See
+            :class:`~lightning_pipe.PipelinePlan` for all of them.
         inner: "pp" (default): the stages of a pipeline run on neighbouring ranks, so
             activations stay inside a node; "dp": the replicas of a stage do, so the gradient
             all-reduce stays inside a node (multi-node jobs; ``python -m lightning_pipe.plan``
@@ -111,6 +115,7 @@ class PipelineStrategy(DDPStrategy):
         loss: str = "current",
         split_backward: bool = False,
         split_max_pending: Optional[int] = None,
+        split_placement: Optional[str] = None,
         inner: str = "pp",
         virtual_stages: int = 1,
         plan: Optional[PipelinePlan] = None,
@@ -129,7 +134,7 @@ class PipelineStrategy(DDPStrategy):
     ) -> None:
         layout = dict(schedule=schedule, pipeline_depth=pipeline_depth, microbatches=microbatches, partition=partition,
                       recompute=recompute, split_backward=split_backward, split_max_pending=split_max_pending,
-                      inner=inner, virtual_stages=virtual_stages)  # fmt: skip
+                      inner=inner, virtual_stages=virtual_stages, split_placement=split_placement)  # fmt: skip
         self._layout = _check_layout(layout, plan)
         if global_batch_size is not None and global_batch_size < 1:
             raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")

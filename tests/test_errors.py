@@ -78,6 +78,18 @@ def test_interleaved_layout_misuse() -> None:
         place(ToyChain(), PipelinePlan(1, 4, 4, virtual_stages=2), rank=0)
 
 
+def test_split_placement_misuse() -> None:
+    with pytest.raises(ValueError, match="split_placement only applies with split_backward=True"):
+        PipelineStrategy(pipeline_depth=2, split_placement="drain")
+    with pytest.raises(ValueError, match="unknown split_placement 'later'"):
+        PipelineStrategy(pipeline_depth=2, split_backward=True, split_placement="later")
+    with pytest.raises(ValueError, match="does not apply to schedule '2bw'"):
+        PipelinePlan(1, 2, 4, "2bw", True, split_placement="drain")
+    with pytest.raises(ValueError, match="split_max_pending does not apply with split_placement='drain'"):
+        PipelinePlan(1, 2, 4, "1f1b", True, 1, split_placement="drain")
+    assert "split backward (drain)" in PipelinePlan(1, 2, 4, "1f1b", True, split_placement="drain").describe()
+
+
 def test_block_returning_non_tensor() -> None:
     model = ToyChain()
     model.blocks[1] = _Dict()

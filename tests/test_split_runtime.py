@@ -12,7 +12,9 @@ from tests.models import ToyChain, make_data
 
 BATCH, M, STEPS = 16, 4, 3
 SCHEDULES = ("gpipe", "1f1b", "2bw")
-VARIANTS = [(False, False), (True, False), (True, True)]  # (split backward, recompute)
+VARIANTS = [(False, False, None), (True, False, None), (True, True, None), (True, False, "drain"), (True, True, "drain")]
+# (split backward, recompute, W placement): "drain" splits only the backwards after a stage's last
+# forward, so one program runs both whole backwards and I + W (not 2BW, whose stream never drains)
 
 
 def test_transformer_block_split_matches_backward_and_runs_no_forward() -> None:
@@ -156,10 +158,13 @@ def _split_worker(rank: int, world: int, depth: int) -> dict:
     groups = PipelineGroups.build(topo, rank)
     replica, results = topo.replica_of(rank), {}
     for schedule in SCHEDULES:
-        for split, recompute in VARIANTS:
+        for split, recompute, placement in VARIANTS:
+            if placement is not None and schedule == "2bw":
+                continue
             torch.manual_seed(0)
             model = ToyChain()
-            plan = PipelinePlan(topo.width, depth, M, schedule, split, partition="uniform", recompute=recompute)
+            plan = PipelinePlan(topo.width, depth, M, schedule, split, partition="uniform", recompute=recompute,
+                                split_placement=placement)  # fmt: skip
             engine = place(model, plan, rank, groups=groups)
             forwards = [0]
             for block in engine.stage.blocks:
@@ -174,7 +179,8 @@ def _split_worker(rank: int, world: int, depth: int) -> dict:
                     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
             engine.drain()
             weights.append({k: v.clone() for k, v in engine.current_weights().items()})
-            results[(schedule, split, recompute)] = (grads, weights, forwards[0] / len(engine.stage.blocks))
+            kinds = {a.kind.name for a in engine.train_program(M)} if schedule != "2bw" else set()
+            results[(schedule, split, recompute, placement)] = (grads, weights, forwards[0] / len(engine.stage.blocks), kinds)
     return results
 
 
@@ -188,8 +194,10 @@ def test_split_backward_matches_full_backward(launched, width: int, depth: int) 
     assert all(status == "ok" for status, _ in out), [v for s, v in out if s != "ok"]
     for rank in range(width * depth):
         for schedule in SCHEDULES:
-            plain = out[rank][1][(schedule, False, False)]
+            plain = out[rank][1][(schedule, False, False, None)]
             for variant in VARIANTS[1:]:
+                if variant[2] is not None and schedule == "2bw":
+                    continue
                 split = out[rank][1][(schedule, *variant)]
                 # float32 sums the same terms in another order: 1e-6 relative, plus 1e-8 for values near 0
                 if schedule != "2bw":
@@ -198,9 +206,17 @@ def test_split_backward_matches_full_backward(launched, width: int, depth: int) 
                 for want, got in zip(plain[1], split[1]):
                     for name in want:
                         torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-8)
-            assert plain[2] == out[rank][1][(schedule, True, False)][2] == STEPS * M  # one forward per microbatch
+            assert plain[2] == out[rank][1][(schedule, True, False, None)][2] == STEPS * M  # one forward per microbatch
             # With recompute: the forward, then its one recomputation before I; W reuses that graph.
-            assert out[rank][1][(schedule, True, True)][2] == 2 * STEPS * M
+            assert out[rank][1][(schedule, True, True, None)][2] == 2 * STEPS * M
+            if schedule != "2bw":  # drain: whole backwards (checkpointed under recompute) beside I + W
+                assert out[rank][1][(schedule, True, False, "drain")][2] == STEPS * M
+                # its whole backwards recompute through torch.utils.checkpoint, which stops rerunning a
+                # block's forward once it has every tensor the backward needs (no forward hook then)
+                assert STEPS * M < out[rank][1][(schedule, True, True, "drain")][2] <= 2 * STEPS * M
+                assert {"INPUT_GRAD", "WEIGHT_GRAD"} <= out[rank][1][(schedule, True, False, "drain")][3]
+    # 1F1B's last stage runs B0 before F1: its drain program mixes whole backwards with I + W
+    assert any("BACKWARD" in out[rank][1][("1f1b", True, False, "drain")][3] for rank in range(width * depth))
 
 
 def _memory_worker(rank: int, world: int) -> dict:

@@ -11,7 +11,7 @@ from lightning_pipe.schedules.actions import Action, Kind
 from lightning_pipe.schedules.generators import gpipe
 from lightning_pipe.schedules.passes import add_communication, add_optimizer
 from lightning_pipe.schedules.split import split_backward
-from lightning_pipe.simulate import StashModel, simulate
+from lightning_pipe.simulate import ScheduleError, StashModel, simulate
 
 # Equal F, I and W times (seed 001, Table 1); an unsplit B is I followed by W.
 EQUAL = {Kind.FORWARD: 1.0, Kind.INPUT_GRAD: 1.0, Kind.WEIGHT_GRAD: 1.0, Kind.BACKWARD: 2.0}
@@ -142,3 +142,41 @@ def test_split_two_bw_keeps_weight_grads_before_the_step(depth: int) -> None:
                     reduced += 1
                 if a.kind is Kind.WEIGHT_GRAD:
                     assert a.microbatch // m == reduced, f"W{a.microbatch} after its batch's all-reduce"
+
+
+def test_drain_placement_splits_only_the_backwards_after_the_last_forward() -> None:
+    assert format_actions(split_backward(one_f_one_b(1, 2, 3), "drain")) == "1F0 1B0 1F1 1B1 1F2 1I2 1W2"
+    assert format_actions(split_backward(one_f_one_b(0, 2, 3), "drain")) == "0F0 0F1 0B0 0F2 0I1 0W1 0I2 0W2"
+    # the gradient goes upstream after I, before W
+    assert format_actions(build_schedule("1f1b", 2, 2, split=True, placement="drain")[1]) == "1RF0 1F0 1B0 1SB0 1RF1 1F1 1I1 1SB1 1W1 1AR 1OPT"
+
+
+@pytest.mark.parametrize("f, i, w", [(1.0, 1.0, 1.0), (2.0, 2.0, 1.0), (1.0, 2.0, 1.0), (3.0, 1.0, 2.0), (0.5, 0.6, 0.48)])
+def test_drain_split_keeps_1f1b_memory_and_saves_a_weight_gradient_per_hop(f: float, i: float, w: float) -> None:
+    # 1F1B takes (m + p - 1)(F + B). In its drain every stage waits for the gradient of each
+    # microbatch; split there, the gradient leaves after I and the stage's W runs while the stage
+    # above computes, so each of the p - 1 hops of the last microbatch's gradient is a W shorter
+    # (where W <= F, ZB-H1's condition too): (m + p - 1)(F + I + W) - (p - 1) W, half of ZB-H1's
+    # saving with equal costs. Before the drain the program is 1F1B's, so each stage holds as many
+    # microbatches as under 1F1B (p - s on stage s), not ZB-H1's p on every stage.
+    costs = {Kind.FORWARD: f, Kind.INPUT_GRAD: i, Kind.WEIGHT_GRAD: w, Kind.BACKWARD: i + w}
+    for p in range(1, 9):
+        for m in range(1, 17):
+            program = build_schedule("1f1b", p, m, split=True, placement="drain")
+            verify(program, m)
+            result, plain = simulate(program, costs), simulate(build_schedule("1f1b", p, m), costs)
+            assert plain.makespan == pytest.approx((m + p - 1) * (f + i + w))
+            assert result.makespan == pytest.approx((m + p - 1) * (f + i + w) - (p - 1) * w)
+            assert result.peak_stash == plain.peak_stash == [min(m, p - s) for s in range(p)]
+
+
+def test_verify_takes_split_and_whole_backwards_per_microbatch_but_not_both() -> None:
+    mixed = build_schedule("1f1b", 2, 3, split=True, placement="drain")
+    verify(mixed, 3)
+    both = [list(actions) for actions in mixed]
+    both[1].insert(len(both[1]) - 2, Action(1, Kind.BACKWARD, 2))  # 1B2 beside 1I2 1W2
+    with pytest.raises(ScheduleError, match="runs BACKWARD of microbatch 2 1 times"):
+        verify(both, 3)
+    half = [[a for a in actions if not (a.stage == 1 and a.kind is Kind.WEIGHT_GRAD)] for actions in mixed]
+    with pytest.raises(ScheduleError, match="runs WEIGHT_GRAD of microbatch 2 0 times"):
+        verify(half, 3)

@@ -177,7 +177,8 @@ class PipelineEngine:
         if key not in self._programs:
             d, v = self.topology.depth, self.plan.virtual_stages
             program = (
-                build_schedule(self.schedule, d, microbatches, self.split_backward, self.plan.split_max_pending, v)
+                build_schedule(self.schedule, d, microbatches, self.split_backward, self.plan.split_max_pending, v,
+                               self.plan.split_placement)
                 if train
                 else build_inference(d, microbatches, v)
             )

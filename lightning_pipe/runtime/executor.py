@@ -228,6 +228,7 @@ class Executor:
         self._posts_after_send = len(self._chunks) == 1  # where a receive goes beside a send (see _post_next)
         self._replayed: set[int] = set()  # split backward on a recomputed stage: F keeps no graph, I reruns it
         self._deferring: set[int] = set()  # split backward on a stage whose linear calls defer their weight gradients
+        self._whole: set[Key] = set()  # microbatches whose backward runs whole in a split run (split_backward's "drain")
         self._incoming: dict[int, p2p.Incoming] = {}
         self._expected: dict[int, deque[Action]] = {}  # per source: the receives still to come, in send order
         self._arrivals: dict[int, list[Action]] = {}  # per source: all of the program's receives, in send order
@@ -274,6 +275,7 @@ class Executor:
         split_run = any(a.kind is Kind.INPUT_GRAD for a in actions)
         self._replayed = {s for s, (stage, _) in self._chunks.items() if stage.recompute and split_run}
         self._deferring = {s for s, (stage, _) in self._chunks.items() if stage.defers_linear and split_run}
+        self._whole = {(a.stage, a.microbatch) for a in actions if a.kind is Kind.BACKWARD} if split_run else set()
         self._actions, self._at, self._posted_at = actions, 0, -1
         try:
             self._post_receives(actions, arrivals)
@@ -297,7 +299,7 @@ class Executor:
         inputs = as_tuple(self.hooks.inputs(mb), "pipeline_inputs") if position.is_first else st.inputs.pop(key)
         if st.train:
             st.inputs[key] = inputs
-        replay = a.stage in self._replayed and st.train
+        replay = a.stage in self._replayed and st.train and key not in self._whole
         if replay:  # the graph is built once, by I's recomputation, and W reuses it
             st.replay[key] = Replay.capture(st.weights, self.device)
         stage = self._stage(a)
@@ -324,7 +326,8 @@ class Executor:
         calls of this microbatch's forward on ``weights`` (``None``: the stage's own) for its I and W
         (:mod:`~lightning_pipe.runtime.deferred_linear`). Not where no input needs a gradient (the
         first stage): there I is empty and W a whole backward, with nothing to defer."""
-        if a.stage not in self._deferring or not st.train or not any(x.requires_grad for x in inputs):
+        deferring = a.stage in self._deferring and (a.stage, a.microbatch) not in self._whole
+        if not deferring or not st.train or not any(x.requires_grad for x in inputs):
             return nullcontext()
         store = st.deferred[a.stage, a.microbatch] = LinearGrads(weights or self._stage(a).parameters())
         return DeferLinearWeights(store)

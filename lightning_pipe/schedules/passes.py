@@ -91,7 +91,7 @@ def check_virtual(name: str, depth: int, microbatches: int, virtual: int) -> Non
 
 def build_schedule(
     name: str, depth: int, microbatches: int, split: bool = False, max_pending: Optional[int] = None,
-    virtual: int = 1,
+    virtual: int = 1, placement: Optional[str] = None,
 ) -> Schedule:  # fmt: skip
     """Full training program of every rank: compute, communication and the optimizer flush.
 
@@ -103,6 +103,8 @@ def build_schedule(
         max_pending: with ``split``, most microbatches that may wait for their W.
         virtual: stages per rank ``v``; above 1, interleaved 1F1B over ``d * v`` stages
             (schedules/interleaved.py), rank ``r`` running stages ``r, r + d, ...``.
+        placement: with ``split``, where the W's go (schedules/split.py); default the
+            schedule's own (:data:`~lightning_pipe.schedules.split.W_PLACEMENT`).
     """
     check_virtual(name, depth, microbatches, virtual)
     generator = resolve(name) if virtual == 1 else partial(interleaved.interleaved_one_f_one_b, virtual=virtual)
@@ -110,7 +112,7 @@ def build_schedule(
     for r in range(depth):
         compute = generator(r, depth, microbatches)
         if split:
-            compute = split_backward(compute, W_PLACEMENT[name], max_pending)
+            compute = split_backward(compute, placement or W_PLACEMENT[name], max_pending)
         programs.append(add_optimizer(add_communication(compute, depth * virtual), r))
     return programs
 

@@ -31,6 +31,15 @@ all-reduce and the optimizer step, so it is delayed into time the stage would id
   ``"end"`` is the same with no bound: it idles stage 0 while gradients arrive and then runs
   its whole backward in a row (1.28x plain GPipe's step with the GPT costs at d = 2).
 
+- ``"drain"`` (1F1B's memory): only the backwards of the cool-down phase split, each W right
+  after its I; every earlier backward stays whole. In 1F1B's steady state a stage holds as many
+  microbatches as without split, so the peak is 1F1B's; in the drain the gradient leaves a
+  W earlier per stage, which is where 1F1B's bubble is. On this CPU the deferred linear split
+  costs a little per split microbatch (its forward runs under a function mode, I + W is
+  1.02-1.05x B), so splitting few microbatches keeps most of the gain. Simulated with the GPT
+  blocks' costs (above), 1F1B at m = 8 takes 0.970x plain 1F1B's step at d = 2 and 0.927x at
+  d = 4 (ZB-H1: 0.976x and 0.874x, with one more microbatch's I-to-W state on the later stages).
+
 ``max_pending`` bounds how many microbatches may wait for their W (each holds activations
 and intermediate gradients): past it a W runs right after the I, as in seed 001's Figure 5.
 Under ``"zb-h1"`` and ``"bounded"`` it replaces the per-stage bound ``s`` (under ``"zb-h1"``,
@@ -51,7 +60,7 @@ from lightning_pipe.schedules.actions import Action, Kind, action
 
 #: Where each schedule puts its weight-gradient actions.
 W_PLACEMENT = {"gpipe": "bounded", "1f1b": "zb-h1", "2bw": "zb-h1"}
-PLACEMENTS = ("end", "cooldown", "zb-h1", "bounded")
+PLACEMENTS = ("end", "cooldown", "zb-h1", "bounded", "drain")
 
 
 def split_backward(actions: list[Action], placement: str, max_pending: Optional[int] = None) -> list[Action]:
@@ -60,6 +69,8 @@ def split_backward(actions: list[Action], placement: str, max_pending: Optional[
         raise ValueError(f"unknown W placement {placement!r}; use one of {PLACEMENTS}")
     if max_pending is not None and max_pending < 0:
         raise ValueError(f"max_pending must be >= 0, got {max_pending}")
+    if placement == "drain":
+        return _split_drain(actions)
     if placement in ("zb-h1", "bounded"):
         if max_pending is None and actions:
             max_pending = actions[0].stage
@@ -82,3 +93,16 @@ def split_backward(actions: list[Action], placement: str, max_pending: Optional[
             out.append(pending.pop(0))
             idle_next = False
     return out + pending
+
+
+def _split_drain(actions: list[Action]) -> list[Action]:
+    """The ``"drain"`` placement: each backward after the stage's last forward becomes I, then W."""
+    forwards_left = sum(a.kind is Kind.FORWARD for a in actions)
+    out: list[Action] = []
+    for a in actions:
+        forwards_left -= a.kind is Kind.FORWARD
+        if a.kind is Kind.BACKWARD and forwards_left == 0:
+            out += [action(a.stage, Kind.INPUT_GRAD, a.microbatch), action(a.stage, Kind.WEIGHT_GRAD, a.microbatch)]
+        else:
+            out.append(a)
+    return out

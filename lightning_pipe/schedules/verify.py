@@ -8,10 +8,12 @@ from lightning_pipe.schedules.actions import COMPUTE_KINDS, Action, Kind
 from lightning_pipe.simulate import ScheduleError, grid, simulate, unit_costs
 
 
-def _kinds(actions: list[Action], train: bool) -> tuple[Kind, ...]:
+def _kinds(counts: Counter, microbatch: int, train: bool) -> tuple[Kind, ...]:
+    """What a stage must run for ``microbatch``: F, then B or (split backward) I and W. A
+    program may split some backwards and not others (split_backward's "drain" placement)."""
     if not train:
         return (Kind.FORWARD,)
-    split = any(a.kind is Kind.INPUT_GRAD for a in actions)
+    split = counts[(Kind.INPUT_GRAD, microbatch)] or counts[(Kind.WEIGHT_GRAD, microbatch)]
     return (Kind.FORWARD, Kind.INPUT_GRAD, Kind.WEIGHT_GRAD) if split else (Kind.FORWARD, Kind.BACKWARD)
 
 
@@ -20,20 +22,21 @@ def _check_rank(rank: int, actions: list[Action], microbatches: int, train: bool
     if wrong:
         raise ScheduleError(f"rank {rank} holds actions of stages it does not run: {wrong}")
     for stage in range(rank, depth * virtual, depth):
-        _check_stage(stage, [a for a in actions if a.stage == stage], microbatches, _kinds(actions, train))
+        _check_stage(stage, [a for a in actions if a.stage == stage], microbatches, train)
 
 
-def _check_stage(stage: int, actions: list[Action], microbatches: int, kinds: tuple[Kind, ...]) -> None:
+def _check_stage(stage: int, actions: list[Action], microbatches: int, train: bool) -> None:
     counts = Counter((a.kind, a.microbatch) for a in actions if a.kind in COMPUTE_KINDS)
-    for kind in kinds:
-        for k in range(microbatches):
-            if counts[(kind, k)] != 1:
-                raise ScheduleError(f"stage {stage} runs {kind.name} of microbatch {k} {counts[(kind, k)]} times")
     position = {(a.kind, a.microbatch): i for i, a in enumerate(actions)}
-    for before, after in zip(kinds, kinds[1:]):
-        late = [k for k in range(microbatches) if position[(after, k)] < position[(before, k)]]
-        if late:
-            raise ScheduleError(f"stage {stage} runs {after.value} before {before.value} for microbatches {late}")
+    for k in range(microbatches):
+        kinds = _kinds(counts, k, train)
+        for kind in COMPUTE_KINDS:
+            expected = int(kind in kinds)
+            if counts[(kind, k)] != expected:
+                raise ScheduleError(f"stage {stage} runs {kind.name} of microbatch {k} {counts[(kind, k)]} times")
+        for before, after in zip(kinds, kinds[1:]):
+            if position[(after, k)] < position[(before, k)]:
+                raise ScheduleError(f"stage {stage} runs {after.value} before {before.value} for microbatches {[k]}")
 
 
 def verify(schedule: list[list[Action]], microbatches: int, train: bool = True, virtual: int = 1) -> None:
