@@ -271,17 +271,18 @@ def program(plan: PipelinePlan, steps: int = 1) -> list[list[Action]]:
 
 
 def _program_key(plan: PipelinePlan, steps: int) -> tuple:
-    return plan.schedule, plan.depth, plan.microbatches, plan.split_backward, plan.split_max_pending, steps, plan.virtual_stages
+    return (plan.schedule, plan.depth, plan.microbatches, plan.split_backward, plan.split_max_pending, plan.split_placement, steps,
+            plan.virtual_stages)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=1024)
-def _program(schedule: str, depth: int, m: int, split: bool, max_pending: Optional[int], steps: int,
+def _program(schedule: str, depth: int, m: int, split: bool, max_pending: Optional[int], placement: Optional[str], steps: int,
              virtual: int = 1) -> list[list[Action]]:  # fmt: skip
     if schedule == "2bw":  # two_bw_run, from windows shared between the runs of 2 and 3 windows
         parts = [_two_bw_part(depth, m, t, split, False) for t in range(steps)]
         parts.append(_two_bw_part(depth, m, steps - 1, split, True))
         return [list(itertools.chain.from_iterable(part[s] for part in parts)) for s in range(depth)]
-    return build_schedule(schedule, depth, m, split, max_pending, virtual)
+    return build_schedule(schedule, depth, m, split, max_pending, virtual, placement)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -540,6 +541,12 @@ def _runs(name: str, depth: int, m: int, virtual: int) -> bool:
     return name != "2bw" or m >= depth
 
 
+#: Split backward as the search tries it: off, on with the schedule's own W placement, and on
+#: with "drain" (1F1B's peak memory: only the backwards after a stage's last forward split).
+_SPLITS = ((False, None), (True, None), (True, "drain"))
+_PLACED = ("1f1b",)  # the schedules "drain" is tried for (GPipe's backwards are all in its drain)
+
+
 def candidates(profile: Profile, devices: int, global_batch: int, allow_stale: bool = False,
                schedules: Optional[Sequence[str]] = None, memory_limit: Optional[float] = None,
                partitions: Sequence[tuple[int, ...]] = (), virtual_stages: Sequence[int] = (1, 2),
@@ -548,7 +555,8 @@ def candidates(profile: Profile, devices: int, global_batch: int, allow_stale: b
     ``m = global_batch / (w * b)`` whole; every registered schedule (2BW only with
     ``allow_stale``: its update is 1-stale; a schedule registered later is covered with no change
     here); each of ``virtual_stages`` stages per rank (above 1: interleaved 1F1B, where ``d * v``
-    blocks and ``m``, a multiple of ``d``, allow); split backward on and off; the time-balanced
+    blocks and ``m``, a multiple of ``d``, allow); split backward off, on, and for 1F1B on in its
+    drain only (:data:`_SPLITS`); the time-balanced
     partition and, under a memory limit, the memory-aware one
     (:func:`lightning_pipe.madpipe.madpipe_partition`, one stage per rank) when they differ;
     and each of ``partitions`` (a running job's own, for example) at its stage count.
@@ -556,12 +564,15 @@ def candidates(profile: Profile, devices: int, global_batch: int, allow_stale: b
     names = [s for s in (schedules or SCHEDULE_NAMES) if allow_stale or s != "2bw"]
     ranges = RangeCosts.of(profile, ranges)
     layouts = _layouts(devices, len(profile.blocks), virtual_stages)
-    for (width, depth, virtual), name, split in itertools.product(layouts, names, (False, True)):
+    for (width, depth, virtual), name, (split, placement) in itertools.product(layouts, names, _SPLITS):
+        if placement is not None and name not in _PLACED:
+            continue
         for b in (b for b in range(1, global_batch + 1) if global_batch % (width * b) == 0):
             m = global_batch // (width * b)
             if not _runs(name, depth, m, virtual):
                 continue
-            plan = PipelinePlan(width, depth, m, name, split, partition=ranges.balanced(depth * virtual, b), virtual_stages=virtual)
+            plan = PipelinePlan(width, depth, m, name, split, partition=ranges.balanced(depth * virtual, b), virtual_stages=virtual,
+                                split_placement=placement)  # fmt: skip
             memory_aware = _memory_aware(ranges, plan, b, memory_limit) if virtual == 1 else None
             extra = [p for p in partitions if len(p) == plan.stages]
             for partition in dict.fromkeys([plan.partition, *([memory_aware] if memory_aware else []), *extra]):

@@ -138,6 +138,8 @@ def test_search_covers_every_layout_and_schedule_and_ranks_by_predicted_throughp
     interleaved = {(2, 2, 2), (1, 4, 2)}  # 1F1B only, d >= 2 and d * v <= 8 blocks
     assert seen == set((*layout, name, split) for layout, name, split in itertools.product(plain, SCHEDULE_NAMES, [False, True])) | set(
         (*layout, "1f1b", split) for layout, split in itertools.product(interleaved, [False, True]))
+    drained = {(p.plan.schedule, p.plan.virtual_stages) for p in ranked if p.plan.split_placement == "drain"}
+    assert drained == {("1f1b", 1), ("1f1b", 2)} and all(p.plan.split_backward for p in ranked if p.plan.split_placement)
     assert all(p.plan.microbatches % p.plan.depth == 0 and len(p.plan.partition) == 2 * p.plan.depth
                for p in ranked if p.plan.virtual_stages == 2)  # fmt: skip
     assert {p.microbatch_size for p in ranked if p.plan.width == 1} == {1, 2, 4, 8, 16}  # m = 16 / (w b)
