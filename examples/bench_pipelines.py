@@ -58,18 +58,21 @@ from lightning_pipe.runtime.microbatch import split_batch  # noqa: E402
 from lightning_pipe.schedules import Kind, build_schedule, two_bw_window  # noqa: E402
 from lightning_pipe.spawn import run_gloo  # noqa: E402
 
-#: Our contenders: (schedule, split backward, stages per rank).
-OURS = [(s, split, 1) for s in ("gpipe", "1f1b", "2bw") for split in (False, True)] + [("1f1b", False, 2), ("1f1b", True, 2)]
+#: Our contenders: (schedule, split backward, stages per rank, W placement or None for the schedule's own).
+OURS = [(s, split, 1, None) for s in ("gpipe", "1f1b", "2bw") for split in (False, True)] + [
+    ("1f1b", True, 1, "drain"), ("1f1b", False, 2, None), ("1f1b", True, 2, None)]  # fmt: skip
 TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zb": "ScheduleInterleavedZeroBubble",
          "interleaved": "ScheduleInterleaved1F1B", "interleaved zb": "ScheduleInterleavedZeroBubble"}  # fmt: skip
 VIRTUAL = {"interleaved": 2, "interleaved zb": 2}  # stages per rank; the others run one
 # The torch.distributed.pipelining schedule each of ours is compared with: the same schedule,
 # zero bubble (1F1B with split backward, ZB-H1) for split 1F1B, 1F1B for 2BW, whose steady
 # state is 1F1B without the flush, and torch's zero bubble on two stages per rank for our
-# interleaved 1F1B with split backward.
-SAME = {("gpipe", False, 1): "gpipe", ("gpipe", True, 1): "gpipe", ("1f1b", False, 1): "1f1b", ("1f1b", True, 1): "zb",
-        ("2bw", False, 1): "1f1b", ("2bw", True, 1): "zb", ("1f1b", False, 2): "interleaved",
-        ("1f1b", True, 2): "interleaved zb"}  # fmt: skip
+# interleaved 1F1B with split backward. 1F1B split only in its drain holds 1F1B's peak memory:
+# it is compared with torch's 1F1B.
+SAME = {("gpipe", False, 1, None): "gpipe", ("gpipe", True, 1, None): "gpipe", ("1f1b", False, 1, None): "1f1b",
+        ("1f1b", True, 1, None): "zb", ("1f1b", True, 1, "drain"): "1f1b", ("2bw", False, 1, None): "1f1b",
+        ("2bw", True, 1, None): "zb", ("1f1b", False, 2, None): "interleaved",
+        ("1f1b", True, 2, None): "interleaved zb"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,7 @@ class Workload:
         method = "uniform" if self.name == "costmodel" else "balanced"
         return partition_sizes(method, [block_cost(b) for b in blocks], self.depth * virtual)
 
-    def predicted_step(self, schedule: str, split: bool, virtual: int = 1, steps: int = 2,
+    def predicted_step(self, schedule: str, split: bool, virtual: int = 1, placement: Optional[str] = None, steps: int = 2,
                        profile: Optional[Profile] = None) -> Optional[float]:  # fmt: skip
         """Simulator step time of what :func:`_time` measures: for 2BW, ``steps``
         windows that start together (after a barrier) with the untimed window's sends in flight.
@@ -115,11 +118,12 @@ class Workload:
         transfers and the executor's own work cost nothing either way."""
         if self.name != "costmodel" and profile is None:
             return None  # a GPT block has no nominal cost
-        cost = self.model().predicted_cost(virtual) if profile is None else self.profiled_cost(profile, schedule, split, virtual)
+        cost = (self.model().predicted_cost(virtual) if profile is None
+                else self.profiled_cost(profile, schedule, split, virtual, placement))  # fmt: skip
         d, m = self.depth, self.microbatches
         if schedule == "2bw":
             return simulate(timed_windows(d, m, split, steps), cost).makespan / steps
-        return simulate(build_schedule(schedule, d, m, split=split, virtual=virtual), cost).makespan
+        return simulate(build_schedule(schedule, d, m, split=split, virtual=virtual, placement=placement), cost).makespan
 
     def profile(self, threads: int) -> Profile:
         """Every block's F, B, I and W measured in this process at the microbatch size
@@ -131,11 +135,12 @@ class Workload:
         finally:
             torch.set_num_threads(before)
 
-    def profiled_cost(self, profile: Profile, schedule: str, split: bool, virtual: int = 1) -> Callable[[Any], float]:
+    def profiled_cost(self, profile: Profile, schedule: str, split: bool, virtual: int = 1,
+                      placement: Optional[str] = None) -> Callable[[Any], float]:  # fmt: skip
         """Each compute action's profiled seconds (its stage's blocks summed, as the planner sums
         them); every other action free."""
         plan = PipelinePlan(1, self.depth, self.microbatches, schedule, split, partition=self.partition(self.model(), virtual),
-                            virtual_stages=virtual)  # fmt: skip
+                            virtual_stages=virtual, split_placement=placement)  # fmt: skip
         stages = planner.stage_costs(profile, plan, self.batch_size // self.microbatches)
         field = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.INPUT_GRAD: "input_grad", Kind.WEIGHT_GRAD: "weight_grad"}
         return lambda a: getattr(stages[a.stage], field[a.kind]) if a.kind in field else 0.0
@@ -193,11 +198,12 @@ def _single(rank: int, work: Workload) -> Contender:
     return Contender(step, lambda: held_tensors(list(model.parameters()), [opt]))
 
 
-def _ours(rank: int, work: Workload, groups: Any, schedule: str, split: bool, virtual: int) -> Contender:
+def _ours(rank: int, work: Workload, groups: Any, schedule: str, split: bool, virtual: int,
+          placement: Optional[str] = None) -> Contender:  # fmt: skip
     """A lightning_pipe engine; ``finish`` drains 2BW, whose sends run on into the next window."""
     model = work.model()
     plan = PipelinePlan(1, work.depth, work.microbatches, schedule, split, partition=work.partition(model, virtual),
-                        virtual_stages=virtual)  # fmt: skip
+                        virtual_stages=virtual, split_placement=placement)  # fmt: skip
     engine = place(model, plan, rank, groups=groups, loss="previous" if schedule == "2bw" else "current")
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     versions = lambda: [p for slot in engine.versions.slots for p in slot or ()]  # noqa: E731 - both 2BW versions
@@ -256,10 +262,11 @@ def selected(names: Iterable[str], only: Sequence[str]) -> set[str]:
     return keep | {f"torch {SAME[ours]}" for ours in OURS if _name(*ours) in keep}
 
 
-def _name(schedule: str, split: bool, virtual: int = 1) -> str:
+def _name(schedule: str, split: bool, virtual: int = 1, placement: Optional[str] = None) -> str:
     loss = " (loss=previous)" if schedule == "2bw" else ""
     interleaved = f" interleaved (v={virtual})" if virtual > 1 else ""
-    return f"lightning_pipe {schedule}" + interleaved + (" + split" if split else "") + loss
+    split_name = (f" + split ({placement})" if placement else " + split") if split else ""
+    return f"lightning_pipe {schedule}" + interleaved + split_name + loss
 
 
 def counterparts(names: Iterable[str]) -> dict[str, str]:
