@@ -48,6 +48,10 @@ for _w, _d in LAYOUTS:
         scenario(_w * _d, _name, fit_toy, _d, *[_run.get(k, v) for k, v in FIT_DEFAULTS.items()])
 
 
+for _w, _d in LAYOUTS:  # 1F1B split only in its drain: whole backwards and I + W in one program
+    scenario(_w * _d, f"toy_{_w}x{_d}_1f1b_drain", partial(fit_toy, placement="drain"), _d, "1f1b", False, True)
+
+
 #: Interleaved 1F1B: two stages per rank over a chain of 8 blocks (ToyChain with 6 residual blocks).
 INTERLEAVED_BLOCKS = 6
 
@@ -232,7 +236,13 @@ def test_fit_with_split_backward_matches_without(launched, width: int, depth: in
         plain = _ranks(launched, width, depth, _tag(schedule))
         split = _ranks(launched, width, depth, _tag(schedule, split=True))
         _check_run(split, width, depth, step_lr=schedule == "2bw", delay=int(schedule == "2bw"))
-        for p, s in zip(plain, split):
+        runs = [split]
+        if schedule == "1f1b":  # split only in its drain: against one process and against no split
+            drain = _ranks(launched, width, depth, "1f1b_drain")
+            _check_run(drain, width, depth)
+            assert all(r["plan"].split_backward and r["plan"].split_placement == "drain" for r in drain)
+            runs.append(drain)
+        for p, s in ((p, s) for run in runs for p, s in zip(plain, run)):
             for name, value in p["params"].items():  # same sums in another order: 1e-6, 1e-8 near 0
                 torch.testing.assert_close(s["params"][name], value, rtol=1e-6, atol=1e-8)
             if schedule != "2bw":

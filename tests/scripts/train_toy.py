@@ -70,9 +70,9 @@ FIT_DEFAULTS: dict[str, Any] = dict(schedule="1f1b", recompute=False, split=Fals
 def fit_toy(rank: int, world: int, depth: int, schedule: str, recompute: bool = False, split: bool = False,
             scheduler: bool = False, precision: str = "32-true", out: Optional[Path] = None,
             sharded: bool = True, microbatches: int = 4, batch: int = 8, steps: int = 5, virtual: int = 1,
-            blocks: int = 4) -> dict[str, Any]:  # fmt: skip
+            blocks: int = 4, placement: Optional[str] = None) -> dict[str, Any]:  # fmt: skip
     """Fit, validate, predict and test ToyChain (``blocks`` residual blocks) through the Trainer,
-    ``virtual`` stages per rank; return what this rank saw.
+    ``virtual`` stages per rank, W's placed by ``placement`` under split; return what this rank saw.
 
     The checkpoint (``last.ckpt``: a DCP directory if ``sharded``, else one file) goes to ``out/ckpt``.
     """
@@ -85,6 +85,7 @@ def fit_toy(rank: int, world: int, depth: int, schedule: str, recompute: bool = 
         devices=world,
         strategy=PipelineStrategy(schedule=schedule, pipeline_depth=depth, microbatches=microbatches,
                                   partition="uniform", recompute=recompute, split_backward=split, virtual_stages=virtual,
+                                  split_placement=placement,
                                   save_distributed_checkpoint=sharded, timeout=timedelta(seconds=60)),
         precision=precision,
         max_steps=steps,
