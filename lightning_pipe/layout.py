@@ -47,8 +47,9 @@ class PipelinePlan:
             the messages. With ``split_backward`` each rank places its W's as ZB-H1 does.
         split_placement: with ``split_backward``, where the W's go (``schedules/split.py``):
             ``None`` for the schedule's own (ZB-H1 for 1F1B and 2BW, "bounded" for GPipe), or one
-            of "end", "cooldown", "zb-h1", "bounded", "drain". "drain" splits only the backwards
-            after a stage's last forward: 1F1B's peak memory with part of the split's gain.
+            of "end", "cooldown", "zb-h1", "bounded", "drain". "drain" (1F1B, one stage per rank)
+            splits only the backwards after a stage's last forward: 1F1B's peak memory, and half
+            of ZB-H1's saving with equal F, I and W.
     """
 
     width: int = 1
@@ -92,7 +93,14 @@ class PipelinePlan:
             raise ValueError(f"unknown split_placement {placement!r}; use one of {PLACEMENTS}")
         if self.schedule == "2bw":
             raise ValueError("split_placement does not apply to schedule '2bw' (its stream never drains; it places W's as ZB-H1 does)")
-        if placement == "drain" and self.split_max_pending is not None:
+        if placement == "drain":
+            self._check_drain()
+
+    def _check_drain(self) -> None:
+        if self.schedule != "1f1b" or self.virtual_stages > 1:
+            raise ValueError("split_placement='drain' is for 1F1B with one stage per rank (GPipe's backwards are all in "
+                             f"its drain: use its default; got schedule={self.schedule!r}, virtual_stages={self.virtual_stages})")
+        if self.split_max_pending is not None:
             raise ValueError("split_max_pending does not apply with split_placement='drain' (each W runs right after its I)")
 
     def _normalise_recompute(self) -> None:

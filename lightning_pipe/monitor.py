@@ -131,6 +131,7 @@ class PipelineMonitor(Callback):
         intervals = [i for r in records for i in r["intervals"]]
         _, bubble = timeline.bubble_fraction(intervals)
         split = " + split backward" if engine.split_backward else ""
+        split += f" ({engine.plan.split_placement})" if engine.plan.split_placement else ""
         if engine.plan.virtual_stages > 1:
             split += f", interleaved ({engine.plan.virtual_stages} stages per rank)"
         title = (f"{engine.schedule}{split}, step {step}: w={engine.topology.width}, d={engine.topology.depth}, "

@@ -17,6 +17,7 @@ import yaml
 from tqdm import tqdm
 
 from lightning_pipe import planner
+from lightning_pipe.layout import PipelinePlan
 from lightning_pipe.module import PipelineMixin
 from lightning_pipe.profiler import Profile, profile_blocks, profile_links
 from lightning_pipe.runtime.microbatch import batch_size
@@ -84,9 +85,16 @@ def table(ranked: Sequence[planner.Prediction], top: int) -> str:
         peaks = ", ".join(planner._size(x) for x in p.stage_memory)
         recompute = "".join("y" if r else "n" for r in plan.recompute)
         rows.append(f"| {plan.width} | {plan.depth} | {plan.virtual_stages} | {p.microbatch_size} | {plan.microbatches} | {plan.schedule} | "
-                    f"{'yes' if plan.split_backward else 'no'} | {recompute} | {list(plan.partition)} | {p.step_time:.4f} | "
+                    f"{_split(plan)} | {recompute} | {list(plan.partition)} | {p.step_time:.4f} | "
                     f"{p.samples_per_second:.1f} | {peaks} | {p.why_infeasible()} |")  # fmt: skip
     return "\n".join(rows)
+
+
+def _split(plan: PipelinePlan) -> str:
+    """The table's split column: no, yes, or yes with its W placement."""
+    if not plan.split_backward:
+        return "no"
+    return f"yes ({plan.split_placement})" if plan.split_placement else "yes"
 
 
 def snippet(best: planner.Prediction, global_batch: int) -> str:
@@ -96,6 +104,8 @@ def snippet(best: planner.Prediction, global_batch: int) -> str:
             "partition": list(plan.partition), "recompute": list(plan.recompute),
             "split_backward": plan.split_backward, "inner": plan.inner, "global_batch_size": global_batch,
             "virtual_stages": plan.virtual_stages}  # fmt: skip
+    if plan.split_placement is not None:
+        init["split_placement"] = plan.split_placement
     return yaml.safe_dump({"trainer": {"devices": plan.world_size, "strategy": {"init_args": init}}}, sort_keys=False)
 
 

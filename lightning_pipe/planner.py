@@ -420,11 +420,17 @@ def predict_memory(profile: Profile, plan: PipelinePlan, microbatch_size: int, h
     if plan.virtual_stages > 1:
         ranges = plan.stage_ranges()
         return [rank_peak_bytes([costs[s] for s in mine], walked, [plan.recompute[s] for s in mine], [s == 0 for s in mine],
-                                [s == last for s in mine], batch, plan.width > 1, plan.split_backward,
+                                [s == last for s in mine], batch, plan.width > 1, _all_split(plan),
                                 step_bytes(profile, [profile.blocks[i] for s in mine for i in ranges[s]])) + profile.device_bytes
                 for mine, walked in zip(map(plan.stages_of, range(plan.depth)), moments(plan))]  # fmt: skip
     return [stage_peak_bytes(st, held[s], versions, plan.recompute[s], s == 0, s == last, batch, gradient_sets(profile, plan, s),
-                             plan.split_backward) + profile.device_bytes for s, st in enumerate(costs)]  # fmt: skip
+                             _all_split(plan)) + profile.device_bytes for s, st in enumerate(costs)]  # fmt: skip
+
+
+def _all_split(plan: PipelinePlan) -> bool:
+    """Whether every backward of the plan's program is split (so no forward keeps the loss's graph
+    beside a recomputed last stage); "drain" keeps its earlier backwards whole."""
+    return plan.split_backward and plan.split_placement != "drain"
 
 
 def traffic(profile: Profile, plan: PipelinePlan, microbatch_size: int) -> tuple[float, float]:
@@ -544,7 +550,7 @@ def _runs(name: str, depth: int, m: int, virtual: int) -> bool:
 #: Split backward as the search tries it: off, on with the schedule's own W placement, and on
 #: with "drain" (1F1B's peak memory: only the backwards after a stage's last forward split).
 _SPLITS = ((False, None), (True, None), (True, "drain"))
-_PLACED = ("1f1b",)  # the schedules "drain" is tried for (GPipe's backwards are all in its drain)
+_PLACED = ("1f1b",)  # the schedules "drain" is tried for, one stage per rank (PipelinePlan refuses the rest)
 
 
 def candidates(profile: Profile, devices: int, global_batch: int, allow_stale: bool = False,
@@ -556,7 +562,7 @@ def candidates(profile: Profile, devices: int, global_batch: int, allow_stale: b
     ``allow_stale``: its update is 1-stale; a schedule registered later is covered with no change
     here); each of ``virtual_stages`` stages per rank (above 1: interleaved 1F1B, where ``d * v``
     blocks and ``m``, a multiple of ``d``, allow); split backward off, on, and for 1F1B on in its
-    drain only (:data:`_SPLITS`); the time-balanced
+    drain only, one stage per rank (:data:`_SPLITS`); the time-balanced
     partition and, under a memory limit, the memory-aware one
     (:func:`lightning_pipe.madpipe.madpipe_partition`, one stage per rank) when they differ;
     and each of ``partitions`` (a running job's own, for example) at its stage count.
@@ -565,7 +571,7 @@ def candidates(profile: Profile, devices: int, global_batch: int, allow_stale: b
     ranges = RangeCosts.of(profile, ranges)
     layouts = _layouts(devices, len(profile.blocks), virtual_stages)
     for (width, depth, virtual), name, (split, placement) in itertools.product(layouts, names, _SPLITS):
-        if placement is not None and name not in _PLACED:
+        if placement is not None and (name not in _PLACED or virtual > 1):
             continue
         for b in (b for b in range(1, global_batch + 1) if global_batch % (width * b) == 0):
             m = global_batch // (width * b)

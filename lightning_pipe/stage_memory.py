@@ -85,7 +85,8 @@ def posted_receives(flat: FlatProgram) -> np.ndarray:
     among the rank's stages, ``stage // ranks``): a gradient for a stage's output, an activation
     for its input, each one message with its header (see :data:`Sent`).
 
-    The executor posts the receive of a neighbour's next message just before the rank's first
+    The executor posts the receive of a neighbour's next message beside (just after on a rank of
+    one stage, just before on an interleaved rank; the same after the action) the rank's first
     send to that neighbour after the previous message was read, where that send comes before
     the rank's next receive action from the neighbour; else as soon as the previous message was
     read (the first: when the program starts), and none beyond the program's last
@@ -410,7 +411,7 @@ def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, re
       beyond them, ``StageCosts.backward_excess_bytes``); during a backward of a stage that is
       not last, also the gradient it started from, with its message's header.
 
-    ``split``: the program runs split backward (I and W).
+    ``split``: every backward of the program is split (I and W).
     """
     weights = versions * st.weight_bytes + st.optimizer_bytes
     grads = (versions if gradient_sets is None else gradient_sets) * st.gradient_bytes

@@ -67,9 +67,10 @@ class PipelineStrategy(DDPStrategy):
             weight gradients on every stage (bounds memory). ``None``: stage ``s`` keeps ``s``
             (Zero Bubble's ZB-H1 bound; GPipe defers W's up to it, see schedules/split.py).
         split_placement: with ``split_backward``, where the weight gradients go: ``None`` for
-            the schedule's own, or "drain": only the backwards after a stage's last forward
-            split (1F1B's peak memory; most of the gain in 1F1B's bubble). See
-            :class:`~lightning_pipe.PipelinePlan` for all of them.
+            the schedule's own, "drain" (1F1B, one stage per rank): only the backwards after a
+            stage's last forward split (1F1B's peak memory; half of ZB-H1's saving with equal
+            F, I and W), or "end", "cooldown", "zb-h1", "bounded" (schedules/split.py; see
+            :class:`~lightning_pipe.PipelinePlan`).
         inner: "pp" (default): the stages of a pipeline run on neighbouring ranks, so
             activations stay inside a node; "dp": the replicas of a stage do, so the gradient
             all-reduce stays inside a node (multi-node jobs; ``python -m lightning_pipe.plan``

@@ -139,7 +139,7 @@ def test_search_covers_every_layout_and_schedule_and_ranks_by_predicted_throughp
     assert seen == set((*layout, name, split) for layout, name, split in itertools.product(plain, SCHEDULE_NAMES, [False, True])) | set(
         (*layout, "1f1b", split) for layout, split in itertools.product(interleaved, [False, True]))
     drained = {(p.plan.schedule, p.plan.virtual_stages) for p in ranked if p.plan.split_placement == "drain"}
-    assert drained == {("1f1b", 1), ("1f1b", 2)} and all(p.plan.split_backward for p in ranked if p.plan.split_placement)
+    assert drained == {("1f1b", 1)} and all(p.plan.split_backward for p in ranked if p.plan.split_placement)
     assert all(p.plan.microbatches % p.plan.depth == 0 and len(p.plan.partition) == 2 * p.plan.depth
                for p in ranked if p.plan.virtual_stages == 2)  # fmt: skip
     assert {p.microbatch_size for p in ranked if p.plan.width == 1} == {1, 2, 4, 8, 16}  # m = 16 / (w b)
@@ -1056,3 +1056,21 @@ def test_replaying_the_modelled_action_times_gives_the_prediction():
     both = replayed_step(profile, plan, 2, [{"actions": {k: max(one[k], two[k]) for k in traced}}])
     ranks = [{"actions": one}] * 2 + [{"actions": two}] * 2
     assert replayed_step(profile, plan, 2, ranks) == max(alone) < both
+
+
+def test_planner_cli_table_and_yaml_keep_the_split_placement() -> None:
+    # `python -m lightning_pipe.plan` writes the best plan as strategy arguments: a drain plan
+    # must come back as itself, not as ZB-H1 (which holds more on every stage but the first).
+    import yaml
+
+    from lightning_pipe import PipelineStrategy
+    from lightning_pipe.plan import snippet, table
+
+    plan = PipelinePlan(1, 2, 4, "1f1b", True, partition=[2, 2], split_placement="drain")
+    best = planner.predict(_uniform(4), plan, 2)
+    init = yaml.safe_load(snippet(best, 8))["trainer"]["strategy"]["init_args"]
+    assert init["split_placement"] == "drain"
+    init.pop("global_batch_size")
+    assert PipelineStrategy(**init)._build_plan(2) == plan
+    assert "| yes (drain) |" in table([best], 1)
+    assert "split_placement" not in yaml.safe_load(snippet(planner.predict(_uniform(4), plan.replace(split_placement=None), 2), 8))["trainer"]["strategy"]["init_args"]

@@ -159,7 +159,7 @@ def _split_worker(rank: int, world: int, depth: int) -> dict:
     replica, results = topo.replica_of(rank), {}
     for schedule in SCHEDULES:
         for split, recompute, placement in VARIANTS:
-            if placement is not None and schedule == "2bw":
+            if placement is not None and schedule != "1f1b":
                 continue
             torch.manual_seed(0)
             model = ToyChain()
@@ -196,7 +196,7 @@ def test_split_backward_matches_full_backward(launched, width: int, depth: int) 
         for schedule in SCHEDULES:
             plain = out[rank][1][(schedule, False, False, None)]
             for variant in VARIANTS[1:]:
-                if variant[2] is not None and schedule == "2bw":
+                if variant[2] is not None and schedule != "1f1b":
                     continue
                 split = out[rank][1][(schedule, *variant)]
                 # float32 sums the same terms in another order: 1e-6 relative, plus 1e-8 for values near 0
@@ -209,7 +209,7 @@ def test_split_backward_matches_full_backward(launched, width: int, depth: int) 
             assert plain[2] == out[rank][1][(schedule, True, False, None)][2] == STEPS * M  # one forward per microbatch
             # With recompute: the forward, then its one recomputation before I; W reuses that graph.
             assert out[rank][1][(schedule, True, True, None)][2] == 2 * STEPS * M
-            if schedule != "2bw":  # drain: whole backwards (checkpointed under recompute) beside I + W
+            if schedule == "1f1b":  # drain: whole backwards (checkpointed under recompute) beside I + W
                 assert out[rank][1][(schedule, True, False, "drain")][2] == STEPS * M
                 # its whole backwards recompute through torch.utils.checkpoint, which stops rerunning a
                 # block's forward once it has every tensor the backward needs (no forward hook then)

@@ -31,12 +31,13 @@ all-reduce and the optimizer step, so it is delayed into time the stage would id
   ``"end"`` is the same with no bound: it idles stage 0 while gradients arrive and then runs
   its whole backward in a row (1.28x plain GPipe's step with the GPT costs at d = 2).
 
-- ``"drain"`` (1F1B's memory): only the backwards of the cool-down phase split, each W right
+- ``"drain"`` (1F1B's memory; PipelinePlan takes it for 1F1B with one stage per rank): only
+  the backwards of the cool-down phase split, each W right
   after its I; every earlier backward stays whole. In 1F1B's steady state a stage holds as many
   microbatches as without split, so the peak is 1F1B's; in the drain the gradient leaves a
   W earlier per stage, which is where 1F1B's bubble is. On this CPU the deferred linear split
   costs a little per split microbatch (its forward runs under a function mode, I + W is
-  1.02-1.05x B), so splitting few microbatches keeps most of the gain. Simulated with the GPT
+  1.02-1.05x B), so splitting few microbatches costs little. Simulated with the GPT
   blocks' costs (above), 1F1B at m = 8 takes 0.970x plain 1F1B's step at d = 2 and 0.927x at
   d = 4 (ZB-H1: 0.976x and 0.874x, with one more microbatch's I-to-W state on the later stages).
 
