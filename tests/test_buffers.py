@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place
-from tests.models import HIDDEN, Embed, Head, ToyChain, make_data
+from tests.models import HIDDEN, ToyChain, make_data
 from tests.shared import scenario
 
 BATCH, M, STEPS = 16, 4, 3
