@@ -22,7 +22,9 @@ under :class:`PeakTensorBytes` (every CPU tensor storage alive, each until it is
 
 After the rounds, each of ours alternates single steps with its torch counterpart (``--pairs``
 pairs): a pair's two steps are seconds apart, so the ratio of each pair's times compares the
-two on the same machine where rounds minutes apart do not. Both workloads are also simulated
+two on the same machine where rounds minutes apart do not. Each of ours is drained after its
+step, which flushes 2BW's stream: 2BW's pairs run :data:`STREAMED_STEPS` steps in a row on each
+side (then 2BW's drain), as training does between validations. Both workloads are also simulated
 with every block's profiled time (the cost model with its nominal cost too).
 """
 
@@ -294,21 +296,27 @@ def _finish(step: Contender) -> None:
     dist.barrier()
 
 
-def _one_step(step: Contender, batch: Any) -> tuple[float, float]:
-    """One step between barriers, drained: (wall seconds to the closing barrier, this process's CPU
-    seconds before it)."""
+#: Steps in a row per paired sample of 2BW and of its counterpart (one for the others).
+STREAMED_STEPS = 4
+
+
+def _one_step(step: Contender, batch: Any, steps: int = 1) -> tuple[float, float]:
+    """``steps`` steps between barriers, then drained: (wall seconds to the closing barrier, this
+    process's CPU seconds before it), per step."""
     dist.barrier()
     wall, cpu = time.perf_counter(), time.process_time()
-    step(batch)
+    for _ in range(steps):
+        step(batch)
     step.finish()
     cpu = time.process_time() - cpu
     dist.barrier()
-    return time.perf_counter() - wall, cpu
+    return (time.perf_counter() - wall) / steps, cpu / steps
 
 
-def _paired(ours: Contender, theirs: Contender, batch: Any, pairs: int) -> list[tuple[float, ...]]:
-    """``pairs`` pairs of single steps, ours and torch's back to back, which one goes first swapping
-    every pair, so both see the same machine: (our wall, our CPU, their wall, their CPU) per pair.
+def _paired(ours: Contender, theirs: Contender, batch: Any, pairs: int, steps: int = 1) -> list[tuple[float, ...]]:
+    """``pairs`` pairs of ``steps`` steps each (then drained), ours and torch's back to back, which
+    one goes first swapping every pair, so both see the same machine: (our wall, our CPU, their
+    wall, their CPU) per step, per pair.
 
     On this host the speed of a core drifts by 10% and more over seconds (rounds of the same
     contender differ by up to 50% in a busy hour), which decides ratios of a few percent between
@@ -316,11 +324,11 @@ def _paired(ours: Contender, theirs: Contender, batch: Any, pairs: int) -> list[
     out = []
     for i in range(pairs):
         if i % 2:
-            theirs_t = _one_step(theirs, batch)
-            ours_t = _one_step(ours, batch)
+            theirs_t = _one_step(theirs, batch, steps)
+            ours_t = _one_step(ours, batch, steps)
         else:
-            ours_t = _one_step(ours, batch)
-            theirs_t = _one_step(theirs, batch)
+            ours_t = _one_step(ours, batch, steps)
+            theirs_t = _one_step(theirs, batch, steps)
         out.append((*ours_t, *theirs_t))
     return out
 
@@ -402,7 +410,8 @@ def _worker(rank: int, world: int, work: Workload, rounds: int, steps: int, thre
             progress.update()
         if r == rounds - 1:
             for ours, theirs in matched.items():
-                paired[ours] = _paired(contenders[ours], contenders[theirs], batch, pairs)
+                steps_each = STREAMED_STEPS if "2bw" in ours else 1
+                paired[ours] = _paired(contenders[ours], contenders[theirs], batch, pairs, steps_each)
                 progress.set_postfix_str(f"paired: {ours} with {theirs}")
                 progress.update()
             peaks = {name: _peak_bytes(step, batch) for name, step in contenders.items()}
@@ -497,7 +506,8 @@ def paired_table(rows: list[dict]) -> str:
         cpu = ", ".join(f"{c:.3f}" for c in p["cpu"])
         lines.append(f"| {r['name']} | torch {r['vs'][0]} | {p['won']} of {p['pairs']} | {p['median']:.3f} | "
                      f"{p['quartiles'][0]:.3f} to {p['quartiles'][1]:.3f} | {cpu} |")  # fmt: skip
-    title = "Paired steps, each of ours alternating with its torch counterpart, one step each, drained:"
+    title = (f"Paired steps, each of ours alternating with its torch counterpart, one step each (2BW and its "
+             f"counterpart: {STREAMED_STEPS} in a row), drained:")  # fmt: skip
     return title + "\n\n" + "\n".join(lines)
 
 
