@@ -247,6 +247,7 @@ def test_orientation_keeps_the_heavier_traffic_on_neighbouring_ranks() -> None:
 
 def test_two_node_launch_trains_on_the_oriented_layout(tmp_path) -> None:
     import os
+    import signal
     import subprocess
     import sys
 
@@ -258,15 +259,18 @@ def test_two_node_launch_trains_on_the_oriented_layout(tmp_path) -> None:
     agents = [
         subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2", f"--node_rank={n}",
                           "--master_addr=127.0.0.1", f"--master_port={port}", str(SCRIPTS / "two_nodes.py"), str(tmp_path)],
-                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         for n in (0, 1)
     ]  # fmt: skip
-    try:
+    try:  # each worker dumps its stacks and exits after 150 s (two_nodes.py): a hang fails with them
         logs = [a.communicate(timeout=240)[0] for a in agents]
     finally:
-        for a in agents:
-            a.kill()
-    assert all(a.returncode == 0 for a in agents), "\n".join(log[-3000:] for log in logs)
+        for a in agents:  # the agents and their workers
+            try:
+                os.killpg(a.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert all(a.returncode == 0 for a in agents), "\n".join(log[-8000:] for log in logs)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
     # ToyChain's gradients outweigh its activations, so the replicas of each stage share a node.
     assert all(r["inner"] == "dp" for r in ranks)

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 from datetime import timedelta
@@ -25,6 +26,9 @@ BATCH, STEPS = 8, 3
 
 
 def main() -> None:
+    # A stuck worker prints every thread's stack and exits, so the test fails with where it
+    # stuck rather than at its own timeout (main takes under 3 s, the launch 12-16 s on 2 cores).
+    faulthandler.dump_traceback_later(150, exit=True)
     out = Path(sys.argv[1])
     torch.manual_seed(0)
     model = ToyChain()
@@ -45,6 +49,7 @@ def main() -> None:
         "stage": strategy.engine.stage_index, "replica": strategy.topology.replica_of(trainer.global_rank),
         "params": {n: p.detach().clone() for n, p in model.named_parameters()}, "indices": recorder.indices,
     }, out / f"rank{trainer.global_rank}.pt")  # fmt: skip
+    torch.distributed.destroy_process_group()  # the teardown too, inside the stack-dump window
 
 
 if __name__ == "__main__":
