@@ -91,6 +91,8 @@ def test_split_placement_misuse() -> None:
     with pytest.raises(ValueError, match="split_max_pending does not apply with split_placement='drain'"):
         PipelinePlan(1, 2, 4, "1f1b", True, 1, split_placement="drain")
     assert "split backward (drain)" in PipelinePlan(1, 2, 4, "1f1b", True, split_placement="drain").describe()
+    for schedule, own in (("1f1b", "zb-h1"), ("gpipe", "bounded"), ("2bw", "zb-h1")):  # the schedule's own is the default
+        assert PipelinePlan(1, 2, 4, schedule, True, split_placement=own) == PipelinePlan(1, 2, 4, schedule, True)
 
 
 def test_block_returning_non_tensor() -> None:
