@@ -9,7 +9,7 @@ from typing import Optional, Sequence, Union
 from lightning_pipe.partition import partition_sizes, stage_ranges
 from lightning_pipe.schedules import check_name, two_bw
 from lightning_pipe.schedules.passes import check_virtual
-from lightning_pipe.schedules.split import PLACEMENTS, W_PLACEMENT
+from lightning_pipe.schedules.split import PLACEMENTS, W_PLACEMENT, drain_applies
 from lightning_pipe.topology import Topology
 
 PartitionArg = Union[str, Sequence[int]]
@@ -100,7 +100,7 @@ class PipelinePlan:
             self._check_drain()
 
     def _check_drain(self) -> None:
-        if self.schedule != "1f1b" or self.virtual_stages > 1:
+        if not drain_applies(self.schedule, self.virtual_stages):
             raise ValueError("split_placement='drain' is for 1F1B with one stage per rank (GPipe's backwards are all in "
                              f"its drain: use its default; got schedule={self.schedule!r}, virtual_stages={self.virtual_stages})")
         if self.split_max_pending is not None:

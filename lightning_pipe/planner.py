@@ -22,6 +22,7 @@ from lightning_pipe.profiler import BlockProfile, BlockSample, Profile
 from lightning_pipe.runtime.buckets import DEFAULT_BUCKET_BYTES
 from lightning_pipe.schedules import SCHEDULE_NAMES, Action, Kind, build_schedule, two_bw_drain, two_bw_window
 from lightning_pipe.schedules.flat import FlatProgram, flatten
+from lightning_pipe.schedules.split import drain_applies
 from lightning_pipe.simulate import CompiledProgram, Exchange, compile_program
 from lightning_pipe.stage_memory import (  # noqa: F401
     HeldCounts,
@@ -550,7 +551,6 @@ def _runs(name: str, depth: int, m: int, virtual: int) -> bool:
 #: Split backward as the search tries it: off, on with the schedule's own W placement, and on
 #: with "drain" (1F1B's peak memory: only the backwards after a stage's last forward split).
 _SPLITS = ((False, None), (True, None), (True, "drain"))
-_PLACED = ("1f1b",)  # the schedules "drain" is tried for, one stage per rank (PipelinePlan refuses the rest)
 
 
 def candidates(profile: Profile, devices: int, global_batch: int, allow_stale: bool = False,
@@ -571,7 +571,7 @@ def candidates(profile: Profile, devices: int, global_batch: int, allow_stale: b
     ranges = RangeCosts.of(profile, ranges)
     layouts = _layouts(devices, len(profile.blocks), virtual_stages)
     for (width, depth, virtual), name, (split, placement) in itertools.product(layouts, names, _SPLITS):
-        if placement is not None and (name not in _PLACED or virtual > 1):
+        if placement == "drain" and not drain_applies(name, virtual):
             continue
         for b in (b for b in range(1, global_batch + 1) if global_batch % (width * b) == 0):
             m = global_batch // (width * b)

@@ -64,6 +64,13 @@ W_PLACEMENT = {"gpipe": "bounded", "1f1b": "zb-h1", "2bw": "zb-h1"}
 PLACEMENTS = ("end", "cooldown", "zb-h1", "bounded", "drain")
 
 
+def drain_applies(schedule: str, virtual: int) -> bool:
+    """Whether the ``"drain"`` placement is offered for ``schedule`` at ``virtual`` stages per rank:
+    1F1B with one stage per rank (GPipe's backwards are all in its drain; on an interleaved rank
+    the last forward is the rank's, not each stage's)."""
+    return schedule == "1f1b" and virtual == 1
+
+
 def split_backward(actions: list[Action], placement: str, max_pending: Optional[int] = None) -> list[Action]:
     """Replace every B with I and place the W's by ``placement`` (one of :data:`PLACEMENTS`)."""
     if placement not in PLACEMENTS:
