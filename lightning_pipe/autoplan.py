@@ -81,6 +81,7 @@ class AutoPlanner(Callback):
         self._start_step, self._steps_seen = 0, 0
         self._times: dict[tuple[int, str], list[float]] = defaultdict(list)  # (stage, action kind)
         self._captured: dict[int, list[tuple[Tensor, ...]]] = {}  # each of this rank's stages: its inputs
+        self._state_bytes: list[tuple[int, int, int, int]] = []  # each block's, once profiled (profile_stage(state_bytes=))
         self._hooks: list[Any] = []
         self._batch: Any = None
         self._after: Optional[list[float]] = None
@@ -170,11 +171,12 @@ class AutoPlanner(Callback):
         self._hooks = []
 
     def _capture(self, stage: int, args: tuple) -> None:
-        """Keep ``stage``'s inputs of the step's first two microbatches (recomputations are not
-        forwards). Not copied: the stage holds them until their backward anyway, and received
-        tensors are never reused."""
-        if len(self._captured[stage]) < 2:
-            self._captured[stage].append(tuple(a.detach() for a in args if isinstance(a, Tensor)))
+        """Keep ``stage``'s inputs of the step's first microbatch, and of its second only where a
+        microbatch is one sample (:func:`_profile_inputs`; recomputations are not forwards). Not
+        copied: the stage holds them until their backward anyway, and received tensors are never reused."""
+        kept = self._captured[stage]
+        if not kept or (len(kept) == 1 and batch_size(kept[0]) == 1):
+            kept.append(tuple(a.detach() for a in args if isinstance(a, Tensor)))
 
     def _all_captured(self) -> list[tuple[Tensor, ...]]:
         return [inputs for stage in sorted(self._captured) for inputs in self._captured[stage]]
@@ -203,14 +205,15 @@ class AutoPlanner(Callback):
 
     def _profile_one(self, trainer: Trainer, module: Any, st: Any, is_last: bool) -> tuple[int, list[BlockProfile], float]:
         captured = self._captured[st.index]
-        inputs = captured[:1] + ([tuple(torch.cat(p) for p in zip(*captured))] if len(captured) > 1 else [])
+        inputs = _profile_inputs(captured)
         rows = self._batch
         loss = (lambda size, out: _loss_of(module, _rows(rows, size), out)) if is_last else None
         factory = _same_kind(trainer.optimizers[0])
         with torch.random.fork_rng():
-            profiles = profile_stage(st.blocks, st.first_index, inputs, loss, 2, factory, trainer.strategy.root_device)
+            known = [self._state_bytes[st.first_index + i] for i in range(len(st.blocks))] if self._state_bytes else None
+            profiles = profile_stage(st.blocks, st.first_index, inputs, loss, 2, factory, trainer.strategy.root_device, known)
         forward, backward, step = self._measured(st.index)
-        return st.index, _calibrated(profiles, batch_size(inputs[0]), trainer.strategy.plan.recompute[st.index], forward, backward), step
+        return st.index, _calibrated(profiles, batch_size(captured[0]), trainer.strategy.plan.recompute[st.index], forward, backward), step
 
     def _gather_profile(self, trainer: Trainer, module: Any) -> Profile:
         """Every stage's calibrated blocks, gathered on every rank, with the job's measured links."""
@@ -223,6 +226,7 @@ class AutoPlanner(Callback):
         dist.all_gather_object(parts, mine)
         stages = sorted(stage for part in parts for stage in part)
         blocks = [b for _, profiles, _ in stages for b in profiles]
+        self._state_bytes = [(b.parameter_bytes, b.gradient_bytes, b.optimizer_bytes, b.optimizer_step_bytes) for b in blocks]
         large = _link_bytes(self._all_captured(), strategy.root_device)
         self._captured = {}  # the link measurement reuses their memory
         measured = [_link_worker(strategy.global_rank, dist.get_world_size(), 1024, large, 3, strategy.root_device)]
@@ -262,7 +266,7 @@ class AutoPlanner(Callback):
         self._hooks = self._capture_inputs(engine)
         try:
             with torch.no_grad():
-                engine.forward(self._batch, first=2)  # the two microbatches the profile needs, not the whole batch
+                engine.forward(self._batch, first=2)  # what the profile needs (_capture), not the whole batch
         finally:
             self._remove_hooks()
         profile = self._gather_profile(trainer, module)
@@ -367,6 +371,19 @@ def _link_bytes(captured: list[tuple[Tensor, ...]], device: torch.device, most: 
     size = torch.tensor([min(mine, most)], dtype=torch.float64, device=device)
     dist.all_reduce(size, op=dist.ReduceOp.MIN)
     return max(int(size.item()), least)
+
+
+def _profile_inputs(captured: list[tuple[Tensor, ...]]) -> list[tuple[Tensor, ...]]:
+    """A stage's inputs at the two microbatch sizes its in-job profile times: the first half of
+    the first captured microbatch and the whole of it (where a microbatch is one sample: it and two
+    concatenated). Profiling one block at a time at no more than a microbatch holds no more than
+    the step does, so the job stays within its budget (at twice the microbatch, one recomputed
+    stage's profile peaked 1.26 times its plan's predicted step peak, over the budget: 2026-11-26)."""
+    first = captured[0]
+    size = batch_size(first)
+    if size > 1:
+        return [tuple(t[: size // 2] if t.dim() > 0 else t for t in first), first]
+    return captured[:1] + ([tuple(torch.cat(p) for p in zip(*captured))] if len(captured) > 1 else [])
 
 
 def _shared_cores(trainer: Trainer) -> Optional[int]:
