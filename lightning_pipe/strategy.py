@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional
@@ -9,6 +10,7 @@ from typing import Any, Literal, Mapping, Optional
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -34,6 +36,19 @@ from lightning_pipe.topology import Topology
 _LAYOUT_DEFAULTS: dict[str, Any] = dict(schedule="1f1b", pipeline_depth=None, microbatches=1, partition="balanced",
                                          recompute=False, split_backward=False, split_max_pending=None, inner="pp",
                                          virtual_stages=1, split_placement=None)  # fmt: skip
+
+_EXIT_HOOKED = False
+
+
+def _destroy_groups_at_exit() -> None:
+    """Destroy every process group when the interpreter exits, before it finalizes (once per
+    process). Lightning does so only for NCCL. Once in CI (2026-11-26) a process aborted after a
+    clean ``fit`` ("terminate called without an active exception"); gloo's threads can still
+    hold work when a group is left to the interpreter's finalization (pytorch/pytorch PR 179291)."""
+    global _EXIT_HOOKED
+    if not _EXIT_HOOKED:
+        atexit.register(_destroy_dist_connection)
+        _EXIT_HOOKED = True
 
 
 class PipelineStrategy(DDPStrategy):
@@ -268,6 +283,7 @@ class PipelineStrategy(DDPStrategy):
         """Validate the plan for this world size, connect the processes, build the process groups."""
         self._plan = self._build_plan(self.num_nodes * self.num_processes)  # fails before any collective
         super().setup_environment()
+        _destroy_groups_at_exit()
         self._groups = PipelineGroups.build(self._plan.topology, self.global_rank, self.root_device.type)
 
     @staticmethod

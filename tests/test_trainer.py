@@ -215,6 +215,9 @@ def test_fit_through_lightning_launcher_with_scheduler_logs_loss(tmp_path: Path)
     assert len(training) == 1, "only rank 0 writes TensorBoard logs"  # trainer.test adds its own file
     logged = [e.value for e in training[0].Scalars("train_loss")]
     assert logged == pytest.approx(ranks[0]["losses"], rel=1e-6)
+    # Both processes destroyed their process groups before the interpreter finalized.
+    exits = [f.read_text() for f in tmp_path.glob("exit_*.txt")]
+    assert exits == ["initialized=False"] * 2, exits
 
 
 @pytest.mark.parametrize("width,depth", [(1, 2), (2, 2)])

@@ -7,6 +7,8 @@ python (Lightning's own launcher); see tests/test_trainer.py.
 from __future__ import annotations
 
 import argparse
+import atexit
+import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -133,6 +135,12 @@ def run(args: argparse.Namespace, schedule: str, recompute: bool, split: bool = 
     torch.save(record, out / f"{tag}_rank{torch.distributed.get_rank()}.pt")
 
 
+def _record_exit(out: Path) -> None:
+    """Registered before fit, so it runs after the strategy's exit handler (atexit runs last in, first out)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"exit_{os.getpid()}.txt").write_text(f"initialized={torch.distributed.is_initialized()}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--devices", type=int, default=2)
@@ -147,6 +155,7 @@ def main() -> None:
     parser.add_argument("--split", default="false")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    atexit.register(_record_exit, Path(args.out))
     for schedule in args.schedules.split(","):
         for recompute in args.recompute.split(","):
             for split in args.split.split(","):
