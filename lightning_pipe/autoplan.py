@@ -81,6 +81,7 @@ class AutoPlanner(Callback):
         self._start_step, self._steps_seen = 0, 0
         self._times: dict[tuple[int, str], list[float]] = defaultdict(list)  # (stage, action kind)
         self._captured: dict[int, list[tuple[Tensor, ...]]] = {}  # each of this rank's stages: its inputs
+        self._forwards: dict[int, int] = {}  # each of this rank's stages: its forwards since capturing began
         self._state_bytes: list[tuple[int, int, int, int]] = []  # each block's, once profiled (profile_stage(state_bytes=))
         self._hooks: list[Any] = []
         self._batch: Any = None
@@ -163,6 +164,7 @@ class AutoPlanner(Callback):
     def _capture_inputs(self, engine: Any) -> list[Any]:
         """Start keeping every stage's inputs of this rank (one stage, or interleaved several)."""
         self._captured = {st.index: [] for st in engine.stages}
+        self._forwards = {st.index: 0 for st in engine.stages}
         return [st.register_input_hook(functools.partial(self._capture, st.index)) for st in engine.stages]
 
     def _remove_hooks(self) -> None:
@@ -171,12 +173,16 @@ class AutoPlanner(Callback):
         self._hooks = []
 
     def _capture(self, stage: int, args: tuple) -> None:
-        """Keep ``stage``'s inputs of the step's first microbatch, and of its second only where a
-        microbatch is one sample (:func:`_profile_inputs`; recomputations are not forwards). Not
-        copied: the stage holds them until their backward anyway, and received tensors are never reused."""
+        """Keep ``stage``'s inputs of the latest microbatch, of the latest two where a microbatch is
+        one sample (:func:`_profile_inputs`; recomputations are not forwards). Not copied: the stage
+        holds them until their backward anyway, and received tensors are never reused. Each
+        forward lets the one before go, so that only the step's last inputs outlive their
+        backward (the first microbatch's, kept instead, held one input more through the whole
+        step: 5% over a recomputed stage's step peak, 2026-11-26)."""
         kept = self._captured[stage]
-        if not kept or (len(kept) == 1 and batch_size(kept[0]) == 1):
-            kept.append(tuple(a.detach() for a in args if isinstance(a, Tensor)))
+        kept.append(tuple(a.detach() for a in args if isinstance(a, Tensor)))
+        del kept[: -(2 if batch_size(kept[0]) == 1 else 1)]
+        self._forwards[stage] += 1
 
     def _all_captured(self) -> list[tuple[Tensor, ...]]:
         return [inputs for stage in sorted(self._captured) for inputs in self._captured[stage]]
@@ -207,7 +213,8 @@ class AutoPlanner(Callback):
         captured = self._captured[st.index]
         inputs = _profile_inputs(captured)
         rows = self._batch
-        loss = (lambda size, out: _loss_of(module, _rows(rows, size), out)) if is_last else None
+        start = (self._forwards[st.index] - len(captured)) * batch_size(captured[0])  # the captured microbatch's first row
+        loss = (lambda size, out: _loss_of(module, _rows(rows, start, size), out)) if is_last else None
         factory = _same_kind(trainer.optimizers[0])
         with torch.random.fork_rng():
             known = [self._state_bytes[st.first_index + i] for i in range(len(st.blocks))] if self._state_bytes else None
@@ -375,8 +382,8 @@ def _link_bytes(captured: list[tuple[Tensor, ...]], device: torch.device, most: 
 
 def _profile_inputs(captured: list[tuple[Tensor, ...]]) -> list[tuple[Tensor, ...]]:
     """A stage's inputs at the two microbatch sizes its in-job profile times: the first half of
-    the first captured microbatch and the whole of it (where a microbatch is one sample: it and two
-    concatenated). Profiling one block at a time at no more than a microbatch holds no more than
+    the captured microbatch and the whole of it (where a microbatch is one sample: the first of
+    two captured, and both concatenated). Profiling one block at a time at no more than a microbatch holds no more than
     the step does, so the job stays within its budget (at twice the microbatch, one recomputed
     stage's profile peaked 1.26 times its plan's predicted step peak, over the budget: 2026-11-26)."""
     first = captured[0]
@@ -394,9 +401,9 @@ def _shared_cores(trainer: Trainer) -> Optional[int]:
     return per_host * trainer.num_nodes
 
 
-def _rows(batch: Any, size: int) -> Any:
-    """The first ``size`` samples of ``batch`` (microbatches are contiguous rows)."""
-    return tree_map(lambda t: t[:size] if isinstance(t, Tensor) and t.dim() > 0 else t, batch)
+def _rows(batch: Any, start: int, size: int) -> Any:
+    """``size`` samples of ``batch`` from row ``start`` (microbatches are contiguous rows)."""
+    return tree_map(lambda t: t[start : start + size] if isinstance(t, Tensor) and t.dim() > 0 else t, batch)
 
 
 def _calibrated(profiles: list[BlockProfile], b: int, recompute: bool, forward: float, backward: float) -> list[BlockProfile]:
