@@ -81,7 +81,7 @@ class AutoPlanner(Callback):
         self._start_step, self._steps_seen = 0, 0
         self._times: dict[tuple[int, str], list[float]] = defaultdict(list)  # (stage, action kind)
         self._captured: dict[int, list[tuple[Tensor, ...]]] = {}  # each of this rank's stages: its inputs
-        self._forwards: dict[int, int] = {}  # each of this rank's stages: its forwards since capturing began
+        self._rows_seen: dict[int, int] = {}  # each of this rank's stages: samples forwarded since capturing began
         self._state_bytes: list[tuple[int, int, int, int]] = []  # each block's, once profiled (profile_stage(state_bytes=))
         self._hooks: list[Any] = []
         self._batch: Any = None
@@ -164,7 +164,7 @@ class AutoPlanner(Callback):
     def _capture_inputs(self, engine: Any) -> list[Any]:
         """Start keeping every stage's inputs of this rank (one stage, or interleaved several)."""
         self._captured = {st.index: [] for st in engine.stages}
-        self._forwards = {st.index: 0 for st in engine.stages}
+        self._rows_seen = {st.index: 0 for st in engine.stages}
         return [st.register_input_hook(functools.partial(self._capture, st.index)) for st in engine.stages]
 
     def _remove_hooks(self) -> None:
@@ -181,8 +181,13 @@ class AutoPlanner(Callback):
         step: 5% over a recomputed stage's step peak, 2026-11-26)."""
         kept = self._captured[stage]
         kept.append(tuple(a.detach() for a in args if isinstance(a, Tensor)))
-        del kept[: -(2 if batch_size(kept[0]) == 1 else 1)]
-        self._forwards[stage] += 1
+        del kept[: -(2 if batch_size(kept[-1]) == 1 else 1)]
+        self._rows_seen[stage] += batch_size(kept[-1])
+
+    def _first_captured_row(self, stage: int) -> int:
+        """The row of the step's batch where ``stage``'s kept inputs begin (microbatches are
+        contiguous rows; their sizes may differ by one)."""
+        return self._rows_seen[stage] - sum(map(batch_size, self._captured[stage]))
 
     def _all_captured(self) -> list[tuple[Tensor, ...]]:
         return [inputs for stage in sorted(self._captured) for inputs in self._captured[stage]]
@@ -213,7 +218,7 @@ class AutoPlanner(Callback):
         captured = self._captured[st.index]
         inputs = _profile_inputs(captured)
         rows = self._batch
-        start = (self._forwards[st.index] - len(captured)) * batch_size(captured[0])  # the captured microbatch's first row
+        start = self._first_captured_row(st.index)
         loss = (lambda size, out: _loss_of(module, _rows(rows, start, size), out)) if is_last else None
         factory = _same_kind(trainer.optimizers[0])
         with torch.random.fork_rng():

@@ -519,6 +519,26 @@ def test_autoplanner_profiling_holds_no_more_than_a_step(launched) -> None:
             assert row["job_peak"] <= row["most"] * row["step_peak"], row
 
 
+@pytest.mark.parametrize("rows,microbatches", [(10, 4), (8, 4), (9, 3), (5, 5), (7, 4)])
+def test_autoplanner_keeps_the_last_inputs_and_finds_their_rows(rows: int, microbatches: int) -> None:
+    # Against the split itself: the kept inputs are the last microbatch (the last two where it
+    # holds one sample), and the row where they begin indexes them in the batch, uneven sizes included.
+    from lightning_pipe import AutoPlanner
+    from lightning_pipe.runtime.microbatch import split_batch
+
+    batch = torch.arange(rows * 3.0).view(rows, 3)
+    parts, _ = split_batch(batch, microbatches)
+    auto = AutoPlanner()
+    auto._captured, auto._rows_seen = {0: []}, {0: 0}
+    for part in parts:
+        auto._capture(0, (part, "not a tensor"))
+    kept = [inputs[0] for inputs in auto._captured[0]]
+    assert len(kept) == (2 if len(parts[-1]) == 1 else 1)
+    assert [k.data_ptr() for k in kept] == [p.data_ptr() for p in parts[-len(kept) :]]  # references, not copies
+    start = auto._first_captured_row(0)
+    assert torch.equal(torch.cat(kept), batch[start:])
+
+
 class Reconfigurable(L.Callback):
     """Every rank loads the global batch, as under the AutoPlanner (``Profile.loads_global_batch``)."""
 
