@@ -221,8 +221,8 @@ class AutoPlanner(Callback):
         start = self._first_captured_row(st.index)
         loss = (lambda size, out: _loss_of(module, _rows(rows, start, size), out)) if is_last else None
         factory = _same_kind(trainer.optimizers[0])
+        known = [self._state_bytes[st.first_index + i] for i in range(len(st.blocks))] if self._state_bytes else None
         with torch.random.fork_rng():
-            known = [self._state_bytes[st.first_index + i] for i in range(len(st.blocks))] if self._state_bytes else None
             profiles = profile_stage(st.blocks, st.first_index, inputs, loss, 2, factory, trainer.strategy.root_device, known)
         forward, backward, step = self._measured(st.index)
         return st.index, _calibrated(profiles, batch_size(captured[0]), trainer.strategy.plan.recompute[st.index], forward, backward), step
@@ -388,9 +388,10 @@ def _link_bytes(captured: list[tuple[Tensor, ...]], device: torch.device, most: 
 def _profile_inputs(captured: list[tuple[Tensor, ...]]) -> list[tuple[Tensor, ...]]:
     """A stage's inputs at the two microbatch sizes its in-job profile times: the first half of
     the captured microbatch and the whole of it (where a microbatch is one sample: the first of
-    two captured, and both concatenated). Profiling one block at a time at no more than a microbatch holds no more than
-    the step does, so the job stays within its budget (at twice the microbatch, one recomputed
-    stage's profile peaked 1.26 times its plan's predicted step peak, over the budget: 2026-11-26)."""
+    two captured, and both concatenated). Profiling one block at a time at no more than a
+    microbatch holds no more than the step does, so the job stays within its budget (at twice
+    the microbatch, one recomputed stage's profile peaked 1.26 times its plan's predicted step
+    peak, over the budget: 2026-11-26)."""
     first = captured[0]
     size = batch_size(first)
     if size > 1:

@@ -37,18 +37,14 @@ _LAYOUT_DEFAULTS: dict[str, Any] = dict(schedule="1f1b", pipeline_depth=None, mi
                                          recompute=False, split_backward=False, split_max_pending=None, inner="pp",
                                          virtual_stages=1, split_placement=None)  # fmt: skip
 
-_EXIT_HOOKED = False
-
-
 def _destroy_groups_at_exit() -> None:
-    """Destroy every process group when the interpreter exits, before it finalizes (once per
-    process). Lightning does so only for NCCL. Once in CI (2026-11-26) a process aborted after a
-    clean ``fit`` ("terminate called without an active exception"); gloo's threads can still
-    hold work when a group is left to the interpreter's finalization (pytorch/pytorch PR 179291)."""
-    global _EXIT_HOOKED
-    if not _EXIT_HOOKED:
-        atexit.register(_destroy_dist_connection)
-        _EXIT_HOOKED = True
+    """Destroy every process group when the interpreter exits, before it finalizes (registered
+    once per process, however many runs call this). Lightning does so only for NCCL. Once in CI
+    (2026-11-26) a process aborted after a clean ``fit`` ("terminate called without an active
+    exception"); gloo's threads can still hold work when a group is left to the interpreter's
+    finalization (pytorch/pytorch PR 179291)."""
+    atexit.unregister(_destroy_dist_connection)
+    atexit.register(_destroy_dist_connection)
 
 
 class PipelineStrategy(DDPStrategy):

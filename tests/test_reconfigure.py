@@ -479,10 +479,12 @@ def test_autoplanner_leaves_a_plan_over_the_budget_before_its_first_step(launche
     assert "rejected: stage" in first["table"] and "over the budget" in first["table"], first["table"]
 
 
-#: Plans whose whole job, profiling included, once peaked 1.26-1.44 times their own steps: the
+#: Plans whose whole job, profiling included, once peaked 1.18 (WideChain) and 1.55 (DenseChain
+#: [1, 7], its one-block stage) times their own steps: the
 #: AutoPlanner profiled a block at twice the microbatch (above a recomputed stage's step) and ran
 #: trial optimizer steps beside the job's optimizer state (DenseChain's weights).
-#: Each with the most its job may hold against its steps. 3% in general (1.000-1.002 measured on
+#:
+#: Each with the most its job may hold against its steps: 3% in general (1.000-1.002 measured on
 #: 2026-11-26; 1.05 while the capturing step kept its first microbatch's input to the end). 25% for
 #: DenseChain's one-block stage, whose 1 MiB of weights dwarf its activations: the check before
 #: the first step still runs one trial optimizer step per block (no optimizer state exists yet),
