@@ -46,7 +46,7 @@ class PipelinePlan:
             see ``schedules/interleaved.py``): the bubble shrinks ``v`` times for ``v`` times
             the messages. With ``split_backward`` each rank places its W's as ZB-H1 does.
         split_placement: with ``split_backward``, where the W's go (``schedules/split.py``):
-            ``None`` for the schedule's own (ZB-H1 for 1F1B and 2BW, "bounded" for GPipe; named,
+            ``None`` for the schedule's own (ZB-H1 for 1F1B, "bounded" for GPipe, "carry" for 2BW; named,
             it becomes ``None``: the same plan), or one of "end", "cooldown", "zb-h1", "bounded", "drain". "drain" (1F1B, one stage per rank)
             splits only the backwards after a stage's last forward: 1F1B's peak memory, and half
             of ZB-H1's saving with equal F, I and W.
@@ -89,13 +89,14 @@ class PipelinePlan:
             return
         if not self.split_backward:
             raise ValueError("split_placement only applies with split_backward=True")
-        if placement not in PLACEMENTS:
-            raise ValueError(f"unknown split_placement {placement!r}; use one of {PLACEMENTS}")
         if placement == W_PLACEMENT[self.schedule]:  # the schedule's own, named: the same plan as None
             object.__setattr__(self, "split_placement", None)
             return
         if self.schedule == "2bw":
-            raise ValueError("split_placement does not apply to schedule '2bw' (its stream never drains; it places W's as ZB-H1 does)")
+            raise ValueError("split_placement does not apply to schedule '2bw' (its stream never drains; it places W's "
+                             "by its own rule, 'carry': see schedules/split.py)")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"unknown split_placement {placement!r}; use one of {PLACEMENTS}")
         if placement == "drain":
             self._check_drain()
 

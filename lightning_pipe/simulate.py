@@ -135,7 +135,7 @@ def _peer(action: Action, ranks: int) -> int:
 
 
 def _advance(rank: int, actions: list[Action], ptr: int, clock: float, done: dict, cost, out: list,
-             exchange: Optional[Exchange], last_sent: dict, ranks: int) -> tuple[int, float]:  # fmt: skip
+             exchange: Optional[Exchange], last_sent: dict, ranks: int, latency: float = 0.0) -> tuple[int, float]:  # fmt: skip
     """Run rank's actions from ``ptr`` until one waits on a send not yet simulated
     (``last_sent``: when each rank's last send to each peer ended, for ``exchange``)."""
     while ptr < len(actions):
@@ -143,7 +143,7 @@ def _advance(rank: int, actions: list[Action], ptr: int, clock: float, done: dic
         dep = _dependency(action)
         if dep is not None and dep not in done:
             break
-        start = max(clock, done.get(dep, 0.0)) if dep is not None else clock
+        start = max(clock, done[dep] + latency) if dep is not None else clock
         seconds = cost(action)
         if dep is not None and exchange is not None and exchange.applies(done[dep], last_sent.get((rank, _peer(action, ranks)))):
             seconds += exchange.extra
@@ -157,12 +157,14 @@ def _advance(rank: int, actions: list[Action], ptr: int, clock: float, done: dic
 
 
 def simulate(schedule: list[list[Action]], costs: CostModel, stash: StashModel = StashModel(),
-             exchange: Optional[Exchange] = None) -> SimResult:  # fmt: skip
+             exchange: Optional[Exchange] = None, latency: float = 0.0) -> SimResult:  # fmt: skip
     """Simulate one pipeline; rank ``r`` runs ``schedule[r]`` in order, sends never block.
 
     Reports the makespan, busy time per rank, peak microbatches stashed per stage (held from
     F until B, or until W with split backward) and peak stashed bytes under ``stash``.
     ``exchange``: charge the receives of messages two ranks send each other at once more.
+    ``latency``: seconds a message travels from the end of its send before its receive can
+    start (no rank is busy meanwhile), where a receive's cost is the rank's own work.
 
     Raises:
         ScheduleError: if the ranks deadlock (a receive whose send never comes).
@@ -175,7 +177,8 @@ def simulate(schedule: list[list[Action]], costs: CostModel, stash: StashModel =
     while any(p < len(a) for p, a in zip(ptrs, schedule)):
         before = list(ptrs)
         for r, actions in enumerate(schedule):
-            ptrs[r], clocks[r] = _advance(r, actions, ptrs[r], clocks[r], done, cost, timeline, exchange, last_sent, len(schedule))
+            ptrs[r], clocks[r] = _advance(r, actions, ptrs[r], clocks[r], done, cost, timeline, exchange, last_sent, len(schedule),
+                                          latency)  # fmt: skip
         if ptrs == before:
             stuck = {r: str(schedule[r][p]) for r, p in enumerate(ptrs) if p < len(schedule[r])}
             raise ScheduleError(f"deadlock: ranks wait at {stuck}\n{grid(schedule)}")

@@ -83,15 +83,16 @@ def test_split_placement_misuse() -> None:
         PipelineStrategy(pipeline_depth=2, split_placement="drain")
     with pytest.raises(ValueError, match="unknown split_placement 'later'"):
         PipelineStrategy(pipeline_depth=2, split_backward=True, split_placement="later")
-    with pytest.raises(ValueError, match="does not apply to schedule '2bw'"):
-        PipelinePlan(1, 2, 4, "2bw", True, split_placement="drain")
+    for placement in ("drain", "zb-h1"):
+        with pytest.raises(ValueError, match="does not apply to schedule '2bw'"):
+            PipelinePlan(1, 2, 4, "2bw", True, split_placement=placement)
     for schedule, virtual in (("gpipe", 1), ("1f1b", 2)):
         with pytest.raises(ValueError, match="split_placement='drain' is for 1F1B with one stage per rank"):
             PipelinePlan(1, 2, 4, schedule, True, split_placement="drain", virtual_stages=virtual)
     with pytest.raises(ValueError, match="split_max_pending does not apply with split_placement='drain'"):
         PipelinePlan(1, 2, 4, "1f1b", True, 1, split_placement="drain")
     assert "split backward (drain)" in PipelinePlan(1, 2, 4, "1f1b", True, split_placement="drain").describe()
-    for schedule, own in (("1f1b", "zb-h1"), ("gpipe", "bounded"), ("2bw", "zb-h1")):  # the schedule's own is the default
+    for schedule, own in (("1f1b", "zb-h1"), ("gpipe", "bounded"), ("2bw", "carry")):  # the schedule's own is the default
         assert PipelinePlan(1, 2, 4, schedule, True, split_placement=own) == PipelinePlan(1, 2, 4, schedule, True)
 
 

@@ -10,7 +10,8 @@ from lightning_pipe.schedules import build_schedule, format_actions, one_f_one_b
 from lightning_pipe.schedules.actions import Action, Kind
 from lightning_pipe.schedules.generators import gpipe
 from lightning_pipe.schedules.passes import add_communication, add_optimizer
-from lightning_pipe.schedules.split import split_backward
+from lightning_pipe.schedules import two_bw
+from lightning_pipe.schedules.split import carry_split, split_backward
 from lightning_pipe.simulate import ScheduleError, StashModel, simulate
 
 # Equal F, I and W times (seed 001, Table 1); an unsplit B is I followed by W.
@@ -135,13 +136,52 @@ def test_split_two_bw_keeps_weight_grads_before_the_step(depth: int) -> None:
     for m in range(depth, 10):
         program = two_bw_run(depth, m, 3, split=True)
         verify(program, 3 * m)
-        for actions in program:  # a batch's W's all run before its all-reduce and deferred step
-            reduced = 0
+        for actions in program:  # a batch's W's all run before its all-reduce, and that before its step
+            reduced = stepped = 0
             for a in actions:
                 if a.kind is Kind.ALL_REDUCE:
                     reduced += 1
+                if a.kind is Kind.OPTIMIZER_STEP:
+                    assert stepped < reduced, f"step {stepped} before its batch's all-reduce"
+                    stepped += 1
                 if a.kind is Kind.WEIGHT_GRAD:
                     assert a.microbatch // m == reduced, f"W{a.microbatch} after its batch's all-reduce"
+            assert reduced == stepped == 3
+
+
+@pytest.mark.parametrize("depth", range(1, 7))
+def test_split_two_bw_windows_are_parts_of_one_carried_stream(depth: int) -> None:
+    # Each window (and the drain) is built from the window before it alone; together they must
+    # be what the "carry" placement writes over the whole stream at once.
+    for m in (depth, depth + 1, 2 * depth):
+        for early in (True, False):
+            steps = 4
+            program = two_bw_run(depth, m, steps, split=True, early=early)
+            for s in range(depth):
+                parts = [two_bw.window(s, depth, m, t, early) for t in range(steps)] + [two_bw.drain(s, depth, m, steps - 1)]
+                whole = [a for part in carry_split(parts, m) for a in part]
+                compute = [a for a in program[s] if a.kind not in (Kind.SEND_ACT, Kind.SEND_GRAD, Kind.RECV_ACT, Kind.RECV_GRAD)]
+                assert compute == whole
+
+
+@pytest.mark.parametrize("depth", [2, 3, 4, 8])
+def test_split_two_bw_hides_hops_shorter_than_half_a_weight_gradient(depth: int) -> None:
+    # 2BW has no bubble: in steady state a stage's microbatch takes F + B (seed 000, section
+    # 3.1). A message that travels h delays the gradient of a stage's next I by a round trip:
+    # unsplit, every microbatch then takes at least h longer. Split with "carry", the stage runs
+    # its held-back W meanwhile, so a hop up to W / 2 costs nothing but once per batch, where a
+    # batch's last W runs before the next I (so that every stage posts its gradient norm before
+    # stage 0 steps): at most one round trip, 2h, per batch.
+    def rate(split: bool, latency: float) -> float:  # per microbatch, windows 3 to 8 of a long stream
+        short, long = (simulate(two_bw_run(depth, m, n, split), EQUAL, latency=latency).makespan for n in (3, 9))
+        return (long - short) / (6 * m)
+
+    for m in (depth, 2 * depth):
+        for latency in (0.1, 0.25, 0.5):
+            assert rate(True, latency) <= 3.0 + 2 * latency / m + 1e-9
+            assert rate(False, latency) >= 3.0 + latency - 1e-9
+    m = 2 * depth
+    assert rate(True, 0.75) > 3.0 + 2 * 0.75 / m  # past W / 2 the round trip shows at every microbatch
 
 
 def test_drain_placement_splits_only_the_backwards_after_the_last_forward() -> None:

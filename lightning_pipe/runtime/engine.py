@@ -310,7 +310,7 @@ class PipelineEngine:
         if not self.streaming or self._batches == 0:
             return
         last = self._batches - 1
-        program = two_bw_drain(self.topology.depth, self.microbatches, last, self.split_backward)[self.stage_index]
+        program = two_bw_drain(self.topology.depth, self.microbatches, last, self.split_backward, self.early_step)[self.stage_index]
         with torch.inference_mode(False), torch.enable_grad():  # Lightning may call this from evaluation
             self._train(program, wait=True)
         self.versions.collapse(self._optimizer, self._batches - 1)

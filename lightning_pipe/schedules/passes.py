@@ -8,7 +8,7 @@ from typing import Optional
 from lightning_pipe.schedules.actions import Action, Kind, action
 from lightning_pipe.schedules import interleaved, two_bw
 from lightning_pipe.schedules.generators import TRAINING_SCHEDULES, Generator, forward_only
-from lightning_pipe.schedules.split import W_PLACEMENT, split_backward
+from lightning_pipe.schedules.split import W_PLACEMENT, carry_split, split_backward
 
 Schedule = list[list[Action]]
 
@@ -125,29 +125,34 @@ def build_inference(depth: int, microbatches: int, virtual: int = 1) -> Schedule
     return [add_communication(forward_only(s, depth, microbatches), depth) for s in range(depth)]
 
 
-def _split_2bw(actions: list[Action], split: bool) -> list[Action]:
-    return split_backward(actions, W_PLACEMENT["2bw"]) if split else actions
+def _split_2bw(part: list[Action], before: list[Action], microbatches: int, steps_before: int, split: bool) -> list[Action]:
+    """``part`` of a stage's 2BW stream, split by the ``"carry"`` placement (schedules/split.py):
+    the W carried from the part ``before`` it (the previous window, after ``steps_before``
+    optimizer steps) runs in this one."""
+    return carry_split([before, part], microbatches, steps_before)[1] if split else part
 
 
 def two_bw_window(depth: int, microbatches: int, step: int, split: bool = False, early: bool = True) -> Schedule:
     """Full 2BW program of every stage for training step ``step``; ``early``: stage 0 steps right
     after its all-reduce (see schedules/two_bw.py)."""
-    return [
-        add_communication(_split_2bw(two_bw.window(s, depth, microbatches, step, early), split), depth)
-        for s in range(depth)
-    ]
+    def compute(s: int) -> list[Action]:
+        before = two_bw.window(s, depth, microbatches, step - 1, early) if split and step else []
+        return _split_2bw(two_bw.window(s, depth, microbatches, step, early), before, microbatches, max(step - 2, 0), split)
+
+    return [add_communication(compute(s), depth) for s in range(depth)]
 
 
-def two_bw_drain(depth: int, microbatches: int, last_step: int, split: bool = False) -> Schedule:
+def two_bw_drain(depth: int, microbatches: int, last_step: int, split: bool = False, early: bool = True) -> Schedule:
     """Full 2BW program of every stage that finishes the stream after ``last_step``."""
-    return [
-        add_communication(_split_2bw(two_bw.drain(s, depth, microbatches, last_step), split), depth)
-        for s in range(depth)
-    ]
+    def compute(s: int) -> list[Action]:
+        before = two_bw.window(s, depth, microbatches, last_step, early) if split else []
+        return _split_2bw(two_bw.drain(s, depth, microbatches, last_step), before, microbatches, max(last_step - 1, 0), split)
+
+    return [add_communication(compute(s), depth) for s in range(depth)]
 
 
 def two_bw_run(depth: int, microbatches: int, steps: int, split: bool = False, early: bool = True) -> Schedule:
     """``steps`` consecutive 2BW windows and the drain, concatenated per stage (for checks)."""
     parts = [two_bw_window(depth, microbatches, t, split, early) for t in range(steps)]
-    parts.append(two_bw_drain(depth, microbatches, steps - 1, split))
+    parts.append(two_bw_drain(depth, microbatches, steps - 1, split, early))
     return [[a for part in parts for a in part[s]] for s in range(depth)]

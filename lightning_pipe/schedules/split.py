@@ -7,7 +7,7 @@ all-reduce and the optimizer step, so it is delayed into time the stage would id
 - ``"cooldown"`` (seed 001's 2BP for 1F1B): after each I of the cool-down phase (no forward
   left to run) the stage would wait for the next gradient, so one pending W runs there; the
   rest at the end.
-- ``"zb-h1"`` (1F1B and 2BW by default): ``"cooldown"`` with stage ``s`` keeping at most ``s``
+- ``"zb-h1"`` (1F1B by default): ``"cooldown"`` with stage ``s`` keeping at most ``s``
   W's waiting, so W of microbatch ``k`` runs right after the I of microbatch ``k + s``. This
   is Zero Bubble's ZB-H1 (Qi et al., 2023, section 2.1): the start of W is delayed by the
   stage's missing warm-up microbatches, so every stage holds the ``d`` microbatches that
@@ -30,6 +30,21 @@ all-reduce and the optimizer step, so it is delayed into time the stage would id
   and 0.89x; with equal F, I and W on every stage both give seed 001's Table 1.
   ``"end"`` is the same with no bound: it idles stage 0 while gradients arrive and then runs
   its whole backward in a row (1.28x plain GPipe's step with the GPT costs at d = 2).
+
+- ``"carry"`` (2BW's, :func:`carry_split`): every stage but the first keeps one W waiting and
+  runs it after its next I, across windows; a batch's last W runs after the stage's next F
+  instead, and the batch's all-reduce right after it. 2BW's stream has no bubble for W to
+  fill: what a stage waits for in its steady state is the gradient of its next I, a round trip
+  through the stages below (two hops). Between sending an activation and reading that
+  gradient each stage runs the W held back, so hops up to W / 2 cost nothing (tested with the
+  simulator's latency). ``"zb-h1"`` ran the W's held at a batch boundary in a row before the
+  all-reduce, which idled the stages above each time: on the cost model (equal F, I and W, 8
+  windows after a barrier) 1.049x the unsplit step at d = 4 and 1.070x at d = 8, ``"carry"``
+  1.000x; with 3 ms per hop 1.027x and 1.044x against 0.969x and 0.960x. The last W goes
+  before the next I rather than after it because stage 0 steps right after its all-reduce
+  (schedules/two_bw.py), which waits for every stage's gradient norm: after the next I, the
+  stages above would post it a whole F + I + W later (5% slower on the GPT example, measured).
+  Stage 0 runs each W right after its I (its input needs no gradient, so its I is empty).
 
 - ``"drain"`` (1F1B's memory; PipelinePlan takes it for 1F1B with one stage per rank): only
   the backwards of the cool-down phase split, each W right
@@ -55,12 +70,12 @@ which needs complete gradients (2BW relies on it).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 from lightning_pipe.schedules.actions import Action, Kind, action
 
 #: Where each schedule puts its weight-gradient actions.
-W_PLACEMENT = {"gpipe": "bounded", "1f1b": "zb-h1", "2bw": "zb-h1"}
+W_PLACEMENT = {"gpipe": "bounded", "1f1b": "zb-h1", "2bw": "carry"}
 PLACEMENTS = ("end", "cooldown", "zb-h1", "bounded", "drain")
 
 
@@ -114,3 +129,49 @@ def _split_drain(actions: list[Action]) -> list[Action]:
         else:
             out.append(a)
     return out
+
+
+def carry_split(parts: Sequence[list[Action]], microbatches: int, steps_before: int = 0) -> list[list[Action]]:
+    """2BW's ``"carry"`` placement over consecutive parts of one stage's stream (windows, then
+    the drain): each B becomes I; past stage 0 the W waits until the stage's next I has run (one
+    W waiting at most, across windows), a batch's last W only until its next F; each all-reduce
+    moves to right after the W of the backward it followed, and an optimizer step that applies
+    batch ``b`` (the stream's ``b``-th, counting from ``steps_before`` at the first part) waits
+    for batch ``b``'s all-reduce. 2BW's step of batch ``t - 1`` ends window ``t``, where the
+    last stage has read batch ``t``'s all-reduce too: that one stays behind its W.
+
+    Returns:
+        Per part, what is written while it is read. A W still waiting after the last part is
+        not written: it belongs to the part after (a window's next window, or its drain). The
+        first part's output is complete only when the stream starts with it; from the second
+        on, each is its part of the whole stream's, provided the part before holds a backward.
+    """
+    out: list[list[Action]] = [[] for _ in parts]
+    waiting: list[tuple[Action, bool]] = []  # a W, and whether its batch's all-reduce follows it
+    stepped = steps_before
+    for written, actions in zip(out, parts):
+        for a in actions:
+            if a.kind is Kind.ALL_REDUCE and waiting:
+                waiting[-1] = (waiting[-1][0], True)
+                continue
+            if a.kind is Kind.OPTIMIZER_STEP:
+                while waiting and waiting[0][0].microbatch // microbatches <= stepped:
+                    _write_weight_grad(written, *waiting.pop(0))
+                stepped += 1
+            if a.kind is not Kind.BACKWARD:
+                written.append(a)
+                if a.kind is Kind.FORWARD and waiting and waiting[0][1]:
+                    _write_weight_grad(written, *waiting.pop(0))
+                continue
+            written.append(action(a.stage, Kind.INPUT_GRAD, a.microbatch))
+            waiting.append((action(a.stage, Kind.WEIGHT_GRAD, a.microbatch), False))
+            while len(waiting) > min(a.stage, 1):
+                _write_weight_grad(written, *waiting.pop(0))
+    return out
+
+
+def _write_weight_grad(written: list[Action], weight_grad: Action, closes_batch: bool) -> None:
+    """Write a W and, where it is its batch's last, the all-reduce."""
+    written.append(weight_grad)
+    if closes_batch:
+        written.append(action(weight_grad.stage, Kind.ALL_REDUCE))
