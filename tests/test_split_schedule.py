@@ -165,6 +165,25 @@ def test_split_two_bw_windows_are_parts_of_one_carried_stream(depth: int) -> Non
 
 
 @pytest.mark.parametrize("depth", [2, 3, 4, 8])
+def test_split_two_bw_posts_every_norm_before_the_first_stage_steps(depth: int) -> None:
+    # Stage 0 steps right after its all-reduce, and that step waits for every stage's gradient
+    # norm (schedules/two_bw.py). With equal F, I and W, the carry placement has every stage's
+    # all-reduce of batch b done when stage 0 starts its step of batch b (a batch's last W runs
+    # after the next F: after the next I it would come a whole F late). Stages slower than
+    # stage 0 can still be late by the difference; that wait is measured, not simulated.
+    for m in (depth, 2 * depth):
+        result = simulate(two_bw_run(depth, m, 4, split=True), EQUAL)
+        reduced: dict[int, list[float]] = {}
+        for i in result.timeline:
+            if i.action.kind is Kind.ALL_REDUCE:
+                reduced.setdefault(i.rank, []).append(i.end)
+        steps = [i.start for i in result.timeline if i.rank == 0 and i.action.kind is Kind.OPTIMIZER_STEP]
+        assert len(steps) == 4
+        for rank in range(1, depth):
+            assert all(reduced[rank][b] <= start for b, start in enumerate(steps)), f"rank {rank}: {reduced[rank]} vs {steps}"
+
+
+@pytest.mark.parametrize("depth", [2, 3, 4, 8])
 def test_split_two_bw_hides_hops_shorter_than_half_a_weight_gradient(depth: int) -> None:
     # 2BW has no bubble: in steady state a stage's microbatch takes F + B (seed 000, section
     # 3.1). A message that travels h delays the gradient of a stage's next I by a round trip:
