@@ -32,6 +32,7 @@ class PipelinePlan:
         split_backward: split each backward into input and weight gradients (2BP).
         split_max_pending: with ``split_backward``, the most microbatches waiting for their W on
             every stage; ``None``: ``s`` on stage ``s`` (ZB-H1's bound), as the schedule places W's.
+            GPipe and 1F1B only: 2BW's placement keeps one.
         partition: blocks per stage (a list of ``depth * virtual_stages`` positive counts), or "balanced" /
             "uniform" until :meth:`resolve` turns it into counts for a given chain, or "profile"
             (balanced by profiled time; :class:`~lightning_pipe.PipelineStrategy` resolves it).
@@ -81,6 +82,9 @@ class PipelinePlan:
                 raise ValueError("split_max_pending only applies with split_backward=True")
             if self.split_max_pending < 0:
                 raise ValueError(f"split_max_pending must be >= 0, got {self.split_max_pending}")
+            if self.schedule == "2bw":
+                raise ValueError("split_max_pending does not apply to schedule '2bw': its placement, 'carry', keeps at most "
+                                 "one W waiting per stage (schedules/split.py)")
         self._check_placement()
 
     def _check_placement(self) -> None:

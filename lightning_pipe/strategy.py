@@ -77,6 +77,7 @@ class PipelineStrategy(DDPStrategy):
         split_max_pending: with ``split_backward``, the most microbatches waiting for their
             weight gradients on every stage (bounds memory). ``None``: stage ``s`` keeps ``s``
             (Zero Bubble's ZB-H1 bound; GPipe defers W's up to it, see schedules/split.py).
+            GPipe and 1F1B only: 2BW keeps at most one waiting.
         split_placement: with ``split_backward``, where the weight gradients go: ``None`` for
             the schedule's own, "drain" (1F1B, one stage per rank): only the backwards after a
             stage's last forward split (1F1B's peak memory; half of ZB-H1's saving with equal

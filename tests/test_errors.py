@@ -86,6 +86,8 @@ def test_split_placement_misuse() -> None:
     for placement in ("drain", "zb-h1"):
         with pytest.raises(ValueError, match="does not apply to schedule '2bw'"):
             PipelinePlan(1, 2, 4, "2bw", True, split_placement=placement)
+    with pytest.raises(ValueError, match="split_max_pending does not apply to schedule '2bw'"):  # it was ignored
+        PipelinePlan(1, 2, 4, "2bw", True, 1)
     for schedule, virtual in (("gpipe", 1), ("1f1b", 2)):
         with pytest.raises(ValueError, match="split_placement='drain' is for 1F1B with one stage per rank"):
             PipelinePlan(1, 2, 4, schedule, True, split_placement="drain", virtual_stages=virtual)

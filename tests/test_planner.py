@@ -529,7 +529,7 @@ def test_the_walk_on_arrays_is_the_walk_over_actions() -> None:
     from lightning_pipe.stage_memory import buffered, held_counts, program_held_counts
 
     for schedule, depth, m, split, pending in itertools.product(("gpipe", "1f1b", "2bw"), (1, 2, 3, 5), (1, 3, 5, 8), (False, True), (None, 1)):
-        if (schedule == "2bw" and m < depth) or (pending is not None and not split):
+        if (schedule == "2bw" and (m < depth or pending is not None)) or (pending is not None and not split):
             continue
         plan = PipelinePlan(1, depth, m, schedule, split, split_max_pending=pending)
         program = planner.program(plan, steps=3 if schedule == "2bw" else 1)
