@@ -37,6 +37,7 @@ _LAYOUT_DEFAULTS: dict[str, Any] = dict(schedule="1f1b", pipeline_depth=None, mi
                                          recompute=False, split_backward=False, split_max_pending=None, inner="pp",
                                          virtual_stages=1, split_placement=None)  # fmt: skip
 
+
 def _destroy_groups_at_exit() -> None:
     """Destroy every process group when the interpreter exits, before it finalizes (registered
     once per process, however many runs call this). Lightning does so only for NCCL. Once in CI
