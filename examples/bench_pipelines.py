@@ -112,8 +112,8 @@ class Workload:
 
     def predicted_step(self, schedule: str, split: bool, virtual: int = 1, placement: Optional[str] = None, steps: int = 2,
                        profile: Optional[Profile] = None) -> Optional[float]:  # fmt: skip
-        """Simulator step time of what :func:`_time` measures: for 2BW, ``steps``
-        windows that start together (after a barrier) with the untimed window's sends in flight.
+        """Simulator step time of what :func:`_time` measures: for 2BW, each stage's rate over
+        ``steps`` windows of a running stream (:func:`running_rate`), the slowest stage's.
 
         Each action costs its blocks' nominal sleep, or with ``profile`` (:meth:`profile`) their
         time measured in one process (a sleep overruns, and the block's ops after it take time);
@@ -124,7 +124,7 @@ class Workload:
                 else self.profiled_cost(profile, schedule, split, virtual, placement))  # fmt: skip
         d, m = self.depth, self.microbatches
         if schedule == "2bw":
-            return simulate(timed_windows(d, m, split, steps), cost).makespan / steps
+            return max(running_rate(d, m, split, steps, cost))
         return simulate(build_schedule(schedule, d, m, split=split, virtual=virtual, placement=placement), cost).makespan
 
     def profile(self, threads: int) -> Profile:
@@ -153,18 +153,21 @@ class Workload:
         return self.microbatches * sum(s.forward + s.backward for s in (b.at(size) for b in profile.blocks))
 
 
-def timed_windows(depth: int, m: int, split: bool, steps: int) -> list[list[Any]]:
-    """The 2BW program :func:`_time` times: windows ``1..steps`` of a stream, every stage starting
-    at once (the barrier after the untimed window 0), window 0's sends already posted.
-
-    A steady-state window (the simulator's rate over many windows) is shorter: there the first
-    stage starts its next window while the last still finishes the previous one; the barrier
-    takes that overlap away once per timing, and the 2 timed steps do not amortise it.
-    """
+def running_rate(depth: int, m: int, split: bool, steps: int, cost: Any) -> list[float]:
+    """Each stage's simulated seconds per 2BW window as :func:`_time` measures them: the stream
+    starts after a barrier (window 0's sends already posted), window 1 refills it untimed, and
+    each stage times its own windows ``2..steps + 1`` from the end of its window 1."""
     first = two_bw_window(depth, m, 0, split)
-    timed = [two_bw_window(depth, m, t, split) for t in range(1, steps + 1)]
+    windows = [two_bw_window(depth, m, t, split) for t in range(1, steps + 2)]
     sends = (Kind.SEND_ACT, Kind.SEND_GRAD)
-    return [[a for a in first[s] if a.kind in sends] + [a for w in timed for a in w[s]] for s in range(depth)]
+    posted = [[a for a in first[s] if a.kind in sends] for s in range(depth)]
+    timeline = simulate([posted[s] + [a for w in windows for a in w[s]] for s in range(depth)], cost).timeline
+    rates = []
+    for s in range(depth):
+        ends = [iv.end for iv in timeline if iv.rank == s]
+        untimed = len(posted[s]) + len(windows[0][s])
+        rates.append((ends[-1] - ends[untimed - 1]) / steps)
+    return rates
 
 
 # -- contenders ------------------------------------------------------------------------------
@@ -279,16 +282,21 @@ def counterparts(names: Iterable[str]) -> dict[str, str]:
 
 # -- measurement -----------------------------------------------------------------------------
 def _time(step: Contender, batch: Any, steps: int) -> float:
-    """Seconds per step over ``steps`` steps, after one untimed step (so 2BW is in steady state)."""
-    step(batch)
+    """Seconds per step of a running job: after a barrier and one untimed step, each rank times
+    its own ``steps`` steps, run back to back with no barrier among them; the slowest rank's.
+
+    A barrier drains 2BW's pipeline, which a running job never does: the untimed step pays the
+    refill. A flush schedule's rate is its step's makespan either way (its first stage starts
+    each step and ends it)."""
     dist.barrier()
+    step(batch)
     start = time.perf_counter()
     for _ in range(steps):
         step(batch)
-    dist.barrier()
-    seconds = (time.perf_counter() - start) / steps
+    seconds = torch.tensor((time.perf_counter() - start) / steps, dtype=torch.float64)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     _finish(step)
-    return seconds
+    return seconds.item()
 
 
 def _finish(step: Contender) -> None:
@@ -564,8 +572,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (one process too)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds; each rebuilds and times every contender")
     parser.add_argument("--steps", type=int, default=8,
-                        help="timed steps per contender per round, back to back as in training (2BW's stream "
-                        "restarts after the barrier that starts a timing: few steps understate its steady state)")
+                        help="timed steps per contender per round, back to back as in training, each rank "
+                        "timing its own after one untimed step")
     parser.add_argument("--pairs", type=int, default=20,
                         help="after the rounds, pairs of single steps of each of ours and its torch counterpart, "
                         "alternating (0: none)")

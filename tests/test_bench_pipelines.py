@@ -1,0 +1,62 @@
+"""The benchmark's simulated 2BW rate is what a running stream does, not a restart after a barrier."""
+
+from __future__ import annotations
+
+import random
+import sys
+
+import pytest
+
+from lightning_pipe.schedules import Kind, two_bw_window
+from lightning_pipe.simulate import simulate
+from tests.launch import ROOT
+
+sys.path.insert(0, str(ROOT / "examples"))
+from bench_pipelines import running_rate  # noqa: E402
+
+COMPUTE = (Kind.FORWARD, Kind.BACKWARD, Kind.INPUT_GRAD, Kind.WEIGHT_GRAD)
+
+
+def _random_costs(depth: int, seed: int):
+    rng = random.Random(seed)
+    table = {(s, kind): rng.uniform(0.5, 1.5) for s in range(depth) for kind in COMPUTE}
+    return lambda a: table.get((a.stage, a.kind), 0.0)
+
+
+def _steady_rate(depth: int, m: int, split: bool, cost, windows: int = 24, last: int = 5) -> float:
+    """The slowest stage's seconds per window over the last ``last`` of ``windows`` windows of
+    one stream that never stops (the reference: the stream's start long behind it)."""
+    stream = [two_bw_window(depth, m, t, split) for t in range(windows)]
+    timeline = simulate([[a for w in stream for a in w[s]] for s in range(depth)], cost).timeline
+    rates = []
+    for s in range(depth):
+        ends = [iv.end for iv in timeline if iv.rank == s]
+        bounds = [sum(len(w[s]) for w in stream[: t + 1]) - 1 for t in range(windows)]
+        rates.append((ends[bounds[-1]] - ends[bounds[-1 - last]]) / last)
+    return max(rates)
+
+
+def _restarted_rate(depth: int, m: int, split: bool, steps: int, cost) -> float:
+    """Seconds per window of ``steps`` windows timed from a barrier (what the benchmark measured before)."""
+    first = two_bw_window(depth, m, 0, split)
+    timed = [two_bw_window(depth, m, t, split) for t in range(1, steps + 1)]
+    sends = (Kind.SEND_ACT, Kind.SEND_GRAD)
+    program = [[a for a in first[s] if a.kind in sends] + [a for w in timed for a in w[s]] for s in range(depth)]
+    return simulate(program, cost).makespan / steps
+
+
+@pytest.mark.parametrize("depth,m", [(2, 8), (3, 5), (4, 8), (5, 6), (8, 16)])
+@pytest.mark.parametrize("split", [False, True])
+def test_running_rate_is_the_streams_steady_rate(depth: int, m: int, split: bool) -> None:
+    cost = _random_costs(depth, seed=depth * 10 + m)
+    assert max(running_rate(depth, m, split, 8, cost)) == pytest.approx(_steady_rate(depth, m, split, cost), rel=1e-9)
+
+
+@pytest.mark.parametrize("depth,m", [(4, 8), (8, 16)])
+def test_running_rate_leaves_out_the_refill_after_a_barrier(depth: int, m: int) -> None:
+    units = {Kind.FORWARD: 1.0, Kind.BACKWARD: 2.0, Kind.INPUT_GRAD: 1.0, Kind.WEIGHT_GRAD: 1.0}
+    cost = lambda a: units.get(a.kind, 0.0)  # noqa: E731
+    for split in (False, True):
+        running = max(running_rate(depth, m, split, 8, cost))
+        assert running == pytest.approx(3 * m)  # F + I + W (or F + B) per microbatch, no bubble
+        assert _restarted_rate(depth, m, split, 8, cost) > running * 1.01
