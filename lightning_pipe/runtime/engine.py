@@ -27,7 +27,7 @@ from lightning_pipe.schedules import (
     receive_order,
     two_bw_drain,
     two_bw_run,
-    two_bw_window,
+    two_bw_stage_window,
     verify,
 )
 from lightning_pipe.timeline import Trace
@@ -190,8 +190,8 @@ class PipelineEngine:
 
     def _window(self) -> tuple[list[Action], Optional[dict[int, list[Action]]]]:
         if self.streaming:  # a window's receives are read in the order its neighbours send them
-            window = two_bw_window(self.topology.depth, self.microbatches, self._batches, self.split_backward, self.early_step)
-            return window[self.stage_index], None
+            d, m, split = self.topology.depth, self.microbatches, self.split_backward
+            return two_bw_stage_window(self.stage_index, d, m, self._batches, split, self.early_step), None
         return self._program(True, self.microbatches)
 
     def _hooks(self) -> Hooks:

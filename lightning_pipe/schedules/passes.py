@@ -132,14 +132,19 @@ def _split_2bw(part: list[Action], before: list[Action], microbatches: int, step
     return carry_split([before, part], microbatches, steps_before)[1] if split else part
 
 
-def two_bw_window(depth: int, microbatches: int, step: int, split: bool = False, early: bool = True) -> Schedule:
-    """Full 2BW program of every stage for training step ``step``; ``early``: stage 0 steps right
+def two_bw_stage_window(stage: int, depth: int, microbatches: int, step: int, split: bool = False,
+                        early: bool = True) -> list[Action]:  # fmt: skip
+    """Stage ``stage``'s full 2BW program for training step ``step`` (its list in
+    :func:`two_bw_window`; a rank builds only its own each step); ``early``: stage 0 steps right
     after its all-reduce (see schedules/two_bw.py)."""
-    def compute(s: int) -> list[Action]:
-        before = two_bw.window(s, depth, microbatches, step - 1, early) if split and step else []
-        return _split_2bw(two_bw.window(s, depth, microbatches, step, early), before, microbatches, max(step - 2, 0), split)
+    before = two_bw.window(stage, depth, microbatches, step - 1, early) if split and step else []
+    part = _split_2bw(two_bw.window(stage, depth, microbatches, step, early), before, microbatches, max(step - 2, 0), split)
+    return add_communication(part, depth)
 
-    return [add_communication(compute(s), depth) for s in range(depth)]
+
+def two_bw_window(depth: int, microbatches: int, step: int, split: bool = False, early: bool = True) -> Schedule:
+    """Full 2BW program of every stage for training step ``step`` (:func:`two_bw_stage_window`)."""
+    return [two_bw_stage_window(s, depth, microbatches, step, split, early) for s in range(depth)]
 
 
 def two_bw_drain(depth: int, microbatches: int, last_step: int, split: bool = False, early: bool = True) -> Schedule:
