@@ -154,19 +154,15 @@ class Workload:
 
 
 def running_rate(depth: int, m: int, split: bool, steps: int, cost: Any) -> list[float]:
-    """Each stage's simulated seconds per 2BW window as :func:`_time` measures them: the stream
-    starts after a barrier (window 0's sends already posted), window 1 refills it untimed, and
-    each stage times its own windows ``2..steps + 1`` from the end of its window 1."""
-    first = two_bw_window(depth, m, 0, split)
-    windows = [two_bw_window(depth, m, t, split) for t in range(1, steps + 2)]
-    sends = (Kind.SEND_ACT, Kind.SEND_GRAD)
-    posted = [[a for a in first[s] if a.kind in sends] for s in range(depth)]
-    timeline = simulate([posted[s] + [a for w in windows for a in w[s]] for s in range(depth)], cost).timeline
+    """Each stage's simulated seconds per 2BW window as :func:`_time` measures them: a stream
+    from empty (the warm-up before a timing drains the engine), window 0 untimed, each stage
+    timing its windows ``1..steps`` from the end of its window 0."""
+    windows = [two_bw_window(depth, m, t, split) for t in range(steps + 1)]
+    timeline = simulate([[a for w in windows for a in w[s]] for s in range(depth)], cost).timeline
     rates = []
     for s in range(depth):
         ends = [iv.end for iv in timeline if iv.rank == s]
-        untimed = len(posted[s]) + len(windows[0][s])
-        rates.append((ends[-1] - ends[untimed - 1]) / steps)
+        rates.append((ends[-1] - ends[len(windows[0][s]) - 1]) / steps)
     return rates
 
 
@@ -285,9 +281,10 @@ def _time(step: Contender, batch: Any, steps: int) -> float:
     """Seconds per step of a running job: after a barrier and one untimed step, each rank times
     its own ``steps`` steps, run back to back with no barrier among them; the slowest rank's.
 
-    A barrier drains 2BW's pipeline, which a running job never does: the untimed step pays the
-    refill. A flush schedule's rate is its step's makespan either way (its first stage starts
-    each step and ends it)."""
+    A barrier between two 2BW windows holds stage 0's next forwards until the last stage has
+    finished its window, an idle stretch a running job never has; here the untimed step fills
+    the stream (the warm-up drained it) and no barrier follows. A flush schedule's rate is the
+    same either way (measured: README, "Timed as a running job")."""
     dist.barrier()
     step(batch)
     start = time.perf_counter()
