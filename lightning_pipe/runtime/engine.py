@@ -25,8 +25,8 @@ from lightning_pipe.schedules import (
     build_inference,
     build_schedule,
     receive_order,
-    two_bw_drain,
     two_bw_run,
+    two_bw_stage_drain,
     two_bw_stage_window,
     verify,
 )
@@ -310,7 +310,8 @@ class PipelineEngine:
         if not self.streaming or self._batches == 0:
             return
         last = self._batches - 1
-        program = two_bw_drain(self.topology.depth, self.microbatches, last, self.split_backward, self.early_step)[self.stage_index]
+        d, m, split = self.topology.depth, self.microbatches, self.split_backward
+        program = two_bw_stage_drain(self.stage_index, d, m, last, split, self.early_step)
         with torch.inference_mode(False), torch.enable_grad():  # Lightning may call this from evaluation
             self._train(program, wait=True)
         self.versions.collapse(self._optimizer, self._batches - 1)

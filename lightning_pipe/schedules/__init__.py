@@ -12,6 +12,7 @@ from lightning_pipe.schedules.passes import (
     resolve,
     two_bw_drain,
     two_bw_run,
+    two_bw_stage_drain,
     two_bw_stage_window,
     two_bw_window,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "resolve",
     "two_bw_drain",
     "two_bw_run",
+    "two_bw_stage_drain",
     "two_bw_stage_window",
     "two_bw_window",
     "verify",

@@ -147,13 +147,18 @@ def two_bw_window(depth: int, microbatches: int, step: int, split: bool = False,
     return [two_bw_stage_window(s, depth, microbatches, step, split, early) for s in range(depth)]
 
 
-def two_bw_drain(depth: int, microbatches: int, last_step: int, split: bool = False, early: bool = True) -> Schedule:
-    """Full 2BW program of every stage that finishes the stream after ``last_step``."""
-    def compute(s: int) -> list[Action]:
-        before = two_bw.window(s, depth, microbatches, last_step, early) if split else []
-        return _split_2bw(two_bw.drain(s, depth, microbatches, last_step), before, microbatches, max(last_step - 1, 0), split)
+def two_bw_stage_drain(stage: int, depth: int, microbatches: int, last_step: int, split: bool = False,
+                       early: bool = True) -> list[Action]:  # fmt: skip
+    """Stage ``stage``'s full 2BW program that finishes the stream after ``last_step`` (its list in
+    :func:`two_bw_drain`)."""
+    before = two_bw.window(stage, depth, microbatches, last_step, early) if split else []
+    part = _split_2bw(two_bw.drain(stage, depth, microbatches, last_step), before, microbatches, max(last_step - 1, 0), split)
+    return add_communication(part, depth)
 
-    return [add_communication(compute(s), depth) for s in range(depth)]
+
+def two_bw_drain(depth: int, microbatches: int, last_step: int, split: bool = False, early: bool = True) -> Schedule:
+    """Full 2BW program of every stage that finishes the stream after ``last_step`` (:func:`two_bw_stage_drain`)."""
+    return [two_bw_stage_drain(s, depth, microbatches, last_step, split, early) for s in range(depth)]
 
 
 def two_bw_run(depth: int, microbatches: int, steps: int, split: bool = False, early: bool = True) -> Schedule:
