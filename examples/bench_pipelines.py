@@ -284,7 +284,7 @@ def _time(step: Contender, batch: Any, steps: int) -> float:
     A barrier between two 2BW windows holds stage 0's next forwards until the last stage has
     finished its window, an idle stretch a running job never has; here the untimed step fills
     the stream (the warm-up drained it) and no barrier follows. A flush schedule's rate is the
-    same either way (measured: README, "Timed as a running job")."""
+    same either way (measured: docs/benchmarks.md, "Timed as a running job")."""
     dist.barrier()
     step(batch)
     start = time.perf_counter()
