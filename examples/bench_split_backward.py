@@ -2,10 +2,10 @@
 
     python examples/bench_split_backward.py
 
-1. Overhead: a GPT block's backward done whole vs as I then W, interleaved; W from the
-   deferred linear calls (the runtime's split on such blocks) and from autograd (its split
-   elsewhere). Seed 001's split must not compute anything twice, so I + W should cost about
-   one backward.
+1. Overhead: a GPT block's and a convolutional residual block's backward done whole vs as I
+   then W, interleaved; W from the deferred linear and convolution calls (the runtime's split on
+   such blocks) and from autograd (its split elsewhere). Seed 001's split must not compute
+   anything twice, so I + W should cost about one backward.
 2. Gain: a 4-stage pipeline of blocks that sleep a set time in F, I and W (so 4 processes fit
    on 2 cores and the schedule, not the cores, sets the time), for GPipe and 1F1B with and
    without split, against the simulator's prediction for the same cost model.
@@ -26,7 +26,7 @@ from torch import nn
 
 from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place
 from lightning_pipe.costmodel import SleepChain
-from lightning_pipe.runtime.deferred_linear import DeferLinearWeights, LinearGrads
+from lightning_pipe.runtime.deferred_weights import DeferWeightGrads, DeferredGrads
 from lightning_pipe.runtime.split import input_grads, weight_grads
 from lightning_pipe.schedules import build_schedule
 from lightning_pipe.simulate import simulate
@@ -39,11 +39,24 @@ from gpt import Block  # noqa: E402
 DEPTH, BLOCKS_PER_STAGE = 4, 2
 
 
+class ConvBlock(nn.Module):
+    """A ResNet basic block: two 3x3 convolutions with batch norms, and the residual."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.c1, self.n1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels)
+        self.c2, self.n2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``relu(x + n2(c2(relu(n1(c1(x))))))``."""
+        return torch.relu(x + self.n2(self.c2(torch.relu(self.n1(self.c1(x))))))
+
+
 def _backward_seconds(block: nn.Module, x: torch.Tensor, mode: str) -> tuple[float, int]:
     """One backward of ``block`` on ``x``, whole or split (``mode``): its seconds and the minor page faults it took."""
     inp = x.clone().requires_grad_()
-    store = LinearGrads(list(block.parameters())) if mode == "deferred" else None
-    with DeferLinearWeights(store) if store is not None else nullcontext():
+    store = DeferredGrads(list(block.parameters())) if mode == "deferred" else None
+    with DeferWeightGrads(store) if store is not None else nullcontext():
         out = block(inp)
     grad = torch.ones_like(out)
     faults, start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
@@ -57,12 +70,10 @@ def _backward_seconds(block: nn.Module, x: torch.Tensor, mode: str) -> tuple[flo
     return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
 
 
-def backward_overhead(reps: int, dim: int, seq: int, batch: int, warmup: int = 5) -> dict[str, list[tuple[float, int]]]:
-    """Per split mode (linear weight gradients ``"deferred"``, or the ``"autograd"`` split): (I + W
-    time) / (full backward time), and the split's page faults, for each interleaved repetition after ``warmup``."""
-    torch.manual_seed(0)
-    block = Block(dim, 8)
-    x = torch.randn(batch, seq, dim)
+def backward_overhead(block: nn.Module, x: torch.Tensor, reps: int, warmup: int = 5) -> dict[str, list[tuple[float, int]]]:
+    """Per split mode (linear and convolution weight gradients ``"deferred"``, or the ``"autograd"``
+    split): (I + W time) / (full backward time) of ``block`` on ``x``, and the split's page faults,
+    for each interleaved repetition after ``warmup``."""
     ratios: dict[str, list[tuple[float, int]]] = {"deferred": [], "autograd": []}
     for _ in range(reps):
         whole, _ = _backward_seconds(block, x, "whole")
@@ -118,16 +129,23 @@ def main() -> None:
     parser.add_argument("--cost-ms", type=float, default=20.0, help="sleep of each F, I and W per block")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--overhead-only", action="store_true", help="measure the overhead, not the pipeline gain")
     args = parser.parse_args()
-    print(f"## Split backward overhead: a GPT block ({Path(gpt.__file__).name}), 8 x 128 tokens, CPU\n")
-    print("| d_model | split | median (I + W) / full backward | min | max | minor page faults per split backward | pairs |")
+    print(f"## Split backward overhead: a GPT block ({Path(gpt.__file__).name}, 8 x 128 tokens) and a "
+          "convolutional residual block (8 x 64 channels x 32 x 32), CPU\n")  # fmt: skip
+    print("| block | split | median (I + W) / full backward | min | max | minor page faults per split backward | pairs |")
     print("|---|---|---|---|---|---|---|")
-    for dim in (256, 512):
-        for mode, rows in backward_overhead(args.reps + 5, dim=dim, seq=128, batch=8).items():
+    torch.manual_seed(0)
+    blocks = [(f"GPT, d_model {dim}", Block(dim, 8), torch.randn(8, 128, dim)) for dim in (256, 512)]
+    blocks.append(("ResNet basic, 64 channels", ConvBlock(64), torch.randn(8, 64, 32, 32)))
+    for name, block, x in blocks:
+        for mode, rows in backward_overhead(block, x, args.reps + 5).items():
             ratios = [r for r, _ in rows]
-            print(f"| {dim} | {mode} | {statistics.median(ratios):.3f} | {min(ratios):.3f} | {max(ratios):.3f} | "
-                  f"{statistics.median(f for _, f in rows):.0f} | {len(ratios)} interleaved, after 5 warm-up |")  # fmt: skip
+            print(f"| {name} | {mode} | {statistics.median(ratios):.3f} | {min(ratios):.3f} | {max(ratios):.3f} | "
+                  f"{statistics.median(f for _, f in rows):.0f} | {len(ratios)} interleaved, after 5 warm-up |", flush=True)  # fmt: skip
     print()
+    if args.overhead_only:
+        return
     costs = (args.cost_ms / 1000,) * 3
     print(f"## Split backward gain, cost-model chain: d={DEPTH}, {BLOCKS_PER_STAGE} blocks/stage, "
           f"F = I = W = {args.cost_ms:g} ms per block\n")  # fmt: skip

@@ -60,7 +60,8 @@ class StageCosts:
     loss_bytes: int = 0  # the last stage: one microbatch's loss, kept until its backward (and the step's running sum)
     loss_saved_bytes: int = 0  # the last stage: what the loss saves for backward (part of stash_bytes; kept outside a recomputed stage)
     optimizer_step_bytes: int = 0  # the temporaries of the stage's optimizer step
-    frees_graph_at_input_grad: bool = False  # split backward defers its linear weight gradients: I frees the graph (runtime/deferred_linear.py)
+    frees_graph_at_input_grad: bool = False  # split backward defers its linear and convolution weight gradients: I frees the graph (runtime/deferred_weights.py)
+    input_grad_workspace_bytes: int = 0  # a deferring I's peak temporaries, the later blocks' kept tensors with them (_input_grad_peak)
 
 
 def _backward_peaks(samples: Sequence[BlockSample], grads: Sequence[int], bucket_cap: int = 0, last_incoming: int = 0) -> tuple[int, int]:
@@ -132,6 +133,17 @@ def _inner_inputs(samples: Sequence[BlockSample]) -> int:
     return sum(max(b.saved_input_bytes - a.saved_output_bytes, 0) for a, b in zip(samples, samples[1:]))
 
 
+def _input_grad_peak(samples: Sequence[BlockSample]) -> int:
+    """A deferring I's peak beyond the stage's graph: it runs the blocks last to first, so while
+    one runs, what each later block kept for W is already held (its graph freed; the model still
+    counts the whole graph, so this errs high by what those blocks saved)."""
+    kept_after, peak = 0, 0
+    for sample in reversed(samples):
+        peak = max(peak, sample.input_grad_workspace_bytes + kept_after)
+        kept_after += sample.captured_bytes
+    return peak
+
+
 def range_costs(profile: Profile, blocks: range, microbatch_size: int, recompute: bool = False,
                 samples: Optional[Sequence[BlockSample]] = None, bucket_cap: int = 0) -> StageCosts:  # fmt: skip
     """The profiled costs of blocks ``blocks`` run as one stage at ``microbatch_size`` (``samples``:
@@ -164,8 +176,9 @@ def range_costs(profile: Profile, blocks: range, microbatch_size: int, recompute
         loss_bytes=mine[-1].loss_bytes,
         loss_saved_bytes=mine[-1].loss_saved_bytes,
         optimizer_step_bytes=step_bytes(profile, states),
-        # As the executor decides: a stage with an input gradient whose matrices are all linear or embedding weights.
-        frees_graph_at_input_grad=first > 0 and any(b.linear_weights for b in states) and not any(b.other_matrices for b in states),
+        input_grad_workspace_bytes=_input_grad_peak(mine),
+        # As the executor decides: a stage with an input gradient whose matrices are all linear, convolution or embedding weights.
+        frees_graph_at_input_grad=first > 0 and any(b.deferred_weights for b in states) and not any(b.other_matrices for b in states),
     )  # fmt: skip
 
 

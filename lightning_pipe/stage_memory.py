@@ -432,6 +432,9 @@ def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, re
     # ``backward_excess_bytes`` over them); I and W (pending >= 1) free nothing before W.
     excess = st.backward_workspace_bytes if st.backward_excess_bytes is None else st.backward_excess_bytes
     full_ws = bws - st.backward_workspace_bytes + excess  # a full backward's workspace beside its freeing blocks
+    # A deferring I keeps its output gradients for W as it frees the graph: on convolutions that
+    # peaks above a full backward's workspace (on linear blocks their new weight gradients dominate).
+    split_ws = max(bws, bws - st.backward_workspace_bytes + st.input_grad_workspace_bytes) if st.frees_graph_at_input_grad else bws
     moments = [
         (held.forward_cold, weights, fws, (0, per_held, 0, one, 0)),
         (held.forward_warm, weights + grads, fws, (0, per_held, 0, one, 0)),
@@ -439,8 +442,8 @@ def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, re
          (received + st.first_backward_bytes + st.loss_bytes, 0, per_held, 0, 0)),
         (held.full_backwards, weights + grads, full_ws, (-loss_graph, per_held, 0, 0, one)),
         # The first stage's W is a whole backward (no input gradient), freeing as it goes like one.
-        (held.split_backwards, weights + grads, full_ws if first else bws, (0, per_held, 0, 0, one)),
-        (held.input_cold, weights, bws, (0, per_held, 0, 0, one)),
+        (held.split_backwards, weights + grads, full_ws if first else split_ws, (0, per_held, 0, 0, one)),
+        (held.input_cold, weights, split_ws, (0, per_held, 0, 0, one)),
         # Every microbatch's I and W done or not begun (2BW: windows overlap); pending ones counted
         # with the running one's terms, an upper bound.
         # (Where I frees the graph, ``cap`` already counts p - 1 pending ones as they are, one as held.)

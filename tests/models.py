@@ -89,6 +89,27 @@ class ToyChain(PipelineMixin, L.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=self.lr)
 
 
+class ConvResidual(nn.Module):
+    """Middle block of :class:`ConvChain`: a 1-D convolution over the hidden vector cut into 4 channels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(4, 4, 3, padding=1)
+        self.norm = nn.LayerNorm(HIDDEN)
+
+    def forward(self, h: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        y = self.conv(self.norm(h).view(h.shape[0], 4, HIDDEN // 4)).flatten(1)
+        return h + torch.tanh(y) * mask.unsqueeze(-1).to(h.dtype), mask
+
+
+class ConvChain(ToyChain):
+    """:class:`ToyChain` with convolutional residual blocks (split backward defers their weight gradients)."""
+
+    def __init__(self, depth: int = 4, lr: float = 1e-2) -> None:
+        super().__init__(depth, lr)
+        self.blocks = nn.ModuleList(ConvResidual() for _ in range(depth))
+
+
 def load_plain(cls: Any, path: Any, **init: Any) -> Any:
     """``cls.load_from_checkpoint`` in this one process (``init``: arguments of ``cls``), consolidating
     a sharded (DCP) checkpoint directory first, as ``python -m lightning.pytorch.utilities.consolidate_checkpoint`` does."""

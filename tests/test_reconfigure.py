@@ -366,6 +366,26 @@ class DenseChain(WideChain):
         self.blocks = torch.nn.ModuleList(Dense() for _ in range(8))
 
 
+class ConvDense(torch.nn.Module):
+    """:class:`Dense` with 1-D convolutions over the vector cut into 16 channels: split backward defers their weight gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down, self.up = torch.nn.Conv1d(16, 4, 5, padding=2), torch.nn.Conv1d(4, 16, 5, padding=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.up(torch.tanh(self.down(x.view(x.shape[0], 16, WIDE // 16))))
+        return x + torch.tanh(y).flatten(1)
+
+
+class ConvDenseChain(WideChain):
+    """8 :class:`ConvDense` blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(ConvDense() for _ in range(8))
+
+
 class Wide(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return WIDE_BATCH * 8
@@ -573,7 +593,7 @@ def _spot_check_memory(rank: int, world: int) -> list[dict[str, Any]]:
 
     batch = next(iter(DataLoader(Wide(), batch_size=WIDE_BATCH)))
     rows = []
-    for model, plans in ((WideChain, SPOT_PLANS), (DenseChain, DENSE_SPOT_PLANS)):
+    for model, plans in ((WideChain, SPOT_PLANS), (DenseChain, DENSE_SPOT_PLANS), (ConvDenseChain, DENSE_SPOT_PLANS[:1])):
         profile = profile_blocks(model(), batch, [2, 4], repeats=1, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
         profile = dataclasses.replace(profile, loads_global_batch=True)
         for plan in plans:
@@ -610,7 +630,12 @@ def test_predicted_stage_memory_bounds_what_every_stage_measures(launched) -> No
     # 1.144x the prediction at (1, 4) and 1.138x at (2, 2) under 2BW (an under-prediction); now a
     # plain backward that adds each as it goes, 1.001x and 1.000x. At (1, 4) under 2BW, whose
     # placement holds a W across windows: 0.992 to 1.001 (2026-11-26; 0.947 on the last stage with
-    # the placement before it, ZB-H1's per window).
+    # the placement before it, ZB-H1's per window). ConvDenseChain: the same with convolutions, whose
+    # weight gradients split backward defers since 2026-11-26. Their I peaks above a full backward's
+    # workspace (the output gradients kept for W build up while the graph is still being freed):
+    # before the profile measured that peak, stage 1 measured 1.058x its prediction. The model now
+    # adds the later blocks' kept tensors to each block's I peak beside the whole graph, an upper
+    # bound: 0.939 (the last stage) to 1.000 measured.
     for rank in launched(4).ok("planner_memory_spot_check"):
         for row in rank:
             ratio = row["measured"] / row["predicted"]
@@ -619,6 +644,8 @@ def test_predicted_stage_memory_bounds_what_every_stage_measures(launched) -> No
                 assert ratio >= 0.97, (row["plan"].describe(), row["stage"], row["measured"], row["predicted"])
             if row["model"] == "DenseChain":  # 0.987 to 1.001 measured; 0.941 to 0.984 after I when the model kept the graph
                 assert ratio >= 0.98, (row["plan"].describe(), row["stage"], row["measured"], row["predicted"])
+            if row["model"] == "ConvDenseChain":
+                assert ratio >= 0.93, (row["plan"].describe(), row["stage"], row["measured"], row["predicted"])
 
 
 class PlanAtStart(L.Callback):

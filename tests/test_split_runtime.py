@@ -8,7 +8,7 @@ import torch
 from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place
 from lightning_pipe.runtime.split import input_grads, weight_grads
 from tests.shared import scenario, scenario_per_layout
-from tests.models import ToyChain, make_data
+from tests.models import ConvChain, ToyChain, make_data
 
 BATCH, M, STEPS = 16, 4, 3
 SCHEDULES = ("gpipe", "1f1b", "2bw")
@@ -153,34 +153,43 @@ def test_custom_function_taking_activation_and_weight_warns_and_stays_correct() 
     torch.testing.assert_close(w.grad, w2.grad)
 
 
+#: The convolution chain runs 1F1B plain, split and split with recompute (its weight gradients deferred).
+CONV_VARIANTS = VARIANTS[:3]
+
+
+def _split_runs() -> list[tuple[str, type, str, tuple]]:
+    """(model name, model class, schedule, variant) of each run of :func:`_split_worker`."""
+    runs = [("toy", ToyChain, s, v) for s in SCHEDULES for v in VARIANTS if v[2] is None or s == "1f1b"]
+    return runs + [("conv", ConvChain, "1f1b", v) for v in CONV_VARIANTS]
+
+
 def _split_worker(rank: int, world: int, depth: int) -> dict:
     topo = Topology(world, depth)
     groups = PipelineGroups.build(topo, rank)
     replica, results = topo.replica_of(rank), {}
-    for schedule in SCHEDULES:
-        for split, recompute, placement in VARIANTS:
-            if placement is not None and schedule != "1f1b":
-                continue
-            torch.manual_seed(0)
-            model = ToyChain()
-            plan = PipelinePlan(topo.width, depth, M, schedule, split, partition="uniform", recompute=recompute,
-                                split_placement=placement)  # fmt: skip
-            engine = place(model, plan, rank, groups=groups)
-            forwards = [0]
-            for block in engine.stage.blocks:
-                block.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
-            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-            weights, grads = [], None
-            for step in range(STEPS):
-                batch = tuple(t.chunk(topo.width)[replica] for t in make_data(BATCH, seed=step))
-                engine.train_step(batch, opt)
-                weights.append({k: v.clone() for k, v in engine.current_weights().items()})
-                if grads is None and schedule != "2bw":
-                    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-            engine.drain()
+    for name, make, schedule, (split, recompute, placement) in _split_runs():
+        torch.manual_seed(0)
+        model = make()
+        plan = PipelinePlan(topo.width, depth, M, schedule, split, partition="uniform", recompute=recompute,
+                            split_placement=placement)  # fmt: skip
+        engine = place(model, plan, rank, groups=groups)
+        forwards = [0]
+        for block in engine.stage.blocks:
+            block.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        weights, grads = [], None
+        for step in range(STEPS):
+            batch = tuple(t.chunk(topo.width)[replica] for t in make_data(BATCH, seed=step))
+            engine.train_step(batch, opt)
             weights.append({k: v.clone() for k, v in engine.current_weights().items()})
-            kinds = {a.kind.name for a in engine.train_program(M)} if schedule != "2bw" else set()
-            results[(schedule, split, recompute, placement)] = (grads, weights, forwards[0] / len(engine.stage.blocks), kinds)
+            if grads is None and schedule != "2bw":
+                grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        engine.drain()
+        weights.append({k: v.clone() for k, v in engine.current_weights().items()})
+        kinds = {a.kind.name for a in engine.train_program(M)} if schedule != "2bw" else set()
+        kinds |= {"DEFERS_WEIGHTS"} if engine.stage.defers_weights else set()
+        key = (schedule, split, recompute, placement) if name == "toy" else (name, split, recompute)
+        results[key] = (grads, weights, forwards[0] / len(engine.stage.blocks), kinds)
     return results
 
 
@@ -217,6 +226,17 @@ def test_split_backward_matches_full_backward(launched, width: int, depth: int) 
                 assert {"INPUT_GRAD", "WEIGHT_GRAD"} <= out[rank][1][(schedule, True, False, "drain")][3]
     # 1F1B's last stage runs B0 before F1: its drain program mixes whole backwards with I + W
     assert any("BACKWARD" in out[rank][1][("1f1b", True, False, "drain")][3] for rank in range(width * depth))
+    # Convolution stages, their weight gradients deferred to W, against the same chain without split
+    for rank in range(width * depth):
+        plain = out[rank][1][("conv", False, False)]
+        assert "DEFERS_WEIGHTS" in plain[3]  # every stage holds a convolution (or the first's linear) and no other matrix
+        for variant in CONV_VARIANTS[1:]:
+            split = out[rank][1][("conv", *variant[:2])]
+            for name, g in plain[0].items():
+                torch.testing.assert_close(split[0][name], g, rtol=1e-6, atol=1e-8)
+            for want, got in zip(plain[1], split[1]):
+                for name in want:
+                    torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-8)
 
 
 def _memory_worker(rank: int, world: int) -> dict:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_pipe.runtime import p2p, split
-from lightning_pipe.runtime.deferred_linear import DeferLinearWeights, LinearGrads, keeps_saved_tensors
+from lightning_pipe.runtime.deferred_weights import DeferWeightGrads, DeferredGrads, keeps_saved_tensors
 from lightning_pipe.runtime.stage import Stage, Tensors, as_tuple
 from lightning_pipe.schedules.actions import Action, Kind
 from lightning_pipe.schedules.passes import DELIVERS
@@ -110,7 +110,7 @@ class StepState:
     grads: dict[Key, Tensors] = field(default_factory=dict)
     input_grads: dict[Key, Tensors] = field(default_factory=dict)
     weight_work: dict[Key, split.WeightWork] = field(default_factory=dict)
-    deferred: dict[Key, LinearGrads] = field(default_factory=dict)  # split backward: linear calls waiting for I
+    deferred: dict[Key, DeferredGrads] = field(default_factory=dict)  # split backward: linear and convolution calls waiting for I
     replay: dict[Key, "Replay"] = field(default_factory=dict)  # split backward with recompute: how to rerun F
     results: dict[int, Any] = field(default_factory=dict)
     loss_sum: Optional[Tensor] = None  # on the loss's device: read once per step, never per microbatch
@@ -189,7 +189,7 @@ def saved_bytes(weights: Iterable[Tensor] = ()) -> Iterator[list[int]]:
 
 
 def _storage_bytes(tensors: Iterable[Tensor]) -> int:
-    """Bytes of the storages under ``tensors``, each once (a linear call's input may feed several)."""
+    """Bytes of the storages under ``tensors``, each once (a deferred call's input may feed several)."""
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
@@ -227,7 +227,7 @@ class Executor:
         self.channel = channel
         self._posts_after_send = len(self._chunks) == 1  # where a receive goes beside a send (see _post_next)
         self._replayed: set[int] = set()  # split backward on a recomputed stage: F keeps no graph, I reruns it
-        self._deferring: set[int] = set()  # split backward on a stage whose linear calls defer their weight gradients
+        self._deferring: set[int] = set()  # split backward on a stage whose linear and convolution calls defer their weight gradients
         self._whole: set[Key] = set()  # microbatches whose backward runs whole in a split run (split_backward's "drain")
         self._incoming: dict[int, p2p.Incoming] = {}
         self._expected: dict[int, deque[Action]] = {}  # per source: the receives still to come, in send order
@@ -274,7 +274,7 @@ class Executor:
         """
         split_run = any(a.kind is Kind.INPUT_GRAD for a in actions)
         self._replayed = {s for s, (stage, _) in self._chunks.items() if stage.recompute and split_run}
-        self._deferring = {s for s, (stage, _) in self._chunks.items() if stage.defers_linear and split_run}
+        self._deferring = {s for s, (stage, _) in self._chunks.items() if stage.defers_weights and split_run}
         self._whole = {(a.stage, a.microbatch) for a in actions if a.kind is Kind.BACKWARD} if split_run else set()
         self._actions, self._at, self._posted_at = actions, 0, -1
         try:
@@ -304,7 +304,7 @@ class Executor:
             st.replay[key] = Replay.capture(st.weights, self.device)
         stage = self._stage(a)
         with saved_bytes(stage.parameters()) if self.account and st.train else nullcontext([0]) as counted, \
-                torch.no_grad() if replay else self._deferred_linear(a, st, st.weights, inputs):  # fmt: skip
+                torch.no_grad() if replay else self._deferred_weights(a, st, st.weights, inputs):  # fmt: skip
             outputs = stage(inputs, st.weights)
         if st.train:
             st.stash(1)
@@ -321,16 +321,16 @@ class Executor:
         else:
             st.results[k] = _unwrap(outputs)
 
-    def _deferred_linear(self, a: Action, st: StepState, weights: Optional[list[Tensor]], inputs: Tensors) -> ContextManager[Any]:
-        """Split backward on a stage that defers its linear weight gradients: record the linear
-        calls of this microbatch's forward on ``weights`` (``None``: the stage's own) for its I and W
-        (:mod:`~lightning_pipe.runtime.deferred_linear`). Not where no input needs a gradient (the
+    def _deferred_weights(self, a: Action, st: StepState, weights: Optional[list[Tensor]], inputs: Tensors) -> ContextManager[Any]:
+        """Split backward on a stage that defers its linear and convolution weight gradients: record
+        those calls of this microbatch's forward on ``weights`` (``None``: the stage's own) for its I and W
+        (:mod:`~lightning_pipe.runtime.deferred_weights`). Not where no input needs a gradient (the
         first stage): there I is empty and W a whole backward, with nothing to defer."""
         deferring = a.stage in self._deferring and (a.stage, a.microbatch) not in self._whole
         if not deferring or not st.train or not any(x.requires_grad for x in inputs):
             return nullcontext()
-        store = st.deferred[a.stage, a.microbatch] = LinearGrads(weights or self._stage(a).parameters())
-        return DeferLinearWeights(store)
+        store = st.deferred[a.stage, a.microbatch] = DeferredGrads(weights or self._stage(a).parameters())
+        return DeferWeightGrads(store)
 
     def _version(self, a: Action, st: StepState) -> None:
         st.weights = self.hooks.weights(a.microbatch)
@@ -375,7 +375,7 @@ class Executor:
         key, stage = (a.stage, a.microbatch), self._stage(a)
         replay = st.replay.pop(key)
         with replay.restored(self.device), saved_bytes(stage.parameters()) if self.account else nullcontext([0]) as counted, \
-                self._deferred_linear(a, st, replay.weights, st.inputs[key]):  # fmt: skip
+                self._deferred_weights(a, st, replay.weights, st.inputs[key]):  # fmt: skip
             outputs = stage.recompute_forward(st.inputs[key], replay.weights)
         if self.account:
             st.hold(key, counted[0])

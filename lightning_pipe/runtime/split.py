@@ -13,10 +13,11 @@ Built-in operators compute only the gradients a pass asks for. A custom
 ``ctx.needs_input_grad`` is fixed at forward time, so its backward runs in full in I and
 again in W (results stay correct; that node's work is done twice, and a warning says so).
 
-On a stage whose only weights of two or more dimensions are linear and embedding weights, the
-executor records the forward's linear calls instead (:mod:`~lightning_pipe.runtime.deferred_linear`):
-I is then one autograd call that frees the graph as it goes, computing every other weight's
-gradient with the input gradients, and W is the linear layers' weight products, no autograd.
+On a stage whose only weights of two or more dimensions are linear, convolution and embedding
+weights, the executor records the forward's linear and convolution calls instead
+(:mod:`~lightning_pipe.runtime.deferred_weights`): I is then one autograd call that frees the
+graph as it goes, computing every other weight's gradient with the input gradients, and W is
+those layers' weight gradients, no autograd.
 """
 
 from __future__ import annotations
@@ -29,20 +30,20 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node
 
-from lightning_pipe.runtime.deferred_linear import LinearGrads
+from lightning_pipe.runtime.deferred_weights import DeferredGrads
 
 
 @dataclass
 class WeightWork:
     """What W needs: each frontier node's output edges, the gradients I captured there, and
     the weights below it; the weights whose gradients I computed itself (see :func:`input_grads`);
-    the deferred linear calls; and, where I left the whole backward to W, its roots."""
+    the deferred linear and convolution calls; and, where I left the whole backward to W, its roots."""
 
     edges: list[list[GradientEdge]]
     grads: list[list[Optional[Tensor]]]
     weights: list[list[Tensor]]
     early: list[tuple[Tensor, Tensor]] = field(default_factory=list)
-    deferred: Optional[LinearGrads] = None
+    deferred: Optional[DeferredGrads] = None
     added: list[Tensor] = field(default_factory=list)  # weights whose gradient I already added (W reports them)
     roots: list[Tensor] = field(default_factory=list)
     root_grads: list[Optional[Tensor]] = field(default_factory=list)
@@ -53,7 +54,7 @@ class WeightWork:
 
     def kept(self) -> list[Tensor]:
         """The tensors held from I until W beyond the graph: captured gradients, early weight
-        gradients, and the deferred linear calls' inputs and output gradients."""
+        gradients, and the deferred calls' inputs and output gradients."""
         return self.captured() + [g for _, g in self.early] + (self.deferred.kept() if self.deferred else [])
 
 
@@ -174,7 +175,7 @@ def _warn_shared(shared: list[_Front]) -> None:
 
 
 def input_grads(roots: Sequence[Tensor], grads: Sequence[Optional[Tensor]], inputs: Sequence[Tensor],
-                deferred: Optional[LinearGrads] = None) -> tuple[list[Optional[Tensor]], WeightWork]:  # fmt: skip
+                deferred: Optional[DeferredGrads] = None) -> tuple[list[Optional[Tensor]], WeightWork]:  # fmt: skip
     """I: gradients of ``roots`` w.r.t. ``inputs``, and what W needs to finish the weights.
 
     Weights whose subgraph several frontier nodes share get their gradients here, in the same
@@ -185,10 +186,11 @@ def input_grads(roots: Sequence[Tensor], grads: Sequence[Optional[Tensor]], inpu
         roots: the stage outputs (or the loss) to backpropagate from.
         grads: the gradient of each root (``None`` for a scalar loss).
         inputs: stage inputs that require grad (empty on stage 0).
-        deferred: where the forward's linear calls keep what W needs (see
-            :mod:`~lightning_pipe.runtime.deferred_linear`), on a stage whose only weights of two
-            or more dimensions are linear or embedding weights: then I frees the graph as it
-            goes, and computes every other weight's gradient itself (norms, biases, embeddings).
+        deferred: where the forward's linear and convolution calls keep what W needs (see
+            :mod:`~lightning_pipe.runtime.deferred_weights`), on a stage whose only weights of two
+            or more dimensions are linear, convolution or embedding weights: then I frees the
+            graph as it goes, and computes every other weight's gradient itself (norms, biases,
+            embeddings).
     """
     if deferred is not None and deferred.forwarded:  # else (autocast, say) nothing was deferred: the autograd split
         return _eager_input_grads(list(roots), list(grads), list(inputs), deferred)
@@ -214,16 +216,16 @@ def input_grads(roots: Sequence[Tensor], grads: Sequence[Optional[Tensor]], inpu
 
 
 def _eager_input_grads(roots: list[Tensor], grads: list[Optional[Tensor]], inputs: list[Tensor],
-                       deferred: LinearGrads) -> tuple[list[Optional[Tensor]], WeightWork]:  # fmt: skip
-    """I where the linear calls defer their weight gradients: one autograd call for the inputs and
-    every other weight, the graph freed as it goes. With no input to differentiate (stage 0) the
+                       deferred: DeferredGrads) -> tuple[list[Optional[Tensor]], WeightWork]:  # fmt: skip
+    """I where the linear and convolution calls defer their weight gradients: one autograd call
+    for the inputs and every other weight, the graph freed as it goes. With no input to differentiate (stage 0) the
     whole backward is left to W, which has nothing to wait for."""
     if not inputs:
         return [], WeightWork([], [], [], deferred=deferred, roots=roots, root_grads=grads)
     weights = [w for w in deferred.weights if w.requires_grad]  # one frozen since the forward has none
     result = torch.autograd.grad(roots, [*inputs, *weights], grads, allow_unused=True)
     # A gradient passed through to a weight may be one of these: the input gradients sent on, the
-    # linear calls' output gradients kept for W, the gradients received (see _unshared).
+    # deferred calls' output gradients kept for W, the gradients received (see _unshared).
     taken = _storages([*(g for g in result[: len(inputs)] if g is not None), *deferred.kept(), *(g for g in grads if g is not None)])
     added = []
     for w, g in zip(weights, result[len(inputs) :]):
@@ -287,7 +289,7 @@ def weight_grads(work: WeightWork) -> list[Tensor]:
                 _accumulate(w, g, taken)
                 updated.append(w)
     if work.roots and work.deferred is not None and work.deferred.weights:  # I left the whole backward to W (no input gradient)
-        work.deferred.immediate = True  # as a full backward: each linear call's products at once, its gradients freed
+        work.deferred.immediate = True  # as a full backward: each call's weight gradients at once, its tensors freed
         results = torch.autograd.grad(work.roots, work.deferred.weights, work.root_grads, allow_unused=True)
         work.early += [(w, g) for w, g in zip(work.deferred.weights, results) if g is not None]
     for w, g in work.early:

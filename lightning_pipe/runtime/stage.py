@@ -13,7 +13,7 @@ from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 from torch.utils.hooks import RemovableHandle
 
-from lightning_pipe.runtime.deferred_linear import linear_weights_only
+from lightning_pipe.runtime.deferred_weights import deferrable_weights_only
 
 Tensors = tuple[Tensor, ...]
 
@@ -62,7 +62,7 @@ class Stage:
         # after the stage is built are not seen (deferred BatchNorm is converted before).
         self._all_modules = [m for block in self.blocks for m in block.modules()]
         self._norms = [m for m in self._all_modules if isinstance(m, nn.modules.batchnorm._NormBase)]
-        self.defers_linear = linear_weights_only(self._all_modules)  # split backward: see runtime.deferred_linear
+        self.defers_weights = deferrable_weights_only(self._all_modules)  # split backward: see runtime.deferred_weights
 
     def register_input_hook(self, hook: Callable[[Tensors], None]) -> RemovableHandle:
         """Call ``hook(inputs)`` on every microbatch's first forward through the stage (never on a

@@ -1,4 +1,4 @@
-"""Split backward with deferred linear weight gradients: I computes input gradients and frees the graph, W runs the products."""
+"""Split backward with deferred linear and convolution weight gradients: I computes input gradients and frees the graph, W the weights'."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_pipe.costmodel import SleepBlock
-from lightning_pipe.runtime.deferred_linear import DeferLinearWeights, LinearGrads, linear_weights_only
+from lightning_pipe.runtime.deferred_weights import DeferWeightGrads, DeferredGrads, deferrable_weights_only
 from lightning_pipe.runtime.split import input_grads, weight_grads
 
 
@@ -53,10 +53,10 @@ def _full(block: nn.Module, x: torch.Tensor, tokens: torch.Tensor, grad: torch.T
     return x.grad, grads
 
 
-def _deferred_forward(block: nn.Module, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, LinearGrads]:
-    store = LinearGrads([p for p in block.parameters() if p.requires_grad])
+def _deferred_forward(block: nn.Module, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, DeferredGrads]:
+    store = DeferredGrads([p for p in block.parameters() if p.requires_grad])
     x = x.detach().requires_grad_()
-    with DeferLinearWeights(store):
+    with DeferWeightGrads(store):
         out = block(x, tokens)
     return x, out, store
 
@@ -125,8 +125,8 @@ def test_each_linear_product_runs_once_split_between_i_and_w() -> None:
     with _Products() as full:
         out.backward(grad)
     block.zero_grad(set_to_none=True)
-    store = LinearGrads(list(block.parameters()))
-    with DeferLinearWeights(store):
+    store = DeferredGrads(list(block.parameters()))
+    with DeferWeightGrads(store):
         out = block(x)
     with _Products() as i_products:
         _, work = input_grads([out], [grad], [x], store)
@@ -140,8 +140,8 @@ def test_each_linear_product_runs_once_split_between_i_and_w() -> None:
 def test_without_an_input_gradient_w_runs_the_whole_backward() -> None:
     block, x, tokens, grad = _setup()
     _, want = _full(block, x, tokens, grad)
-    store = LinearGrads([p for p in block.parameters() if p.requires_grad])
-    with DeferLinearWeights(store):
+    store = DeferredGrads([p for p in block.parameters() if p.requires_grad])
+    with DeferWeightGrads(store):
         out = block(x, tokens)  # x needs no gradient: the first stage
     found, work = input_grads([out], [grad], [], store)
     assert found == [] and all(p.grad is None for p in block.parameters())
@@ -161,9 +161,9 @@ def test_autocast_and_derived_weights_are_left_to_autograd_and_stay_correct() ->
             block(ref_x).float().backward(grad)
             want = {n: p.grad.clone() for n, p in block.named_parameters()}
             block.zero_grad(set_to_none=True)
-            store = LinearGrads(list(block.parameters()))
+            store = DeferredGrads(list(block.parameters()))
             xi = x.clone().requires_grad_()
-            with DeferLinearWeights(store):
+            with DeferWeightGrads(store):
                 out = block(xi).float()
         (gx,), work = input_grads([out], [grad], [xi], store)
         assert len(store.calls) == (0 if cast else 1)  # the weight-normed layer's weight is not a leaf
@@ -174,12 +174,13 @@ def test_autocast_and_derived_weights_are_left_to_autograd_and_stay_correct() ->
         block.zero_grad(set_to_none=True)
 
 
-def test_only_stages_of_linear_and_embedding_weights_defer() -> None:
-    assert linear_weights_only(_Block().modules())
-    assert not linear_weights_only(nn.Sequential(nn.Conv2d(3, 3, 3), nn.Linear(3, 3)).modules())  # a convolution's W stays W
-    assert not linear_weights_only(nn.MultiheadAttention(8, 2).modules())  # its packed projection: F.linear inside another torch function
+def test_only_stages_of_linear_convolution_and_embedding_weights_defer() -> None:
+    assert deferrable_weights_only(_Block().modules())
+    assert deferrable_weights_only(nn.Sequential(nn.Conv2d(3, 3, 3), nn.BatchNorm2d(3), nn.Linear(3, 3)).modules())
+    assert not deferrable_weights_only(nn.Sequential(nn.ConvTranspose2d(3, 3, 3), nn.Linear(3, 3)).modules())  # F.conv_transpose2d: not deferred
+    assert not deferrable_weights_only(nn.MultiheadAttention(8, 2).modules())  # its packed projection: F.linear inside another torch function
     # The cost-model block's weight gradient is a sleep on a 1-D weight's path: no linear, no deferral.
-    assert not linear_weights_only(SleepBlock(4, (0.0, 0.0, 0.0)).modules())
+    assert not deferrable_weights_only(SleepBlock(4, (0.0, 0.0, 0.0)).modules())
 
 
 def test_hugging_face_llama_layers_and_tied_head_defer_and_match_one_backward() -> None:
@@ -198,12 +199,12 @@ def test_hugging_face_llama_layers_and_tied_head_defer_and_match_one_backward() 
         hidden, cos, sin = first(ids)
     params = list({id(p): p for block in stage for p in block.parameters()}.values())
     modules = [m for block in stage for m in block.modules()]
-    assert linear_weights_only(modules)
+    assert deferrable_weights_only(modules)
 
-    def run(store: LinearGrads | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(store: DeferredGrads | None) -> tuple[torch.Tensor, torch.Tensor]:
         x = hidden.clone().requires_grad_()
         out: tuple = (x, cos, sin)
-        with DeferLinearWeights(store) if store is not None else torch.enable_grad():
+        with DeferWeightGrads(store) if store is not None else torch.enable_grad():
             for block in stage:
                 out = block(*out)
         return x, F.cross_entropy(out.flatten(0, 1), targets.flatten())
@@ -212,7 +213,7 @@ def test_hugging_face_llama_layers_and_tied_head_defer_and_match_one_backward() 
     loss.backward()
     want_x, want = x.grad, [p.grad.clone() for p in params]
     model.zero_grad(set_to_none=True)
-    store = LinearGrads(params)
+    store = DeferredGrads(params)
     x, loss = run(store)
     (gx,), work = input_grads([loss], [None], [x], store)
     assert len(store.calls) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer; the head
@@ -292,8 +293,8 @@ def test_two_pending_microbatches_match_two_backwards(make) -> None:
     works, got_inputs = [], []
     for x, other, g in data:
         x, other = x.clone().requires_grad_(), other.clone().requires_grad_()
-        store = LinearGrads(list(block.parameters()))
-        with DeferLinearWeights(store):
+        store = DeferredGrads(list(block.parameters()))
+        with DeferWeightGrads(store):
             out = block(x, other)
         found, work = input_grads([out], [g], [x, other], store)
         works.append(work)
@@ -305,3 +306,94 @@ def test_two_pending_microbatches_match_two_backwards(make) -> None:
         torch.testing.assert_close(go, wo)
     for n, p in block.named_parameters():
         torch.testing.assert_close(p.grad, want[n], msg=n)
+
+
+class _Convolutions(nn.Module):
+    """Convolutions of every kind the mode defers, and two it leaves to autograd (a transposed one,
+    an asymmetric "same" padding), with a norm between them whose weights I computes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv1d(4, 6, 3, stride=2, padding=1)
+        self.c2 = nn.Conv2d(4, 8, 3, padding=2, dilation=2, groups=2, bias=False)
+        self.norm = nn.BatchNorm2d(8)
+        self.c3 = nn.Conv2d(8, 4, (3, 1), stride=(2, 1), padding="valid")
+        self.c4 = nn.Conv2d(4, 4, 3, padding="same", padding_mode="reflect")  # F.pad, then F.conv2d with padding 0
+        self.even = nn.Conv2d(4, 4, 2, padding="same")  # asymmetric: left to autograd
+        self.up = nn.ConvTranspose2d(4, 4, 2, stride=2)  # left to autograd
+        self.c5 = nn.Conv3d(2, 3, (1, 3, 3), padding=(0, 1, 1))
+
+    def forward(self, x: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.norm(self.c2(x)))
+        y = self.up(self.even(torch.tanh(self.c4(self.c3(y)))))
+        z = self.c5(y.reshape(y.shape[0], 2, 2, *y.shape[2:]))
+        return z.flatten(1).sum(1, keepdim=True) * self.c1(seq).flatten(1)
+
+
+def _conv_data(seed: int = 0) -> tuple[_Convolutions, torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(seed)
+    block = _Convolutions()
+    return block, torch.randn(3, 4, 9, 9), torch.randn(3, 4, 10), torch.randn(3, 30)
+
+
+@pytest.mark.parametrize("needs_seq_grad", [True, False])
+def test_deferred_convolutions_match_one_backward(monkeypatch, needs_seq_grad: bool) -> None:
+    block, x, seq, grad = _conv_data()
+    xs = [x.clone().requires_grad_(), seq.clone().requires_grad_(needs_seq_grad)]
+    block(*xs).backward(grad)
+    want_inputs = [t.grad for t in xs]
+    want = {n: p.grad.clone() for n, p in block.named_parameters()}
+    block.zero_grad(set_to_none=True)
+    store = DeferredGrads(list(block.parameters()))
+    xs = [x.clone().requires_grad_(), seq.clone().requires_grad_(needs_seq_grad)]
+    with DeferWeightGrads(store):
+        out = block(*xs)
+    needing = [t for t in xs if t.requires_grad]
+    found, work = input_grads([out], [grad], needing, store)
+    deferred = {id(p) for m in (block.c1, block.c2, block.c3, block.c4, block.c5) for p in m.parameters()}
+    assert sorted(tuple(c.weight.shape) for c in store.calls) == sorted(
+        tuple(m.weight.shape) for m in (block.c1, block.c2, block.c3, block.c4, block.c5))
+    assert all(p.grad is None for p in block.parameters() if id(p) in deferred)  # I added only the others' gradients
+    assert all(p.grad is not None for p in block.parameters() if id(p) not in deferred)  # the norm's, even's, up's
+    with pytest.raises(RuntimeError, match="second time"):  # I kept no graph
+        out.backward(grad)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("W called autograd")
+
+    monkeypatch.setattr(torch.autograd, "grad", refuse)
+    weight_grads(work)
+    for got, wanted in zip(found, [g for g in want_inputs if g is not None]):
+        torch.testing.assert_close(got, wanted, rtol=1e-5, atol=1e-6)
+    for n, p in block.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+class _ConvolutionBackwards(TorchDispatchMode):
+    """The ``output_mask`` of each ``convolution_backward`` run inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.masks: list[tuple[bool, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func.overloadpacket is torch.ops.aten.convolution_backward:
+            self.masks.append(tuple(args[-1]))
+        return func(*args, **(kwargs or {}))
+
+
+def test_each_convolution_gradient_runs_once_split_between_i_and_w() -> None:
+    block = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Tanh(), nn.Conv2d(4, 4, 3, bias=False), nn.Tanh(), nn.Conv2d(4, 2, 1))
+    x, grad = torch.randn(2, 3, 8, 8, requires_grad=True), torch.randn(2, 2, 6, 6)
+    with _ConvolutionBackwards() as full:
+        block(x).backward(grad)
+    store = DeferredGrads(list(block.parameters()))
+    with DeferWeightGrads(store):
+        out = block(x)
+    with _ConvolutionBackwards() as i_pass:
+        _, work = input_grads([out], [grad], [x], store)
+    with _ConvolutionBackwards() as w_pass:
+        weight_grads(work)
+    assert sorted(full.masks) == sorted([(True, True, True), (True, True, False), (True, True, True)])
+    assert i_pass.masks == [(True, False, False)] * 3  # input gradients only
+    assert sorted(w_pass.masks) == sorted([(False, True, True), (False, True, False), (False, True, True)])  # weights and biases
