@@ -61,7 +61,7 @@ class StageCosts:
     loss_saved_bytes: int = 0  # the last stage: what the loss saves for backward (part of stash_bytes; kept outside a recomputed stage)
     optimizer_step_bytes: int = 0  # the temporaries of the stage's optimizer step
     frees_graph_at_input_grad: bool = False  # split backward defers its linear and convolution weight gradients: I frees the graph (runtime/deferred_weights.py)
-    input_grad_workspace_bytes: int = 0  # a deferring I's peak temporaries, the later blocks' kept tensors with them (_input_grad_peak)
+    input_grad_workspace_bytes: int = 0  # a deferring I's peak temporaries, the later blocks' kept tensors and its incoming gradient with them (_input_grad_peak)
 
 
 def _backward_peaks(samples: Sequence[BlockSample], grads: Sequence[int], bucket_cap: int = 0, last_incoming: int = 0) -> tuple[int, int]:
@@ -135,12 +135,14 @@ def _inner_inputs(samples: Sequence[BlockSample]) -> int:
 
 def _input_grad_peak(samples: Sequence[BlockSample]) -> int:
     """A deferring I's peak beyond the stage's graph: it runs the blocks last to first, so while
-    one runs, what each later block kept for W is already held (its graph freed; the model still
-    counts the whole graph, so this errs high by what those blocks saved)."""
+    one runs, what each later block kept for W is already held, and so is the gradient of the
+    block's output unless the block is the stage's last (the stage's model counts that one). The
+    model still counts the later blocks' whole graph, so this errs high by what they saved."""
     kept_after, peak = 0, 0
-    for sample in reversed(samples):
-        peak = max(peak, sample.input_grad_workspace_bytes + kept_after)
-        kept_after += sample.captured_bytes
+    for i in reversed(range(len(samples))):
+        incoming = samples[i].output_bytes if i < len(samples) - 1 else 0  # as in _backward_peaks
+        peak = max(peak, samples[i].input_grad_workspace_bytes + kept_after + incoming)
+        kept_after += samples[i].captured_bytes
     return peak
 
 

@@ -433,7 +433,7 @@ def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, re
     excess = st.backward_workspace_bytes if st.backward_excess_bytes is None else st.backward_excess_bytes
     full_ws = bws - st.backward_workspace_bytes + excess  # a full backward's workspace beside its freeing blocks
     # A deferring I keeps its output gradients for W as it frees the graph: on convolutions that
-    # peaks above a full backward's workspace (on linear blocks their new weight gradients dominate).
+    # peaks above a full backward's workspace, which on few linear blocks their new weight gradients dominate.
     split_ws = max(bws, bws - st.backward_workspace_bytes + st.input_grad_workspace_bytes) if st.frees_graph_at_input_grad else bws
     moments = [
         (held.forward_cold, weights, fws, (0, per_held, 0, one, 0)),
@@ -468,8 +468,8 @@ def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, re
 
 def _after_input_grad_bytes(st: "StageCosts", held: int) -> int:
     """What a pending microbatch (its I done, its W not) holds beyond the ``held`` bytes of a held
-    one: the gradients its I captured; on a stage whose I frees the graph (deferred linear weight
-    gradients), the linear calls' inputs and output gradients in place of everything it held."""
+    one: the gradients its I captured; on a stage whose I frees the graph (deferred linear and
+    convolution weight gradients), those calls' inputs and output gradients in place of everything it held."""
     return st.captured_bytes - held if st.frees_graph_at_input_grad else st.captured_bytes
 
 

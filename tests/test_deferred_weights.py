@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -397,3 +398,91 @@ def test_each_convolution_gradient_runs_once_split_between_i_and_w() -> None:
     assert sorted(full.masks) == sorted([(True, True, True), (True, True, False), (True, True, True)])
     assert i_pass.masks == [(True, False, False)] * 3  # input gradients only
     assert sorted(w_pass.masks) == sorted([(False, True, True), (False, True, False), (False, True, True)])  # weights and biases
+
+
+def _split_against_one_backward(fn, params: list[nn.Parameter], x: torch.Tensor) -> int:
+    """Gradients of ``fn`` on ``x`` through the deferring split against one backward; the calls it deferred."""
+    for p in params:
+        p.grad = None
+    ref = x.clone().requires_grad_()
+    out = fn(ref)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    want = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    store, xi = DeferredGrads(params), x.clone().requires_grad_()
+    with DeferWeightGrads(store):
+        got = fn(xi)
+    assert got.shape == out.shape
+    (gx,), work = input_grads([got], [grad], [xi], store)
+    weight_grads(work)
+    torch.testing.assert_close(gx, ref.grad)
+    for p, w in zip(params, want):
+        torch.testing.assert_close(p.grad, w)
+    return store.forwarded
+
+
+def test_convolution_calls_torch_accepts_in_other_forms_defer_or_stay_correct() -> None:
+    torch.manual_seed(0)
+    conv = nn.Conv2d(4, 5, 3, padding=1)
+    assert _split_against_one_backward(conv, list(conv.parameters()), torch.randn(4, 8, 8)) == 0  # unbatched: left to autograd
+    w = nn.Parameter(torch.randn(6, 4, 3, 5))
+    x = torch.randn(2, 4, 9, 9)
+    assert _split_against_one_backward(lambda t: F.conv2d(t, w, padding="same", dilation=[2]), [w], x) == 1  # one value, both dims
+    assert _split_against_one_backward(lambda t: F.conv2d(t, w, stride=np.int64(2)), [w], x) == 1
+    even = nn.Parameter(torch.randn(6, 4, 3, 2))
+    assert _split_against_one_backward(lambda t: F.conv2d(t, even, padding="same", dilation=[1]), [even], x) == 0  # uneven
+
+
+class _StridedHead(nn.Module):
+    """A 1x1 convolution on every 4th pixel, copied: the block saves no input, so the gradient of
+    the block before it is alive beside this block's kept tensors during I."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 1)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.conv(h[..., ::4, ::4].contiguous())
+
+
+class _ConvChain(nn.Module):
+    """Four convolution blocks with the pipeline hooks the profiler reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1), _StridedHead(), nn.Conv2d(8, 8, 1)])
+
+    def pipeline_blocks(self) -> list[nn.Module]:
+        return list(self.blocks)
+
+    def pipeline_inputs(self, batch: torch.Tensor) -> torch.Tensor:
+        return batch
+
+    def pipeline_loss(self, output: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+        return output.pow(2).mean()
+
+
+def test_the_modelled_input_grad_peak_bounds_a_deferring_stages() -> None:
+    from lightning_pipe.planner import range_costs
+    from lightning_pipe.profiler import _Allocations, profile_blocks
+
+    torch.manual_seed(0)
+    model = _ConvChain()
+    batch = torch.randn(8, 8, 32, 32)
+    profile = profile_blocks(model, batch, [4], repeats=1)
+    modelled = range_costs(profile, range(1, 3), 4).input_grad_workspace_bytes  # a middle stage of blocks 1 and 2
+    params = [p for b in model.blocks[1:3] for p in b.parameters()]
+    x = model.blocks[0](batch[:4]).detach().requires_grad_()
+    store = DeferredGrads(params)
+    with _Allocations() as mem:
+        with DeferWeightGrads(store):
+            out = model.blocks[2](model.blocks[1](x))
+            grad = torch.ones_like(out)  # the stage's incoming gradient: the model counts it apart
+        kept = mem.current
+        mem.restart_peaks()
+        _, work = input_grads([out], [grad], [x], store)
+    weight_grads(work)
+    assert store.forwarded == 2
+    assert modelled >= mem.peak - kept > 0  # before the block's incoming gradient was counted: 163,840 against 262,144

@@ -12,6 +12,7 @@ autograd.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -168,20 +169,28 @@ _CONVS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}  # by spatial dimensions
 _CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 
 
-def _conv_geometry(weight: Tensor, stride: Any, padding: Any, dilation: Any, groups: int) -> Optional[_Conv]:
-    """A convolution call's geometry as lists, or ``None`` where its padding has no such form (an
-    asymmetric ``"same"``: then autograd keeps the call)."""
+def _conv_geometry(weight: Tensor, stride: Any, padding: Any, dilation: Any, groups: Any) -> Optional[_Conv]:
+    """A convolution call's geometry as lists, one entry per spatial dimension, or ``None`` where it
+    has no such form (an asymmetric ``"same"``, a value torch would reject): then autograd keeps the call."""
     n = weight.dim() - 2
-    as_list = lambda v: [int(v)] * n if isinstance(v, int) else [int(e) for e in v]  # noqa: E731
-    stride, dilation = as_list(stride), as_list(dilation)
-    if padding == "valid":
-        padding = 0
-    elif padding == "same":
-        totals = [d * (k - 1) for d, k in zip(dilation, weight.shape[2:])]
-        if any(t % 2 for t in totals) or any(s != 1 for s in stride):
-            return None
-        padding = [t // 2 for t in totals]
-    return _Conv(stride, as_list(padding), dilation, int(groups))
+
+    def as_list(v: Any) -> list[int]:
+        values = [operator.index(v)] if not isinstance(v, Sequence) else [operator.index(e) for e in v]
+        return values * n if len(values) == 1 else values  # one value: every dimension, as torch reads it
+
+    try:
+        stride, dilation = as_list(stride), as_list(dilation)
+        if padding == "valid":
+            padding = 0
+        elif padding == "same":
+            totals = [d * (k - 1) for d, k in zip(dilation, weight.shape[2:])]
+            if any(t % 2 for t in totals) or any(s != 1 for s in stride):
+                return None
+            padding = [t // 2 for t in totals]
+        conv = _Conv(stride, as_list(padding), dilation, operator.index(groups))
+    except (TypeError, ValueError):
+        return None
+    return conv if len(conv.stride) == len(conv.padding) == len(conv.dilation) == n else None
 
 
 class DeferWeightGrads(TorchFunctionMode):
@@ -208,9 +217,11 @@ class DeferWeightGrads(TorchFunctionMode):
         elif func in _CONVS.values():
             call = dict(zip(_CONV_ARGS, args), **kwargs)
             x, weight, bias = call["input"], call["weight"], call.get("bias")
-            conv = _conv_geometry(weight, call.get("stride", 1), call.get("padding", 0), call.get("dilation", 1), call.get("groups", 1))
-            if conv is not None and _CONVS.get(weight.dim() - 2) is func and _deferrable(x, weight, bias, self.store):
-                return _DeferredConv.apply(x, weight, bias, conv, self.store)
+            # Batched input only: convolution_backward takes no other (unbatched, autograd keeps the call).
+            if _CONVS.get(weight.dim() - 2) is func and x.dim() == weight.dim() and _deferrable(x, weight, bias, self.store):
+                conv = _conv_geometry(weight, call.get("stride", 1), call.get("padding", 0), call.get("dilation", 1), call.get("groups", 1))
+                if conv is not None:
+                    return _DeferredConv.apply(x, weight, bias, conv, self.store)
         return func(*args, **kwargs)
 
 
@@ -223,7 +234,7 @@ def _deferrable(x: Tensor, weight: Tensor, bias: Optional[Tensor], store: Deferr
 
 def keeps_saved_tensors(pack: Callable[[Tensor], Any]) -> Callable[[Tensor], Any]:
     """Mark a saved-tensor pack hook that returns each tensor itself (e.g. one that only counts
-    bytes): linear calls under it may still defer."""
+    bytes): linear and convolution calls under it may still defer."""
     pack.keeps_saved_tensors = True  # type: ignore[attr-defined]
     return pack
 
