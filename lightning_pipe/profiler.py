@@ -280,11 +280,7 @@ def _block_sample(block: nn.Module, x: tuple[Tensor, ...], first: bool, device: 
                   forwarded: _Forwarded, t_b: float) -> tuple[BlockSample, tuple[Tensor, ...]]:  # fmt: skip
     """The block's sample: its timed forward and backward, then I and W timed once after a
     forward of their own on input ``x``; and that forward's detached output."""
-    inputs = _inputs_for(x, first)
-    needing = [t for t in inputs if t.requires_grad]
-    deferred = DeferredGrads([p for p in block.parameters() if p.requires_grad]) if needing and deferrable_weights_only(block.modules()) else None
-    with DeferWeightGrads(deferred) if deferred is not None else contextlib.nullcontext():  # as the runtime splits this block
-        out, (roots, grads) = _forward(block, inputs, loss, type(block).__name__)
+    needing, deferred, out, (roots, grads) = _split_forward(block, x, first, loss)
     t_i, (found, work) = _timed(lambda: split.input_grads(roots, grads, needing, deferred), device)
     captured = _captured_bytes(work, found)
     t_w, _ = _timed(lambda: split.weight_grads(work), device)
@@ -386,20 +382,28 @@ def _workspace(block: nn.Module, x: tuple[Tensor, ...], first: bool, loss: Loss)
     return forward_extra, mem.peak - kept, after_gradient, mem.peak_kept - kept
 
 
+def _split_forward(block: nn.Module, x: tuple[Tensor, ...], first: bool, loss: Loss) -> tuple[list[Tensor], Optional[DeferredGrads], tuple, tuple[list, list]]:
+    """A forward on input ``x`` as the runtime runs it for split backward: the inputs that need a
+    gradient, the store of deferred weight gradients (``None`` where the block defers none), the
+    output, and what the backward starts from."""
+    inputs = _inputs_for(x, first)
+    needing = [t for t in inputs if t.requires_grad]
+    deferred = DeferredGrads([p for p in block.parameters() if p.requires_grad]) if needing and deferrable_weights_only(block.modules()) else None
+    with DeferWeightGrads(deferred) if deferred is not None else contextlib.nullcontext():
+        out, roots = _forward(block, inputs, loss, type(block).__name__)
+    return needing, deferred, out, roots
+
+
 def _input_grad_workspace(block: nn.Module, x: tuple[Tensor, ...], first: bool, loss: Loss) -> int:
     """Bytes a block's I allocates beyond what its forward keeps, where split backward defers its
     weight gradients (0 elsewhere): the input gradient, and the output gradients kept for W, which
     build up while the graph is still being freed. On linear blocks a full backward's new weight
     gradients take more; on convolutions, whose weights are small, this does (measured: two 1-D
     convolution blocks, 114,688 bytes against a full backward's 32,768)."""
-    inputs = _inputs_for(x, first)
-    needing = [t for t in inputs if t.requires_grad]
-    if not needing or not deferrable_weights_only(block.modules()):
+    if not any(t.requires_grad for t in _inputs_for(x, first)) or not deferrable_weights_only(block.modules()):
         return 0
-    deferred = DeferredGrads([p for p in block.parameters() if p.requires_grad])
     with _Allocations() as mem:
-        with DeferWeightGrads(deferred):
-            _, (roots, grads) = _forward(block, inputs, loss, type(block).__name__)
+        needing, deferred, _, (roots, grads) = _split_forward(block, x, first, loss)
         kept = mem.current
         mem.restart_peaks()
         _, work = split.input_grads(roots, grads, needing, deferred)

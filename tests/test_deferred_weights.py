@@ -119,6 +119,18 @@ class _Products(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _recorded_split(record: type, block: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> tuple:
+    """The deferring split of ``block`` on ``x``, its I and its W each inside a fresh ``record()`` mode: (I's, W's)."""
+    store = DeferredGrads(list(block.parameters()))
+    with DeferWeightGrads(store):
+        out = block(x)
+    with record() as i_pass:
+        _, work = input_grads([out], [grad], [x], store)
+    with record() as w_pass:
+        weight_grads(work)
+    return i_pass, w_pass
+
+
 def test_each_linear_product_runs_once_split_between_i_and_w() -> None:
     block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
     x, grad = torch.randn(5, 8, requires_grad=True), torch.randn(5, 4)
@@ -126,13 +138,7 @@ def test_each_linear_product_runs_once_split_between_i_and_w() -> None:
     with _Products() as full:
         out.backward(grad)
     block.zero_grad(set_to_none=True)
-    store = DeferredGrads(list(block.parameters()))
-    with DeferWeightGrads(store):
-        out = block(x)
-    with _Products() as i_products:
-        _, work = input_grads([out], [grad], [x], store)
-    with _Products() as w_products:
-        weight_grads(work)
+    i_products, w_products = _recorded_split(_Products, block, x, grad)
     assert sum(i_products.count.values()) == 3  # one input gradient per layer
     assert sum(w_products.count.values()) == 3  # one weight gradient per layer
     assert sum(full.count.values()) == 6
@@ -388,13 +394,7 @@ def test_each_convolution_gradient_runs_once_split_between_i_and_w() -> None:
     x, grad = torch.randn(2, 3, 8, 8, requires_grad=True), torch.randn(2, 2, 6, 6)
     with _ConvolutionBackwards() as full:
         block(x).backward(grad)
-    store = DeferredGrads(list(block.parameters()))
-    with DeferWeightGrads(store):
-        out = block(x)
-    with _ConvolutionBackwards() as i_pass:
-        _, work = input_grads([out], [grad], [x], store)
-    with _ConvolutionBackwards() as w_pass:
-        weight_grads(work)
+    i_pass, w_pass = _recorded_split(_ConvolutionBackwards, block, x, grad)
     assert sorted(full.masks) == sorted([(True, True, True), (True, True, False), (True, True, True)])
     assert i_pass.masks == [(True, False, False)] * 3  # input gradients only
     assert sorted(w_pass.masks) == sorted([(False, True, True), (False, True, False), (False, True, True)])  # weights and biases

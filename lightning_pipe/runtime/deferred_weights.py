@@ -32,10 +32,10 @@ class _Conv:
     dilation: list[int]
     groups: int
 
-    def backward(self, grad: Tensor, x: Tensor, weight: Tensor, mask: list[bool], bias: bool = False) -> tuple:
+    def backward(self, grad: Tensor, x: Tensor, weight: Tensor, mask: list[bool]) -> tuple:
         """The parts of a convolution's backward that ``mask`` asks for: (input, weight, bias) gradients."""
         zeros = [0] * len(self.stride)
-        return torch.ops.aten.convolution_backward(grad, x, weight, [weight.shape[0]] if bias else None, self.stride,
+        return torch.ops.aten.convolution_backward(grad, x, weight, [weight.shape[0]] if mask[2] else None, self.stride,
                                                    self.padding, self.dilation, False, zeros, self.groups, mask)  # fmt: skip
 
 
@@ -104,7 +104,7 @@ class DeferredGrads:
                     _add_product(c.weight, g, x)
                     bias_grad = g.sum(0) if biased else None
                 else:
-                    _, weight_grad, bias_grad = c.conv.backward(c.grad, c.x, c.weight, [False, True, biased], bias=biased)
+                    _, weight_grad, bias_grad = c.conv.backward(c.grad, c.x, c.weight, [False, True, biased])
                     _add(c.weight, weight_grad)
                 self._done[id(c.weight)] = c.weight
                 if biased:
