@@ -7,8 +7,9 @@ sys.path.insert(0, "."); sys.path.insert(0, "examples")
 import torch
 from gpt import GPT
 from lightning_pipe import PipelinePlan, place
-from lightning_pipe.planner import predict, stage_costs, _size
-from lightning_pipe.profiler import profile_blocks
+from lightning_pipe.planning.predict import predict, _size
+from lightning_pipe.planning.costs import stage_costs
+from lightning_pipe.planning.profiler import profile_blocks
 
 dev = torch.device("cuda", 0)
 for b, m in ((32, 1), (8, 4)):

@@ -8,10 +8,10 @@ import sys
 import pytest
 
 from lightning_pipe.schedules import Kind, two_bw_window
-from lightning_pipe.simulate import simulate
+from lightning_pipe.schedules.simulate import simulate
 from tests.launch import ROOT
 
-sys.path.insert(0, str(ROOT / "examples"))
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "examples")]
 from bench_pipelines import running_rate  # noqa: E402
 
 COMPUTE = (Kind.FORWARD, Kind.BACKWARD, Kind.INPUT_GRAD, Kind.WEIGHT_GRAD)

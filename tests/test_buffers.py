@@ -122,7 +122,7 @@ DEFERRED = [False, True]  # recompute
 
 
 def _deferred_worker(rank: int, world: int) -> dict:
-    from lightning_pipe.runtime.deferred_norm import convert_deferred_batch_norm
+    from lightning_pipe.runtime.autograd.deferred_norm import convert_deferred_batch_norm
 
     groups = PipelineGroups.build(Topology(world, world), rank)
     results = {}

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lightning_pipe import PipelineMixin, PipelinePlan, PipelineStrategy, Placement
-from lightning_pipe.checkpoint import IncompleteCheckpointError
+from lightning_pipe.lightning.checkpoint import IncompleteCheckpointError
 from tests.launch import SCRIPTS, launch
 from tests.models import ToyChain, assert_close_dicts, make_data, make_optimizer, reference_train
 from tests.scripts.resume_toy import GLOBAL_BATCH, SAMPLES, fit_resumable

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_pipe.costmodel import SleepBlock
-from lightning_pipe.runtime.deferred_weights import DeferWeightGrads, DeferredGrads, deferrable_weights_only
-from lightning_pipe.runtime.split import input_grads, weight_grads
+from benchmarks.sleep_chain import SleepBlock
+from lightning_pipe.runtime.autograd.deferred_weights import DeferWeightGrads, DeferredGrads, deferrable_weights_only
+from lightning_pipe.runtime.autograd.backward_split import input_grads, weight_grads
 
 
 class _Block(nn.Module):
@@ -465,8 +465,8 @@ class _ConvChain(nn.Module):
 
 
 def test_the_modelled_input_grad_peak_bounds_a_deferring_stages() -> None:
-    from lightning_pipe.planner import range_costs
-    from lightning_pipe.profiler import _Allocations, profile_blocks
+    from lightning_pipe.planning.costs import range_costs
+    from lightning_pipe.planning.profiler import _Allocations, profile_blocks
 
     torch.manual_seed(0)
     model = _ConvChain()

@@ -105,7 +105,7 @@ def _side_channel_worker(rank: int, world: int) -> tuple[list[dict], list[tuple[
     transfers each group carried."""
     import torch.distributed as dist
 
-    from lightning_pipe.runtime import p2p
+    from lightning_pipe.runtime.comm import p2p
 
     import dataclasses
 
@@ -230,7 +230,7 @@ def _link_worker(rank: int, world: int) -> tuple[int, int, int]:
     ahead; the sends those steps posted; and their programs' send actions."""
     import torch.distributed as dist
 
-    from lightning_pipe.runtime import p2p
+    from lightning_pipe.runtime.comm import p2p
     from lightning_pipe.schedules.actions import Kind
 
     _, engine = _interleaved(rank, world, 4)

@@ -8,12 +8,13 @@ import random
 import pytest
 
 from lightning_pipe import PipelinePlan
-from lightning_pipe.madpipe import held_microbatches, madpipe_partition
-from lightning_pipe.partition import balanced
-from lightning_pipe import planner
-from lightning_pipe.planner import candidates, predict_memory
-from lightning_pipe.profiler import BlockProfile, BlockSample, Profile
-from lightning_pipe.stage_memory import stage_peak_bytes
+from lightning_pipe.planning.madpipe import held_microbatches, madpipe_partition
+from lightning_pipe.core.partition import balanced
+from lightning_pipe.planning import costs, madpipe, predict, programs
+from lightning_pipe.planning.search import candidates
+from lightning_pipe.planning.predict import predict_memory
+from lightning_pipe.planning.profile import BlockProfile, BlockSample, Profile
+from lightning_pipe.planning.memory import stage_peak_bytes
 
 
 def _chain(times: list[float], saved: list[int], out: int = 64, weights: int = 1000, data: float = 32.0) -> Profile:
@@ -27,8 +28,8 @@ def _stage_memory(profile: Profile, a: int, z: int, s: int, depth: int, m: int, 
     stage (tested against measured steps in test_planner.py), so that the brute force below and
     the dynamic program search the same function, and only the search is compared."""
     plan = PipelinePlan(depth=depth, microbatches=m, schedule=schedule)
-    costs = planner.range_costs(profile, range(a, z), 1)
-    return stage_peak_bytes(costs, planner.held(plan)[s], 1, False, s == 0, s == depth - 1, planner.batch_bytes(profile, plan, 1))
+    costs = costs.range_costs(profile, range(a, z), 1)
+    return stage_peak_bytes(costs, programs.held(plan)[s], 1, False, s == 0, s == depth - 1, costs.batch_bytes(profile, plan, 1))
 
 
 def _brute_force(profile: Profile, schedule: str, depth: int, m: int, limit: float) -> tuple[float, tuple[int, ...]] | None:
@@ -90,7 +91,7 @@ def test_memory_heavy_first_block_fits_only_with_the_memory_aware_partition() ->
     assert want is not None and got.period == pytest.approx(want[0]) == 3.0
     # The time-balanced partition does not fit: stage 0 holds 4 x (8000 + 1000) bytes of activations.
     balanced_plan = plan.replace(partition=balanced_sizes)
-    peaks = predict_memory(profile, balanced_plan, 1, planner.predict_step(profile, balanced_plan, 1)[1])
+    peaks = predict_memory(profile, balanced_plan, 1, predict.predict_step(profile, balanced_plan, 1)[1])
     assert peaks[0] > limit
     # The planner's search offers the memory-aware partition next to the time-balanced one.
     offered = {c.plan.partition for c in candidates(profile, 4, 4, schedules=["1f1b"], memory_limit=limit) if c.plan.depth == 4}
@@ -100,11 +101,11 @@ def test_memory_heavy_first_block_fits_only_with_the_memory_aware_partition() ->
 def test_the_lower_bound_never_rejects_a_stage_that_fits() -> None:
     # The DP rejects most ranges on a bound from prefix sums before computing their memory: at
     # exactly a range's memory it must accept, one byte under it must reject.
-    from lightning_pipe.madpipe import _Chain
+    from lightning_pipe.planning.madpipe import _Chain
 
     rng = random.Random(4)
     profile = _chain([rng.uniform(0.5, 3.0) for _ in range(7)], [rng.randint(100, 5000) for _ in range(7)])
-    ranges = planner.RangeCosts(profile)
+    ranges = madpipe.RangeCosts(profile)
     for schedule, depth, m, split in (("gpipe", 2, 4, False), ("1f1b", 3, 6, True), ("2bw", 3, 4, False)):
         chain = _Chain(ranges, PipelinePlan(1, depth, m, schedule, split), 1)
         for a, z, s in ((a, z, s) for a in range(7) for z in range(a + 1, 8) for s in range(depth)):

@@ -11,11 +11,11 @@ import matplotlib.image
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lightning_pipe import simulate
-from lightning_pipe.costmodel import SleepChain
+from lightning_pipe.schedules import simulate
+from benchmarks.sleep_chain import SleepChain
 from lightning_pipe.schedules import build_schedule
 from lightning_pipe.schedules.actions import COMPUTE_KINDS, Action, Kind
-from lightning_pipe.timeline import COLOURS, bubble_fraction, draw
+from lightning_pipe.schedules.timeline import COLOURS, bubble_fraction, draw
 from tests.scripts.monitor_sleep import fit_monitored
 from tests.shared import scenario, scenario_dir
 

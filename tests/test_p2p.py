@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_pipe.runtime import p2p
+from lightning_pipe.runtime.comm import p2p
 
 TUPLES = [
     [torch.randn(3, 4)],

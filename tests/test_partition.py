@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from lightning_pipe import Topology
-from lightning_pipe.partition import balanced, partition_sizes, uniform
+from lightning_pipe.core.partition import balanced, partition_sizes, uniform
 
 
 def _best_by_brute_force(costs: list[float], depth: int) -> float:

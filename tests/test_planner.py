@@ -14,8 +14,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from lightning_pipe import PipelinePlan, place, planner
-from lightning_pipe.profiler import BlockProfile, BlockSample, Profile, mean_profile, profile_blocks, shared_blocks
+from lightning_pipe import PipelinePlan, place
+from lightning_pipe.planning import costs, memory, predict, programs, search
+from lightning_pipe.planning.profile import BlockProfile, BlockSample, Profile, mean_profile
+from lightning_pipe.planning.profiler import profile_blocks, shared_blocks
 from lightning_pipe.schedules import SCHEDULE_NAMES
 from tests.models import HIDDEN, ToyChain, make_data
 from tests.shared import scenario
@@ -58,7 +60,7 @@ def test_two_bw_first_stage_holds_one_batch_of_gradients_unless_weights_are_tied
     grads = 4000
     plan = PipelinePlan(depth=2, microbatches=4, schedule="2bw", partition=[3, 3])
     ties = {"none": [], "within stage 0": [[0, 2]], "across": [[0, 5]], "unknown": None}
-    got = {k: planner.predict(dataclasses.replace(_uniform(6, grads=grads), shared_blocks=v), plan, 2).stage_memory
+    got = {k: predict.predict(dataclasses.replace(_uniform(6, grads=grads), shared_blocks=v), plan, 2).stage_memory
            for k, v in ties.items()}  # fmt: skip
     assert got["none"] == got["within stage 0"]
     assert got["across"] == got["unknown"]
@@ -78,7 +80,7 @@ def test_device_bytes_add_to_every_stage_and_survive_json() -> None:
     assert held.device_bytes == 64 * 2**20
     for plan in (PipelinePlan(1, 4, 8, "1f1b"), PipelinePlan(2, 2, 4, "2bw"), PipelinePlan(1, 2, 2, "gpipe", recompute=True)):
         plan = plan.resolve([1.0] * 8)
-        base, shifted = planner.predict(plain, plan, 2), planner.predict(held, plan, 2)
+        base, shifted = predict.predict(plain, plan, 2), predict.predict(held, plan, 2)
         assert [b + 64 * 2**20 for b in base.stage_memory] == list(shifted.stage_memory)
         assert shifted.step_time == base.step_time
 
@@ -93,13 +95,13 @@ def test_appendix_a_memory_agrees_with_the_cost_model(depth: int, recompute: boo
     n, b = 2 * depth, 4
     profile = _uniform(n, grads=0, opt=0, data=25.0)
     plan = PipelinePlan(depth=depth, microbatches=max(depth, 2), schedule="2bw", partition=[2] * depth, recompute=recompute)
-    got = planner.predict(profile, plan, b)
+    got = predict.predict(profile, plan, b)
     weights, a_total, a_input = n * 4000, n * b * 1000, b * 25.0
-    want = planner.appendix_a_memory(weights, a_total, a_input, depth, recompute)
+    want = predict.appendix_a_memory(weights, a_total, a_input, depth, recompute)
     assert want == 2 * weights / depth + (1 if recompute else depth) * a_total / depth + depth * a_input
-    stage0 = planner.stage_costs(profile, plan, b)[0]
-    held = planner.predict_step(profile, plan, b)[1][0]
-    terms = planner.stage_memory_terms(stage0, held, 2, recompute, True, depth == 1, planner.batch_bytes(profile, plan, b))
+    stage0 = costs.stage_costs(profile, plan, b)[0]
+    held = predict.predict_step(profile, plan, b)[1][0]
+    terms = memory.stage_memory_terms(stage0, held, 2, recompute, True, depth == 1, costs.batch_bytes(profile, plan, b))
     assert sum(terms.values()) == got.stage_memory[0]
     assert terms["state"] + terms["activations"] == pytest.approx(want)
 
@@ -113,9 +115,9 @@ def test_appendix_a_time_agrees_with_the_simulated_two_bw_window(times: tuple[fl
     for latency in (0.0, 0.05):
         profile = Profile(blocks, link_latency=latency)
         plan = PipelinePlan(depth=depth, microbatches=m, schedule="2bw", partition=[1] * depth)
-        step, _ = planner.predict_step(profile, plan, 1)
+        step, _ = predict.predict_step(profile, plan, 1)
         comm_in = [(2 * latency if 0 < s < depth - 1 else latency) if depth > 1 else 0.0 for s in range(depth)]
-        t = planner.appendix_a_time(times, comm_in, [0.0] * depth, m)
+        t = predict.appendix_a_time(times, comm_in, [0.0] * depth, m)
         assert step == pytest.approx(m * t, rel=1e-9)
 
 
@@ -126,13 +128,13 @@ def test_posting_a_send_delays_its_sender_and_the_transfer() -> None:
     profile = _uniform(2, f=f, b=b, latency=latency)
     profile.send_overhead = s
     plan = PipelinePlan(1, 2, 1, "gpipe", partition=[1, 1])
-    assert planner.predict(profile, plan, 1).step_time == pytest.approx(f + s + latency + f + b + s + latency + b, rel=1e-12)
+    assert predict.predict(profile, plan, 1).step_time == pytest.approx(f + s + latency + f + b + s + latency + b, rel=1e-12)
 
 
 def test_search_covers_every_layout_and_schedule_and_ranks_by_predicted_throughput() -> None:
     profile = _uniform(8)
     limit = 60_000
-    ranked = planner.search(profile, devices=4, global_batch=16, memory_limit=limit, allow_stale=True)
+    ranked = search.search(profile, devices=4, global_batch=16, memory_limit=limit, allow_stale=True)
     seen = {(p.plan.width, p.plan.depth, p.plan.virtual_stages, p.plan.schedule, p.plan.split_backward) for p in ranked}
     plain = {(4 // d, d, 1) for d in (1, 2, 4)}
     interleaved = {(2, 2, 2), (1, 4, 2)}  # 1F1B only, d >= 2 and d * v <= 8 blocks
@@ -149,7 +151,7 @@ def test_search_covers_every_layout_and_schedule_and_ranks_by_predicted_throughp
     assert rates == sorted(rates, reverse=True)
     # The first choice is the best of a brute-force evaluation of the same space.
     best = max(
-        (planner.predict(profile, p.plan, p.microbatch_size, limit) for p in ranked),
+        (predict.predict(profile, p.plan, p.microbatch_size, limit) for p in ranked),
         key=lambda p: (p.feasible, p.samples_per_second),
     )
     assert ranked[0].samples_per_second == pytest.approx(best.samples_per_second)
@@ -159,7 +161,7 @@ def test_search_covers_every_layout_and_schedule_and_ranks_by_predicted_throughp
     assert any(p.why_infeasible().startswith("rank 0 (stages 0, 2) needs ") for p in infeasible if p.plan.virtual_stages == 2)
     for p in infeasible:
         assert max(p.stage_memory) > limit
-    assert all(p.plan.schedule != "2bw" for p in planner.search(profile, 4, 16, limit))  # 2BW only when allowed
+    assert all(p.plan.schedule != "2bw" for p in search.search(profile, 4, 16, limit))  # 2BW only when allowed
 
 
 def test_a_given_partition_is_a_candidate_at_its_depth_and_can_win() -> None:
@@ -169,7 +171,7 @@ def test_a_given_partition_is_a_candidate_at_its_depth_and_can_win() -> None:
     slow = profile.blocks[0]
     profile.blocks[0] = dataclasses.replace(slow, samples=[dataclasses.replace(s, forward=s.forward * 6, backward=s.backward * 6)
                                                            for s in slow.samples])  # fmt: skip
-    ranked = planner.search(profile, 2, 8, schedules=["1f1b"], partitions=[(3, 1), (2, 2), (1, 1, 1, 1)])
+    ranked = search.search(profile, 2, 8, schedules=["1f1b"], partitions=[(3, 1), (2, 2), (1, 1, 1, 1)])
     by_partition = {p.plan.partition for p in ranked if p.plan.depth == 2 and p.plan.virtual_stages == 1}
     assert by_partition == {(1, 3), (3, 1), (2, 2)}
     assert {p.plan.partition for p in ranked if p.plan.depth == 1} == {(4,)}
@@ -181,11 +183,11 @@ def test_a_given_partition_is_a_candidate_at_its_depth_and_can_win() -> None:
 
 
 def test_autoplanner_table_lists_the_current_plan_once() -> None:
-    from lightning_pipe.autoplan import _table
+    from lightning_pipe.lightning.autoplan import _table
 
     profile = _uniform(4)
-    ranked = planner.search(profile, 2, 8, schedules=["1f1b"], partitions=[(3, 1)])
-    for current in (ranked[1], planner.predict(profile, PipelinePlan(1, 2, 8, "gpipe", partition=(3, 1)), 1)):
+    ranked = search.search(profile, 2, 8, schedules=["1f1b"], partitions=[(3, 1)])
+    for current in (ranked[1], predict.predict(profile, PipelinePlan(1, 2, 8, "gpipe", partition=(3, 1)), 1)):
         rows = _table(current, ranked).splitlines()[1:-1]
         marked = [r for r in rows if "| current, " in r]
         assert len(marked) == 1 and current.plan.describe() in marked[0], rows
@@ -196,10 +198,10 @@ def test_autoplanner_table_lists_the_current_plan_once() -> None:
 def test_recompute_is_turned_on_only_where_a_stage_would_not_fit() -> None:
     profile = _uniform(4, saved=20_000)
     plan = PipelinePlan(depth=2, microbatches=4, schedule="1f1b", partition=[2, 2])
-    plain = planner.predict(profile, plan, 4)
+    plain = predict.predict(profile, plan, 4)
     limit = (plain.stage_memory[0] + plain.stage_memory[1]) / 2  # stage 0 (2 in flight) exceeds, stage 1 fits
     assert plain.stage_memory[0] > limit >= plain.stage_memory[1]
-    chosen = [p for p in planner.search(profile, 2, 16, limit, schedules=["1f1b"]) if p.plan.depth == 2 and p.microbatch_size == 4
+    chosen = [p for p in search.search(profile, 2, 16, limit, schedules=["1f1b"]) if p.plan.depth == 2 and p.microbatch_size == 4
               and not p.plan.split_backward][0]  # fmt: skip
     assert chosen.plan.recompute == (True, False) and chosen.feasible
 
@@ -209,7 +211,7 @@ def test_plan_cli_profiles_a_config_and_writes_a_plan_the_strategy_accepts(tmp_p
     import yaml
 
     from lightning_pipe import PipelineStrategy
-    from lightning_pipe.plan import main, parse_bytes
+    from lightning_pipe.planning.cli import main, parse_bytes
 
     assert parse_bytes("256MiB") == 256 * 2**20 and parse_bytes("2GB") == 2 * 10**9 and parse_bytes("512") == 512
     config = tmp_path / "gpt_tiny.yaml"
@@ -238,10 +240,10 @@ def test_orientation_keeps_the_heavier_traffic_on_neighbouring_ranks() -> None:
     plan = PipelinePlan(width=2, depth=2, microbatches=4, partition=[4, 4])
     heavy_activations = _uniform(8, out=100_000, grads=10)
     heavy_gradients = _uniform(8, out=10, grads=100_000)
-    assert planner.orient(heavy_activations, plan, 2, ranks_per_node=2).inner == "pp"
-    assert planner.orient(heavy_gradients, plan, 2, ranks_per_node=2).inner == "dp"
-    assert planner.orient(heavy_gradients, plan, 2, ranks_per_node=4).inner == "pp"  # one node: nothing to keep in
-    pipeline, replicas = planner.traffic(heavy_gradients, plan, 2)
+    assert predict.orient(heavy_activations, plan, 2, ranks_per_node=2).inner == "pp"
+    assert predict.orient(heavy_gradients, plan, 2, ranks_per_node=2).inner == "dp"
+    assert predict.orient(heavy_gradients, plan, 2, ranks_per_node=4).inner == "pp"  # one node: nothing to keep in
+    pipeline, replicas = costs.traffic(heavy_gradients, plan, 2)
     assert pipeline == 2 * 4 * (2 * 10) and replicas == 2 * (2 * 1 / 2 * 4 * 100_000)  # written out: 1 boundary, 2 stages
 
 
@@ -333,7 +335,7 @@ def test_predicted_peak_matches_a_tracked_step_in_one_process(schedule: str, rec
     model, batch = ToyChain(), make_data(64)
     profile = profile_blocks(model, batch, [8, 16], repeats=1)
     plan = PipelinePlan(1, 1, 4, schedule, split, partition=(6,), recompute=recompute)
-    predicted = planner.predict(profile, plan, 16).stage_memory[0]
+    predicted = predict.predict(profile, plan, 16).stage_memory[0]
     measured = _tracked_second_step(place(ToyChain(), plan, 0), batch)
     # Within 0.5%: 12 to 76 bytes apart on 2026-11-24 (at 5% before the loss's targets, views of
     # the batch, stopped counting as saved and the losses themselves were counted: 148 to 1548 over).
@@ -382,9 +384,9 @@ def test_a_stage_whose_weights_outweigh_its_activations_peaks_at_the_optimizer_s
     profile = profile_blocks(_WideChain(), batch, [2, 4], repeats=1, optimizer=adam)
     assert profile.step_bytes_add_up == foreach and profile.blocks[0].optimizer_step_bytes > 0
     plan = PipelinePlan(1, 1, m, schedule, partition=(2,))
-    predicted = planner.predict(profile, plan, 16 // m).stage_memory[0]
+    predicted = predict.predict(profile, plan, 16 // m).stage_memory[0]
     measured = _tracked_second_step(place(_WideChain(), plan, 0), batch, foreach)
-    assert planner.held(plan)[0].optimizer_step
+    assert programs.held(plan)[0].optimizer_step
     assert measured - 16 <= predicted <= measured * 1.01, (predicted, measured)  # below by at most a few scalars
 
 
@@ -395,7 +397,7 @@ def test_compiled_program_makespan_equals_the_simulator(schedule: str) -> None:
     import random
 
     from lightning_pipe.schedules import build_schedule, two_bw_run
-    from lightning_pipe.simulate import Exchange, compile_program, simulate
+    from lightning_pipe.schedules.simulate import Exchange, compile_program, simulate
 
     rng = random.Random(0)
     for depth, m, split in itertools.product((1, 2, 3, 5), (1, 4, 7, 10), (False, True)):
@@ -428,7 +430,7 @@ def test_a_message_two_ranks_send_each_other_at_once_costs_the_exchange() -> Non
     # 3.25, F1 and B1 at 4.25 and 5.25 (SB1), RB0 at 3.25, B0 at 4.25; RB1 takes SB1 (5.25), 3.25
     # s from rank 0's SF1: no extra, B1 ends at 6.25. Within a window of 0.5 s nothing changes: 6.
     from lightning_pipe.schedules import build_schedule
-    from lightning_pipe.simulate import Exchange, compile_program, simulate, unit_costs
+    from lightning_pipe.schedules.simulate import Exchange, compile_program, simulate, unit_costs
 
     program = build_schedule("1f1b", 2, 2)
     compiled = compile_program(program)
@@ -443,7 +445,7 @@ def test_a_message_two_ranks_send_each_other_at_once_costs_the_exchange() -> Non
 def test_compiling_a_deadlocked_program_names_the_waiting_ranks() -> None:
     # Rank 0 waits for microbatch 0's gradient before it sends the activation rank 1 needs.
     from lightning_pipe.schedules import parse_actions
-    from lightning_pipe.simulate import ScheduleError, compile_program
+    from lightning_pipe.schedules.simulate import ScheduleError, compile_program
 
     program = [parse_actions("0F0 0RB0 0SF0 0B0"), parse_actions("1RF0 1F0 1B0 1SB0")]
     with pytest.raises(ScheduleError, match=r"deadlock: ranks wait at \{0: '0RB0', 1: '1RF0'\}"):
@@ -455,19 +457,19 @@ def test_processes_sharing_cores_cannot_compute_faster_than_the_cores(width: int
     # 4 processes on 2 cores: a step takes at least every rank's compute (and optimizer step)
     # divided by the cores; written out from the stage costs, against the simulator's makespan.
     from lightning_pipe.schedules import build_schedule
-    from lightning_pipe.simulate import simulate
+    from lightning_pipe.schedules.simulate import simulate
 
     profile = _uniform(4)
     profile.optimizer_step = 0.5
-    plan = PipelinePlan(width, depth, 4, "1f1b", partition=planner.time_balanced(profile, depth, 1))
-    cost = planner.action_cost(profile, plan, planner.stage_costs(profile, plan, 1))
-    stages = planner.stage_costs(profile, plan, 1)
+    plan = PipelinePlan(width, depth, 4, "1f1b", partition=costs.time_balanced(profile, depth, 1))
+    cost = costs.action_cost(profile, plan, costs.stage_costs(profile, plan, 1))
+    stages = costs.stage_costs(profile, plan, 1)
     compute = width * sum(4 * (s.forward + s.backward) for s in stages) + width * profile.optimizer_step
     alone = simulate(build_schedule("1f1b", depth, 4), cost).makespan
     profile.cores = 2
-    assert planner.predict(profile, plan, 1).step_time == pytest.approx(max(alone, compute / 2), rel=1e-12)
+    assert predict.predict(profile, plan, 1).step_time == pytest.approx(max(alone, compute / 2), rel=1e-12)
     profile.cores = None
-    assert planner.predict(profile, plan, 1).step_time == pytest.approx(alone, rel=1e-12)
+    assert predict.predict(profile, plan, 1).step_time == pytest.approx(alone, rel=1e-12)
 
 
 @pytest.mark.parametrize("schedule,split,recompute", [("gpipe", False, False), ("1f1b", False, True), ("1f1b", True, False),
@@ -479,7 +481,7 @@ def test_walking_a_rank_of_one_stage_gives_the_stage_model(schedule: str, split:
 
     from lightning_pipe.schedules import build_schedule
     from lightning_pipe.schedules.flat import flatten
-    from lightning_pipe.stage_memory import buffered, held_counts, rank_moments, rank_peak_bytes, stage_peak_bytes
+    from lightning_pipe.planning.memory import buffered, held_counts, rank_moments, rank_peak_bytes, stage_peak_bytes
 
     rng = random.Random(1)
     for depth, m in itertools.product((1, 2, 4), (1, 4, 7)):
@@ -487,7 +489,7 @@ def test_walking_a_rank_of_one_stage_gives_the_stage_model(schedule: str, split:
         flat = flatten(program)
         for r, actions in enumerate(program):
             sent = buffered(flat)[flat.rank(r)]  # one stage: position 0
-            st = planner.StageCosts(*(rng.uniform(0.1, 1.0) for _ in range(4)), *(rng.randrange(1, 10_000) for _ in range(11)))
+            st = costs.StageCosts(*(rng.uniform(0.1, 1.0) for _ in range(4)), *(rng.randrange(1, 10_000) for _ in range(11)))
             st = dataclasses.replace(st, unsaved_output_bytes=rng.randrange(0, st.output_bytes + 1))  # a part of the output
             first, last = r == 0, r == depth - 1
             want = stage_peak_bytes(st, held_counts(actions, sent=sent), 1, recompute, first, last, 77)
@@ -499,7 +501,7 @@ def test_covered_points_are_dropped_exactly() -> None:
     # headers and gradients: the quadratic definition written out.
     import random
 
-    from lightning_pipe.stage_memory import _uncovered
+    from lightning_pipe.planning.memory import _uncovered
 
     rng = random.Random(0)
     for _ in range(2000):
@@ -512,7 +514,7 @@ def test_covered_points_are_dropped_exactly() -> None:
 def test_a_program_whose_receive_nobody_sends_is_rejected_when_flattened() -> None:
     from lightning_pipe.schedules import parse_actions
     from lightning_pipe.schedules.flat import flatten
-    from lightning_pipe.simulate import ScheduleError
+    from lightning_pipe.schedules.simulate import ScheduleError
 
     with pytest.raises(ScheduleError, match="no rank sends"):
         flatten([parse_actions("0F0 0SF0"), parse_actions("1RF0 1F0 1RF1 1F1")])
@@ -526,13 +528,13 @@ def test_the_walk_on_arrays_is_the_walk_over_actions() -> None:
     # receives) is the reference, at every depth and length the arrays' mixed-radix keys and
     # per-rank restarts touch.
     from lightning_pipe.schedules.flat import flatten
-    from lightning_pipe.stage_memory import buffered, held_counts, program_held_counts
+    from lightning_pipe.planning.memory import buffered, held_counts, program_held_counts
 
     for schedule, depth, m, split, pending in itertools.product(("gpipe", "1f1b", "2bw"), (1, 2, 3, 5), (1, 3, 5, 8), (False, True), (None, 1)):
         if (schedule == "2bw" and (m < depth or pending is not None)) or (pending is not None and not split):
             continue
         plan = PipelinePlan(1, depth, m, schedule, split, split_max_pending=pending)
-        program = planner.program(plan, steps=3 if schedule == "2bw" else 1)
+        program = programs.program(plan, steps=3 if schedule == "2bw" else 1)
         flat = flatten(program)
         want = [held_counts(actions, schedule == "2bw", buffered(flat)[flat.rank(r)]) for r, actions in enumerate(program)]
         assert program_held_counts(program, warm=schedule == "2bw") == want, plan.describe()
@@ -545,14 +547,14 @@ def test_interleaved_prediction_is_the_simulated_program_per_stage(depth: int, v
     f, b, per_stage = 1.0, 2.0, 2
     profile = _uniform(depth * virtual * per_stage, f=f, b=b)
     plan = PipelinePlan(1, depth, m, "1f1b", partition=[per_stage] * (depth * virtual), virtual_stages=virtual)
-    got = planner.predict(profile, plan, 1)
+    got = predict.predict(profile, plan, 1)
     chunk = per_stage * (f + b)
     assert got.step_time == pytest.approx(virtual * m * chunk + (depth - 1) * chunk, rel=1e-12)
     assert len(got.stage_memory) == depth
     # Every rank holds all its stages' weights and optimizer state; at least one microbatch.
     state = virtual * per_stage * (4000 + 8000)
     assert all(mem > state for mem in got.stage_memory)
-    plain = planner.predict(profile, PipelinePlan(1, depth, m, "1f1b", partition=[per_stage * virtual] * depth), 1)
+    plain = predict.predict(profile, PipelinePlan(1, depth, m, "1f1b", partition=[per_stage * virtual] * depth), 1)
     assert got.step_time < plain.step_time  # the bubble is v times smaller
 
 
@@ -603,7 +605,7 @@ def test_bucketed_gradients_never_fall_short_of_the_buckets_the_runtime_makes(se
     for j in range(len(blocks)):
         done = {id(p) for block in blocks[j:] for p in block}
         begun = sum(sum(p.numel() * 4 for p in b) for b in buckets if any(id(p) in done for p in b))
-        model = planner.bucketed_bytes(sum(p.numel() * 4 for block in blocks[j:] for p in block), total, cap)
+        model = costs.bucketed_bytes(sum(p.numel() * 4 for block in blocks[j:] for p in block), total, cap)
         assert begun <= model <= begun + cap, (j, begun, model)
 
 
@@ -671,7 +673,7 @@ def _bucketed_peaks(rank: int, world: int, plans: list[PipelinePlan]) -> list[tu
         engine = place(ToyChain(), plan, rank, groups=PipelineGroups.build(plan.topology, rank))
         measured = _tracked_second_step(engine, tuple(t[replica * per:(replica + 1) * per] for t in batch))
         b = per // plan.microbatches
-        rows.append((planner.predict(profile, plan, b).stage_memory[engine.stage_index], measured))
+        rows.append((predict.predict(profile, plan, b).stage_memory[engine.stage_index], measured))
     return rows
 
 
@@ -709,11 +711,11 @@ def test_a_rank_with_shared_buckets_counts_the_running_stages_gradients_once_any
     # holds its gradients too (the moment is a warm forward), written out from the one-stage terms.
     # Unacknowledged sends: stage 0 an output, stage 2 an input gradient, each packed with a header
     # (stage 2's held input is one such message too).
-    from lightning_pipe.stage_memory import HEADER_BYTES, NOTHING_SENT, HeldCounts, rank_peak_bytes, resting_bytes, stage_memory_terms
+    from lightning_pipe.planning.memory import HEADER_BYTES, NOTHING_SENT, HeldCounts, rank_peak_bytes, resting_bytes, stage_memory_terms
 
     profile = _uniform(4, grads=5000)
     plan = PipelinePlan(2, 2, 4, "1f1b", partition=(1, 1, 1, 1), virtual_stages=2)
-    st = planner.stage_costs(profile, plan, 1)
+    st = costs.stage_costs(profile, plan, 1)
     mine, first, last = [st[0], st[2]], [True, False], [False, False]
     moment = (0, "forward_cold", ((2, 0, (1, 0)), (1, 0, (0, 1))), (False, True))
     warm = stage_memory_terms(mine[0], HeldCounts(forward_warm=((2, 0, NOTHING_SENT),)), 1, False, True, False)
@@ -734,8 +736,8 @@ def _loaded_links(rank: int, world: int) -> tuple[dict[str, float], float, list[
 
     import torch.distributed as dist
 
-    from lightning_pipe.profiler import _link_worker, _loaded_hop
-    from lightning_pipe.runtime import p2p
+    from lightning_pipe.planning.links import _link_worker, _loaded_hop
+    from lightning_pipe.runtime.comm import p2p
 
     links = _link_worker(rank, world, 1024, 2**20, 2)
     start = time.perf_counter()
@@ -833,7 +835,7 @@ def _posted_receives(rank: int, world: int, plans: list[PipelinePlan]) -> list[l
     import gc
 
     from lightning_pipe import PipelineGroups
-    from lightning_pipe.runtime import p2p
+    from lightning_pipe.runtime.comm import p2p
     from lightning_pipe.runtime.executor import Executor
 
     originals = {name: getattr(Executor, name) for name in ("_forward", "_backward")}
@@ -875,12 +877,12 @@ def test_a_stage_holds_a_receive_exactly_while_the_model_says_it_is_posted(launc
     # the message is read (stage_memory.posted_receives); measured: the receive objects the
     # executor keeps alive, at every forward and backward. At depth 2 both neighbours are one rank.
     from lightning_pipe.schedules.flat import flatten
-    from lightning_pipe.stage_memory import posted_receives
+    from lightning_pipe.planning.memory import posted_receives
 
     totals = []
     for rank, seen in enumerate(launched(2).ok("planner_posted_receives")):
         for plan, counts in zip(POSTED_PLANS, seen):
-            program = planner.program(plan)
+            program = programs.program(plan)
             flat = flatten(program)
             posted = posted_receives(flat)[flat.rank(rank)].sum(axis=1)  # (from the next, from the previous)
             compute = [i for i, a in enumerate(program[rank]) if a.kind.name in ("FORWARD", "BACKWARD")]
@@ -951,9 +953,9 @@ def test_posted_receives_follow_the_executor_rule(schedule: str, depth: int, m: 
     # The array walk against the rule run literally, at every compute action of every rank.
     from lightning_pipe.schedules.actions import Kind
     from lightning_pipe.schedules.flat import flatten
-    from lightning_pipe.stage_memory import posted_receives
+    from lightning_pipe.planning.memory import posted_receives
 
-    program = planner.program(PipelinePlan(1, depth, m, schedule, split_backward=split, virtual_stages=virtual))
+    program = programs.program(PipelinePlan(1, depth, m, schedule, split_backward=split, virtual_stages=virtual))
     flat, want = flatten(program), _emulated_posts(program)
     other = (Kind.SEND_ACT, Kind.SEND_GRAD, Kind.RECV_ACT, Kind.RECV_GRAD, Kind.ALL_REDUCE, Kind.VERSION)
     for r, actions in enumerate(program):
@@ -982,7 +984,7 @@ def _chain_memory(rank: int, world: int, plans: list[tuple[PipelinePlan, int]]) 
     from lightning_pipe import PipelineGroups
     from tests.launch import ROOT
 
-    sys.path.insert(0, str(ROOT / "examples"))
+    sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "examples")]
     from bench_planner import DIM, HoldChain
 
     adam = lambda params: torch.optim.Adam(params, lr=1e-3)  # noqa: E731 - as _tracked_second_step's
@@ -993,7 +995,7 @@ def _chain_memory(rank: int, world: int, plans: list[tuple[PipelinePlan, int]]) 
         engine = place(HoldChain(sleeps=False), plan, rank, groups=PipelineGroups.build(plan.topology, rank))
         torch.manual_seed(plan.topology.replica_of(rank))  # the stages of a pipeline see the same batch
         measured = _tracked_second_step(engine, (torch.randn(plan.microbatches * b, DIM),))
-        rows.append((planner.predict(profile, plan, b).stage_memory[engine.stage_index], measured))
+        rows.append((predict.predict(profile, plan, b).stage_memory[engine.stage_index], measured))
     return rows
 
 
@@ -1019,10 +1021,10 @@ def test_unacknowledged_sends_follow_the_executor_protocol(schedule: str, depth:
     # learns a send arrived only from a later message of its peer: in 1F1B's drain no more
     # activations come upstream, so the input gradients sent there stay until the step ends.
     from lightning_pipe.schedules.flat import flatten
-    from lightning_pipe.stage_memory import _walk, unacknowledged
+    from lightning_pipe.planning.memory import _walk, unacknowledged
 
     plan = PipelinePlan(1, depth, m, schedule, split_backward=split, virtual_stages=virtual)
-    program = planner.program(plan)
+    program = programs.program(plan)
     want, flat = _emulated_outboxes(program), flatten(program)
     for r, actions in enumerate(program):
         stages = list(range(r, depth * virtual, depth))
@@ -1040,15 +1042,15 @@ def test_replaying_the_modelled_action_times_gives_the_prediction():
 
     from tests.launch import ROOT
 
-    sys.path.insert(0, str(ROOT / "examples"))
+    sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "examples")]
     from bench_planner import replayed_step, synthetic_profile
 
     profile = synthetic_profile(8)
     for plan in (PipelinePlan(1, 4, 8, "1f1b"), PipelinePlan(1, 2, 8, "1f1b", virtual_stages=2), PipelinePlan(2, 2, 4, "gpipe")):
-        plan = plan.replace(partition=planner.time_balanced(profile, plan.depth * plan.virtual_stages, 2))
-        cost = planner.action_cost(profile, plan, planner.stage_costs(profile, plan, 2))
-        traced = {(a.kind.name, a.stage, a.microbatch): cost(a) for rank in planner.program(plan) for a in rank}
-        predicted = planner.predict(profile, plan, 2).step_time
+        plan = plan.replace(partition=costs.time_balanced(profile, plan.depth * plan.virtual_stages, 2))
+        cost = costs.action_cost(profile, plan, costs.stage_costs(profile, plan, 2))
+        traced = {(a.kind.name, a.stage, a.microbatch): cost(a) for rank in programs.program(plan) for a in rank}
+        predicted = predict.predict(profile, plan, 2).step_time
         assert replayed_step(profile, plan, 2, [{"actions": traced}]) == pytest.approx(predicted, rel=1e-9)
         slower = {k: 2 * v if k[0] == "FORWARD" else v for k, v in traced.items()}
         assert replayed_step(profile, plan, 2, [{"actions": slower}]) > 1.2 * predicted
@@ -1068,13 +1070,13 @@ def test_planner_cli_table_and_yaml_keep_the_split_placement() -> None:
     import yaml
 
     from lightning_pipe import PipelineStrategy
-    from lightning_pipe.plan import snippet, table
+    from lightning_pipe.planning.cli import snippet, table
 
     plan = PipelinePlan(1, 2, 4, "1f1b", True, partition=[2, 2], split_placement="drain")
-    best = planner.predict(_uniform(4), plan, 2)
+    best = predict.predict(_uniform(4), plan, 2)
     init = yaml.safe_load(snippet(best, 8))["trainer"]["strategy"]["init_args"]
     assert init["split_placement"] == "drain"
     init.pop("global_batch_size")
     assert PipelineStrategy(**init)._build_plan(2) == plan
     assert "| yes (drain) |" in table([best], 1)
-    assert "split_placement" not in yaml.safe_load(snippet(planner.predict(_uniform(4), plan.replace(split_placement=None), 2), 8))["trainer"]["strategy"]["init_args"]
+    assert "split_placement" not in yaml.safe_load(snippet(predict.predict(_uniform(4), plan.replace(split_placement=None), 2), 8))["trainer"]["strategy"]["init_args"]

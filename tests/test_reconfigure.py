@@ -92,7 +92,7 @@ def _fit_one_step(model: Any, plan: PipelinePlan, world: int) -> int:
 
 
 def _fit_again(rank: int, world: int) -> dict[str, Any]:
-    from lightning_pipe.runtime.groups import destroy_groups
+    from lightning_pipe.runtime.comm.groups import destroy_groups
 
     wide, deep = PipelinePlan(2, 2, 4, "1f1b", partition="uniform"), PipelinePlan(1, 4, 4, "1f1b", partition="uniform")
     fresh = _fit_one_step(ToyChain(), deep, world)  # what one (1, 4) fit holds
@@ -424,7 +424,7 @@ class StepPeaks:
         self.opener, self.closer = Opener(), Closer()
 
     def _open(self, trainer: L.Trainer, pl_module: Any, batch: Any) -> None:
-        from lightning_pipe.monitor import held_tensors
+        from lightning_pipe.lightning.monitor import held_tensors
         from tests.test_planner import _TrackedBytes
 
         held = held_tensors(list(pl_module.parameters()), trainer.optimizers)
@@ -443,7 +443,7 @@ class JobPeak(L.Callback):
         self.peak, self._tracker = 0, None
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: Any) -> None:
-        from lightning_pipe.monitor import held_tensors
+        from lightning_pipe.lightning.monitor import held_tensors
         from tests.test_planner import _TrackedBytes
 
         self._tracker = _TrackedBytes(held_tensors(list(pl_module.parameters()), trainer.optimizers))
@@ -588,8 +588,8 @@ DENSE_SPOT_PLANS = [PipelinePlan(1, 4, 16, "1f1b", True, partition="uniform"), P
 
 
 def _spot_check_memory(rank: int, world: int) -> list[dict[str, Any]]:
-    from lightning_pipe import planner
-    from lightning_pipe.profiler import profile_blocks
+    from lightning_pipe.planning import predict
+    from lightning_pipe.planning.profiler import profile_blocks
 
     batch = next(iter(DataLoader(Wide(), batch_size=WIDE_BATCH)))
     rows = []
@@ -603,7 +603,7 @@ def _spot_check_memory(rank: int, world: int) -> list[dict[str, Any]]:
             trainer = _fit_wide(resolved, 3, [tracked.closer, Reconfigurable(), tracked.opener], model)
             stage = trainer.strategy.engine.stage_index
             rows.append({"plan": resolved, "model": model.__name__, "stage": stage, "measured": max(tracked.peaks[1:]),
-                         "predicted": planner.predict(profile, resolved, b).stage_memory[stage]})  # fmt: skip
+                         "predicted": predict.predict(profile, resolved, b).stage_memory[stage]})  # fmt: skip
     return rows
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_pipe.schedules import Action, Kind, build_inference, build_schedule, format_actions, parse_actions, verify
-from lightning_pipe.simulate import ScheduleError, simulate, unit_costs
+from lightning_pipe.schedules.simulate import ScheduleError, simulate, unit_costs
 
 DEPTHS = range(1, 9)
 MICROBATCHES = range(1, 17)

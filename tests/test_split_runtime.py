@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place
-from lightning_pipe.runtime.split import input_grads, weight_grads
+from lightning_pipe.runtime.autograd.backward_split import input_grads, weight_grads
 from tests.shared import scenario, scenario_per_layout
 from tests.models import ConvChain, ToyChain, make_data
 

@@ -11,8 +11,8 @@ from lightning_pipe.schedules.actions import Action, Kind
 from lightning_pipe.schedules.generators import gpipe
 from lightning_pipe.schedules.passes import add_communication, add_optimizer
 from lightning_pipe.schedules import two_bw
-from lightning_pipe.schedules.split import carry_split, split_backward
-from lightning_pipe.simulate import ScheduleError, StashModel, simulate
+from lightning_pipe.schedules.w_placement import carry_split, split_backward
+from lightning_pipe.schedules.simulate import ScheduleError, StashModel, simulate
 
 # Equal F, I and W times (seed 001, Table 1); an unsplit B is I followed by W.
 EQUAL = {Kind.FORWARD: 1.0, Kind.INPUT_GRAD: 1.0, Kind.WEIGHT_GRAD: 1.0, Kind.BACKWARD: 2.0}

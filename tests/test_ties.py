@@ -257,7 +257,7 @@ def test_tied_model_moved_to_another_layout_mid_fit_matches_one_process(launched
 
 
 def test_tied_checkpoint_keeps_one_copy_and_resumes_under_another_layout(launched) -> None:
-    from lightning_pipe.checkpoint import saved_shapes
+    from lightning_pipe.lightning.checkpoint import saved_shapes
     from tests.models import load_plain
 
     ranks = launched(2).ok("ties_fit")

@@ -10,7 +10,7 @@ import torch
 
 from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place
 from lightning_pipe.schedules import Kind, build_schedule, format_actions, two_bw, two_bw_run, verify
-from lightning_pipe.simulate import simulate, unit_costs
+from lightning_pipe.schedules.simulate import simulate, unit_costs
 from tests.shared import scenario, scenario_per_layout
 from tests.models import ToyChain, assert_close_dicts, make_data, make_optimizer, reference_train
 

@@ -10,11 +10,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_pipe.layout import PipelinePlan
-from lightning_pipe.runtime import p2p
+from lightning_pipe.core.pipeline_plan import PipelinePlan
+from lightning_pipe.runtime.comm import p2p
 from lightning_pipe.runtime.buckets import DEFAULT_BUCKET_BYTES
 from lightning_pipe.runtime.executor import Executor, Hooks, Position, StepState
-from lightning_pipe.runtime.groups import PipelineGroups
+from lightning_pipe.runtime.comm.groups import PipelineGroups
 from lightning_pipe.runtime.microbatch import split_batch
 from lightning_pipe.runtime.stage import Stage
 from lightning_pipe.runtime.ties import TiedGradients
@@ -30,7 +30,7 @@ from lightning_pipe.schedules import (
     two_bw_stage_window,
     verify,
 )
-from lightning_pipe.timeline import Trace
+from lightning_pipe.schedules.timeline import Trace
 
 
 class PipelineEngine:

@@ -16,12 +16,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_pipe.runtime import p2p, split
-from lightning_pipe.runtime.deferred_weights import DeferWeightGrads, DeferredGrads, keeps_saved_tensors
+from lightning_pipe.runtime.autograd import backward_split as split
+from lightning_pipe.runtime.comm import p2p
+from lightning_pipe.runtime.autograd.deferred_weights import DeferWeightGrads, DeferredGrads, keeps_saved_tensors
 from lightning_pipe.runtime.stage import Stage, Tensors, as_tuple
 from lightning_pipe.schedules.actions import Action, Kind
 from lightning_pipe.schedules.passes import DELIVERS
-from lightning_pipe.timeline import Trace, now
+from lightning_pipe.schedules.timeline import Trace, now
 
 
 @dataclass(frozen=True)
@@ -324,7 +325,7 @@ class Executor:
     def _deferred_weights(self, a: Action, st: StepState, weights: Optional[list[Tensor]], inputs: Tensors) -> ContextManager[Any]:
         """Split backward on a stage that defers its linear and convolution weight gradients: record
         those calls of this microbatch's forward on ``weights`` (``None``: the stage's own) for its I and W
-        (:mod:`~lightning_pipe.runtime.deferred_weights`). Not where no input needs a gradient (the
+        (:mod:`~lightning_pipe.runtime.autograd.deferred_weights`). Not where no input needs a gradient (the
         first stage): there I is empty and W a whole backward, with nothing to defer."""
         deferring = a.stage in self._deferring and (a.stage, a.microbatch) not in self._whole
         if not deferring or not st.train or not any(x.requires_grad for x in inputs):

@@ -9,8 +9,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 from torch.optim import Optimizer
 
-from lightning_pipe.partition import block_cost
-from lightning_pipe.layout import PipelinePlan
+from lightning_pipe.core.partition import block_cost
+from lightning_pipe.core.pipeline_plan import PipelinePlan
 from lightning_pipe.runtime.stage import Stage
 from lightning_pipe.runtime.ties import Tie, alias_names, find_ties, retie, share_again, shared_blocks, shared_slots, untie_remote
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_pipe.layout import PipelinePlan
+from lightning_pipe.core.pipeline_plan import PipelinePlan
 
 #: (dtype, shape) of a tensor value, or ("value", the value) of a plain Python value.
 Description = tuple[Any, Any]

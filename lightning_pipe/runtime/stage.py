@@ -13,7 +13,7 @@ from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 from torch.utils.hooks import RemovableHandle
 
-from lightning_pipe.runtime.deferred_weights import deferrable_weights_only
+from lightning_pipe.runtime.autograd.deferred_weights import deferrable_weights_only
 
 Tensors = tuple[Tensor, ...]
 

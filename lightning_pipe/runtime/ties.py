@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from lightning_pipe.runtime.groups import destroy_groups, pipeline_group
-from lightning_pipe.topology import Topology
+from lightning_pipe.runtime.comm.groups import destroy_groups, pipeline_group
+from lightning_pipe.core.topology import Topology
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,10 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.optim import Optimizer
 
 from lightning_pipe.runtime.buckets import GradientBuckets
-from lightning_pipe.runtime.groups import PipelineGroups
+from lightning_pipe.runtime.comm.groups import PipelineGroups
 from lightning_pipe.runtime.ties import TiedGradients
 from lightning_pipe.runtime.versions import WeightVersions
-from lightning_pipe.timeline import now
+from lightning_pipe.schedules.timeline import now
 
 
 class UpdatePath:

@@ -14,7 +14,7 @@ the same with the chunks in reverse. Rank ``r`` warms up with ``2 (d - 1 - r) + 
 forwards, then alternates, then cools down. ``m`` must be a multiple of ``d``.
 
 With split backward (``build_schedule(..., split=True, virtual=v)``) each rank's B's become
-I's and the rank places its W's as Zero Bubble's ZB-H1 does (schedules/split.py: rank ``r``
+I's and the rank places its W's as Zero Bubble's ZB-H1 does (schedules/w_placement.py: rank ``r``
 keeps at most ``r`` W's waiting): the bubble becomes ``(d - 1)(F + I - W)`` in per-chunk costs
 (for ``W <= F``), and no rank holds more chunks than this schedule's first rank.
 

@@ -8,7 +8,7 @@ from typing import Optional
 from lightning_pipe.schedules.actions import Action, Kind, action
 from lightning_pipe.schedules import interleaved, two_bw
 from lightning_pipe.schedules.generators import TRAINING_SCHEDULES, Generator, forward_only
-from lightning_pipe.schedules.split import W_PLACEMENT, carry_split, split_backward
+from lightning_pipe.schedules.w_placement import W_PLACEMENT, carry_split, split_backward
 
 Schedule = list[list[Action]]
 
@@ -99,11 +99,11 @@ def build_schedule(
         name: "gpipe" or "1f1b".
         depth: pipeline ranks ``d``.
         microbatches: microbatches ``m``.
-        split: split each backward into I and W (2BP, see schedules/split.py).
+        split: split each backward into I and W (2BP, see schedules/w_placement.py).
         max_pending: with ``split``, most microbatches that may wait for their W.
         virtual: stages per rank ``v``; above 1, interleaved 1F1B over ``d * v`` stages
             (schedules/interleaved.py), rank ``r`` running stages ``r, r + d, ...``.
-        placement: with ``split``, where the W's go (schedules/split.py); default the
+        placement: with ``split``, where the W's go (schedules/w_placement.py); default the
             schedule's own (:data:`~lightning_pipe.schedules.split.W_PLACEMENT`).
     """
     check_virtual(name, depth, microbatches, virtual)
@@ -126,7 +126,7 @@ def build_inference(depth: int, microbatches: int, virtual: int = 1) -> Schedule
 
 
 def _split_2bw(part: list[Action], before: list[Action], microbatches: int, steps_before: int, split: bool) -> list[Action]:
-    """``part`` of a stage's 2BW stream, split by the ``"carry"`` placement (schedules/split.py):
+    """``part`` of a stage's 2BW stream, split by the ``"carry"`` placement (schedules/w_placement.py):
     the W carried from the part ``before`` it (the previous window, after ``steps_before``
     optimizer steps) runs in this one."""
     return carry_split([before, part], microbatches, steps_before)[1] if split else part

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from lightning_pipe.schedules.actions import COMPUTE_KINDS, Action, Kind
-from lightning_pipe.simulate import ScheduleError, grid, simulate, unit_costs
+from lightning_pipe.schedules.simulate import ScheduleError, grid, simulate, unit_costs
 
 
 def _kinds(counts: Counter, microbatch: int, train: bool) -> tuple[Kind, ...]:

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_pipe import PipelineMixin, PipelineMonitor, PipelineStrategy  # noqa: E402
-from lightning_pipe.costmodel import SleepChain  # noqa: E402
+from benchmarks.sleep_chain import SleepChain  # noqa: E402
 
 
 class SleepModule(PipelineMixin, L.LightningModule):

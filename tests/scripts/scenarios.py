@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_pipe.runtime.groups import destroy_groups  # noqa: E402
+from lightning_pipe.runtime.comm.groups import destroy_groups  # noqa: E402
 from tests import shared  # noqa: E402
 
 

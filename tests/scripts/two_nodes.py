@@ -17,8 +17,9 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_pipe import PipelinePlan, PipelineStrategy, planner  # noqa: E402
-from lightning_pipe.profiler import profile_blocks  # noqa: E402
+from lightning_pipe import PipelinePlan, PipelineStrategy  # noqa: E402
+from lightning_pipe.planning import predict  # noqa: E402
+from lightning_pipe.planning.profiler import profile_blocks  # noqa: E402
 from tests.models import ToyChain, make_data  # noqa: E402
 from tests.scripts.train_toy import Indexed, Recorder  # noqa: E402
 
@@ -35,7 +36,7 @@ def main() -> None:
     # Every rank profiles the same chain in one process; the orientation only compares byte
     # counts (no timings), so every rank chooses the same.
     profile = profile_blocks(ToyChain(), make_data(8), [2, 4], repeats=1)
-    plan = planner.orient(profile, PipelinePlan(width=2, depth=2, microbatches=2, partition=[3, 3]), 2, ranks_per_node=2)
+    plan = predict.orient(profile, PipelinePlan(width=2, depth=2, microbatches=2, partition=[3, 3]), 2, ranks_per_node=2)
     recorder = Recorder()
     trainer = L.Trainer(
         accelerator="cpu", num_nodes=2, devices=2, max_steps=STEPS, logger=False, enable_checkpointing=False,

@@ -1,7 +1,7 @@
 """A cost-model chain: blocks that sleep set times in forward, input-gradient and weight-gradient.
 
 Sleeping blocks let many pipeline stages share few cores while the schedule, not the cores,
-sets the step time, so measured runs can be compared with :func:`lightning_pipe.simulate`.
+sets the step time, so measured runs can be compared with :func:`lightning_pipe.schedules.simulate`.
 """
 
 from __future__ import annotations

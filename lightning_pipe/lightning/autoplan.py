@@ -18,10 +18,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.utils._pytree import tree_leaves, tree_map
 
-from lightning_pipe import planner
-from lightning_pipe.layout import PipelinePlan
-from lightning_pipe.monitor import held_tensors
-from lightning_pipe.profiler import BlockProfile, BlockSample, Profile, _link_worker, _loss_of, profile_stage
+from lightning_pipe.planning import predict, search
+from lightning_pipe.core.pipeline_plan import PipelinePlan
+from lightning_pipe.lightning.monitor import held_tensors
+from lightning_pipe.planning.profile import BlockProfile, BlockSample, Profile
+from lightning_pipe.planning.links import _link_worker
+from lightning_pipe.planning.profiler import _loss_of, profile_stage
 from lightning_pipe.runtime.microbatch import batch_size
 from lightning_pipe.schedules import Kind
 
@@ -289,19 +291,19 @@ class AutoPlanner(Callback):
             reason = f"before the first step: the starting plan does not fit ({current.why_infeasible()})"
             self._switch(trainer, current, ranked[0], reason, ranked, profile)
 
-    def _search(self, trainer: Trainer, profile: Profile) -> tuple[planner.Prediction, list[planner.Prediction]]:
+    def _search(self, trainer: Trainer, profile: Profile) -> tuple[predict.Prediction, list[predict.Prediction]]:
         """The current plan's prediction and every candidate ranked; raise if none fits the budget."""
         strategy = trainer.strategy
         plan, budget, global_batch = strategy.plan, self._budget(trainer), strategy.global_batch_size
-        current = planner.predict(profile, plan, max(global_batch // (plan.width * plan.microbatches), 1), budget)
+        current = predict.predict(profile, plan, max(global_batch // (plan.width * plan.microbatches), 1), budget)
         # The running partition is a candidate too: keeping it (less what costs time) is always an option.
-        ranked = planner.search(profile, plan.world_size, global_batch, budget, self.allow_stale, partitions=[plan.partition],
+        ranked = search.search(profile, plan.world_size, global_batch, budget, self.allow_stale, partitions=[plan.partition],
                                 virtual_stages=self.virtual_stages)  # fmt: skip
         if not ranked or not ranked[0].feasible:
             smallest = min((max(p.stage_memory) for p in ranked), default=float("nan"))
-            raise RuntimeError(f"no plan fits the memory budget of {planner._size(budget or 0)} per device (after "
+            raise RuntimeError(f"no plan fits the memory budget of {predict._size(budget or 0)} per device (after "
                                f"{self.headroom:.0%} headroom); the smallest "
-                               f"predicted peak is {planner._size(smallest)} (raise AutoPlanner(memory=...) or shrink the batch)")  # fmt: skip
+                               f"predicted peak is {predict._size(smallest)} (raise AutoPlanner(memory=...) or shrink the batch)")  # fmt: skip
         return current, ranked
 
     def _decide(self, trainer: Trainer, module: Any) -> None:
@@ -316,8 +318,8 @@ class AutoPlanner(Callback):
         self._start_step, self._times = trainer.global_step, defaultdict(list)
         self._captured, self._batch = {}, None
 
-    def _switch(self, trainer: Trainer, current: planner.Prediction, best: planner.Prediction, reason: str,
-                ranked: list[planner.Prediction], profile: Profile) -> None:  # fmt: skip
+    def _switch(self, trainer: Trainer, current: predict.Prediction, best: predict.Prediction, reason: str,
+                ranked: list[predict.Prediction], profile: Profile) -> None:  # fmt: skip
         """Move to ``best`` unless it is ``current``; record and report the decision."""
         record = {"step": trainer.global_step, "current": current, "chosen": best, "reason": reason, "profile": profile,
                   "table": _table(current, ranked), "switch_seconds": 0.0, "measured_step_s": None}  # fmt: skip
@@ -429,7 +431,7 @@ def _calibrated(profiles: list[BlockProfile], b: int, recompute: bool, forward: 
     return [dataclasses.replace(p, samples=[scaled(s) for s in p.samples]) for p in profiles]
 
 
-def _choose(current: planner.Prediction, best: planner.Prediction, min_gain: float) -> tuple[planner.Prediction, str]:
+def _choose(current: predict.Prediction, best: predict.Prediction, min_gain: float) -> tuple[predict.Prediction, str]:
     """The plan to run and why."""
     if not current.feasible:
         return best, f"the current plan does not fit ({current.why_infeasible()}); switching to the fastest that does"
@@ -439,7 +441,7 @@ def _choose(current: planner.Prediction, best: planner.Prediction, min_gain: flo
     return current, f"keeping the current plan: the best is predicted {gain:.1%} faster (min_gain {min_gain:.0%})"
 
 
-def _table(current: planner.Prediction, ranked: list[planner.Prediction], rows: int = 10, rejected_rows: int = 6) -> str:
+def _table(current: predict.Prediction, ranked: list[predict.Prediction], rows: int = 10, rejected_rows: int = 6) -> str:
     """The candidate table: the fastest plans that fit, the fastest rejected for memory (and why),
     and the current plan; each with its microbatch size, predicted step, throughput and peak memory."""
     fits = [p for p in ranked if p.feasible]
@@ -451,7 +453,7 @@ def _table(current: planner.Prediction, ranked: list[planner.Prediction], rows: 
         verdict = "fits" if p.feasible else "rejected: " + p.why_infeasible()
         place = ranked.index(p) + 1 if p in ranked else "-"
         lines.append(f"{place} | {p.plan.describe()} | {p.microbatch_size} | {p.step_time:.4f} | "
-                     f"{p.samples_per_second:.1f} | {planner._size(max(p.stage_memory))} | "
+                     f"{p.samples_per_second:.1f} | {predict._size(max(p.stage_memory))} | "
                      f"{'current, ' if is_current(p) else ''}{verdict}")  # fmt: skip
     lines.append(f"({len(ranked)} candidates, {len(rejected)} rejected for memory)")
     return "\n".join(lines)

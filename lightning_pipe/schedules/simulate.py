@@ -108,7 +108,7 @@ def _microbatch_delta(kind: Kind) -> float:
 class Exchange:
     """What a message costs beyond its receive's cost when the two ranks of a link send each
     other at once: under gloo on a CPU host such a message arrives milliseconds late, where one
-    sent to a waiting rank takes a tenth of one (see :func:`lightning_pipe.profiler.profile_links`).
+    sent to a waiting rank takes a tenth of one (see :func:`lightning_pipe.planning.links.profile_links`).
 
     Args:
         window: a receive is part of an exchange when the send it takes in ended less than this

@@ -1,7 +1,7 @@
 """Benchmark lightning_pipe against torch.distributed.pipelining, side by side in one run.
 
-    python examples/bench_pipelines.py                      # both workloads, table + chart
-    python examples/bench_pipelines.py --workload costmodel --depths 4
+    python benchmarks/bench_pipelines.py                      # both workloads, table + chart
+    python benchmarks/bench_pipelines.py --workload costmodel --depths 4
 
 Contenders, interleaved round by round so that machine drift hits them all alike: one process
 with no pipeline; torch.distributed.pipelining ScheduleGPipe, Schedule1F1B,
@@ -48,17 +48,22 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]  # lightning_pipe, benchmarks, gpt
 
 from gpt import GPT  # noqa: E402
-from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place, planner, simulate  # noqa: E402
-from lightning_pipe.costmodel import SleepChain  # noqa: E402
-from lightning_pipe.monitor import held_tensors  # noqa: E402
-from lightning_pipe.profiler import Profile, profile_blocks  # noqa: E402
-from lightning_pipe.partition import block_cost, partition_sizes, stage_ranges  # noqa: E402
+from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place  # noqa: E402
+from lightning_pipe.planning import costs  # noqa: E402
+from lightning_pipe.schedules import simulate  # noqa: E402
+from benchmarks.sleep_chain import SleepChain  # noqa: E402
+from lightning_pipe.lightning.monitor import held_tensors  # noqa: E402
+from lightning_pipe.planning.profile import Profile  # noqa: E402
+from lightning_pipe.planning.profiler import profile_blocks  # noqa: E402
+from lightning_pipe.core.partition import block_cost, partition_sizes, stage_ranges  # noqa: E402
 from lightning_pipe.runtime.microbatch import split_batch  # noqa: E402
 from lightning_pipe.schedules import Kind, build_schedule, two_bw_window  # noqa: E402
-from lightning_pipe.spawn import run_gloo  # noqa: E402
+from lightning_pipe.runtime.spawn import run_gloo  # noqa: E402
 
 #: Our contenders: (schedule, split backward, stages per rank, W placement or None for the schedule's own).
 OURS = [(s, split, 1, None) for s in ("gpipe", "1f1b", "2bw") for split in (False, True)] + [
@@ -143,7 +148,7 @@ class Workload:
         them); every other action free."""
         plan = PipelinePlan(1, self.depth, self.microbatches, schedule, split, partition=self.partition(self.model(), virtual),
                             virtual_stages=virtual, split_placement=placement)  # fmt: skip
-        stages = planner.stage_costs(profile, plan, self.batch_size // self.microbatches)
+        stages = costs.stage_costs(profile, plan, self.batch_size // self.microbatches)
         field = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.INPUT_GRAD: "input_grad", Kind.WEIGHT_GRAD: "weight_grad"}
         return lambda a: getattr(stages[a.stage], field[a.kind]) if a.kind in field else 0.0
 

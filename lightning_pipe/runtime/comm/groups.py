@@ -8,8 +8,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_pipe.runtime.p2p import DIRECT, Channel
-from lightning_pipe.topology import Topology
+from lightning_pipe.runtime.comm.p2p import DIRECT, Channel
+from lightning_pipe.core.topology import Topology
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """AutoPlanner on the GPT example over 4 processes: throughput after its switch against a measured sweep, and the switch's cost.
 
-    python examples/bench_autoplan.py   # about 3 minutes on 2 cores
+    python benchmarks/bench_autoplan.py   # about 3 minutes on 2 cores
 
 One ``torchrun`` launch of 4 gloo processes runs, through ``Trainer.fit`` (the same harness for
 every row): a sweep of fixed 4-process plans of the GPT example (configs/gpt_auto.yaml's model
@@ -25,8 +25,9 @@ from typing import Any, Optional
 import lightning as L
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]  # lightning_pipe, benchmarks, gpt
 
 from gpt import GPT, StdlibText  # noqa: E402
 from lightning_pipe import AutoPlanner, PipelinePlan, PipelineStrategy  # noqa: E402

@@ -249,7 +249,7 @@ def deferrable_weights_only(modules: Iterable[nn.Module]) -> bool:
     embeddings' index additions), and I need not keep the graph. Elsewhere (no such layer;
     transposed convolutions, raw matrices, and ``nn.MultiheadAttention``'s packed projection,
     which it applies inside a function that a ``TorchFunctionMode`` sees whole) the autograd split
-    of :mod:`~lightning_pipe.runtime.split` keeps those weights' work for W."""
+    of :mod:`~lightning_pipe.runtime.autograd.backward_split` keeps those weights' work for W."""
     deferred, other = weight_kinds(modules)
     return deferred and not other
 

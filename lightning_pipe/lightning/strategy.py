@@ -23,15 +23,15 @@ from torch.optim import Optimizer
 from torch.utils._pytree import tree_map
 from typing_extensions import override
 
-from lightning_pipe import checkpoint as _checkpoint
-from lightning_pipe.data import ResumableLoader, per_replica_loader
-from lightning_pipe.layout import PartitionArg, PipelinePlan, RecomputeArg
+from lightning_pipe.lightning import checkpoint as _checkpoint
+from lightning_pipe.lightning.data import ResumableLoader, per_replica_loader
+from lightning_pipe.core.pipeline_plan import PartitionArg, PipelinePlan, RecomputeArg
 from lightning_pipe.runtime.engine import PipelineEngine
-from lightning_pipe.runtime.groups import PipelineGroups
+from lightning_pipe.runtime.comm.groups import PipelineGroups
 from lightning_pipe.runtime import reshard
-from lightning_pipe.runtime.deferred_norm import convert_deferred_batch_norm
+from lightning_pipe.runtime.autograd.deferred_norm import convert_deferred_batch_norm
 from lightning_pipe.runtime.placement import Placement, pipeline_blocks_of
-from lightning_pipe.topology import Topology
+from lightning_pipe.core.topology import Topology
 
 _LAYOUT_DEFAULTS: dict[str, Any] = dict(schedule="1f1b", pipeline_depth=None, microbatches=1, partition="balanced",
                                          recompute=False, split_backward=False, split_max_pending=None, inner="pp",
@@ -77,12 +77,12 @@ class PipelineStrategy(DDPStrategy):
             weight gradients (delayed into idle time), 2BP; any module, through autograd.
         split_max_pending: with ``split_backward``, the most microbatches waiting for their
             weight gradients on every stage (bounds memory). ``None``: stage ``s`` keeps ``s``
-            (Zero Bubble's ZB-H1 bound; GPipe defers W's up to it, see schedules/split.py).
+            (Zero Bubble's ZB-H1 bound; GPipe defers W's up to it, see schedules/w_placement.py).
             GPipe and 1F1B only: 2BW keeps at most one waiting.
         split_placement: with ``split_backward``, where the weight gradients go: ``None`` for
             the schedule's own, "drain" (1F1B, one stage per rank): only the backwards after a
             stage's last forward split (1F1B's peak memory; half of ZB-H1's saving with equal
-            F, I and W), or "end", "cooldown", "zb-h1", "bounded" (schedules/split.py; see
+            F, I and W), or "end", "cooldown", "zb-h1", "bounded" (schedules/w_placement.py; see
             :class:`~lightning_pipe.PipelinePlan`).
         inner: "pp" (default): the stages of a pipeline run on neighbouring ranks, so
             activations stay inside a node; "dp": the replicas of a stage do, so the gradient
@@ -330,8 +330,8 @@ class PipelineStrategy(DDPStrategy):
         Profiles the whole chain once (every rank still holds it before placement) on the
         module's ``example_input_array``, which Lightning users set for the model summary.
         """
-        from lightning_pipe import planner
-        from lightning_pipe.profiler import profile_blocks
+        from lightning_pipe.planning import costs
+        from lightning_pipe.planning.profiler import profile_blocks
         from lightning_pipe.runtime.microbatch import batch_size
 
         example = getattr(module, "example_input_array", None)
@@ -344,7 +344,7 @@ class PipelineStrategy(DDPStrategy):
                 microbatch = max(batch_size(example) // self.plan.microbatches, 1)
                 with torch.random.fork_rng():  # every rank's random stream stays the same
                     profile = profile_blocks(module, example, [microbatch], repeats=2, with_loss=False)
-                sizes = planner.time_balanced(profile, self.plan.stages, microbatch)
+                sizes = costs.time_balanced(profile, self.plan.stages, microbatch)
             except Exception as err:  # noqa: BLE001 - every rank must hear of it, not wait for sizes
                 sizes = f"{type(err).__name__}: {err}"
         sizes = self.broadcast(sizes)

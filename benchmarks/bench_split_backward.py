@@ -1,6 +1,6 @@
 """Benchmark split backward (2BP): its overhead on a transformer block, and its gain on a pipeline.
 
-    python examples/bench_split_backward.py
+    python benchmarks/bench_split_backward.py
 
 1. Overhead: a GPT block's and a convolutional residual block's backward done whole vs as I
    then W, interleaved; W from the deferred linear and convolution calls (the runtime's split on
@@ -24,15 +24,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place
-from lightning_pipe.costmodel import SleepChain
-from lightning_pipe.runtime.deferred_weights import DeferWeightGrads, DeferredGrads
-from lightning_pipe.runtime.split import input_grads, weight_grads
-from lightning_pipe.schedules import build_schedule
-from lightning_pipe.simulate import simulate
-from lightning_pipe.spawn import run_gloo
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]  # lightning_pipe, benchmarks, gpt
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place
+from benchmarks.sleep_chain import SleepChain
+from lightning_pipe.runtime.autograd.deferred_weights import DeferWeightGrads, DeferredGrads
+from lightning_pipe.runtime.autograd.backward_split import input_grads, weight_grads
+from lightning_pipe.schedules import build_schedule
+from lightning_pipe.schedules.simulate import simulate
+from lightning_pipe.runtime.spawn import run_gloo
+
 import gpt  # noqa: E402
 from gpt import Block  # noqa: E402
 

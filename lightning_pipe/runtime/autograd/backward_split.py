@@ -15,7 +15,7 @@ again in W (results stay correct; that node's work is done twice, and a warning 
 
 On a stage whose only weights of two or more dimensions are linear, convolution and embedding
 weights, the executor records the forward's linear and convolution calls instead
-(:mod:`~lightning_pipe.runtime.deferred_weights`): I is then one autograd call that frees the
+(:mod:`~lightning_pipe.runtime.autograd.deferred_weights`): I is then one autograd call that frees the
 graph as it goes, computing every other weight's gradient with the input gradients, and W is
 those layers' weight gradients, no autograd.
 """
@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node
 
-from lightning_pipe.runtime.deferred_weights import DeferredGrads
+from lightning_pipe.runtime.autograd.deferred_weights import DeferredGrads
 
 
 @dataclass
@@ -187,7 +187,7 @@ def input_grads(roots: Sequence[Tensor], grads: Sequence[Optional[Tensor]], inpu
         grads: the gradient of each root (``None`` for a scalar loss).
         inputs: stage inputs that require grad (empty on stage 0).
         deferred: where the forward's linear and convolution calls keep what W needs (see
-            :mod:`~lightning_pipe.runtime.deferred_weights`), on a stage whose only weights of two
+            :mod:`~lightning_pipe.runtime.autograd.deferred_weights`), on a stage whose only weights of two
             or more dimensions are linear, convolution or embedding weights: then I frees the
             graph as it goes, and computes every other weight's gradient itself (norms, biases,
             embeddings).

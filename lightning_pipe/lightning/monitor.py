@@ -13,9 +13,9 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
-from lightning_pipe import timeline
+from lightning_pipe.schedules import timeline
 from lightning_pipe.runtime.engine import PipelineEngine
-from lightning_pipe.strategy import PipelineStrategy
+from lightning_pipe.lightning.strategy import PipelineStrategy
 
 
 class PipelineMonitor(Callback):

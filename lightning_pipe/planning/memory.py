@@ -11,19 +11,19 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Sequen
 
 import numpy as np
 
-from lightning_pipe.runtime.p2p import HEADER_BYTES
+from lightning_pipe.runtime.comm.p2p import HEADER_BYTES
 from lightning_pipe.schedules.actions import Action, Kind
 from lightning_pipe.schedules.flat import BACKWARD, CODES, FORWARD, INPUT_GRAD, RECV_ACT, SEND_ACT, SEND_GRAD, WEIGHT_GRAD, FlatProgram, flatten
 
 OPTIMIZER_STEP = CODES[Kind.OPTIMIZER_STEP]
 
 if TYPE_CHECKING:
-    from lightning_pipe.planner import StageCosts
+    from lightning_pipe.planning.costs import StageCosts
 
 #: ``(outputs, gradients)``: a stage's sends not yet acknowledged by their peer (see
 #: :func:`unacknowledged`), outputs sent downstream and input gradients sent upstream. Once a
 #: link's shapes are known each is one message, its header (:data:`HEADER_BYTES`) and a copy of
-#: its tensors packed (runtime/p2p.py), kept until acknowledged: the header and an output's
+#: its tensors packed (runtime/comm/p2p.py), kept until acknowledged: the header and an output's
 #: bytes, or the header and an input's. (The stage keeps a sent output itself too, until its
 #: backward, which needs the peer's gradient for it, and that message acknowledges it.) Where
 #: headers take a CPU side channel (NCCL) nothing is packed: there these terms, the headers kept
@@ -487,7 +487,7 @@ def sent_bytes(st: "StageCosts", sent: Sent) -> int:
 
 def received_input_bytes(st: "StageCosts", first: bool) -> int:
     """Bytes a held stage input keeps alive: received from the previous stage it is a view of one
-    message, its header included (runtime/p2p.py); the first stage's comes from the batch."""
+    message, its header included (runtime/comm/p2p.py); the first stage's comes from the batch."""
     return st.input_bytes + (0 if first else HEADER_BYTES)
 
 

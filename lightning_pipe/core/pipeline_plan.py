@@ -6,11 +6,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
-from lightning_pipe.partition import partition_sizes, stage_ranges
+from lightning_pipe.core.partition import partition_sizes, stage_ranges
 from lightning_pipe.schedules import check_name, two_bw
 from lightning_pipe.schedules.passes import check_virtual
-from lightning_pipe.schedules.split import PLACEMENTS, W_PLACEMENT, drain_applies
-from lightning_pipe.topology import Topology
+from lightning_pipe.schedules.w_placement import PLACEMENTS, W_PLACEMENT, drain_applies
+from lightning_pipe.core.topology import Topology
 
 PartitionArg = Union[str, Sequence[int]]
 RecomputeArg = Union[bool, Sequence[bool]]
@@ -46,7 +46,7 @@ class PipelinePlan:
             is interleaved 1F1B (``schedule="1f1b"``, ``microbatches`` a multiple of ``depth``;
             see ``schedules/interleaved.py``): the bubble shrinks ``v`` times for ``v`` times
             the messages. With ``split_backward`` each rank places its W's as ZB-H1 does.
-        split_placement: with ``split_backward``, where the W's go (``schedules/split.py``):
+        split_placement: with ``split_backward``, where the W's go (``schedules/w_placement.py``):
             ``None`` for the schedule's own (ZB-H1 for 1F1B, "bounded" for GPipe, "carry" for 2BW; named,
             it becomes ``None``: the same plan), or one of "end", "cooldown", "zb-h1", "bounded", "drain". "drain" (1F1B, one stage per rank)
             splits only the backwards after a stage's last forward: 1F1B's peak memory, and half
@@ -84,7 +84,7 @@ class PipelinePlan:
                 raise ValueError(f"split_max_pending must be >= 0, got {self.split_max_pending}")
             if self.schedule == "2bw":
                 raise ValueError("split_max_pending does not apply to schedule '2bw': its placement, 'carry', keeps at most "
-                                 "one W waiting per stage (schedules/split.py)")
+                                 "one W waiting per stage (schedules/w_placement.py)")
         self._check_placement()
 
     def _check_placement(self) -> None:
@@ -98,7 +98,7 @@ class PipelinePlan:
             return
         if self.schedule == "2bw":
             raise ValueError("split_placement does not apply to schedule '2bw' (its stream never drains; it places W's "
-                             "by its own rule, 'carry': see schedules/split.py)")
+                             "by its own rule, 'carry': see schedules/w_placement.py)")
         if placement not in PLACEMENTS:
             raise ValueError(f"unknown split_placement {placement!r}; use one of {PLACEMENTS}")
         if placement == "drain":

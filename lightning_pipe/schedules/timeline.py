@@ -1,7 +1,7 @@
 """Pipeline timelines: recording the actions that ran, their idle fraction, and drawing them.
 
-Measured traces (from the executor) and simulated ones (:func:`lightning_pipe.simulate`) are
-both lists of :class:`~lightning_pipe.simulate.Interval`, so one drawing and one bubble
+Measured traces (from the executor) and simulated ones (:func:`lightning_pipe.schedules.simulate`) are
+both lists of :class:`~lightning_pipe.schedules.simulate.Interval`, so one drawing and one bubble
 formula serve both, which is how the monitor's numbers are checked against the simulator.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 from lightning_pipe.schedules.actions import COMPUTE_KINDS, Action, Kind
-from lightning_pipe.simulate import Interval
+from lightning_pipe.schedules.simulate import Interval
 
 # Colours of the seeds' figures: forward blue, backward green, split backward light green
 # (input gradients) and orange (weight gradients); optimizer steps grey.

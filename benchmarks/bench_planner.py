@@ -1,9 +1,9 @@
 """Planner fidelity: predicted step time and peak tensor memory per stage against measured runs, one table.
 
-    python examples/bench_planner.py                  # about 10 minutes on 2 cores (3 rounds)
-    python examples/bench_planner.py --rounds 1       # one round of each workload
-    python examples/bench_planner.py --planning-time  # the planning-time part only
-    python examples/bench_planner.py --workload gpt   # one workload's configurations only
+    python benchmarks/bench_planner.py                  # about 10 minutes on 2 cores (3 rounds)
+    python benchmarks/bench_planner.py --rounds 1       # one round of each workload
+    python benchmarks/bench_planner.py --planning-time  # the planning-time part only
+    python benchmarks/bench_planner.py --workload gpt   # one workload's configurations only
 
 Workloads:
 
@@ -52,14 +52,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_pipelines, gpt
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]  # lightning_pipe, benchmarks, gpt
 
 from bench_pipelines import PeakTensorBytes  # noqa: E402
-from lightning_pipe import PipelineGroups, PipelinePlan, place, planner  # noqa: E402
-from lightning_pipe.monitor import held_tensors  # noqa: E402
-from lightning_pipe.profiler import mean_profile, profile_blocks, profile_concurrently, profile_links  # noqa: E402
-from lightning_pipe.spawn import run_gloo  # noqa: E402
+from lightning_pipe import PipelineGroups, PipelinePlan, place  # noqa: E402
+from lightning_pipe.planning import costs, predict, programs, search  # noqa: E402
+from lightning_pipe.lightning.monitor import held_tensors  # noqa: E402
+from lightning_pipe.planning.profile import mean_profile  # noqa: E402
+from lightning_pipe.planning.profiler import profile_blocks, profile_concurrently  # noqa: E402
+from lightning_pipe.planning.links import profile_links  # noqa: E402
+from lightning_pipe.runtime.spawn import run_gloo  # noqa: E402
 
 BLOCKS, DIM, ACT = 8, 64, 4096  # ACT floats per sample kept by every block for its backward
 FORWARD, BACKWARD = 0.002, 0.004  # seconds per sample
@@ -282,7 +286,7 @@ def replayed_step(profile: Any, plan: PipelinePlan, b: int, measured: Sequence[d
     what the simulator misses with the step's own action times (waits, synchronisation,
     the executor between actions). Each replica is replayed on its own: replicas stall at
     different moments, and the slowest time of each action over them is a step none ran."""
-    model = planner.action_cost(profile, plan, planner.stage_costs(profile, plan, b))
+    model = costs.action_cost(profile, plan, costs.stage_costs(profile, plan, b))
     replicas: dict[int, dict[tuple, float]] = {}
     for rank, result in enumerate(measured):
         replicas.setdefault(plan.topology.replica_of(rank), {}).update(result["actions"])
@@ -293,7 +297,7 @@ def replayed_step(profile: Any, plan: PipelinePlan, b: int, measured: Sequence[d
                 return model(a)
             return traced.get((a.kind.name, a.stage, a.microbatch), model(a))
 
-        return planner.step_time(plan, cost, profile.cores, planner.exchange(profile))
+        return predict.step_time(plan, cost, profile.cores, predict.exchange(profile))
 
     return max(replay(traced) for traced in replicas.values())
 
@@ -320,7 +324,7 @@ def _round(links: dict[str, float], workloads: Sequence[str]) -> dict[tuple, dic
         group = _profile(name, n, links)
         out[("profile", name, n)] = group
         configs = [c for c in CONFIGS if (c.workload, c.w * c.d) == (name, n)]
-        plans = [(_plan(c, planner.time_balanced(group, c.d * c.virtual, c.b)), c.b) for c in configs]
+        plans = [(_plan(c, costs.time_balanced(group, c.d * c.virtual, c.b)), c.b) for c in configs]
         ran = run_gloo(_run_group, n, name, plans, WORKLOADS[name].passes, timeout=1200.0)
         assert all(s == "ok" for s, _ in ran), [v for s, v in ran if s != "ok"]
         ranks = [v for _, v in ran]
@@ -330,12 +334,12 @@ def _round(links: dict[str, float], workloads: Sequence[str]) -> dict[tuple, dic
         whole = mean_profile([p for r in ranks for p in r["profiles"]])
         for i, (config, (plan, b)) in enumerate(zip(configs, plans)):
             steps = [max(r["times"][i][k] for r in ranks) for k in range(len(passes))]  # its slowest rank's
-            predicted = [planner.predict(profile, plan, b).step_time for profile in passes]
+            predicted = [predict.predict(profile, plan, b).step_time for profile in passes]
             measured = [r["each"][i] for r in ranks]
-            out[config] = {"predicted": planner.predict(whole, plan, b), "predicted_step": statistics.median(predicted),
+            out[config] = {"predicted": predict.predict(whole, plan, b), "predicted_step": statistics.median(predicted),
                            "measured": statistics.median(steps), "steps": steps,
                            "error": statistics.median(p / q - 1 for p, q in zip(predicted, steps)),
-                           "planned": planner.predict(group, plan, b).step_time, "plan": plan, "peaks": _stage_peaks(measured, config.d),
+                           "planned": predict.predict(group, plan, b).step_time, "plan": plan, "peaks": _stage_peaks(measured, config.d),
                            "replayed": replayed_step(whole, plan, b, measured), "traced": max(v["traced_step"] for v in measured)}  # fmt: skip
             x = out[config]
             print(f"  {name} ({config.w},{config.d}) b={b} {_schedule(config)}{' recompute' if config.recompute else ''}: "
@@ -466,17 +470,17 @@ def _disagreements(results: list[dict[str, Any]], budget: float) -> list[dict[st
 
 def _madpipe_order(profile: Any) -> None:
     """A chain whose first block keeps 8x the activations: time-balanced vs memory-aware partition, measured."""
-    from lightning_pipe.madpipe import madpipe_partition
+    from lightning_pipe.planning.madpipe import madpipe_partition
 
     heavy = profile_concurrently(functools.partial(HoldChain, True), torch.randn(2, DIM), [1, 2], 4, repeats=2,
                                  optimizer=Chain().optimizer)  # fmt: skip
     heavy.__dict__.update({k: getattr(profile, k) for k in ("link_latency", "link_bandwidth", "allreduce_bandwidth", "send_overhead")})
-    plan = PipelinePlan(1, 4, 8, "1f1b", partition=planner.time_balanced(heavy, 4, 2))
-    balanced = planner.predict(heavy, plan, 2)
+    plan = PipelinePlan(1, 4, 8, "1f1b", partition=costs.time_balanced(heavy, 4, 2))
+    balanced = predict.predict(heavy, plan, 2)
     limit = 0.9 * max(balanced.stage_memory)  # the time-balanced split does not fit
     found = madpipe_partition(heavy, plan, 2, limit)
     assert found is not None, "no memory-aware partition fits"
-    aware = planner.predict(heavy, plan.replace(partition=found.sizes), 2)
+    aware = predict.predict(heavy, plan.replace(partition=found.sizes), 2)
     rows = []
     for name, predicted in (("time-balanced", balanced), ("memory-aware", aware)):
         out = run_gloo(_measure, 4, "chain", predicted.plan, 2, 4, True, timeout=300.0)
@@ -497,7 +501,7 @@ def synthetic_profile(blocks: int, seed: int = 0) -> Any:
     and links like this host's (an exchange 25 times slower than a message to a waiting rank)."""
     import random
 
-    from lightning_pipe.profiler import BlockProfile, BlockSample, Profile
+    from lightning_pipe.planning.profile import BlockProfile, BlockSample, Profile
 
     rng = random.Random(seed)
 
@@ -516,9 +520,9 @@ def planning_time() -> None:
     for blocks, devices, batch in ((8, 8, 64), (64, 64, 512)):
         profile = synthetic_profile(blocks)
         for limit in (None, 2**30):
-            planner.clear_caches()
+            programs.clear_caches()
             start = time.perf_counter()
-            found = planner.search(profile, devices, batch, memory_limit=limit, allow_stale=True)
+            found = search.search(profile, devices, batch, memory_limit=limit, allow_stale=True)
             seconds = time.perf_counter() - start
             print(f"planning time: {blocks} blocks on {devices} devices, global batch {batch}, "
                   f"memory limit {'none' if limit is None else '1 GiB'}: {len(found)} candidates in {seconds:.2f} s "
@@ -532,8 +536,8 @@ def memory_check(workloads: Sequence[str]) -> None:
     for name in workloads:
         profile, results, errors = _profile(name, 1), [], []
         for config in (c for c in CONFIGS if c.workload == name):
-            plan = _plan(config, planner.time_balanced(profile, config.d * config.virtual, config.b))
-            predicted = planner.predict(profile, plan, config.b)
+            plan = _plan(config, costs.time_balanced(profile, config.d * config.virtual, config.b))
+            predicted = predict.predict(profile, plan, config.b)
             ran = run_gloo(_measure, config.w * config.d, name, plan, config.b, 1, timeout=300.0)
             assert all(s == "ok" for s, _ in ran), [v for s, v in ran if s != "ok"]
             peaks = _stage_peaks([v for _, v in ran], config.d)

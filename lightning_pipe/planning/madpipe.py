@@ -17,11 +17,66 @@ import itertools
 from dataclasses import dataclass
 from typing import Optional
 
-from lightning_pipe.layout import PipelinePlan
-from lightning_pipe.planner import RangeCosts, batch_bytes, bucket_cap, held, weight_versions
-from lightning_pipe.profiler import Profile
+from lightning_pipe.core.pipeline_plan import PipelinePlan
+
+from lightning_pipe.planning.profile import Profile
 from lightning_pipe.schedules import build_schedule, two_bw_run
-from lightning_pipe.simulate import simulate, unit_costs
+from lightning_pipe.schedules.simulate import simulate, unit_costs
+from typing import Any
+from lightning_pipe.planning.profile import BlockSample
+from lightning_pipe.planning.costs import StageCosts, batch_bytes, bucket_cap, range_costs, time_balanced, weight_versions
+from lightning_pipe.planning.memory import HeldCounts, stage_peak_bytes
+from lightning_pipe.planning.programs import held
+
+
+class RangeCosts:
+    """:func:`range_costs` of one profile's block ranges (no recompute), and their peak memory
+    as stages, each computed once: a search under a memory limit asks MadPipe's dynamic program
+    for every range at every stage count, and many plans hold the same counts."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+        self._samples: dict[int, list[BlockSample]] = {}
+        self._costs: dict[tuple[int, int, int, int], StageCosts] = {}
+        self._peaks: dict[tuple[Any, ...], int] = {}
+        self._balanced: dict[tuple[int, int], tuple[int, ...]] = {}
+
+    def __call__(self, start: int, stop: int, microbatch_size: int, bucket_cap: int = 0) -> StageCosts:
+        """The costs of blocks ``start .. stop-1`` run as one stage."""
+        key = (start, stop, microbatch_size, bucket_cap)
+        if key not in self._costs:
+            samples = self.samples(microbatch_size)
+            self._costs[key] = range_costs(self.profile, range(start, stop), microbatch_size, samples=samples, bucket_cap=bucket_cap)
+        return self._costs[key]
+
+    def peak(self, start: int, stop: int, microbatch_size: int, bucket_cap: int, held: HeldCounts, versions: int,
+             first: bool, last: bool, batch_bytes: int) -> int:  # fmt: skip
+        """:func:`stage_peak_bytes` of blocks ``start .. stop-1`` run as one stage (no recompute), each computed once."""
+        key = (start, stop, microbatch_size, bucket_cap, held, versions, first, last, batch_bytes)
+        if key not in self._peaks:
+            costs = self(start, stop, microbatch_size, bucket_cap)
+            self._peaks[key] = stage_peak_bytes(costs, held, versions, False, first, last, batch_bytes)
+        return self._peaks[key]
+
+    def balanced(self, depth: int, microbatch_size: int) -> tuple[int, ...]:
+        """:func:`time_balanced`, each computed once."""
+        key = (depth, microbatch_size)
+        if key not in self._balanced:
+            self._balanced[key] = time_balanced(self.profile, depth, microbatch_size)
+        return self._balanced[key]
+
+    @classmethod
+    def of(cls, profile: Profile, ranges: Optional["RangeCosts"] = None) -> "RangeCosts":
+        """``ranges``, checked to hold ``profile``'s costs, or new ones for it."""
+        if ranges is not None and ranges.profile is not profile:
+            raise ValueError("ranges must hold the costs of the profile given")
+        return ranges or cls(profile)
+
+    def samples(self, microbatch_size: int) -> list[BlockSample]:
+        """Every block at ``microbatch_size``."""
+        if microbatch_size not in self._samples:
+            self._samples[microbatch_size] = [block.at(microbatch_size) for block in self.profile.blocks]
+        return self._samples[microbatch_size]
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Benchmark the replica all-reduce: one blocking all-reduce after the backward vs buckets posted during it.
 
-    python examples/bench_allreduce_overlap.py [--rounds 5] [--steps 4]
+    python benchmarks/bench_allreduce_overlap.py [--rounds 5] [--steps 4]
 
 w = 2 replicas of a d = 2 pipeline on 4 gloo processes, 1F1B, a cost-model chain whose blocks
 sleep in forward, input-gradient and weight-gradient (so 4 processes share 2 cores without the
@@ -12,16 +12,21 @@ only the wait for the buckets not finished yet).
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 import argparse
 import statistics
 import time
 
 import torch
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]  # lightning_pipe, benchmarks, gpt
+
 from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place
-from lightning_pipe.costmodel import SleepChain
+from benchmarks.sleep_chain import SleepChain
 from lightning_pipe.schedules import Kind
-from lightning_pipe.spawn import run_gloo
+from lightning_pipe.runtime.spawn import run_gloo
 
 WIDTH, DEPTH = 2, 2
 

@@ -1,6 +1,6 @@
 """Checkpoint save and load per rank: peak memory and seconds, gathered on every rank (before) vs sharded vs one file.
 
-    python examples/bench_checkpoint.py          # re-launches itself with torchrun on 4 CPU processes
+    python benchmarks/bench_checkpoint.py          # re-launches itself with torchrun on 4 CPU processes
 
 A chain of eight 1024 x 1024 linear blocks with Adam on a (1 x 4) pipeline: the whole model's
 state is 4 times one stage's. Each save path runs through ``trainer.save_checkpoint`` (one
@@ -27,10 +27,12 @@ import torch.distributed as dist
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]  # lightning_pipe, benchmarks, gpt
 
 from lightning_pipe import PipelineMixin, PipelineStrategy  # noqa: E402
-from lightning_pipe.checkpoint import save_file  # noqa: E402
+from lightning_pipe.lightning.checkpoint import save_file  # noqa: E402
 
 WIDTH, BLOCKS, DEPTH = 1024, 8, 4
 MiB = 2**20

@@ -1,15 +1,14 @@
-"""Per-block profile of a pipeline model: F, B, I, W and recompute times, saved and output bytes, state bytes (JSON)."""
+"""Block timing: each block's forward, backward, input- and weight-gradient seconds and its saved and temporary bytes, measured as the executor runs them."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import functools
-import json
 import statistics
 import time
 import weakref
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
@@ -17,168 +16,14 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from lightning_pipe.runtime import split
-from lightning_pipe.runtime.deferred_weights import DeferWeightGrads, DeferredGrads, deferrable_weights_only, weight_kinds
+from lightning_pipe.planning.profile import BlockProfile, BlockSample, Profile, mean_profile, median_sample
+from lightning_pipe.runtime.autograd import backward_split as split
+from lightning_pipe.runtime.autograd.deferred_weights import DeferWeightGrads, DeferredGrads, deferrable_weights_only, weight_kinds
 from lightning_pipe.runtime.microbatch import batch_size, split_batch
 from lightning_pipe.runtime.placement import pipeline_blocks_of
 from lightning_pipe.runtime.stage import as_tuple
 from lightning_pipe.runtime.ties import shared_blocks
 
-
-@dataclass
-class BlockSample:
-    """One block measured at one microbatch size (seconds and bytes per microbatch)."""
-
-    microbatch_size: int
-    forward: float
-    backward: float
-    input_grad: float
-    weight_grad: float
-    saved_bytes: int  # what autograd saves, the block's own input and parameters excluded
-    output_bytes: int
-    saved_input_bytes: int = 0  # of the block's input, if autograd saves it
-    saved_output_bytes: int = 0  # of the block's output, if autograd saves it (part of saved_bytes)
-    forward_workspace_bytes: int = 0  # peak temporaries of its forward (see ``_workspace``)
-    backward_workspace_bytes: int = 0  # peak temporaries of its backward
-    captured_bytes: int = 0  # gradients split backward's I captures for the block's W (held until W)
-    input_grad_workspace_bytes: int = 0  # peak temporaries of its I where it defers its weight gradients (see ``_input_grad_workspace``)
-    after_gradient_bytes: int = 0  # peak bytes alive from its backward's first weight-gradient accumulation on (see ``_workspace``)
-    cold_backward_bytes: int = 0  # peak temporaries and new gradients of its backward when no gradient exists before it
-    loss_saved_bytes: int = 0  # the last block: what the loss saves for its backward (part of saved_bytes; outside a recomputed stage)
-    loss_bytes: int = 0  # the last block: the loss itself, kept until the microbatch's backward (the same at every size)
-    # The last block's backward alone, the loss's left out (as above): a recomputed last stage runs the loss's backward first.
-    block_backward_workspace_bytes: int = 0
-    block_after_gradient_bytes: int = 0
-    block_cold_backward_bytes: int = 0
-
-    @property
-    def recompute(self) -> float:
-        """Extra seconds recomputation adds to a backward: one more forward."""
-        return self.forward
-
-
-@dataclass
-class BlockProfile:
-    """A block's samples at two or more microbatch sizes, and the bytes of its weights and their state."""
-
-    name: str
-    samples: list[BlockSample]
-    parameter_bytes: int
-    gradient_bytes: int
-    optimizer_bytes: int
-    optimizer_step_bytes: int = 0  # the temporaries of an optimizer step over the block's parameters
-    deferred_weights: bool = False  # it holds a trainable nn.Linear or nn.Conv1d/2d/3d (split backward defers their weight gradients)
-    other_matrices: bool = False  # it holds a trainable matrix that is no linear, convolution or embedding weight (it cannot)
-
-    def at(self, size: int) -> BlockSample:
-        """Every field at microbatch ``size``: linear in ``size`` through the two nearest samples (seed 000,
-        Appendix A, models T_comp(b) and |A(b)| as functions of the microbatch size)."""
-        by_size = {s.microbatch_size: s for s in self.samples}  # one per size: a line needs two sizes
-        pts = [by_size[b] for b in sorted(by_size)]
-        if len(pts) == 1:
-            return _scaled(pts[0], size)
-        lo, hi = (pts[0], pts[1]) if size <= pts[0].microbatch_size else (pts[-2], pts[-1])
-        for a, b in zip(pts, pts[1:]):
-            if a.microbatch_size <= size <= b.microbatch_size:
-                lo, hi = a, b
-        return _interpolate(lo, hi, size)
-
-
-_FIELDS = ("forward", "backward", "input_grad", "weight_grad", "saved_bytes", "output_bytes", "saved_input_bytes",
-           "saved_output_bytes", "forward_workspace_bytes", "backward_workspace_bytes", "captured_bytes", "after_gradient_bytes",
-           "cold_backward_bytes", "loss_saved_bytes", "block_backward_workspace_bytes", "block_after_gradient_bytes",
-           "block_cold_backward_bytes", "input_grad_workspace_bytes")
-
-
-def _sample(size: int, values: dict[str, float], like: BlockSample) -> BlockSample:
-    """A sample at ``size`` of these ``_FIELDS`` values, ``like``'s in every field that does not depend on the size."""
-    return BlockSample(size, **{f: int(v) if f.endswith("bytes") else v for f, v in values.items()}, loss_bytes=like.loss_bytes)  # type: ignore[arg-type]
-
-
-def _interpolate(lo: BlockSample, hi: BlockSample, size: int) -> BlockSample:
-    t = (size - lo.microbatch_size) / (hi.microbatch_size - lo.microbatch_size)
-    values = {f: max(getattr(lo, f) + t * (getattr(hi, f) - getattr(lo, f)), 0.0) for f in _FIELDS}
-    return _sample(size, values, lo)
-
-
-def _scaled(sample: BlockSample, size: int) -> BlockSample:
-    r = size / sample.microbatch_size
-    values = {f: getattr(sample, f) * r for f in _FIELDS}
-    return _sample(size, values, sample)
-
-
-@dataclass
-class Profile:
-    """What the planner needs to predict any layout: every block's profile, plus the machine's links.
-
-    Attributes:
-        blocks: one profile per block of the chain, in order.
-        optimizer_step: seconds of one optimizer step over the whole model (split by weight bytes).
-        action_overhead: seconds the executor adds to each forward or backward action beyond its
-            blocks' own time (dispatch, stash accounting, the loss), measured on a one-stage run.
-        input_bytes_per_sample: bytes per sample that ``pipeline_inputs`` allocates (views of the
-            batch are free); stage 0 keeps them for backward.
-        batch_bytes_per_sample: bytes of the whole batch per sample (every rank of a pipeline holds
-            its replica's batch during the step).
-        link_latency: seconds of a point-to-point transfer of an empty message (on CPU measured
-            between processes that compute between transfers, as pipeline ranks do, see
-            :func:`profile_links`).
-        link_bandwidth: bytes per second of a point-to-point transfer.
-        allreduce_bandwidth: bytes per second of a gradient all-reduce across replicas (0: unknown).
-        exchange_latency: seconds a message takes to arrive when the two ranks of a link send
-            each other at once, beyond its bytes' time (on a CPU host under gloo milliseconds,
-            where :attr:`link_latency` is a tenth of one; see :func:`profile_links`); 0: not
-            measured, charged as any message.
-        send_overhead: seconds a rank spends posting one transfer (header and payload sends;
-            the transfer itself goes on while it computes), charged to each send action; on CPU
-            measured right after computing, as :attr:`link_latency`.
-        loads_global_batch: every rank loads the whole global batch and trains on its replica's
-            rows (``PipelineStrategy.enable_reconfiguration``), so holds all of it.
-        cores: CPU cores the job's processes share (CPU jobs on one host; ``None``: each process
-            computes on a device of its own), see :func:`lightning_pipe.planner.step_time`.
-        device: where it was measured.
-        device_bytes: bytes every device holds beyond the model's tensors (on CUDA: the math
-            libraries' workspaces, e.g. 32 MiB per cuBLAS handle; communication buffers),
-            measured between two steps; added to every stage's predicted peak.
-        shared_blocks: groups of blocks that share a parameter (tied weights), by index;
-            ``None``: unknown (the planner then assumes they are split across stages).
-        step_bytes_add_up: an optimizer step over several blocks allocates the sum of their
-            steps' temporaries (whole-list ``foreach`` kernels), not the largest block's (one
-            tensor at a time); measured by :func:`profile_blocks`, else assumed (an upper bound).
-    """
-
-    blocks: list[BlockProfile]
-    optimizer_step: float = 0.0
-    action_overhead: float = 0.0
-    input_bytes_per_sample: float = 0.0
-    batch_bytes_per_sample: float = 0.0
-    link_latency: float = 0.0
-    link_bandwidth: float = float("inf")
-    allreduce_bandwidth: float = 0.0
-    send_overhead: float = 0.0
-    exchange_latency: float = 0.0
-    loads_global_batch: bool = False
-    cores: Optional[int] = None
-    device: str = "cpu"
-    device_bytes: int = 0
-    shared_blocks: Optional[list[list[int]]] = None
-    step_bytes_add_up: bool = True
-    meta: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> str:
-        """A JSON document of the whole profile."""
-        return json.dumps(asdict(self), indent=1, default=str)
-
-    @classmethod
-    def from_json(cls, text: str) -> "Profile":
-        """The profile :meth:`to_json` wrote."""
-        data = json.loads(text)
-        for b in data["blocks"]:  # written before convolutions deferred too
-            if "linear_weights" in b:
-                b["deferred_weights"] = b.pop("linear_weights")
-        blocks = [BlockProfile(**{**b, "samples": [BlockSample(**s) for s in b["samples"]]}) for b in data.pop("blocks")]
-        data["link_bandwidth"] = float(data["link_bandwidth"])
-        return cls(blocks=blocks, **data)
 
 
 def _tensor_bytes(values: Sequence[Any]) -> int:
@@ -416,10 +261,6 @@ def _loss_of(module: nn.Module, microbatch: Any, out: tuple[Tensor, ...]) -> Ten
     return module.pipeline_loss(out[0] if len(out) == 1 else out, microbatch)
 
 
-def _median(samples: list[BlockSample]) -> BlockSample:
-    values = {f: statistics.median(getattr(s, f) for s in samples) for f in _FIELDS}
-    return _sample(samples[0].microbatch_size, values, samples[0])
-
 
 def profile_blocks(module: nn.Module, batch: Any, microbatch_sizes: Sequence[int], repeats: int = 3,
                    optimizer: Optional[Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = None,
@@ -523,7 +364,7 @@ def _profile_chain(blocks: list[nn.Module], start: Callable[[], tuple[Tensor, ..
         backward = [_timed_backward(blocks[i], pending[i][1], device) for i in reversed(range(len(pending)))][::-1]
         for i, ((x, forwarded, last), t_b) in enumerate(zip(pending, backward)):
             runs[i].append(_block_sample(blocks[i], x, first and i == 0, device, last, forwarded, t_b)[0])
-    samples = [dataclasses.replace(_median(measured[1:]), forward_workspace_bytes=fw, backward_workspace_bytes=bw, after_gradient_bytes=ag,
+    samples = [dataclasses.replace(median_sample(measured[1:]), forward_workspace_bytes=fw, backward_workspace_bytes=bw, after_gradient_bytes=ag,
                                    cold_backward_bytes=cold, input_grad_workspace_bytes=iw)
                for measured, (fw, bw, ag, cold), iw in zip(runs, workspace, input_grad_workspace)]  # fmt: skip
     if loss is not None:
@@ -587,35 +428,6 @@ def _profile_worker(rank: int, world: int, factory: Callable[[], nn.Module], bat
     return profile_blocks(module, batch, sizes, sync=dist.barrier, **options)
 
 
-def mean_profile(profiles: Sequence[Profile]) -> Profile:
-    """The profiles of one model taken by several processes at once, their times averaged.
-
-    Each time (a block's F, B, I and W at each size, the optimizer step, the executor's
-    overhead per action) is the mean over the processes; bytes and everything else are the
-    first profile's (the processes ran the same model on the same batch).
-
-    Raises:
-        ValueError: if there is no profile, or they differ in blocks or microbatch sizes.
-    """
-    if not profiles:
-        raise ValueError("mean_profile needs at least one profile")
-    first = profiles[0]
-    layout = [[s.microbatch_size for s in b.samples] for b in first.blocks]
-    for p in profiles[1:]:
-        if [[s.microbatch_size for s in b.samples] for b in p.blocks] != layout:
-            raise ValueError("profiles of different blocks or microbatch sizes cannot be averaged")
-    times = ("forward", "backward", "input_grad", "weight_grad")
-
-    def sample(b: int, k: int) -> BlockSample:
-        return dataclasses.replace(first.blocks[b].samples[k], **{
-            f: statistics.fmean(getattr(p.blocks[b].samples[k], f) for p in profiles) for f in times})  # fmt: skip
-
-    blocks = [dataclasses.replace(bp, samples=[sample(b, k) for k in range(len(bp.samples))]) for b, bp in enumerate(first.blocks)]
-    return dataclasses.replace(first, blocks=blocks, meta=dict(first.meta),
-                               optimizer_step=statistics.fmean(p.optimizer_step for p in profiles),
-                               action_overhead=statistics.fmean(p.action_overhead for p in profiles))  # fmt: skip
-
-
 def profile_concurrently(factory: Callable[[], nn.Module], batch: Any, microbatch_sizes: Sequence[int], processes: int,
                          threads: int = 1, timeout: float = 600.0, **options: Any) -> Profile:  # fmt: skip
     """:func:`profile_blocks` run at once in ``processes`` processes, as many as the job will run on
@@ -638,7 +450,7 @@ def profile_concurrently(factory: Callable[[], nn.Module], batch: Any, microbatc
     """
     if processes <= 1:
         return profile_blocks(factory(), batch, microbatch_sizes, **options)
-    from lightning_pipe.spawn import run_gloo
+    from lightning_pipe.runtime.spawn import run_gloo
 
     ran = run_gloo(_profile_worker, processes, factory, batch, list(microbatch_sizes), threads, options, timeout=timeout)
     failed = [f"rank {r}: {value}" for r, (status, value) in enumerate(ran) if status != "ok"]
@@ -731,215 +543,3 @@ def _optimizer_step_seconds(module: nn.Module, optimizer: Optional[Callable], de
         if sync is not None:
             sync()
         return statistics.median(_timed(opt.step, device)[0] for _ in range(repeats)), step_bytes
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _ping(nbytes: int, repeats: int, device: torch.device) -> float:
-    """Median seconds of one transfer between ranks 0 and 1 (half a round trip)."""
-    import torch.distributed as dist
-
-    t = torch.zeros(max(nbytes // 4, 1), device=device)
-    times = []
-    for _ in range(repeats + 1):
-        _synchronize(device)
-        start = time.perf_counter()
-        if dist.get_rank() == 0:
-            dist.send(t, 1)
-            dist.recv(t, 1)
-        elif dist.get_rank() == 1:
-            dist.recv(t, 0)
-            dist.send(t, 0)
-        _synchronize(device)
-        times.append((time.perf_counter() - start) / 2)
-        dist.barrier()
-    return statistics.median(times[1:])
-
-
-LOADED_GAP = 0.005  # seconds of compute between two transfers in the loaded link measurement
-
-
-def _link_worker(rank: int, world: int, small: int, large: int, repeats: int,
-                 device: torch.device = torch.device("cpu"), busy: float = LOADED_GAP) -> dict[str, float]:  # fmt: skip
-    """Latency, bandwidth and all-reduce bandwidth between this job's ranks, with tensors on
-    ``device`` (the backend's: NCCL moves CUDA tensors only); nothing to measure for one rank.
-    On CPU the latency and the sender's posting time are those of :func:`_loaded_hop` with
-    ``busy`` seconds of compute between transfers (0: between idle processes). Rank 0's result
-    is the measurement."""
-    import torch.distributed as dist
-
-    if world < 2:
-        return {}
-    t_small, t_large = _ping(small, repeats, device), _ping(large, repeats, device)
-    posting = _posting(large, repeats, device)
-    latency = exchange = t_small
-    bandwidth = (large - small) / max(t_large - t_small, 1e-9)
-    if device.type == "cpu" and busy > 0:
-        latency, posting = _loaded_hop(small, busy, 4 * repeats, device)
-        exchange = max(_exchange_hop(EXCHANGE_BYTES, busy, 4 * repeats, device) - EXCHANGE_BYTES / bandwidth, latency)
-    flat = torch.zeros(large // 4, device=device)
-    times = []
-    for _ in range(repeats + 1):
-        dist.barrier()
-        _synchronize(device)
-        start = time.perf_counter()
-        dist.all_reduce(flat)
-        _synchronize(device)
-        times.append(time.perf_counter() - start)
-    ring = 2 * (world - 1) / world * large  # bytes each rank moves in a ring all-reduce
-    return {"link_latency": latency, "link_bandwidth": bandwidth, "allreduce_bandwidth": ring / statistics.median(times[1:]),
-            "send_overhead": posting, "exchange_latency": exchange}  # fmt: skip
-
-
-def _compute_for(seconds: float, operands: tuple[Tensor, Tensor]) -> None:
-    """Multiply matrices for ``seconds`` (one rank's compute between two transfers)."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        torch.mm(*operands)
-
-
-def _loaded_hop(nbytes: int, busy: float, rounds: int, device: torch.device) -> tuple[float, float]:
-    """Median seconds one transfer of ``nbytes`` adds to a relay between ranks 0 and 1 that
-    compute for ``busy`` seconds between transfers, beyond the sender's posting of it (each
-    round's trip less that round's postings), and the median seconds the sender spends posting
-    it, as the executor sends and receives (the receive of the reply posted just before each
-    send, :meth:`~lightning_pipe.runtime.executor.Executor._post_next`, and counted in the
-    posting). Rank 0's result is the measurement.
-
-    Pipeline ranks compute between transfers. On a CPU host the processes share the cores with
-    the transport's threads, and a transfer posted right after computing costs more than
-    between idle processes (on the 2-core development machine, 2026-11-24: 0.45 ms per hop
-    after 2 ms of compute, 0.8 ms after 10 ms, 0.2 ms idle). The other ranks compute meanwhile,
-    as they would in a step.
-    """
-    import torch.distributed as dist
-
-    from lightning_pipe.runtime import p2p
-
-    rank, payload = dist.get_rank(), torch.zeros(max(nbytes // 4, 1), device=device)
-    operands = (torch.randn(128, 128, device=device), torch.randn(128, 128, device=device))
-    specs, peer = p2p.specs_of([payload]), 1 - rank
-    incoming = p2p.Incoming(peer, device, specs) if rank == 1 else None  # rank 1 receives first
-    trips, posts = [], []
-    dist.barrier()
-    for _ in range(rounds + 1):
-        start = time.perf_counter()
-        if rank == 1:
-            incoming.wait()  # type: ignore[union-attr]
-        _compute_for(busy, operands)
-        if rank < 2:
-            posted = time.perf_counter()
-            incoming = p2p.Incoming(peer, device, specs)
-            transfer = p2p.send_tensors([payload], peer, device, posted=specs)
-            posts.append(time.perf_counter() - posted)
-        if rank == 0:
-            incoming.wait()  # type: ignore[union-attr]
-            trips.append(time.perf_counter() - start)
-        if rank < 2:
-            transfer.wait()
-    if rank == 0:  # rank 1's last receive is for a message that never came: rank 0 sends one more
-        p2p.send_tensors([payload], peer, device, posted=specs).wait()
-    elif rank == 1:
-        incoming.wait()  # type: ignore[union-attr]
-    if rank == 1:
-        dist.send(torch.tensor(posts, dtype=torch.float64), 0)
-    if rank != 0:
-        return 0.0, statistics.median(posts[1:]) if posts else 0.0
-    theirs = torch.zeros(len(posts), dtype=torch.float64)
-    dist.recv(theirs, 1)
-    # Each round's trip less its own compute and both postings, so that a slow posting (a busy
-    # host) cancels against the trip it lengthened instead of against another round's.
-    hops = [(trip - 2 * busy - mine - other) / 2 for trip, mine, other in zip(trips[1:], posts[1:], theirs.tolist()[1:])]
-    return max(statistics.median(hops), 0.0), statistics.median(posts[1:])
-
-
-#: Bytes of the message each rank sends in the exchange measurement (a GPT example activation is 128-256 KiB).
-EXCHANGE_BYTES = 128 * 2**10
-
-
-def _exchange_hop(nbytes: int, busy: float, rounds: int, device: torch.device) -> float:
-    """Median seconds a message of ``nbytes`` takes to arrive when ranks 0 and 1 compute for
-    ``busy`` seconds, then send each other one at once and wait for the other's, as the
-    executor sends and receives; from the sender's posting to the receiver having it (one
-    clock for the processes of a host). Rank 0's result is the measurement.
-
-    On the 2-core development machine under gloo such a message arrives 1.7-2.7 ms after its
-    send (median; 128-256 KiB, 2026-11-25), where one sent to a waiting rank takes 0.1-0.2 ms:
-    a pipeline whose ranks send each other at the same moment (1F1B's steady state with many
-    microbatches, interleaved 1F1B) waits that long for each such message
-    (:class:`~lightning_pipe.simulate.Exchange`)."""
-    import torch.distributed as dist
-
-    from lightning_pipe.runtime import p2p
-
-    rank, payload = dist.get_rank(), torch.zeros(max(nbytes // 4, 1), device=device)
-    operands = (torch.randn(128, 128, device=device), torch.randn(128, 128, device=device))
-    specs, peer = p2p.specs_of([payload]), 1 - rank
-    sent, arrived = [], []
-    for _ in range(rounds + 1):  # the other ranks compute meanwhile
-        dist.barrier()
-        _compute_for(busy, operands)
-        if rank >= 2:
-            continue
-        sent.append(time.time())
-        incoming = p2p.Incoming(peer, device, specs)  # as the executor: posted just before the send to that peer
-        transfer = p2p.send_tensors([payload], peer, device, posted=specs)
-        incoming.wait()
-        arrived.append(time.time())
-        transfer.wait()
-    if rank == 1:
-        dist.send(torch.tensor(sent, dtype=torch.float64), 0)
-        dist.send(torch.tensor(arrived, dtype=torch.float64), 0)
-    if rank != 0:
-        return 0.0
-    their_sent, their_arrived = torch.zeros(len(sent), dtype=torch.float64), torch.zeros(len(sent), dtype=torch.float64)
-    dist.recv(their_sent, 1)
-    dist.recv(their_arrived, 1)
-    delays = [a - s for a, s in zip(arrived[1:], their_sent.tolist()[1:])] + [a - s for a, s in zip(their_arrived.tolist()[1:], sent[1:])]
-    return max(statistics.median(delays), 0.0)
-
-
-def _posting(nbytes: int, repeats: int, device: torch.device) -> float:
-    """Median seconds rank 0 spends posting one transfer of ``nbytes`` to rank 1 as the executor
-    does once the link's shapes are known (:func:`~lightning_pipe.runtime.p2p.send_tensors`:
-    one message, header and tensor packed), not counting its delivery."""
-    import torch.distributed as dist
-
-    from lightning_pipe.runtime import p2p
-
-    t = torch.zeros(max(nbytes // 4, 1), device=device)
-    specs, times = p2p.specs_of([t]), []
-    for _ in range(repeats + 1):
-        dist.barrier()
-        if dist.get_rank() == 0:
-            start = time.perf_counter()
-            transfer = p2p.send_tensors([t], 1, device, posted=specs)
-            times.append(time.perf_counter() - start)
-            transfer.wait()
-        elif dist.get_rank() == 1:
-            p2p.Incoming(0, device, specs).wait()
-    return statistics.median(times[1:]) if times else 0.0
-
-
-def _threaded_link_worker(rank: int, world: int, threads: int, *args: Any) -> dict[str, float]:
-    torch.set_num_threads(threads)
-    return _link_worker(rank, world, *args)
-
-
-def profile_links(world: int = 2, small: int = 1024, large: int = 8 * 2**20, repeats: int = 5, threads: int = 1,
-                  busy: float = LOADED_GAP) -> dict[str, float]:  # fmt: skip
-    """Measure this machine's transfers between local gloo processes: latency (a small message,
-    between processes that compute ``busy`` seconds between transfers on ``threads`` torch
-    threads each, as the job's ranks will), the latency of a message in an exchange (two ranks
-    that compute, then send each other one at once), bandwidth (the slope to a large one) and
-    the bandwidth of a ring all-reduce over ``world``."""
-    from lightning_pipe.spawn import run_gloo
-
-    status, value = run_gloo(_threaded_link_worker, world, threads, small, large, repeats, torch.device("cpu"), busy,
-                             timeout=120.0)[0]  # fmt: skip
-    if status != "ok":
-        raise RuntimeError(f"link profiling failed: {value}")
-    return value

@@ -1,0 +1,254 @@
+"""Per-stage costs of a plan from a profile: seconds and bytes of each stage, each action's cost, the batch and gradient sets a rank holds."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional, Sequence
+
+from lightning_pipe.core.pipeline_plan import PipelinePlan
+from lightning_pipe.planning.profile import BlockProfile, BlockSample, Profile
+from lightning_pipe.runtime.buckets import DEFAULT_BUCKET_BYTES
+from lightning_pipe.schedules import Action, Kind
+from lightning_pipe.core.partition import balanced
+
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """One stage's per-microbatch costs at one microbatch size (seconds, bytes)."""
+
+    forward: float
+    backward: float
+    input_grad: float
+    weight_grad: float
+    stash_bytes: int  # what autograd saves for one microbatch's backward
+    input_bytes: int  # the stage input kept for that backward (and received from the previous stage)
+    output_bytes: int  # what the stage sends to the next one
+    weight_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    unsaved_output_bytes: int = 0  # of the output, what autograd does not save anyway
+    forward_workspace_bytes: int = 0  # the largest block's temporaries during its forward
+    backward_workspace_bytes: int = 0  # the largest block's temporaries during its backward
+    first_backward_bytes: int = 0  # one microbatch's saved tensors and the gradients during the step's first backward (a recomputed last stage: after the loss's backward)
+    captured_bytes: int = 0  # split backward: the gradients one microbatch's I captures for its W
+    backward_excess_bytes: Optional[int] = None  # a full backward's peak over the microbatch's saved tensors, blocks freeing theirs as it goes (None: the largest block's temporaries)
+    loss_bytes: int = 0  # the last stage: one microbatch's loss, kept until its backward (and the step's running sum)
+    loss_saved_bytes: int = 0  # the last stage: what the loss saves for backward (part of stash_bytes; kept outside a recomputed stage)
+    optimizer_step_bytes: int = 0  # the temporaries of the stage's optimizer step
+    frees_graph_at_input_grad: bool = False  # split backward defers its linear and convolution weight gradients: I frees the graph (runtime/autograd/deferred_weights.py)
+    input_grad_workspace_bytes: int = 0  # a deferring I's peak temporaries, the later blocks' kept tensors and its incoming gradient with them (_input_grad_peak)
+
+
+def _backward_peaks(samples: Sequence[BlockSample], grads: Sequence[int], bucket_cap: int = 0, last_incoming: int = 0) -> tuple[int, int]:
+    """Peaks of one microbatch's backward through the blocks, last to first: the step's first
+    backward, while the gradients appear, and a later one beyond the microbatch's saved tensors.
+
+    While block ``j``'s backward runs: the saved tensors of blocks ``0..j`` (the blocks after it
+    have freed theirs), the gradient it starts from, and its temporaries; in the first backward
+    also the gradients of the blocks after it and its own as they appear. With replicas
+    (``bucket_cap`` > 0) a gradient moves into its all-reduce bucket's flat buffer, made whole at
+    the bucket's first gradient (runtime/buckets.py, :func:`bucketed_bytes`): until block ``j``
+    accumulates its first weight gradient the buckets are those of the blocks after it; from then
+    on they hold its gradients too, beside what the block still holds then
+    (``after_gradient_bytes``, profiled: autograd frees a node's saved tensors before
+    accumulating its gradients) and the saved tensors of blocks ``0..j-1``. A later backward
+    finds every gradient there: a block with large temporaries early in the stage adds less
+    than the same block last."""
+    inner = [0] + [max(b.saved_input_bytes - a.saved_output_bytes, 0) for a, b in zip(samples, samples[1:])]
+    saved = [0] + list(itertools.accumulate(x.saved_bytes + i for x, i in zip(samples, inner)))  # saved[j + 1]: blocks 0..j
+    after = list(itertools.accumulate(reversed(grads)))[::-1] + [0]  # after[j]: gradients of blocks j..
+    # The gradient a block's backward starts from, until it is consumed: the next block's input gradient
+    # (the stage's last block starts from the loss, or from a received gradient counted with the stage,
+    # or ``last_incoming``: the gradient the loss's backward gave it).
+    incoming = [x.output_bytes for x in samples[:-1]] + [last_incoming]
+    excess = max(saved[j + 1] + incoming[j] + x.backward_workspace_bytes for j, x in enumerate(samples)) - saved[-1]
+    if bucket_cap <= 0:  # each block's gradients appear as it runs and stay (profiled cold), or all at once, at most
+        cold = [x.cold_backward_bytes or grads[j] + x.backward_workspace_bytes for j, x in enumerate(samples)]
+        return max(saved[j + 1] + after[j + 1] + incoming[j] + cold[j] for j in range(len(samples))), excess
+    held = [bucketed_bytes(c, after[0], bucket_cap) for c in after]
+    peaks = []
+    for j, x in enumerate(samples):
+        peaks.append(saved[j + 1] + held[j + 1] + incoming[j] + x.backward_workspace_bytes)  # before its first weight gradient
+        if grads[j] and x.after_gradient_bytes:
+            peaks.append(saved[j] + inner[j] + held[j] + x.after_gradient_bytes)
+        elif grads[j]:  # not profiled: everything the block holds beside its gradients' buckets
+            peaks.append(saved[j + 1] + held[j] + incoming[j] + x.backward_workspace_bytes)
+    return max(peaks), excess
+
+
+def _recomputed(samples: Sequence[BlockSample]) -> tuple[list[BlockSample], int]:
+    """A recomputed last stage's blocks as its backward finds them, and the gradient its last
+    block starts from: the loss runs outside the recomputation, so its backward has run, freed
+    what it saved and left the gradient of the stage output before the blocks are recomputed."""
+    x = samples[-1]
+    alone = dataclasses.replace(x, saved_bytes=x.saved_bytes - x.loss_saved_bytes, backward_workspace_bytes=x.block_backward_workspace_bytes,
+                                after_gradient_bytes=x.block_after_gradient_bytes, cold_backward_bytes=x.block_cold_backward_bytes)  # fmt: skip
+    return [*samples[:-1], alone], x.output_bytes
+
+
+def bucketed_bytes(computed: int, total: int, bucket_cap: int) -> int:
+    """Gradient bytes a stage holds once ``computed`` of its ``total`` exist, in buckets of at most
+    ``bucket_cap`` bytes, each made whole at its first gradient. Buckets fill whole parameters
+    from the last one back, so the ones begun are every one passed plus the current one, whose
+    rest is under ``bucket_cap``: an upper bound, exact while the stage's gradients fit one bucket."""
+    return min(total, computed + bucket_cap) if computed > 0 else 0
+
+
+def step_bytes(profile: Profile, blocks: Iterable[BlockProfile]) -> int:
+    """Temporaries of one optimizer step over ``blocks``' parameters (see ``Profile.step_bytes_add_up``)."""
+    sizes = [b.optimizer_step_bytes for b in blocks]
+    if not sizes:
+        return 0
+    return sum(sizes) if profile.step_bytes_add_up else max(sizes)
+
+
+def _inner_inputs(samples: Sequence[BlockSample]) -> int:
+    """Saved bytes of the inputs of a stage's inner blocks, each boundary tensor counted once
+    (the previous block may have saved its output, the same tensor, already)."""
+    return sum(max(b.saved_input_bytes - a.saved_output_bytes, 0) for a, b in zip(samples, samples[1:]))
+
+
+def _input_grad_peak(samples: Sequence[BlockSample]) -> int:
+    """A deferring I's peak beyond the stage's graph: it runs the blocks last to first, so while
+    one runs, what each later block kept for W is already held, and so is the gradient of the
+    block's output unless the block is the stage's last (the stage's model counts that one). The
+    model still counts the later blocks' whole graph, so this errs high by what they saved."""
+    kept_after, peak = 0, 0
+    for i in reversed(range(len(samples))):
+        incoming = samples[i].output_bytes if i < len(samples) - 1 else 0  # as in _backward_peaks
+        peak = max(peak, samples[i].input_grad_workspace_bytes + kept_after + incoming)
+        kept_after += samples[i].captured_bytes
+    return peak
+
+
+def range_costs(profile: Profile, blocks: range, microbatch_size: int, recompute: bool = False,
+                samples: Optional[Sequence[BlockSample]] = None, bucket_cap: int = 0) -> StageCosts:  # fmt: skip
+    """The profiled costs of blocks ``blocks`` run as one stage at ``microbatch_size`` (``samples``:
+    every block already at that size, to save the interpolation; ``bucket_cap``: the most bytes
+    of one replica all-reduce bucket, 0 without replicas)."""
+    mine = [samples[i] if samples is not None else profile.blocks[i].at(microbatch_size) for i in blocks]
+    states = [profile.blocks[i] for i in blocks]
+    first = blocks.start
+    # A full backward's blocks (with recompute on the last stage, as the loss's backward leaves them; profiled since loss_bytes).
+    backward, incoming = _recomputed(mine) if recompute and mine[-1].loss_bytes else (mine, 0)
+    first_backward, excess = _backward_peaks(backward, [b.gradient_bytes for b in states], bucket_cap, incoming)
+    return StageCosts(
+        forward=sum(x.forward for x in mine),
+        backward=sum(x.backward + (x.recompute if recompute else 0.0) for x in mine),
+        input_grad=sum(x.input_grad for x in mine),
+        weight_grad=sum(x.weight_grad for x in mine),
+        stash_bytes=sum(x.saved_bytes for x in mine) + _inner_inputs(mine),
+        input_bytes=((samples[first - 1] if samples is not None else profile.blocks[first - 1].at(microbatch_size)).output_bytes if first > 0
+                     else int(profile.input_bytes_per_sample * microbatch_size)),
+        output_bytes=mine[-1].output_bytes,
+        unsaved_output_bytes=mine[-1].output_bytes - mine[-1].saved_output_bytes,
+        weight_bytes=sum(b.parameter_bytes for b in states),
+        gradient_bytes=sum(b.gradient_bytes for b in states),
+        optimizer_bytes=sum(b.optimizer_bytes for b in states),
+        forward_workspace_bytes=max(x.forward_workspace_bytes for x in mine),
+        backward_workspace_bytes=max(x.backward_workspace_bytes for x in mine),
+        first_backward_bytes=first_backward,
+        captured_bytes=sum(x.captured_bytes for x in mine),
+        backward_excess_bytes=excess,
+        loss_bytes=mine[-1].loss_bytes,
+        loss_saved_bytes=mine[-1].loss_saved_bytes,
+        optimizer_step_bytes=step_bytes(profile, states),
+        input_grad_workspace_bytes=_input_grad_peak(mine),
+        # As the executor decides: a stage with an input gradient whose matrices are all linear, convolution or embedding weights.
+        frees_graph_at_input_grad=first > 0 and any(b.deferred_weights for b in states) and not any(b.other_matrices for b in states),
+    )  # fmt: skip
+
+
+def stage_costs(profile: Profile, plan: PipelinePlan, microbatch_size: int,
+                samples: Optional[Sequence[BlockSample]] = None) -> list[StageCosts]:  # fmt: skip
+    """Sum the profiled blocks of every stage of ``plan`` (partition resolved) at ``microbatch_size``
+    (``samples``: every block already at that size, as :meth:`RangeCosts.samples` keeps them)."""
+    cap = bucket_cap(plan)
+    return [range_costs(profile, rng, microbatch_size, plan.recompute[s], samples, cap) for s, rng in enumerate(plan.stage_ranges())]
+
+
+def bucket_cap(plan: PipelinePlan) -> int:
+    """Most bytes of a bucket a stage's gradients are averaged in over its replicas, 0 without
+    replicas. The engine's default, DDP's 25 MiB: the model does not see ``bucket_cap_mb``; a
+    larger cap can hold more than predicted at a first backward, ``0`` (one all-reduce after
+    the backward) holds less."""
+    return DEFAULT_BUCKET_BYTES if plan.width > 1 else 0
+
+
+def _transfer(profile: Profile, nbytes: int) -> float:
+    return profile.link_latency + nbytes / profile.link_bandwidth
+
+
+def action_cost(profile: Profile, plan: PipelinePlan, stages: Sequence[StageCosts]) -> Callable[[Action], float]:
+    """Seconds of each action of ``plan``'s program: compute from the profile (plus the executor's
+    measured overhead per action), sends the time to post them, receives from the link
+    (latency + bytes / bandwidth), the all-reduce from the replicas' ring, the step by weight share."""
+    total_weights = sum(s.weight_bytes for s in stages) or 1
+
+    compute = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.INPUT_GRAD: "input_grad", Kind.WEIGHT_GRAD: "weight_grad"}
+
+    def cost(a: Action) -> float:
+        st = stages[a.stage]
+        if a.kind in compute:
+            return getattr(st, compute[a.kind]) + profile.action_overhead
+        if a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
+            return profile.send_overhead
+        if a.kind is Kind.RECV_ACT:
+            return _transfer(profile, st.input_bytes)
+        if a.kind is Kind.RECV_GRAD:
+            return _transfer(profile, st.output_bytes)
+        if a.kind is Kind.ALL_REDUCE and plan.width > 1 and profile.allreduce_bandwidth:
+            return 2 * (plan.width - 1) / plan.width * st.gradient_bytes / profile.allreduce_bandwidth
+        if a.kind is Kind.OPTIMIZER_STEP:
+            return profile.optimizer_step * st.weight_bytes / total_weights
+        return 0.0
+
+    return cost
+
+
+def weight_versions(plan: PipelinePlan) -> int:
+    """Weight versions the plan's schedule keeps alive."""
+    return 2 if plan.schedule == "2bw" else 1
+
+
+#: The step's loss every rank holds during a training step (a float32 scalar, runtime/engine.py).
+STEP_LOSS_BYTES = 4
+
+
+def batch_bytes(profile: Profile, plan: PipelinePlan, microbatch_size: int) -> int:
+    """Bytes of the batch a rank holds: its replica's (``m * b`` samples), or the whole global batch
+    when every rank loads it (``profile.loads_global_batch``); and the step's loss."""
+    replicas = plan.width if profile.loads_global_batch else 1
+    return int(profile.batch_bytes_per_sample * plan.microbatches * microbatch_size * replicas) + STEP_LOSS_BYTES
+
+
+def gradient_sets(profile: Profile, plan: PipelinePlan, stage: int) -> int:
+    """Batches' gradients ``stage`` holds at once: 2 under 2BW, except on the first stage, which
+    steps right after its all-reduce unless weights are tied across stages (schedules/two_bw.py;
+    unknown ties, ``profile.shared_blocks is None``, count as tied)."""
+    if plan.schedule != "2bw":
+        return 1
+    if stage > 0 or plan.depth == 1 or profile.shared_blocks is None:
+        return 2
+    stage_of = {b: s for s, blocks in enumerate(plan.stage_ranges()) for b in blocks}
+    tied = any(len({stage_of[b] for b in group}) > 1 for group in profile.shared_blocks)
+    return 2 if tied else 1
+
+
+def traffic(profile: Profile, plan: PipelinePlan, microbatch_size: int) -> tuple[float, float]:
+    """Bytes one step moves (pipeline, replicas): activations forward and gradients backward
+    across every stage boundary of a pipeline, and the ring all-reduce of every stage's gradients."""
+    costs = stage_costs(profile, plan, microbatch_size)
+    pipeline = sum(2 * plan.microbatches * st.output_bytes for st in costs[:-1])
+    replicas = sum(2 * (plan.width - 1) / plan.width * st.gradient_bytes for st in costs)
+    return pipeline, replicas
+
+
+def time_balanced(profile: Profile, depth: int, microbatch_size: int) -> tuple[int, ...]:
+    """Contiguous partition minimising the slowest stage's profiled F + B time."""
+    samples = [b.at(microbatch_size) for b in profile.blocks]
+    return tuple(balanced([s.forward + s.backward for s in samples], depth))
+

@@ -1,0 +1,153 @@
+"""Predicted step time (the simulator over the plan's real program) and peak memory per pipeline rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from lightning_pipe.core.pipeline_plan import PipelinePlan
+from lightning_pipe.planning.profile import BlockSample, Profile
+from lightning_pipe.schedules import Action, Kind
+from lightning_pipe.schedules.simulate import Exchange
+from lightning_pipe.planning.costs import StageCosts, action_cost, batch_bytes, gradient_sets, stage_costs, step_bytes, traffic, weight_versions
+from lightning_pipe.planning.memory import HeldCounts, rank_peak_bytes, stage_peak_bytes
+from lightning_pipe.planning.programs import compiled_program, held, moments, program_key
+
+
+
+#: What keeps a CPU core busy: compute and the optimizer step.
+_CPU_KINDS = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.INPUT_GRAD, Kind.WEIGHT_GRAD, Kind.OPTIMIZER_STEP})
+
+
+def exchange(profile: Profile) -> Optional[Exchange]:
+    """What a message two ranks send each other at once costs beyond any other, from the
+    profile's links (``None`` where its exchange latency is not above its link latency)."""
+    extra = profile.exchange_latency - profile.link_latency
+    return Exchange(profile.exchange_latency, extra) if extra > 0 else None
+
+
+def step_time(plan: PipelinePlan, cost: Callable[[Action], float], cores: Optional[int] = None,
+              exchange: Optional[Exchange] = None) -> float:  # fmt: skip
+    """Seconds of one step of ``plan``'s program under ``cost`` (the simulator's makespan, on the
+    program compiled once). 2BW never flushes: its step is one steady-state window, the
+    difference of runs of 3 and 2 windows.
+
+    ``cores``: the job's processes share this many CPU cores (one host, CPU device); a step then
+    takes at least the compute of every rank of every replica divided by the cores (processes
+    that all compute at once share the cores: 4 data-parallel ranks on 2 cores run at half speed).
+    ``exchange``: charge the messages two ranks send each other at once more (:func:`exchange`)."""
+    if plan.schedule == "2bw":
+        longer, shorter = compiled_program(*program_key(plan, 3)), compiled_program(*program_key(plan, 2))
+        long_costs, short_costs = longer.costs_from(cost), shorter.costs_from(cost)
+        seconds = longer.makespan(long_costs, exchange) - shorter.makespan(short_costs, exchange)
+        busy = longer.busy(long_costs, _CPU_KINDS) - shorter.busy(short_costs, _CPU_KINDS)
+    else:
+        compiled = compiled_program(*program_key(plan, 1))
+        costs = compiled.costs_from(cost)
+        seconds, busy = compiled.makespan(costs, exchange), compiled.busy(costs, _CPU_KINDS)
+    return max(seconds, plan.width * busy / cores) if cores else seconds
+
+
+def predict_step(profile: Profile, plan: PipelinePlan, microbatch_size: int,
+                 costs: Optional[Sequence[StageCosts]] = None) -> tuple[float, list[HeldCounts]]:  # fmt: skip
+    """Predicted seconds of one training step (:func:`step_time`), and the microbatches each stage
+    holds (:func:`held`; empty for an interleaved plan, whose ranks have :func:`moments`).
+    ``costs``: the plan's :func:`stage_costs`, if already summed."""
+    cost = action_cost(profile, plan, costs if costs is not None else stage_costs(profile, plan, microbatch_size))
+    return step_time(plan, cost, profile.cores, exchange(profile)), (held(plan) if plan.virtual_stages == 1 else [])
+
+
+def predict_memory(profile: Profile, plan: PipelinePlan, microbatch_size: int, held: Sequence[HeldCounts],
+                   costs: Optional[Sequence[StageCosts]] = None) -> list[int]:  # fmt: skip
+    """Predicted peak tensor bytes of every pipeline rank: of its stage
+    (:func:`~lightning_pipe.planning.memory.stage_peak_bytes` over ``held``), or of an interleaved
+    rank's stages together (:func:`~lightning_pipe.planning.memory.rank_peak_bytes` over :func:`moments`).
+    ``costs``: the plan's :func:`stage_costs`, if already summed."""
+    costs = costs if costs is not None else stage_costs(profile, plan, microbatch_size)
+    versions, batch = weight_versions(plan), batch_bytes(profile, plan, microbatch_size)
+    last = len(costs) - 1
+    if plan.virtual_stages > 1:
+        ranges = plan.stage_ranges()
+        return [rank_peak_bytes([costs[s] for s in mine], walked, [plan.recompute[s] for s in mine], [s == 0 for s in mine],
+                                [s == last for s in mine], batch, plan.width > 1, _all_split(plan),
+                                step_bytes(profile, [profile.blocks[i] for s in mine for i in ranges[s]])) + profile.device_bytes
+                for mine, walked in zip(map(plan.stages_of, range(plan.depth)), moments(plan))]  # fmt: skip
+    return [stage_peak_bytes(st, held[s], versions, plan.recompute[s], s == 0, s == last, batch, gradient_sets(profile, plan, s),
+                             _all_split(plan)) + profile.device_bytes for s, st in enumerate(costs)]  # fmt: skip
+
+
+def _all_split(plan: PipelinePlan) -> bool:
+    """Whether every backward of the plan's program is split (so no forward keeps the loss's graph
+    beside a recomputed last stage); "drain" keeps its earlier backwards whole."""
+    return plan.split_backward and plan.split_placement != "drain"
+
+
+def orient(profile: Profile, plan: PipelinePlan, microbatch_size: int, ranks_per_node: int) -> PipelinePlan:
+    """``plan`` with its heavier traffic on neighbouring ranks, which share a node (seed 000,
+    section 3.3: "stage replicas can be placed on the same server so that expensive all-reduce
+    updates are between GPUs on the same server"; here whichever traffic is larger stays there)."""
+    if plan.world_size <= ranks_per_node:
+        return plan.replace(inner="pp")
+    pipeline, replicas = traffic(profile, plan, microbatch_size)
+    return plan.replace(inner="pp" if pipeline >= replicas else "dp")
+
+
+def appendix_a_time(t_comp: Sequence[float], t_comm_in: Sequence[float], t_comm_dp: Sequence[float],
+                    m: int, c_extra: float = 1.0) -> float:  # fmt: skip
+    """Seconds per microbatch with pipelining (A.1.1):
+    ``t = max_i max(c_extra * T_comp_i + sum_j T_comm_{j->i}, T_comm_i / m(b))``."""
+    return max(max(c_extra * tc + ti, td / m) for tc, ti, td in zip(t_comp, t_comm_in, t_comm_dp))
+
+
+def appendix_a_memory(weights: float, activations_total: float, activations_input: float, d: int, recompute: bool) -> float:
+    """2BW footprint of a stage (A.1.2): ``2|W|/d + d|A_total(b)|/d + d|A_input(b)|``, or with
+    recomputation ``2|W|/d + |A_total(b)|/d + d|A_input(b)|``."""
+    versions = 1 if recompute else d
+    return 2 * weights / d + versions * activations_total / d + d * activations_input
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One candidate plan with its predicted step time and peak memory per pipeline rank (its
+    stage's, or under interleaving its stages' together)."""
+
+    plan: PipelinePlan
+    microbatch_size: int
+    step_time: float
+    stage_memory: tuple[int, ...]
+    memory_limit: Optional[float] = None
+
+    @property
+    def feasible(self) -> bool:
+        """Whether every stage fits the memory limit."""
+        return self.memory_limit is None or max(self.stage_memory) <= self.memory_limit
+
+    @property
+    def samples_per_second(self) -> float:
+        """Predicted throughput over all replicas."""
+        return self.plan.width * self.plan.microbatches * self.microbatch_size / self.step_time
+
+    def why_infeasible(self) -> str:
+        """Which stage exceeds the budget and by how much ('' if none)."""
+        if self.feasible:
+            return ""
+        r = max(range(len(self.stage_memory)), key=lambda i: self.stage_memory[i])
+        over = self.stage_memory[r] - (self.memory_limit or 0)
+        where = f"stage {r}" if self.plan.virtual_stages == 1 else f"rank {r} (stages {', '.join(map(str, self.plan.stages_of(r)))})"
+        return f"{where} needs {_size(self.stage_memory[r])}, {_size(over)} over the budget"
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def predict(profile: Profile, plan: PipelinePlan, microbatch_size: int, memory_limit: Optional[float] = None,
+            samples: Optional[Sequence[BlockSample]] = None) -> Prediction:  # fmt: skip
+    """Predicted step time and memory of one resolved plan at ``microbatch_size`` (``samples``: every
+    block already at that size, see :func:`stage_costs`)."""
+    costs = stage_costs(profile, plan, microbatch_size, samples)
+    seconds, peaks = predict_step(profile, plan, microbatch_size, costs)
+    return Prediction(plan, microbatch_size, seconds, tuple(predict_memory(profile, plan, microbatch_size, peaks, costs)), memory_limit)

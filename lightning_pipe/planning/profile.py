@@ -1,0 +1,203 @@
+"""Block profiles as data: per-block samples at each microbatch size, the host's link costs, and their JSON form."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional, Sequence
+
+
+
+
+
+@dataclass
+class BlockSample:
+    """One block measured at one microbatch size (seconds and bytes per microbatch)."""
+
+    microbatch_size: int
+    forward: float
+    backward: float
+    input_grad: float
+    weight_grad: float
+    saved_bytes: int  # what autograd saves, the block's own input and parameters excluded
+    output_bytes: int
+    saved_input_bytes: int = 0  # of the block's input, if autograd saves it
+    saved_output_bytes: int = 0  # of the block's output, if autograd saves it (part of saved_bytes)
+    forward_workspace_bytes: int = 0  # peak temporaries of its forward (see ``_workspace``)
+    backward_workspace_bytes: int = 0  # peak temporaries of its backward
+    captured_bytes: int = 0  # gradients split backward's I captures for the block's W (held until W)
+    input_grad_workspace_bytes: int = 0  # peak temporaries of its I where it defers its weight gradients (see ``_input_grad_workspace``)
+    after_gradient_bytes: int = 0  # peak bytes alive from its backward's first weight-gradient accumulation on (see ``_workspace``)
+    cold_backward_bytes: int = 0  # peak temporaries and new gradients of its backward when no gradient exists before it
+    loss_saved_bytes: int = 0  # the last block: what the loss saves for its backward (part of saved_bytes; outside a recomputed stage)
+    loss_bytes: int = 0  # the last block: the loss itself, kept until the microbatch's backward (the same at every size)
+    # The last block's backward alone, the loss's left out (as above): a recomputed last stage runs the loss's backward first.
+    block_backward_workspace_bytes: int = 0
+    block_after_gradient_bytes: int = 0
+    block_cold_backward_bytes: int = 0
+
+    @property
+    def recompute(self) -> float:
+        """Extra seconds recomputation adds to a backward: one more forward."""
+        return self.forward
+
+
+@dataclass
+class BlockProfile:
+    """A block's samples at two or more microbatch sizes, and the bytes of its weights and their state."""
+
+    name: str
+    samples: list[BlockSample]
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    optimizer_step_bytes: int = 0  # the temporaries of an optimizer step over the block's parameters
+    deferred_weights: bool = False  # it holds a trainable nn.Linear or nn.Conv1d/2d/3d (split backward defers their weight gradients)
+    other_matrices: bool = False  # it holds a trainable matrix that is no linear, convolution or embedding weight (it cannot)
+
+    def at(self, size: int) -> BlockSample:
+        """Every field at microbatch ``size``: linear in ``size`` through the two nearest samples (seed 000,
+        Appendix A, models T_comp(b) and |A(b)| as functions of the microbatch size)."""
+        by_size = {s.microbatch_size: s for s in self.samples}  # one per size: a line needs two sizes
+        pts = [by_size[b] for b in sorted(by_size)]
+        if len(pts) == 1:
+            return _scaled(pts[0], size)
+        lo, hi = (pts[0], pts[1]) if size <= pts[0].microbatch_size else (pts[-2], pts[-1])
+        for a, b in zip(pts, pts[1:]):
+            if a.microbatch_size <= size <= b.microbatch_size:
+                lo, hi = a, b
+        return _interpolate(lo, hi, size)
+
+
+_FIELDS = ("forward", "backward", "input_grad", "weight_grad", "saved_bytes", "output_bytes", "saved_input_bytes",
+           "saved_output_bytes", "forward_workspace_bytes", "backward_workspace_bytes", "captured_bytes", "after_gradient_bytes",
+           "cold_backward_bytes", "loss_saved_bytes", "block_backward_workspace_bytes", "block_after_gradient_bytes",
+           "block_cold_backward_bytes", "input_grad_workspace_bytes")
+
+
+def _sample(size: int, values: dict[str, float], like: BlockSample) -> BlockSample:
+    """A sample at ``size`` of these ``_FIELDS`` values, ``like``'s in every field that does not depend on the size."""
+    return BlockSample(size, **{f: int(v) if f.endswith("bytes") else v for f, v in values.items()}, loss_bytes=like.loss_bytes)  # type: ignore[arg-type]
+
+
+def _interpolate(lo: BlockSample, hi: BlockSample, size: int) -> BlockSample:
+    t = (size - lo.microbatch_size) / (hi.microbatch_size - lo.microbatch_size)
+    values = {f: max(getattr(lo, f) + t * (getattr(hi, f) - getattr(lo, f)), 0.0) for f in _FIELDS}
+    return _sample(size, values, lo)
+
+
+def _scaled(sample: BlockSample, size: int) -> BlockSample:
+    r = size / sample.microbatch_size
+    values = {f: getattr(sample, f) * r for f in _FIELDS}
+    return _sample(size, values, sample)
+
+
+def median_sample(samples: list[BlockSample]) -> BlockSample:
+    """The field-wise median of ``samples`` (all at one microbatch size)."""
+    values = {f: statistics.median(getattr(s, f) for s in samples) for f in _FIELDS}
+    return _sample(samples[0].microbatch_size, values, samples[0])
+
+
+@dataclass
+class Profile:
+    """What the planner needs to predict any layout: every block's profile, plus the machine's links.
+
+    Attributes:
+        blocks: one profile per block of the chain, in order.
+        optimizer_step: seconds of one optimizer step over the whole model (split by weight bytes).
+        action_overhead: seconds the executor adds to each forward or backward action beyond its
+            blocks' own time (dispatch, stash accounting, the loss), measured on a one-stage run.
+        input_bytes_per_sample: bytes per sample that ``pipeline_inputs`` allocates (views of the
+            batch are free); stage 0 keeps them for backward.
+        batch_bytes_per_sample: bytes of the whole batch per sample (every rank of a pipeline holds
+            its replica's batch during the step).
+        link_latency: seconds of a point-to-point transfer of an empty message (on CPU measured
+            between processes that compute between transfers, as pipeline ranks do, see
+            :func:`profile_links`).
+        link_bandwidth: bytes per second of a point-to-point transfer.
+        allreduce_bandwidth: bytes per second of a gradient all-reduce across replicas (0: unknown).
+        exchange_latency: seconds a message takes to arrive when the two ranks of a link send
+            each other at once, beyond its bytes' time (on a CPU host under gloo milliseconds,
+            where :attr:`link_latency` is a tenth of one; see :func:`profile_links`); 0: not
+            measured, charged as any message.
+        send_overhead: seconds a rank spends posting one transfer (header and payload sends;
+            the transfer itself goes on while it computes), charged to each send action; on CPU
+            measured right after computing, as :attr:`link_latency`.
+        loads_global_batch: every rank loads the whole global batch and trains on its replica's
+            rows (``PipelineStrategy.enable_reconfiguration``), so holds all of it.
+        cores: CPU cores the job's processes share (CPU jobs on one host; ``None``: each process
+            computes on a device of its own), see :func:`lightning_pipe.planning.predict.step_time`.
+        device: where it was measured.
+        device_bytes: bytes every device holds beyond the model's tensors (on CUDA: the math
+            libraries' workspaces, e.g. 32 MiB per cuBLAS handle; communication buffers),
+            measured between two steps; added to every stage's predicted peak.
+        shared_blocks: groups of blocks that share a parameter (tied weights), by index;
+            ``None``: unknown (the planner then assumes they are split across stages).
+        step_bytes_add_up: an optimizer step over several blocks allocates the sum of their
+            steps' temporaries (whole-list ``foreach`` kernels), not the largest block's (one
+            tensor at a time); measured by :func:`profile_blocks`, else assumed (an upper bound).
+    """
+
+    blocks: list[BlockProfile]
+    optimizer_step: float = 0.0
+    action_overhead: float = 0.0
+    input_bytes_per_sample: float = 0.0
+    batch_bytes_per_sample: float = 0.0
+    link_latency: float = 0.0
+    link_bandwidth: float = float("inf")
+    allreduce_bandwidth: float = 0.0
+    send_overhead: float = 0.0
+    exchange_latency: float = 0.0
+    loads_global_batch: bool = False
+    cores: Optional[int] = None
+    device: str = "cpu"
+    device_bytes: int = 0
+    shared_blocks: Optional[list[list[int]]] = None
+    step_bytes_add_up: bool = True
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        """A JSON document of the whole profile."""
+        return json.dumps(asdict(self), indent=1, default=str)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Profile":
+        """The profile :meth:`to_json` wrote."""
+        data = json.loads(text)
+        for b in data["blocks"]:  # written before convolutions deferred too
+            if "linear_weights" in b:
+                b["deferred_weights"] = b.pop("linear_weights")
+        blocks = [BlockProfile(**{**b, "samples": [BlockSample(**s) for s in b["samples"]]}) for b in data.pop("blocks")]
+        data["link_bandwidth"] = float(data["link_bandwidth"])
+        return cls(blocks=blocks, **data)
+
+
+def mean_profile(profiles: Sequence[Profile]) -> Profile:
+    """The profiles of one model taken by several processes at once, their times averaged.
+
+    Each time (a block's F, B, I and W at each size, the optimizer step, the executor's
+    overhead per action) is the mean over the processes; bytes and everything else are the
+    first profile's (the processes ran the same model on the same batch).
+
+    Raises:
+        ValueError: if there is no profile, or they differ in blocks or microbatch sizes.
+    """
+    if not profiles:
+        raise ValueError("mean_profile needs at least one profile")
+    first = profiles[0]
+    layout = [[s.microbatch_size for s in b.samples] for b in first.blocks]
+    for p in profiles[1:]:
+        if [[s.microbatch_size for s in b.samples] for b in p.blocks] != layout:
+            raise ValueError("profiles of different blocks or microbatch sizes cannot be averaged")
+    times = ("forward", "backward", "input_grad", "weight_grad")
+
+    def sample(b: int, k: int) -> BlockSample:
+        return dataclasses.replace(first.blocks[b].samples[k], **{
+            f: statistics.fmean(getattr(p.blocks[b].samples[k], f) for p in profiles) for f in times})  # fmt: skip
+
+    blocks = [dataclasses.replace(bp, samples=[sample(b, k) for k in range(len(bp.samples))]) for b, bp in enumerate(first.blocks)]
+    return dataclasses.replace(first, blocks=blocks, meta=dict(first.meta),
+                               optimizer_step=statistics.fmean(p.optimizer_step for p in profiles),
+                               action_overhead=statistics.fmean(p.action_overhead for p in profiles))  # fmt: skip

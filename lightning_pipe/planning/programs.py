@@ -1,0 +1,87 @@
+"""The action programs of a plan, built once and cached, and what each stage holds while it runs them."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import weakref
+from typing import Any, Optional
+
+from lightning_pipe.core.pipeline_plan import PipelinePlan
+from lightning_pipe.schedules import Action, build_schedule, two_bw_drain, two_bw_window
+from lightning_pipe.schedules.flat import FlatProgram, flatten
+from lightning_pipe.schedules.simulate import CompiledProgram, compile_program
+from lightning_pipe.planning.memory import HeldCounts, Moment, buffered, program_held_counts, rank_moments
+
+
+
+def program(plan: PipelinePlan, steps: int = 1) -> list[list[Action]]:
+    """The action lists the executor runs for ``plan`` (``steps`` 2BW windows and the drain)."""
+    return _program(*program_key(plan, steps))
+
+
+def program_key(plan: PipelinePlan, steps: int) -> tuple:
+    return (plan.schedule, plan.depth, plan.microbatches, plan.split_backward, plan.split_max_pending, plan.split_placement, steps,
+            plan.virtual_stages)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=1024)
+def _program(schedule: str, depth: int, m: int, split: bool, max_pending: Optional[int], placement: Optional[str], steps: int,
+             virtual: int = 1) -> list[list[Action]]:  # fmt: skip
+    if schedule == "2bw":  # two_bw_run, from windows shared between the runs of 2 and 3 windows
+        parts = [_two_bw_part(depth, m, t, split, False) for t in range(steps)]
+        parts.append(_two_bw_part(depth, m, steps - 1, split, True))
+        return [list(itertools.chain.from_iterable(part[s] for part in parts)) for s in range(depth)]
+    return build_schedule(schedule, depth, m, split, max_pending, virtual, placement)
+
+
+@functools.lru_cache(maxsize=1024)
+def _two_bw_part(depth: int, m: int, step: int, split: bool, drain: bool) -> list[list[Action]]:
+    return (two_bw_drain if drain else two_bw_window)(depth, m, step, split)
+
+
+@functools.lru_cache(maxsize=1024)
+def compiled_program(*key: Any) -> CompiledProgram:
+    return compile_program(_program(*key), _flat(*key))
+
+
+@functools.lru_cache(maxsize=4)  # a search asks for one program's arrays a few times in a row
+def _flat(*key: Any) -> FlatProgram:
+    return flatten(_program(*key))
+
+
+#: One object per distinct :class:`HeldCounts`: programs of many lengths share them, and caches keyed by them hit at once.
+_SHARED_COUNTS: "weakref.WeakValueDictionary[HeldCounts, HeldCounts]" = weakref.WeakValueDictionary()
+
+
+@functools.lru_cache(maxsize=1024)
+def _held(*key: Any) -> list[HeldCounts]:
+    counts = program_held_counts(_program(*key), warm=key[0] == "2bw", flat=_flat(*key))
+    return [_SHARED_COUNTS.setdefault(c, c) for c in counts]
+
+
+def held(plan: PipelinePlan) -> list[HeldCounts]:
+    """Microbatches each stage of ``plan``'s program holds at each kind of moment (cost-free, cached;
+    one stage per rank: interleaved plans have :func:`moments`)."""
+    if plan.virtual_stages > 1:
+        raise ValueError(f"an interleaved rank runs several stages: use planner.moments ({plan.describe()})")
+    return _held(*program_key(plan, 3 if plan.schedule == "2bw" else 1))
+
+
+@functools.lru_cache(maxsize=1024)
+def _moments(*key: Any) -> list[tuple[Moment, ...]]:
+    depth, virtual, program, flat = key[1], key[-1], _program(*key), _flat(*key)
+    sent = buffered(flat)
+    return [rank_moments(actions, range(r, depth * virtual, depth), sent[flat.rank(r)]) for r, actions in enumerate(program)]
+
+
+def clear_caches() -> None:
+    """Forget every program, compiled program and count cached by earlier searches: the next
+    search builds them again (as the first search of a process does)."""
+    for cached in (_program, _two_bw_part, compiled_program, _flat, _held, _moments):
+        cached.cache_clear()
+
+
+def moments(plan: PipelinePlan) -> list[tuple[Moment, ...]]:
+    """Every pipeline rank's distinct moments over all its stages (:func:`~lightning_pipe.planning.memory.rank_moments`; cached)."""
+    return _moments(*program_key(plan, 1))

@@ -1,0 +1,1 @@
+"""Autograd pieces: split backward (input and weight gradients) and deferred statistics."""
