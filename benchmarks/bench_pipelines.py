@@ -55,7 +55,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "examples")]  # lightning_pipe, benchmarks
 from gpt import GPT  # noqa: E402
 from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place  # noqa: E402
 from lightning_pipe.planning import costs  # noqa: E402
-from lightning_pipe.schedules import simulate  # noqa: E402
+from lightning_pipe.schedules.simulate import simulate  # noqa: E402
 from benchmarks.sleep_chain import SleepChain  # noqa: E402
 from lightning_pipe.lightning.monitor import held_tensors  # noqa: E402
 from lightning_pipe.planning.profile import Profile  # noqa: E402

@@ -11,7 +11,7 @@ import matplotlib.image
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lightning_pipe.schedules import simulate
+from lightning_pipe.schedules.simulate import simulate
 from benchmarks.sleep_chain import SleepChain
 from lightning_pipe.schedules import build_schedule
 from lightning_pipe.schedules.actions import COMPUTE_KINDS, Action, Kind

@@ -15,7 +15,7 @@ class Topology:
 
     With ``inner="pp"`` (default) rank ``r`` runs stage ``r % d`` of replica ``r // d``: the
     stages of one pipeline are neighbouring ranks, so activations and gradients between stages
-    stay inside a node (seed 000, section 3.3). With ``inner="dp"`` rank ``r`` runs stage
+    stay inside a node (PipeDream-2BW paper, section 3.3). With ``inner="dp"`` rank ``r`` runs stage
     ``r // w`` of replica ``r % w``: the replicas of a stage are neighbours, so the gradient
     all-reduce stays inside a node instead. Neighbouring ranks share a node under every
     launcher (torchrun and Lightning number the ranks of a node consecutively).

@@ -1,6 +1,6 @@
-"""Memory-aware contiguous partitioning after MadPipe (seed 004, section 4): a DP for a target period, binary-searched.
+"""Memory-aware contiguous partitioning after MadPipe (MadPipe, Beaumont et al., section 4): a DP for a target period, binary-searched.
 
-MadPipe-DP (seed 004, 4.2.2) takes a target period ``T^`` and splits a chain into stages whose
+MadPipe-DP (MadPipe, section 4.2.2) takes a target period ``T^`` and splits a chain into stages whose
 memory, counted from how many activations each stage must keep, fits the device; the
 target is then found by binary search (4.2.3, Algorithm 1). Here the stages are contiguous
 and every processor is "normal" (no special processor), and the activation count of a stage
@@ -114,7 +114,7 @@ class _Chain:
         self._forward_held = [max((p[0] for p in h.forward_cold + h.forward_warm), default=0) for h in self.held]
 
     def time(self, start: int, stop: int) -> float:
-        """U(k, l) of seed 004: F + B seconds of blocks ``start .. stop-1`` (range_costs' sums, from prefix sums)."""
+        """MadPipe's U(k, l): F + B seconds of blocks ``start .. stop-1`` (range_costs' sums, from prefix sums)."""
         return self._elapsed[stop] - self._elapsed[start]
 
     def fits(self, start: int, stop: int, stage: int, limit: float) -> bool:
@@ -125,7 +125,7 @@ class _Chain:
         return self.memory(start, stop, stage) <= limit
 
     def _memory(self, start: int, stop: int, stage: int) -> int:
-        """M(k, l, g) of seed 004 with g the exact count of stage ``stage`` (the planner's stage_peak_bytes)."""
+        """MadPipe's M(k, l, g) with g the exact count of stage ``stage`` (the planner's stage_peak_bytes)."""
         last = stage == self.depth - 1
         return self.ranges.peak(start, stop, self.b, self.cap, self.held[stage], self.versions, stage == 0, last, self.batch)
 
@@ -154,7 +154,7 @@ def madpipe_partition(profile: Profile, plan: PipelinePlan, microbatch_size: int
                       ranges: Optional[RangeCosts] = None) -> Optional[Partition]:  # fmt: skip
     """The contiguous partition of ``plan``'s depth with the smallest period whose every stage fits ``memory_limit``.
 
-    Binary search (seed 004, 4.2.3) over the candidate periods, the times of every contiguous
+    Binary search (MadPipe, section 4.2.3) over the candidate periods, the times of every contiguous
     block range: feasibility is monotone in the target, so the smallest feasible one is optimal.
     The time-balanced partition's period is tried first: no partition is faster, and it often
     fits. Else the loosest period (when nothing fits there the search is over), then the

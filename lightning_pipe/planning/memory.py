@@ -380,7 +380,7 @@ def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, re
                        gradient_sets: Optional[int] = None, split: bool = False) -> dict[str, int]:  # fmt: skip
     """Peak tensor bytes of one stage, by term, at its worst moment (see :class:`HeldCounts`).
 
-    - ``state``: weights times the versions the schedule keeps (2 under 2BW, seed 000 section
+    - ``state``: weights times the versions the schedule keeps (2 under 2BW, PipeDream-2BW paper, section
       3.1), optimizer state and, once they exist, gradients: ``gradient_sets`` batches' worth
       (default one per version; under 2BW the first stage holds one, as it steps right after
       its all-reduce, unless weights are tied across stages: schedules/two_bw.py).

@@ -83,7 +83,7 @@ def _all_split(plan: PipelinePlan) -> bool:
 
 
 def orient(profile: Profile, plan: PipelinePlan, microbatch_size: int, ranks_per_node: int) -> PipelinePlan:
-    """``plan`` with its heavier traffic on neighbouring ranks, which share a node (seed 000,
+    """``plan`` with its heavier traffic on neighbouring ranks, which share a node (PipeDream-2BW paper,
     section 3.3: "stage replicas can be placed on the same server so that expensive all-reduce
     updates are between GPUs on the same server"; here whichever traffic is larger stays there)."""
     if plan.world_size <= ranks_per_node:
@@ -94,13 +94,13 @@ def orient(profile: Profile, plan: PipelinePlan, microbatch_size: int, ranks_per
 
 def appendix_a_time(t_comp: Sequence[float], t_comm_in: Sequence[float], t_comm_dp: Sequence[float],
                     m: int, c_extra: float = 1.0) -> float:  # fmt: skip
-    """Seconds per microbatch with pipelining (A.1.1):
+    """Seconds per microbatch with pipelining (PipeDream-2BW paper, Appendix A.1.1), kept as a cross-check:
     ``t = max_i max(c_extra * T_comp_i + sum_j T_comm_{j->i}, T_comm_i / m(b))``."""
     return max(max(c_extra * tc + ti, td / m) for tc, ti, td in zip(t_comp, t_comm_in, t_comm_dp))
 
 
 def appendix_a_memory(weights: float, activations_total: float, activations_input: float, d: int, recompute: bool) -> float:
-    """2BW footprint of a stage (A.1.2): ``2|W|/d + d|A_total(b)|/d + d|A_input(b)|``, or with
+    """2BW footprint of a stage (PipeDream-2BW paper, Appendix A.1.2), kept as a cross-check: ``2|W|/d + d|A_total(b)|/d + d|A_input(b)|``, or with
     recomputation ``2|W|/d + |A_total(b)|/d + d|A_input(b)|``."""
     versions = 1 if recompute else d
     return 2 * weights / d + versions * activations_total / d + d * activations_input

@@ -58,7 +58,7 @@ class BlockProfile:
     other_matrices: bool = False  # it holds a trainable matrix that is no linear, convolution or embedding weight (it cannot)
 
     def at(self, size: int) -> BlockSample:
-        """Every field at microbatch ``size``: linear in ``size`` through the two nearest samples (seed 000,
+        """Every field at microbatch ``size``: linear in ``size`` through the two nearest samples (PipeDream-2BW paper,
         Appendix A, models T_comp(b) and |A(b)| as functions of the microbatch size)."""
         by_size = {s.microbatch_size: s for s in self.samples}  # one per size: a line needs two sizes
         pts = [by_size[b] for b in sorted(by_size)]

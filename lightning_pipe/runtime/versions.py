@@ -1,6 +1,6 @@
 """Weight versions of one stage: one slot for flushed schedules, two for PipeDream-2BW.
 
-2BW (seed 000, section 3.1): batch ``b`` runs forward and backward on slot ``b % 2``, which
+2BW (PipeDream-2BW paper, section 3.1): batch ``b`` runs forward and backward on slot ``b % 2``, which
 holds version ``max(b-1, 0)``. The deferred step for batch ``b`` overwrites that same slot,
 once batch ``b`` has left the pipeline, with the newest weights minus the step:
 ``W(b+1) = W(b) - lr * grad f(W(b-1))``. So at most two versions are ever alive, and the

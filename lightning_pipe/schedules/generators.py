@@ -1,6 +1,6 @@
 """Pure schedule generators: each returns one stage's compute actions (F and B) in order.
 
-With ``d`` stages and ``m`` microbatches (seed 003, "GPipe" and "PipeDream"):
+With ``d`` stages and ``m`` microbatches (GPipe, Huang et al., 2019; PipeDream-Flush, from the PipeDream-2BW paper):
 
 GPipe, d=2, m=3 (all forwards, then all backwards)::
 
@@ -31,7 +31,7 @@ def _backwards(stage: int, mbs: range) -> list[Action]:
 
 
 def gpipe(stage: int, depth: int, microbatches: int) -> list[Action]:
-    """GPipe: all ``m`` forwards, then all ``m`` backwards (seed 003)."""
+    """GPipe: all ``m`` forwards, then all ``m`` backwards (GPipe, Huang et al., 2019)."""
     del depth
     return _forwards(stage, range(microbatches)) + _backwards(stage, range(microbatches))
 
@@ -39,7 +39,7 @@ def gpipe(stage: int, depth: int, microbatches: int) -> list[Action]:
 def one_f_one_b(stage: int, depth: int, microbatches: int) -> list[Action]:
     """PipeDream-Flush (1F1B): ``d-1-s`` warm-up forwards, steady 1F1B pairs, cool-down backwards.
 
-    At most ``d - s`` microbatches are in flight on stage ``s`` (seed 003, "PipeDream").
+    At most ``d - s`` microbatches are in flight on stage ``s`` (PipeDream-Flush, PipeDream-2BW paper, section 2).
     """
     warmup = min(depth - stage - 1, microbatches)
     steady = [

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Optional
 from lightning_pipe.schedules.actions import COMPUTE_KINDS, Action, Kind
 from lightning_pipe.schedules.simulate import Interval
 
-# Colours of the seeds' figures: forward blue, backward green, split backward light green
+# Colours of the papers' figures (2BP, Zero Bubble): forward blue, backward green, split backward light green
 # (input gradients) and orange (weight gradients); optimizer steps grey.
 COLOURS: dict[Kind, str] = {
     Kind.FORWARD: "#4c72b0",

@@ -1,4 +1,4 @@
-"""PipeDream-2BW (seed 000, section 3.1) as data: one window of a never-flushed 1F1B stream per step.
+"""PipeDream-2BW (PipeDream-2BW paper, section 3.1) as data: one window of a never-flushed 1F1B stream per step.
 
 Stage ``s`` runs the continuous 1F1B stream ``F0 .. F(W-1)`` then pairs ``F(W+i) B(i)`` with
 warm-up ``W = d-1-s``. Training step ``t`` runs the window holding the forwards of batch

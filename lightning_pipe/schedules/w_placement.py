@@ -1,10 +1,10 @@
-"""Split backward (2BP, seed 001) as a pure pass: each B becomes I (input gradient) and W (weight gradient).
+"""Split backward (2BP: 2-Stage Backpropagation, Rae et al.) as a pure pass: each B becomes I (input gradient) and W (weight gradient).
 
 ``I`` produces the gradient the previous stage waits for; ``W`` is needed only by the
 all-reduce and the optimizer step, so it is delayed into time the stage would idle:
 
-- ``"end"`` (seed 001 section 3.2's GPipe): every W after the stage's last I.
-- ``"cooldown"`` (seed 001's 2BP for 1F1B): after each I of the cool-down phase (no forward
+- ``"end"`` (2BP's GPipe, section 3.2): every W after the stage's last I.
+- ``"cooldown"`` (2BP's 1F1B): after each I of the cool-down phase (no forward
   left to run) the stage would wait for the next gradient, so one pending W runs there; the
   rest at the end.
 - ``"zb-h1"`` (1F1B by default): ``"cooldown"`` with stage ``s`` keeping at most ``s``
@@ -27,7 +27,7 @@ all-reduce and the optimizer step, so it is delayed into time the stage would id
   ``"cooldown"`` took 1.01x and 0.96x (a brute-force search over every stage's bound up to 4
   finds at most 0.3% more). On the benchmark's cost model (2 blocks a stage, 20 ms each in F,
   I and W; stage 0 has one I) it is 0.93x at d = 2 and 0.88x at d = 4, ``"cooldown"`` 0.94x
-  and 0.89x; with equal F, I and W on every stage both give seed 001's Table 1.
+  and 0.89x; with equal F, I and W on every stage both give 2BP's Table 1.
   ``"end"`` is the same with no bound: it idles stage 0 while gradients arrive and then runs
   its whole backward in a row (1.28x plain GPipe's step with the GPT costs at d = 2).
 
@@ -57,7 +57,7 @@ all-reduce and the optimizer step, so it is delayed into time the stage would id
   d = 4 (ZB-H1: 0.976x and 0.874x, with one more microbatch's I-to-W state on the later stages).
 
 ``max_pending`` bounds how many microbatches may wait for their W (each holds activations
-and intermediate gradients): past it a W runs right after the I, as in seed 001's Figure 5.
+and intermediate gradients): past it a W runs right after the I, as in 2BP's Figure 5.
 Under ``"zb-h1"`` and ``"bounded"`` it replaces the per-stage bound ``s`` (under ``"zb-h1"``,
 ``max_pending >= m`` gives 2BP's ``"cooldown"``). Pending W's always run before an all-reduce,
 which needs complete gradients (2BW relies on it).

@@ -1,6 +1,6 @@
 """Linear and convolution layers whose weight gradient waits for W: I computes the input gradient and keeps (input, output gradient).
 
-Zero Bubble's ``WeightGradStore`` (Qi et al., 2023, cited in seed 001), for any ``F.linear``
+Zero Bubble's ``WeightGradStore`` (Zero Bubble Pipeline Parallelism, Qi et al., 2023), for any ``F.linear``
 or ``F.conv1d/2d/3d`` a stage calls on a trainable leaf weight while split backward records
 its graph. Its backward in I computes only the input gradient and keeps the layer's input and
 output gradient; W computes the rest into ``.grad``: for a linear layer the products
