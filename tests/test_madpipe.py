@@ -8,7 +8,9 @@ import random
 import pytest
 
 from lightning_pipe import PipelinePlan
-from lightning_pipe.planning.madpipe import held_microbatches, madpipe_partition
+from lightning_pipe.planning.madpipe import madpipe_partition
+from lightning_pipe.schedules import build_schedule
+from lightning_pipe.schedules.simulate import simulate, unit_costs
 from lightning_pipe.core.partition import balanced
 from lightning_pipe.planning import costs, madpipe, predict, programs
 from lightning_pipe.planning.search import candidates
@@ -45,6 +47,11 @@ def _brute_force(profile: Profile, schedule: str, depth: int, m: int, limit: flo
         if fits and (best is None or period < best[0] - 1e-12):
             best = (period, tuple(z - a for a, z in zip(bounds, bounds[1:])))
     return best
+
+
+def held_microbatches(schedule: str, depth: int, microbatches: int) -> list[int]:
+    """Microbatches each stage keeps for its backward at the peak of the simulated program."""
+    return simulate(build_schedule(schedule, depth, microbatches), unit_costs()).peak_stash
 
 
 def test_held_microbatches_are_the_schedules_exact_counts() -> None:

@@ -287,15 +287,14 @@ def test_two_node_launch_trains_on_the_oriented_layout(tmp_path) -> None:
 
 
 def test_profile_partition_needs_an_example_batch() -> None:
-    from lightning_pipe import PipelineStrategy
+    from lightning_pipe.lightning.profiled_partition import profiled_partition
 
-    strategy = PipelineStrategy(pipeline_depth=2, microbatches=2, partition="profile")
-    strategy._plan = PipelinePlan(depth=2, microbatches=2, partition="profile")
+    plan = PipelinePlan(depth=2, microbatches=2, partition="profile")
     with pytest.raises(ValueError, match="needs an example batch: set self.example_input_array"):
-        strategy._profiled_partition(ToyChain())
+        profiled_partition(ToyChain(), plan, 0, lambda obj: obj)
     model = ToyChain()
     model.example_input_array = make_data(8)[0]
-    sizes = strategy._profiled_partition(model)
+    sizes = profiled_partition(model, plan, 0, lambda obj: obj)
     assert sum(sizes) == 6 and len(sizes) == 2
     with pytest.raises(ValueError, match="resolved from a profile"):
         PipelinePlan(depth=2, partition="profile").resolve([1.0] * 6)

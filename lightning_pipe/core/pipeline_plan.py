@@ -7,9 +7,8 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 from lightning_pipe.core.partition import partition_sizes, stage_ranges
-from lightning_pipe.schedules import check_name, two_bw
-from lightning_pipe.schedules.passes import check_virtual
-from lightning_pipe.schedules.w_placement import PLACEMENTS, W_PLACEMENT, drain_applies
+from lightning_pipe.schedules.registry import ScheduleSpec, get
+from lightning_pipe.schedules.w_placement import PLACEMENTS
 from lightning_pipe.core.topology import Topology
 
 PartitionArg = Union[str, Sequence[int]]
@@ -71,10 +70,8 @@ class PipelinePlan:
             raise ValueError(f"width must be >= 1, got {self.width}")
         if self.microbatches < 1:
             raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
-        check_name(self.schedule)
-        if self.schedule == "2bw":
-            two_bw.check_microbatches(self.depth, self.microbatches)
-        check_virtual(self.schedule, self.depth, self.microbatches, self.virtual_stages)
+        object.__setattr__(self, "schedule", get(self.schedule).name)  # an alias names the same plan
+        self.spec.check(self.depth, self.microbatches, self.virtual_stages)
         self._normalise_recompute()
         self._normalise_partition()
         if self.split_max_pending is not None:
@@ -82,9 +79,9 @@ class PipelinePlan:
                 raise ValueError("split_max_pending only applies with split_backward=True")
             if self.split_max_pending < 0:
                 raise ValueError(f"split_max_pending must be >= 0, got {self.split_max_pending}")
-            if self.schedule == "2bw":
-                raise ValueError("split_max_pending does not apply to schedule '2bw': its placement, 'carry', keeps at most "
-                                 "one W waiting per stage (schedules/w_placement.py)")
+            if self.spec.fixed_placement:
+                raise ValueError(f"split_max_pending does not apply to schedule {self.schedule!r}: its placement, "
+                                 f"{self.spec.w_placement!r}, is part of the schedule (schedules/w_placement.py)")
         self._check_placement()
 
     def _check_placement(self) -> None:
@@ -93,19 +90,19 @@ class PipelinePlan:
             return
         if not self.split_backward:
             raise ValueError("split_placement only applies with split_backward=True")
-        if placement == W_PLACEMENT[self.schedule]:  # the schedule's own, named: the same plan as None
+        if placement == self.spec.w_placement:  # the schedule's own, named: the same plan as None
             object.__setattr__(self, "split_placement", None)
             return
-        if self.schedule == "2bw":
-            raise ValueError("split_placement does not apply to schedule '2bw' (its stream never drains; it places W's "
-                             "by its own rule, 'carry': see schedules/w_placement.py)")
+        if self.spec.fixed_placement:
+            raise ValueError(f"split_placement does not apply to schedule {self.schedule!r} (it places W's by its own "
+                             f"rule, {self.spec.w_placement!r}: see schedules/w_placement.py)")
         if placement not in PLACEMENTS:
             raise ValueError(f"unknown split_placement {placement!r}; use one of {PLACEMENTS}")
         if placement == "drain":
             self._check_drain()
 
     def _check_drain(self) -> None:
-        if not drain_applies(self.schedule, self.virtual_stages):
+        if not self.spec.offers_drain(self.virtual_stages):
             raise ValueError("split_placement='drain' is for 1F1B with one stage per rank (GPipe's backwards are all in "
                              f"its drain: use its default; got schedule={self.schedule!r}, virtual_stages={self.virtual_stages})")
         if self.split_max_pending is not None:
@@ -141,6 +138,11 @@ class PipelinePlan:
         return cls(width=topology.width, depth=depth, **fields)  # type: ignore[arg-type]
 
     @property
+    def spec(self) -> ScheduleSpec:
+        """The schedule's registry entry: its properties (``schedules/registry.py``)."""
+        return get(self.schedule)
+
+    @property
     def stages(self) -> int:
         """Stages the chain is cut into: ``depth * virtual_stages``."""
         return self.depth * self.virtual_stages
@@ -153,6 +155,15 @@ class PipelinePlan:
     def world_size(self) -> int:
         """Processes the plan needs: ``width * depth``."""
         return self.width * self.depth
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise a clear error unless this plan runs on ``world_size`` processes.
+
+        Raises:
+            ValueError: naming the plan, the processes it needs and the processes the run has.
+        """
+        if world_size != self.world_size:
+            raise ValueError(f"plan {self.describe()} needs {self.world_size} processes, this run has {world_size}")
 
     @property
     def topology(self) -> Topology:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional
@@ -28,14 +29,17 @@ from lightning_pipe.lightning.data import ResumableLoader, per_replica_loader
 from lightning_pipe.core.pipeline_plan import PartitionArg, PipelinePlan, RecomputeArg
 from lightning_pipe.runtime.engine import PipelineEngine
 from lightning_pipe.runtime.comm.groups import PipelineGroups
-from lightning_pipe.runtime import reshard
+from lightning_pipe.lightning.profiled_partition import profiled_partition
+from lightning_pipe.lightning.reconfigure import reconfigure
 from lightning_pipe.runtime.autograd.deferred_norm import convert_deferred_batch_norm
 from lightning_pipe.runtime.placement import Placement, pipeline_blocks_of
 from lightning_pipe.core.topology import Topology
 
-_LAYOUT_DEFAULTS: dict[str, Any] = dict(schedule="1f1b", pipeline_depth=None, microbatches=1, partition="balanced",
-                                         recompute=False, split_backward=False, split_max_pending=None, inner="pp",
-                                         virtual_stages=1, split_placement=None)  # fmt: skip
+#: The layout arguments' defaults: PipelinePlan's own, with ``pipeline_depth=None`` (every device in one pipeline).
+_LAYOUT_DEFAULTS: dict[str, Any] = {
+    "pipeline_depth": None,
+    **{f.name: f.default for f in dataclasses.fields(PipelinePlan) if f.name not in ("width", "depth")},
+}
 
 
 def _destroy_groups_at_exit() -> None:
@@ -120,18 +124,18 @@ class PipelineStrategy(DDPStrategy):
 
     def __init__(
         self,
-        schedule: str = "1f1b",
+        schedule: str = PipelinePlan.schedule,
         pipeline_depth: Optional[int] = None,
-        microbatches: int = 1,
-        partition: PartitionArg = "balanced",
-        recompute: RecomputeArg = False,
+        microbatches: int = PipelinePlan.microbatches,
+        partition: PartitionArg = PipelinePlan.partition,
+        recompute: RecomputeArg = PipelinePlan.recompute,
         gradient_clip_val: Optional[float] = None,
         loss: str = "current",
-        split_backward: bool = False,
-        split_max_pending: Optional[int] = None,
-        split_placement: Optional[str] = None,
-        inner: str = "pp",
-        virtual_stages: int = 1,
+        split_backward: bool = PipelinePlan.split_backward,
+        split_max_pending: Optional[int] = PipelinePlan.split_max_pending,
+        split_placement: Optional[str] = PipelinePlan.split_placement,
+        inner: str = PipelinePlan.inner,
+        virtual_stages: int = PipelinePlan.virtual_stages,
         plan: Optional[PipelinePlan] = None,
         save_distributed_checkpoint: bool = True,
         global_batch_size: Optional[int] = None,
@@ -226,8 +230,8 @@ class PipelineStrategy(DDPStrategy):
         module = self.lightning_module
         if module is not None and getattr(module, "_pipeline_engine", None) is not None:
             raise RuntimeError("the model is already placed; use reconfigure() to change the layout of a running job")
-        if self._plan is not None and plan.world_size != self._plan.world_size:
-            raise ValueError(f"plan {plan.describe()} needs {plan.world_size} processes, this run has {self._plan.world_size}")
+        if self._plan is not None:
+            plan.check_world_size(self._plan.world_size)
         if self._groups is not None and (plan.width, plan.depth, plan.inner) != (self.plan.width, self.plan.depth, self.plan.inner):
             self._groups.destroy()
             self._groups = PipelineGroups.build(plan.topology, self.global_rank, self.root_device.type)
@@ -246,6 +250,11 @@ class PipelineStrategy(DDPStrategy):
             raise ValueError("reconfiguring the layout during fit needs PipelineStrategy(global_batch_size=...), "
                              "so that every width trains on the same global batches")  # fmt: skip
         self._global_batches = True
+
+    @property
+    def loads_global_batches(self) -> bool:
+        """Whether every rank loads the whole global batch (after :meth:`enable_reconfiguration`)."""
+        return self._global_batches
 
     def replica_batch(self, batch: Any) -> Any:
         """This replica's rows of a global batch (rows ``r, r + w, ...``: the samples Lightning's
@@ -269,9 +278,7 @@ class PipelineStrategy(DDPStrategy):
 
     def _build_plan(self, world_size: int) -> PipelinePlan:
         if self._requested_plan is not None:
-            if self._requested_plan.world_size != world_size:
-                raise ValueError(f"plan {self._requested_plan.describe()} needs {self._requested_plan.world_size} "
-                                 f"processes, this run has {world_size}")  # fmt: skip
+            self._requested_plan.check_world_size(world_size)
             return self._requested_plan
         fields = {k: v for k, v in self._layout.items() if k != "pipeline_depth"}
         return PipelinePlan.for_world(world_size, self._layout["pipeline_depth"], **fields)
@@ -306,7 +313,7 @@ class PipelineStrategy(DDPStrategy):
                 engine.groups.destroy()  # an earlier Trainer's layout: no engine uses them any more
         placement = placement or Placement(module)
         if self.plan.partition == "profile":
-            self._plan = self.plan.replace(partition=self._profiled_partition(module))
+            self._plan = self.plan.replace(partition=profiled_partition(module, self.plan, self.global_rank, self.broadcast))
         if self.deferred_batch_norm:  # a batch is this plan's microbatches
             for block in placement.blocks:
                 convert_deferred_batch_norm(block, self.plan.microbatches)
@@ -324,33 +331,6 @@ class PipelineStrategy(DDPStrategy):
                 self._groups.destroy()
             self._groups = groups
 
-    def _profiled_partition(self, module: Any) -> tuple[int, ...]:
-        """Blocks per stage balancing the profiled F + B time, measured on rank 0 and sent to all ranks.
-
-        Profiles the whole chain once (every rank still holds it before placement) on the
-        module's ``example_input_array``, which Lightning users set for the model summary.
-        """
-        from lightning_pipe.planning import costs
-        from lightning_pipe.planning.profiler import profile_blocks
-        from lightning_pipe.runtime.microbatch import batch_size
-
-        example = getattr(module, "example_input_array", None)
-        if example is None:
-            raise ValueError("partition='profile' needs an example batch: set self.example_input_array in "
-                             f"{type(module).__name__}.__init__ (one batch of pipeline inputs)")  # fmt: skip
-        sizes: Any = None
-        if self.global_rank == 0:
-            try:
-                microbatch = max(batch_size(example) // self.plan.microbatches, 1)
-                with torch.random.fork_rng():  # every rank's random stream stays the same
-                    profile = profile_blocks(module, example, [microbatch], repeats=2, with_loss=False)
-                sizes = costs.time_balanced(profile, self.plan.stages, microbatch)
-            except Exception as err:  # noqa: BLE001 - every rank must hear of it, not wait for sizes
-                sizes = f"{type(err).__name__}: {err}"
-        sizes = self.broadcast(sizes)
-        if isinstance(sizes, str):
-            raise RuntimeError(f"profiling the blocks for partition='profile' failed on rank 0: {sizes}")
-        return tuple(sizes)
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -382,58 +362,35 @@ class PipelineStrategy(DDPStrategy):
 
     # -- reconfiguration -------------------------------------------------------------------
     def reconfigure(self, plan: PipelinePlan) -> PipelinePlan:
-        """Move the running job to ``plan`` between two training steps, without restarting processes.
-
-        Drains a 2BW stream, moves each rank's weights and optimizer state by name to the ranks
-        of the new layout, destroys the old layout's process groups and builds the new one's, places the new stages and engine, then
-        re-creates the optimizer and LR schedulers from ``configure_optimizers`` (their counters
-        carried over) and imports the state. ``trainer.global_step``, loggers and callbacks go
-        on. A collective: every rank calls it with the same plan.
+        """Move the running job to ``plan`` between two training steps, without restarting processes
+        (:func:`~lightning_pipe.lightning.reconfigure.reconfigure`). A collective: every rank calls it
+        with the same plan.
 
         Returns:
             The plan now in use (partition resolved).
-
-        Raises:
-            ValueError: for a plan of another process count, or a new width without
-                :meth:`enable_reconfiguration`.
         """
+        return reconfigure(self, plan)
+
+    def place(self, plan: PipelinePlan) -> None:
+        """Rebuild the process groups for ``plan`` and place its stages and engine on this rank
+        (the old layout's engine closed and its placement undone first)."""
         module = self._module_checked(self.lightning_module)
-        old, new = self.plan, self.placement.resolved(plan)
-        if new.world_size != old.world_size:
-            raise ValueError(f"plan {new.describe()} needs {new.world_size} processes, this run has {old.world_size}")
-        if new.width != old.width and not self._global_batches:
-            raise ValueError(f"changing the width from {old.width} to {new.width} during fit needs "
-                             "strategy.enable_reconfiguration() before the data is set up (AutoPlanner does it)")  # fmt: skip
-        self._drain()
-        exported = self.placement.export_state(self._optimizer())
-        flat = {f"{part}.{k}": v for part in ("model", "optimizer") for k, v in exported[part].items()}
-        schedulers = [config.scheduler.state_dict() for config in module.trainer.lr_scheduler_configs]
-        blocks_of = lambda key: self.placement.blocks_of(reshard.key_name(key))  # noqa: E731
-        moved = reshard.exchange(flat, blocks_of, old, new, self.global_rank, self.root_device)
-        module._pipeline_engine.close()
-        self.placement.undo()
-        self._plan = new
+        self._plan = plan
         if self._groups is not None:
             self._groups.destroy()
-        self._groups = PipelineGroups.build(new.topology, self.global_rank, self.root_device.type)
+        self._groups = PipelineGroups.build(plan.topology, self.global_rank, self.root_device.type)
         module._pipeline_engine = self._place(module)
-        self._rebind_optimizers(module.trainer, schedulers)
-        self.placement.import_state({part: {k[len(part) + 1 :]: v for k, v in moved.items() if k.startswith(part + ".")}
-                                     for part in ("model", "optimizer")}, self._optimizer())  # fmt: skip
-        return self.plan
 
-    def _optimizer(self) -> Optimizer:
+    def single_optimizer(self) -> Optimizer:
+        """The one optimizer pipeline training supports.
+
+        Raises:
+            ValueError: when ``configure_optimizers`` returned several.
+        """
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         if len(optimizers) != 1:
             raise ValueError(f"pipeline training supports one optimizer, configure_optimizers returned {len(optimizers)}")
         return optimizers[0]
-
-    def _rebind_optimizers(self, trainer: Trainer, schedulers: list[dict[str, Any]]) -> None:
-        """A new optimizer and LR schedulers over this rank's new parameters, the schedulers' counters restored."""
-        self.setup_optimizers(trainer)
-        _optimizers_to_device(self.optimizers, self.root_device)
-        for config, state in zip(self.lr_scheduler_configs, schedulers):
-            config.scheduler.load_state_dict(state)
 
     # -- data --------------------------------------------------------------------------------
     @override

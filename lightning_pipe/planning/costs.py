@@ -211,7 +211,7 @@ def action_cost(profile: Profile, plan: PipelinePlan, stages: Sequence[StageCost
 
 def weight_versions(plan: PipelinePlan) -> int:
     """Weight versions the plan's schedule keeps alive."""
-    return 2 if plan.schedule == "2bw" else 1
+    return plan.spec.weight_versions
 
 
 #: The step's loss every rank holds during a training step (a float32 scalar, runtime/engine.py).
@@ -229,7 +229,7 @@ def gradient_sets(profile: Profile, plan: PipelinePlan, stage: int) -> int:
     """Batches' gradients ``stage`` holds at once: 2 under 2BW, except on the first stage, which
     steps right after its all-reduce unless weights are tied across stages (schedules/two_bw.py;
     unknown ties, ``profile.shared_blocks is None``, count as tied)."""
-    if plan.schedule != "2bw":
+    if plan.spec.gradient_sets == 1:
         return 1
     if stage > 0 or plan.depth == 1 or profile.shared_blocks is None:
         return 2

@@ -85,7 +85,7 @@ def _loaded_hop(nbytes: int, busy: float, rounds: int, device: torch.device) -> 
     compute for ``busy`` seconds between transfers, beyond the sender's posting of it (each
     round's trip less that round's postings), and the median seconds the sender spends posting
     it, as the executor sends and receives (the receive of the reply posted just before each
-    send, :meth:`~lightning_pipe.runtime.executor.Executor._post_next`, and counted in the
+    send, :meth:`~lightning_pipe.runtime.comm.mailbox.Mailbox.post_next`, and counted in the
     posting). Rank 0's result is the measurement.
 
     Pipeline ranks compute between transfers. On a CPU host the processes share the cores with

@@ -20,8 +20,6 @@ from typing import Optional
 from lightning_pipe.core.pipeline_plan import PipelinePlan
 
 from lightning_pipe.planning.profile import Profile
-from lightning_pipe.schedules import build_schedule, two_bw_run
-from lightning_pipe.schedules.simulate import simulate, unit_costs
 from typing import Any
 from lightning_pipe.planning.profile import BlockSample
 from lightning_pipe.planning.costs import StageCosts, batch_bytes, bucket_cap, range_costs, time_balanced, weight_versions
@@ -87,13 +85,6 @@ class Partition:
     period: float
     stage_memory: tuple[int, ...]
 
-
-def held_microbatches(schedule: str, depth: int, microbatches: int, split: bool = False) -> list[int]:
-    """Microbatches each stage keeps for its backward at the peak, read from the simulated program
-    (any registered schedule; the count does not depend on the partition or the costs)."""
-    program = (two_bw_run(depth, microbatches, 2, split) if schedule == "2bw"
-               else build_schedule(schedule, depth, microbatches, split))  # fmt: skip
-    return simulate(program, unit_costs()).peak_stash
 
 
 class _Chain:

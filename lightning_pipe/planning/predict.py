@@ -36,7 +36,7 @@ def step_time(plan: PipelinePlan, cost: Callable[[Action], float], cores: Option
     takes at least the compute of every rank of every replica divided by the cores (processes
     that all compute at once share the cores: 4 data-parallel ranks on 2 cores run at half speed).
     ``exchange``: charge the messages two ranks send each other at once more (:func:`exchange`)."""
-    if plan.schedule == "2bw":
+    if plan.spec.streams:
         longer, shorter = compiled_program(*program_key(plan, 3)), compiled_program(*program_key(plan, 2))
         long_costs, short_costs = longer.costs_from(cost), shorter.costs_from(cost)
         seconds = longer.makespan(long_costs, exchange) - shorter.makespan(short_costs, exchange)

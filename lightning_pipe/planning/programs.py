@@ -11,6 +11,7 @@ from lightning_pipe.core.pipeline_plan import PipelinePlan
 from lightning_pipe.schedules import Action, build_schedule, two_bw_drain, two_bw_window
 from lightning_pipe.schedules.flat import FlatProgram, flatten
 from lightning_pipe.schedules.simulate import CompiledProgram, compile_program
+from lightning_pipe.schedules.registry import get
 from lightning_pipe.planning.memory import HeldCounts, Moment, buffered, program_held_counts, rank_moments
 
 
@@ -28,7 +29,7 @@ def program_key(plan: PipelinePlan, steps: int) -> tuple:
 @functools.lru_cache(maxsize=1024)
 def _program(schedule: str, depth: int, m: int, split: bool, max_pending: Optional[int], placement: Optional[str], steps: int,
              virtual: int = 1) -> list[list[Action]]:  # fmt: skip
-    if schedule == "2bw":  # two_bw_run, from windows shared between the runs of 2 and 3 windows
+    if get(schedule).streams:  # two_bw_run, from windows shared between the runs of 2 and 3 windows
         parts = [_two_bw_part(depth, m, t, split, False) for t in range(steps)]
         parts.append(_two_bw_part(depth, m, steps - 1, split, True))
         return [list(itertools.chain.from_iterable(part[s] for part in parts)) for s in range(depth)]
@@ -56,7 +57,7 @@ _SHARED_COUNTS: "weakref.WeakValueDictionary[HeldCounts, HeldCounts]" = weakref.
 
 @functools.lru_cache(maxsize=1024)
 def _held(*key: Any) -> list[HeldCounts]:
-    counts = program_held_counts(_program(*key), warm=key[0] == "2bw", flat=_flat(*key))
+    counts = program_held_counts(_program(*key), warm=get(key[0]).streams, flat=_flat(*key))
     return [_SHARED_COUNTS.setdefault(c, c) for c in counts]
 
 
@@ -65,7 +66,7 @@ def held(plan: PipelinePlan) -> list[HeldCounts]:
     one stage per rank: interleaved plans have :func:`moments`)."""
     if plan.virtual_stages > 1:
         raise ValueError(f"an interleaved rank runs several stages: use planner.moments ({plan.describe()})")
-    return _held(*program_key(plan, 3 if plan.schedule == "2bw" else 1))
+    return _held(*program_key(plan, 3 if plan.spec.streams else 1))
 
 
 @functools.lru_cache(maxsize=1024)

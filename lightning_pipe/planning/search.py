@@ -10,8 +10,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 
 from lightning_pipe.core.pipeline_plan import PipelinePlan
 from lightning_pipe.planning.profile import BlockSample, Profile
-from lightning_pipe.schedules import SCHEDULE_NAMES
-from lightning_pipe.schedules.w_placement import drain_applies
+from lightning_pipe.schedules.registry import SCHEDULE_NAMES, get
 from lightning_pipe.planning.madpipe import RangeCosts
 from lightning_pipe.planning.predict import Prediction, predict
 
@@ -31,12 +30,6 @@ class Candidate:
     plan: PipelinePlan
     microbatch_size: int
 
-
-def _runs(name: str, depth: int, m: int, virtual: int) -> bool:
-    """Whether schedule ``name`` runs ``m`` microbatches on ``depth`` ranks of ``virtual`` stages each."""
-    if virtual > 1:
-        return name == "1f1b" and m % depth == 0
-    return name != "2bw" or m >= depth
 
 
 #: Split backward as the search tries it: off, on with the schedule's own W placement, and on
@@ -58,15 +51,16 @@ def candidates(profile: Profile, devices: int, global_batch: int, allow_stale: b
     (:func:`lightning_pipe.planning.madpipe.madpipe_partition`, one stage per rank) when they differ;
     and each of ``partitions`` (a running job's own, for example) at its stage count.
     ``ranges``: the profile's block-range costs, to share with :func:`evaluate`."""
-    names = [s for s in (schedules or SCHEDULE_NAMES) if allow_stale or s != "2bw"]
+    specs = [get(s) for s in (schedules or SCHEDULE_NAMES)]
+    names = [spec.name for spec in specs if allow_stale or not spec.stale]
     ranges = RangeCosts.of(profile, ranges)
     layouts = _layouts(devices, len(profile.blocks), virtual_stages)
     for (width, depth, virtual), name, (split, placement) in itertools.product(layouts, names, _SPLITS):
-        if placement == "drain" and not drain_applies(name, virtual):
+        if placement == "drain" and not get(name).offers_drain(virtual):
             continue
         for b in (b for b in range(1, global_batch + 1) if global_batch % (width * b) == 0):
             m = global_batch // (width * b)
-            if not _runs(name, depth, m, virtual):
+            if not get(name).runs(depth, m, virtual):
                 continue
             plan = PipelinePlan(width, depth, m, name, split, partition=ranges.balanced(depth * virtual, b), virtual_stages=virtual,
                                 split_placement=placement)  # fmt: skip

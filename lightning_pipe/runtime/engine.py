@@ -75,7 +75,7 @@ class PipelineEngine:
         self.stage_index = self.topology.stage_of(rank)  # this rank's position in its pipeline
         self.position = self._position()
         self.positions = [self._stage_position(st.index) for st in self.stages] if plan.virtual_stages > 1 else [self.position]
-        self.streaming = plan.schedule == "2bw"  # the stream of microbatches runs on across steps
+        self.streaming = plan.spec.streams  # the stream of microbatches runs on across steps
         params = {id(p): p for st in self.stages for p in st.parameters()}  # a tie between two of them: once
         self._parameters = list(params.values())
         self.versions = WeightVersions(self._parameters, double=self.streaming)

@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-import bisect
-import contextlib
-import threading
-import time
-from collections import Counter, deque
+from collections import Counter
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from lightning_pipe.runtime.autograd import backward_split as split
 from lightning_pipe.runtime.comm import p2p
+from lightning_pipe.runtime.comm.abort import failure_message, notify_neighbours
+from lightning_pipe.runtime.comm.mailbox import Mailbox, Outbox
 from lightning_pipe.runtime.autograd.deferred_weights import DeferWeightGrads, DeferredGrads, keeps_saved_tensors
 from lightning_pipe.runtime.stage import Stage, Tensors, as_tuple
 from lightning_pipe.schedules.actions import Action, Kind
@@ -57,40 +53,6 @@ class Hooks:
     loss_done: Callable[[Tensor], None] = lambda loss_sum: None
     weights_accumulated: Callable[[list[Tensor]], None] = lambda weights: None
 
-
-class Outbox:
-    """Messages posted to one peer, kept (so their tensors stay alive) until known delivered.
-
-    Gloo's send handles report completion only once waited on, so completion is learned from
-    the peer: every header carries how many messages its sender has received so far, and
-    waiting on those sends returns at once. Without this a step held every microbatch's sent
-    tensors to its end, and a 2BW stream (which never waits) held them forever.
-    """
-
-    def __init__(self) -> None:
-        self.posted = 0
-        self.messages: deque[tuple[int, p2p.Transfer]] = deque()
-
-    def post(self, transfer: p2p.Transfer) -> None:
-        """Keep one just-posted message."""
-        self.messages.append((self.posted, transfer))
-        self.posted += 1
-
-    def release(self, delivered: int) -> None:
-        """Drop the first ``delivered`` messages (the peer has them) and any reported complete."""
-        kept: deque[tuple[int, p2p.Transfer]] = deque()
-        for index, transfer in self.messages:
-            if index < delivered:
-                transfer.wait()
-            elif not transfer.is_completed():
-                kept.append((index, transfer))
-        self.messages = kept
-
-    def wait(self) -> None:
-        """Wait for every message still kept."""
-        for _, transfer in self.messages:
-            transfer.wait()
-        self.messages.clear()
 
 
 Key = tuple[int, int]  # (stage, microbatch): a rank may run several stages (interleaved 1F1B)
@@ -226,20 +188,13 @@ class Executor:
         self.abort_timeout, self.trace, self.account = abort_timeout, trace, account
         self.links = links if links is not None else p2p.Links()
         self.channel = channel
-        self._posts_after_send = len(self._chunks) == 1  # where a receive goes beside a send (see _post_next)
+        self.mailbox = Mailbox(device, self.links, channel, posts_after_send=len(self._chunks) == 1)
         self._replayed: set[int] = set()  # split backward on a recomputed stage: F keeps no graph, I reruns it
         self._deferring: set[int] = set()  # split backward on a stage whose linear and convolution calls defer their weight gradients
         self._whole: set[Key] = set()  # microbatches whose backward runs whole in a split run (split_backward's "drain")
-        self._incoming: dict[int, p2p.Incoming] = {}
-        self._expected: dict[int, deque[Action]] = {}  # per source: the receives still to come, in send order
-        self._arrivals: dict[int, list[Action]] = {}  # per source: all of the program's receives, in send order
         self._actions: list[Action] = []  # the program running, and the index of its action now running
         self._at = 0
         self._posted_at = -1  # the action whose send was posted last (see _next_send_kind)
-        self._arrived: dict[Action, Tensors] = {}  # received ahead of the action that reads them
-        self._sends_to: dict[int, list[int]] = {}  # per peer: the program's sends to it, by action index
-        self._reads_from: dict[int, list[int]] = {}  # per peer: the program's receives from it, by action index
-        self._polls = False  # whether a posted header receive can report its arrival unwaited
         self._handlers: dict[Kind, Callable[[Action, StepState], Optional[float]]] = {
             Kind.FORWARD: self._forward,
             Kind.BACKWARD: self._backward,
@@ -279,13 +234,13 @@ class Executor:
         self._whole = {(a.stage, a.microbatch) for a in actions if a.kind is Kind.BACKWARD} if split_run else set()
         self._actions, self._at, self._posted_at = actions, 0, -1
         try:
-            self._post_receives(actions, arrivals)
+            self.mailbox.start(actions, self._source, self._destination, arrivals)
             for self._at, action in enumerate(actions):
                 start = now()
                 ready = self._handlers[action.kind](action, state)  # when its own work began, if it waited first
                 if self.trace is not None:
                     self.trace.record(action, start if ready is None else ready, now())
-                self._advance_receives()
+                self.mailbox.advance()
             if wait:
                 self._wait(state)
         except BaseException as err:  # noqa: BLE001 - neighbours must hear of every failure
@@ -413,16 +368,14 @@ class Executor:
     def _send(self, tensors: Tensors, dst: Optional[int], st: StepState, kind: Kind) -> None:
         """Post ``tensors`` to ``dst``, where a ``kind`` (RECV_ACT or RECV_GRAD) action reads them."""
         assert dst is not None
-        if not self._posts_after_send:
-            self._post_next(dst)  # the peer, likely waiting for this send, is idle (see _post_next)
+        self.mailbox.before_send(dst)
         box = st.sent.get(dst) or st.sent.setdefault(dst, Outbox())
         transfer = p2p.send_tensors(tensors, dst, self.device, ack=st.received[dst], posted=self.links.sent.get((dst, kind)),
                                     channel=self.channel)  # fmt: skip
         box.post(transfer)
         self._posted_at = self._at
         self.links.sent[dst, kind] = transfer.specs
-        if self._posts_after_send:
-            self._post_next(dst)
+        self.mailbox.after_send(dst)
 
     def _send_act(self, a: Action, st: StepState) -> None:
         key = (a.stage, a.microbatch)
@@ -440,119 +393,23 @@ class Executor:
         position = self._position(a)
         return position.prev_rank if a.kind is Kind.RECV_ACT else position.next_rank
 
-    def _post_receives(self, actions: list[Action], arrivals: Optional[Mapping[int, list[Action]]]) -> None:
-        """Learn which messages the program reads from each neighbour, in the order it sends them.
 
-        The receive of a neighbour's next message (sized for the link's last message of its
-        kind: one message with its header where headers travel with tensors; else its payload
-        beside the header, or as soon as the header arrives when the shapes are new) is posted
-        beside the send this rank next makes to that neighbour, where it does so before it next reads
-        from it; else at once (now for the first, or as soon as the previous message is in), so
-        that the transfer overlaps compute (:meth:`_post_next`). Only receives the program will
-        consume are posted, so none is left over for the next program. Messages from one
-        neighbour arrive in the order it sent them; one that arrives before its action is kept
-        until then.
-        """
-        self._sends_to, self._reads_from = {}, {}
-        for i, a in enumerate(actions):
-            if a.kind in DELIVERS:
-                self._sends_to.setdefault(self._destination(a), []).append(i)  # type: ignore[arg-type]
-            elif a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
-                self._reads_from.setdefault(self._source(a), []).append(i)  # type: ignore[arg-type]
-        if arrivals is None:
-            arrivals = {src: [actions[i] for i in reads] for src, reads in self._reads_from.items()}
-        self._arrivals = {src: list(keys) for src, keys in arrivals.items() if keys}
-        self._expected = {src: deque(keys) for src, keys in self._arrivals.items()}
-        self._arrived = {}
-        self._incoming = {}
-        self._polls = bool(self._expected) and self.channel.polls()
-        for src in self._expected:
-            self._post_ahead(src, -1)
 
-    def _post_ahead(self, src: int, after: int) -> None:
-        """Post the next receive from ``src`` now, unless this rank sends to ``src`` (after action
-        ``after``) before it next reads from it: then beside that send (:meth:`_post_next`)."""
-        sends, reads = self._sends_to.get(src, []), self._reads_from.get(src, [])
-        i, j = bisect.bisect_right(sends, after), bisect.bisect_right(reads, after)
-        if i == len(sends) or (j < len(reads) and reads[j] < sends[i]):
-            self._post_next(src)
 
-    def _post_next(self, src: int) -> None:
-        """Post the receive of the next message from ``src``, if the program reads another and it is not posted yet.
 
-        Called beside a send to ``src`` (see below), by the action that reads the message, and ahead
-        (:meth:`_post_ahead`) where no send to ``src`` comes first. Under gloo a posted receive
-        lets the sender write the payload at once; where the sender's message is already waiting,
-        posting wakes the sender's transport thread to write it. Posted before a send, the peer
-        is most likely idle, waiting for that send, and its thread finds a free core. Posted as
-        soon as the previous message was in also where a send came first (until 2026-11-25), the
-        peer was computing: its woken thread took a core from one of the two busy compute
-        threads, and each post cost this rank 0.3-0.5 ms on average on a 2-core host (small GPT,
-        1F1B at d = 2: about 4 ms a 45-ms step, which torch's schedules, posting a receive with
-        the send before it, did not pay). Where no send comes first (GPipe's phases, a 1F1B
-        drain) posting ahead wins: posted only at the read, GPipe's steps took 58 ms against 51.
 
-        Beside a send, a rank that runs one stage posts just after it, one that runs several
-        (interleaved) just before. Posting a receive under gloo wakes the peer's transport
-        thread, and the call took 0.7 ms on average on a 2-core host (small GPT, 1F1B at d = 2):
-        before the send it delayed a message the peer was waiting for. Paired steps on that host
-        (2026-11-25, 60 pairs): posted after, 1F1B was faster in 40 of 60 (1.008x) and GPipe in
-        21 of 30; 2BW and split 1F1B were level (17 and 15 of 30). Interleaved 1F1B was slower
-        posting after (9 of 40, 0.974x): its ranks send to each other in both directions, and a
-        receive posted late made the peer's sends wait for it (rank 0 waited 83 ms a step for
-        gradients against 30).
-        """
-        if src not in self._incoming and self._expected.get(src):
-            self._incoming[src] = self._incoming_from(src)
-
-    def _advance_receives(self) -> None:
-        """Post the payload receives of every message whose header is in and whose tensors come
-        apart from it (a first message, new shapes, a side channel). Not where headers go over
-        gloo, whose receives report completion only once waited on: there a check after every
-        action found nothing and cost about 0.3 ms a step (measured, small GPT stage). (A loop in
-        :meth:`run` would keep its variable, and with it a message already read, alive to the
-        program's end.)"""
-        if not self._polls:
-            return
-        for incoming in self._incoming.values():
-            incoming.advance()
-
-    def _incoming_from(self, src: int) -> p2p.Incoming:
-        """The next message from ``src``, its receive posted for the specs its kind (activations
-        or gradients) last had on this link."""
-        return p2p.Incoming(src, self.device, self.links.received.get((src, self._next_kind(src))), self.channel)
-
-    def _next_kind(self, src: int) -> Kind:
-        """What the next message from ``src`` carries: the next receive in its send order (the
-        first of the program's once they are all in, as the next program's first)."""
-        pending = self._expected.get(src) or self._arrivals.get(src)
-        return pending[0].kind if pending else Kind.RECV_ACT
 
     def _receive(self, a: Action, st: StepState) -> Tensors:
         src = self._source(a)
-        while a not in self._arrived:
-            if not self._expected.get(src):
-                raise RuntimeError(f"{a} waits for a message rank {src} never sends in this program")
-            self._post_next(src)
-            key = self._expected[src][0]
-            self._arrived[key] = self._next_message(src, st)
-        return self._arrived.pop(a)
+        assert src is not None
 
-    def _next_message(self, src: int, st: StepState) -> Tensors:
-        """Wait for the next message from ``src`` (its receive posted); post the one after it where that goes ahead."""
-        incoming, kind = self._incoming.pop(src), self._next_kind(src)
-        try:
-            received = incoming.wait()
-        except p2p.PipelineAbortedError:
-            self.links.received.pop((src, kind), None)
-            raise
-        self._expected[src].popleft()
-        self.links.received[src, kind] = incoming.specs  # type: ignore[assignment] - set once a tuple is in
-        st.received[src] += 1
-        if src in st.sent:
-            st.sent[src].release(incoming.ack)
-        self._post_ahead(src, self._at)
-        return received
+        def delivered(peer: int, ack: int) -> None:  # the peer has our first ``ack`` messages: drop them
+            st.received[peer] += 1
+            if peer in st.sent:
+                st.sent[peer].release(ack)
+
+        return self.mailbox.receive(a, src, self._at, delivered)
+
 
     def _recv_act(self, a: Action, st: StepState) -> None:
         received = self._receive(a, st)
@@ -569,21 +426,9 @@ class Executor:
     # -- failure ---------------------------------------------------------------------------
     def _abort(self, err: BaseException) -> None:
         source = getattr(err, "source_rank", None)
-        stages = sorted(self._chunks)
-        if isinstance(err, p2p.PipelineAbortedError):
-            message = str(err)
-        else:
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            message = f"stage {stages[0] if len(stages) == 1 else stages} (rank {rank}) failed: {type(err).__name__}: {err}"
         peers = {peer for _, p in self._chunks.values() for peer in (p.prev_rank, p.next_rank)} - {None, source}
-        posted = {}
-        for peer in sorted(peers):  # type: ignore[type-var]
-            try:
-                kind = self._next_send_kind(peer)
-                posted[peer] = p2p.send_abort(message, peer, self.device, self.links.sent.pop((peer, kind), None), self.channel)
-            except Exception:  # noqa: BLE001 - the peer may already be gone; the original error matters
-                pass
-        self._deliver(posted)
+        notify_neighbours(failure_message(err, sorted(self._chunks)), peers, self._next_send_kind, self.links,  # type: ignore[arg-type]
+                          self.device, self.channel, self.mailbox.take_incoming, self.abort_timeout)  # fmt: skip
 
     def _next_send_kind(self, peer: int) -> Kind:
         """What ``peer`` reads our next message as (so an abort notice fills the receives it
@@ -595,34 +440,3 @@ class Executor:
             if a.kind in DELIVERS and self._destination(a) == peer:
                 return DELIVERS[a.kind][0]
         return Kind.RECV_ACT
-
-    def _deliver(self, posted: dict[int, list[dist.Work]]) -> None:
-        """Wait until every neighbour has received its abort notice, or has sent one itself (it is
-        aborting too and never reads ours: waiting for that would take ``abort_timeout``).
-
-        Gloo reports a transfer complete only once waited on, so each wait runs in a thread
-        (daemon: one still waiting when the process exits is simply dropped).
-        """
-        settled = {peer: threading.Event() for peer in posted}
-        deadline = time.monotonic() + self.abort_timeout
-
-        def delivered(peer: int) -> None:
-            for work in posted[peer]:
-                with contextlib.suppress(Exception):  # a peer that is gone: nothing more to do
-                    work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.01)))
-            settled[peer].set()
-
-        def aborting(peer: int, notice: p2p.Incoming) -> None:
-            try:
-                notice.wait()
-            except p2p.PipelineAbortedError:
-                settled[peer].set()
-            except Exception:  # noqa: BLE001 - a broken link: the notice's own wait decides
-                pass
-
-        for peer in posted:
-            threading.Thread(target=delivered, args=(peer,), daemon=True).start()
-            notice = self._incoming.pop(peer, None) or self._incoming_from(peer)
-            threading.Thread(target=aborting, args=(peer, notice), daemon=True).start()
-        for event in settled.values():
-            event.wait(max(deadline - time.monotonic(), 0.0))

@@ -1,21 +1,19 @@
 """Schedules as data: actions, generators, lowering passes and verification."""
 
 from lightning_pipe.schedules.actions import Action, Kind, format_actions, parse_actions
-from lightning_pipe.schedules.generators import TRAINING_SCHEDULES, forward_only, gpipe, one_f_one_b
+from lightning_pipe.schedules.generators import forward_only, gpipe, one_f_one_b
 from lightning_pipe.schedules.passes import (
-    SCHEDULE_NAMES,
     Schedule,
     build_inference,
     build_schedule,
-    check_name,
     receive_order,
-    resolve,
     two_bw_drain,
     two_bw_run,
     two_bw_stage_drain,
     two_bw_stage_window,
     two_bw_window,
 )
+from lightning_pipe.schedules.registry import SCHEDULE_NAMES, SCHEDULES, ScheduleSpec, check_name, flushed_generator, get
 from lightning_pipe.schedules.verify import verify
 
 __all__ = [
@@ -23,7 +21,8 @@ __all__ = [
     "Kind",
     "SCHEDULE_NAMES",
     "Schedule",
-    "TRAINING_SCHEDULES",
+    "SCHEDULES",
+    "ScheduleSpec",
     "build_inference",
     "build_schedule",
     "check_name",
@@ -33,7 +32,8 @@ __all__ = [
     "one_f_one_b",
     "parse_actions",
     "receive_order",
-    "resolve",
+    "flushed_generator",
+    "get",
     "two_bw_drain",
     "two_bw_run",
     "two_bw_stage_drain",

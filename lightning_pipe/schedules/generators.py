@@ -56,6 +56,3 @@ def forward_only(stage: int, depth: int, microbatches: int) -> list[Action]:
     del depth
     return _forwards(stage, range(microbatches))
 
-
-#: Training schedules users can name in ``PipelineStrategy(schedule=...)``.
-TRAINING_SCHEDULES: dict[str, Generator] = {"gpipe": gpipe, "1f1b": one_f_one_b}

@@ -7,8 +7,9 @@ from typing import Optional
 
 from lightning_pipe.schedules.actions import Action, Kind, action
 from lightning_pipe.schedules import interleaved, two_bw
-from lightning_pipe.schedules.generators import TRAINING_SCHEDULES, Generator, forward_only
-from lightning_pipe.schedules.w_placement import W_PLACEMENT, carry_split, split_backward
+from lightning_pipe.schedules.generators import forward_only
+from lightning_pipe.schedules.registry import flushed_generator, get
+from lightning_pipe.schedules.w_placement import carry_split, split_backward
 
 Schedule = list[list[Action]]
 
@@ -64,30 +65,6 @@ def add_optimizer(actions: list[Action], stage: int) -> list[Action]:
     return actions + [action(stage, Kind.ALL_REDUCE), action(stage, Kind.OPTIMIZER_STEP)]
 
 
-#: Every schedule a user can name: the flushed ones plus PipeDream-2BW.
-SCHEDULE_NAMES = (*TRAINING_SCHEDULES, "2bw")
-
-
-def check_name(name: str) -> None:
-    """Raise a clear error for a schedule name that does not exist."""
-    if name not in SCHEDULE_NAMES:
-        raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {sorted(SCHEDULE_NAMES)}")
-
-
-def resolve(name: str) -> Generator:
-    """Look up a flushed training schedule generator by name."""
-    check_name(name)
-    if name not in TRAINING_SCHEDULES:
-        raise ValueError(f"schedule {name!r} is not flushed per batch; build it with two_bw_window()")
-    return TRAINING_SCHEDULES[name]
-
-
-def check_virtual(name: str, depth: int, microbatches: int, virtual: int) -> None:
-    """Raise a clear error unless ``virtual`` stages per rank can run under schedule ``name``."""
-    if virtual > 1 and name != "1f1b":
-        raise ValueError(f"virtual_stages={virtual} runs interleaved 1F1B: use schedule='1f1b' (got schedule={name!r})")
-    interleaved.check(depth, microbatches, virtual)
-
 
 def build_schedule(
     name: str, depth: int, microbatches: int, split: bool = False, max_pending: Optional[int] = None,
@@ -96,7 +73,7 @@ def build_schedule(
     """Full training program of every rank: compute, communication and the optimizer flush.
 
     Args:
-        name: "gpipe" or "1f1b".
+        name: a flushed schedule of the registry (``schedules/registry.py``).
         depth: pipeline ranks ``d``.
         microbatches: microbatches ``m``.
         split: split each backward into I and W (2BP, see schedules/w_placement.py).
@@ -104,15 +81,16 @@ def build_schedule(
         virtual: stages per rank ``v``; above 1, interleaved 1F1B over ``d * v`` stages
             (schedules/interleaved.py), rank ``r`` running stages ``r, r + d, ...``.
         placement: with ``split``, where the W's go (schedules/w_placement.py); default the
-            schedule's own (:data:`~lightning_pipe.schedules.split.W_PLACEMENT`).
+            schedule's own (:attr:`~lightning_pipe.schedules.registry.ScheduleSpec.w_placement`).
     """
-    check_virtual(name, depth, microbatches, virtual)
-    generator = resolve(name) if virtual == 1 else partial(interleaved.interleaved_one_f_one_b, virtual=virtual)
+    spec = get(name)
+    spec.check(depth, microbatches, virtual)
+    generator = flushed_generator(name) if virtual == 1 else partial(interleaved.interleaved_one_f_one_b, virtual=virtual)
     programs = []
     for r in range(depth):
         compute = generator(r, depth, microbatches)
         if split:
-            compute = split_backward(compute, placement or W_PLACEMENT[name], max_pending)
+            compute = split_backward(compute, placement or spec.w_placement, max_pending)
         programs.append(add_optimizer(add_communication(compute, depth * virtual), r))
     return programs
 

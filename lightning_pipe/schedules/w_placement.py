@@ -74,16 +74,8 @@ from typing import Optional, Sequence
 
 from lightning_pipe.schedules.actions import Action, Kind, action
 
-#: Where each schedule puts its weight-gradient actions.
-W_PLACEMENT = {"gpipe": "bounded", "1f1b": "zb-h1", "2bw": "carry"}
 PLACEMENTS = ("end", "cooldown", "zb-h1", "bounded", "drain")
 
-
-def drain_applies(schedule: str, virtual: int) -> bool:
-    """Whether the ``"drain"`` placement is offered for ``schedule`` at ``virtual`` stages per rank:
-    1F1B with one stage per rank (GPipe's backwards are all in its drain; on an interleaved rank
-    the last forward is the rank's, not each stage's)."""
-    return schedule == "1f1b" and virtual == 1
 
 
 def split_backward(actions: list[Action], placement: str, max_pending: Optional[int] = None) -> list[Action]:

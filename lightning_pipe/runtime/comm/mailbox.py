@@ -1,0 +1,181 @@
+"""The messages of one rank's program: sends kept until delivered, and the receive policy (what each neighbour sends next and when its receive is posted)."""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from typing import Callable, Mapping, Optional
+
+import torch
+
+from lightning_pipe.runtime.comm import p2p
+from lightning_pipe.runtime.stage import Tensors
+from lightning_pipe.schedules.actions import Action, Kind
+from lightning_pipe.schedules.passes import DELIVERS
+
+Route = Callable[[Action], Optional[int]]
+
+class Outbox:
+    """Messages posted to one peer, kept (so their tensors stay alive) until known delivered.
+
+    Gloo's send handles report completion only once waited on, so completion is learned from
+    the peer: every header carries how many messages its sender has received so far, and
+    waiting on those sends returns at once. Without this a step held every microbatch's sent
+    tensors to its end, and a 2BW stream (which never waits) held them forever.
+    """
+
+    def __init__(self) -> None:
+        self.posted = 0
+        self.messages: deque[tuple[int, p2p.Transfer]] = deque()
+
+    def post(self, transfer: p2p.Transfer) -> None:
+        """Keep one just-posted message."""
+        self.messages.append((self.posted, transfer))
+        self.posted += 1
+
+    def release(self, delivered: int) -> None:
+        """Drop the first ``delivered`` messages (the peer has them) and any reported complete."""
+        kept: deque[tuple[int, p2p.Transfer]] = deque()
+        for index, transfer in self.messages:
+            if index < delivered:
+                transfer.wait()
+            elif not transfer.is_completed():
+                kept.append((index, transfer))
+        self.messages = kept
+
+    def wait(self) -> None:
+        """Wait for every message still kept."""
+        for _, transfer in self.messages:
+            transfer.wait()
+        self.messages.clear()
+
+
+
+class Mailbox:
+    """The receives of one rank's program: which message each neighbour sends next, and when its receive is posted.
+
+    Messages from one neighbour arrive in the order it sent them; one that arrives before the
+    action that reads it is kept until then. Only receives the program will read are posted, so
+    none is left over for the next program.
+
+    When a receive is posted: beside the send this rank next makes to that neighbour, where that
+    send comes before this rank next reads from it; otherwise at once (for the first message, or
+    as soon as the previous one is in), so that the transfer overlaps compute. Under gloo a posted
+    receive lets the sender write its payload at once, and wakes the peer's transport thread:
+    beside a send the peer is most likely idle, waiting for that send, and its thread finds a
+    free core; posted while the peer computes, the woken thread takes a core from compute. A rank
+    that runs one stage posts just after its send (posting first would delay a message the peer
+    waits for); a rank that runs several stages (interleaved 1F1B, whose ranks send each other
+    both activations and gradients) posts just before, so the peer's own sends do not wait for
+    a late receive. Where no send comes first (GPipe's phases, a 1F1B drain) posting at once wins.
+
+    Args:
+        device: where received tensors are allocated.
+        links: what each link last carried (receives are sized by it, see :class:`p2p.Links`).
+        channel: where headers and tensors travel (:class:`p2p.Channel`).
+        posts_after_send: post the receive beside a send just after it (one stage per rank) or
+            just before it (several stages per rank).
+    """
+
+    def __init__(self, device: torch.device, links: p2p.Links, channel: p2p.Channel, posts_after_send: bool) -> None:
+        self.device, self.links, self.channel = device, links, channel
+        self.posts_after_send = posts_after_send
+        self._incoming: dict[int, p2p.Incoming] = {}
+        self._expected: dict[int, deque[Action]] = {}  # per source: the receives still to come, in send order
+        self._arrivals: dict[int, list[Action]] = {}  # per source: all of the program's receives, in send order
+        self._arrived: dict[Action, Tensors] = {}  # received ahead of the action that reads them
+        self._sends_to: dict[int, list[int]] = {}  # per peer: the program's sends to it, by action index
+        self._reads_from: dict[int, list[int]] = {}  # per peer: the program's receives from it, by action index
+        self._polls = False  # whether a posted header receive can report its arrival unwaited
+
+    def start(self, actions: list[Action], source: Route, destination: Route,
+              arrivals: Optional[Mapping[int, list[Action]]] = None) -> None:  # fmt: skip
+        """Learn which messages ``actions`` read from each neighbour, in the order it sends them
+        (``arrivals``; default: the order the program reads them), and post the first receives."""
+        self._sends_to, self._reads_from = {}, {}
+        for i, a in enumerate(actions):
+            if a.kind in DELIVERS:
+                self._sends_to.setdefault(destination(a), []).append(i)  # type: ignore[arg-type]
+            elif a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
+                self._reads_from.setdefault(source(a), []).append(i)  # type: ignore[arg-type]
+        if arrivals is None:
+            arrivals = {src: [actions[i] for i in reads] for src, reads in self._reads_from.items()}
+        self._arrivals = {src: list(keys) for src, keys in arrivals.items() if keys}
+        self._expected = {src: deque(keys) for src, keys in self._arrivals.items()}
+        self._arrived = {}
+        self._incoming = {}
+        self._polls = bool(self._expected) and self.channel.polls()
+        for src in self._expected:
+            self._post_ahead(src, -1)
+
+    def before_send(self, dst: int) -> None:
+        """Called just before a send to ``dst``: post its next receive there when this rank runs several stages."""
+        if not self.posts_after_send:
+            self.post_next(dst)
+
+    def after_send(self, dst: int) -> None:
+        """Called just after a send to ``dst``: post its next receive there when this rank runs one stage."""
+        if self.posts_after_send:
+            self.post_next(dst)
+
+    def _post_ahead(self, src: int, after: int) -> None:
+        """Post the next receive from ``src`` now, unless this rank sends to ``src`` (after action
+        ``after``) before it next reads from it: then beside that send."""
+        sends, reads = self._sends_to.get(src, []), self._reads_from.get(src, [])
+        i, j = bisect.bisect_right(sends, after), bisect.bisect_right(reads, after)
+        if i == len(sends) or (j < len(reads) and reads[j] < sends[i]):
+            self.post_next(src)
+
+    def post_next(self, src: int) -> None:
+        """Post the receive of the next message from ``src``, if the program reads another and it is not posted yet."""
+        if src not in self._incoming and self._expected.get(src):
+            self._incoming[src] = self.incoming_from(src)
+
+    def advance(self) -> None:
+        """Post the payload receives of every message whose header is in and whose tensors come
+        apart from it (a first message, new shapes, a side channel). Not where headers go over
+        gloo, whose receives report completion only once waited on: there the check finds nothing."""
+        if not self._polls:
+            return
+        for incoming in self._incoming.values():
+            incoming.advance()
+
+    def incoming_from(self, src: int) -> p2p.Incoming:
+        """The next message from ``src``, its receive posted for the specs its kind (activations
+        or gradients) last had on this link."""
+        return p2p.Incoming(src, self.device, self.links.received.get((src, self.next_kind(src))), self.channel)
+
+    def take_incoming(self, src: int) -> p2p.Incoming:
+        """The posted receive of the next message from ``src`` (posted now if it was not), no longer kept here."""
+        return self._incoming.pop(src, None) or self.incoming_from(src)
+
+    def next_kind(self, src: int) -> Kind:
+        """What the next message from ``src`` carries: the next receive in its send order (the
+        first of the program's once they are all in, as the next program's first)."""
+        pending = self._expected.get(src) or self._arrivals.get(src)
+        return pending[0].kind if pending else Kind.RECV_ACT
+
+    def receive(self, a: Action, src: int, at: int, delivered: Callable[[int, int], None]) -> Tensors:
+        """The tensors receive ``a`` (action ``at`` of the program) reads from ``src``, waiting for
+        the messages before it; ``delivered(src, ack)`` hears of each message that comes in."""
+        while a not in self._arrived:
+            if not self._expected.get(src):
+                raise RuntimeError(f"{a} waits for a message rank {src} never sends in this program")
+            self.post_next(src)
+            key = self._expected[src][0]
+            self._arrived[key] = self._next_message(src, at, delivered)
+        return self._arrived.pop(a)
+
+    def _next_message(self, src: int, at: int, delivered: Callable[[int, int], None]) -> Tensors:
+        """Wait for the next message from ``src`` (its receive posted); post the one after it where that goes ahead."""
+        incoming, kind = self._incoming.pop(src), self.next_kind(src)
+        try:
+            received = incoming.wait()
+        except p2p.PipelineAbortedError:
+            self.links.received.pop((src, kind), None)
+            raise
+        self._expected[src].popleft()
+        self.links.received[src, kind] = incoming.specs  # type: ignore[assignment] - set once a tuple is in
+        delivered(src, incoming.ack)
+        self._post_ahead(src, at)
+        return received
