@@ -60,7 +60,7 @@ def _worker(rank: int, world: int, blocks: int, dim: int, costs: tuple, m: int, 
                     seconds[name] += [i.end - i.start for i in engines[name].trace.intervals if i.action.kind is Kind.ALL_REDUCE]
         if rank == 0:
             print(f"round {r + 1}/{rounds} done", flush=True)
-    return {"stage": topo.stage_of(rank), "ar": seconds, "step": steps_s}
+    return {"stage": topo.position_of(rank), "ar": seconds, "step": steps_s}
 
 
 def main() -> None:

@@ -25,13 +25,20 @@ MOVED: dict[str, tuple[str, ...]] = {
     "lightning_pipe.runtime.deferred_weights": ("lightning_pipe.runtime.autograd.deferred_weights",),
     "lightning_pipe.runtime.deferred_norm": ("lightning_pipe.runtime.autograd.deferred_norm",),
     "lightning_pipe.spawn": ("lightning_pipe.runtime.spawn",),
-    "lightning_pipe.profiler": ("lightning_pipe.planning.profile", "lightning_pipe.planning.profiler",
-                                "lightning_pipe.planning.links"),
+    "lightning_pipe.profiler": (
+        "lightning_pipe.planning.profile",
+        "lightning_pipe.planning.profiler",
+        "lightning_pipe.planning.links",
+    ),
     "lightning_pipe.stage_memory": ("lightning_pipe.planning.memory",),
     "lightning_pipe.madpipe": ("lightning_pipe.planning.madpipe",),
-    "lightning_pipe.planner": ("lightning_pipe.planning.costs", "lightning_pipe.planning.programs",
-                               "lightning_pipe.planning.memory", "lightning_pipe.planning.predict",
-                               "lightning_pipe.planning.search"),
+    "lightning_pipe.planner": (
+        "lightning_pipe.planning.costs",
+        "lightning_pipe.planning.programs",
+        "lightning_pipe.planning.memory",
+        "lightning_pipe.planning.predict",
+        "lightning_pipe.planning.search",
+    ),
     "lightning_pipe.strategy": ("lightning_pipe.lightning.strategy",),
     "lightning_pipe.module": ("lightning_pipe.lightning.module",),
     "lightning_pipe.data": ("lightning_pipe.lightning.data",),
@@ -52,13 +59,17 @@ class _MovedModule(types.ModuleType):
         for module in self._targets:
             if hasattr(module, attr):
                 return getattr(module, attr)
-        raise AttributeError(f"module {self.__name__!r} (moved to {[m.__name__ for m in self._targets]}) has no {attr!r}")
+        raise AttributeError(
+            f"module {self.__name__!r} (moved to {[m.__name__ for m in self._targets]}) has no {attr!r}"
+        )
 
 
 class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds the old paths of :data:`MOVED` and warns on import."""
 
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Optional[importlib.machinery.ModuleSpec]:
+    def find_spec(
+        self, fullname: str, path: Any = None, target: Any = None
+    ) -> Optional[importlib.machinery.ModuleSpec]:
         return importlib.util.spec_from_loader(fullname, self) if fullname in MOVED else None
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:

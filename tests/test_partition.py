@@ -45,7 +45,7 @@ def test_more_stages_than_blocks_is_refused() -> None:
 def test_topology_layout_and_errors() -> None:
     topo = Topology(6, 3)
     assert topo.width == 2
-    assert [(topo.replica_of(r), topo.stage_of(r)) for r in range(6)] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
-    assert all(topo.rank_of(topo.replica_of(r), topo.stage_of(r)) == r for r in range(6))
+    assert [(topo.replica_of(r), topo.position_of(r)) for r in range(6)] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    assert all(topo.rank_of(topo.replica_of(r), topo.position_of(r)) == r for r in range(6))
     with pytest.raises(ValueError, match="world size 6 is not divisible by pipeline_depth=4"):
         Topology(6, 4)

@@ -52,7 +52,9 @@ def partition_sizes(spec: PartitionSpec, costs: Sequence[float], depth: int) -> 
     """
     n = len(costs)
     if n < depth:
-        raise ValueError(f"cannot split {n} pipeline blocks over pipeline_depth={depth} stages: need at least one block per stage")
+        raise ValueError(
+            f"cannot split {n} pipeline blocks over pipeline_depth={depth} stages: need at least one block per stage"
+        )
     if spec == "uniform":
         return uniform(n, depth)
     if spec == "balanced":

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 from lightning_pipe.core.partition import partition_sizes, stage_ranges
+from lightning_pipe.core.topology import Topology
 from lightning_pipe.schedules.registry import ScheduleSpec, get
 from lightning_pipe.schedules.w_placement import PLACEMENTS
-from lightning_pipe.core.topology import Topology
 
 PartitionArg = Union[str, Sequence[int]]
 RecomputeArg = Union[bool, Sequence[bool]]
@@ -36,7 +36,8 @@ class PipelinePlan:
             "uniform" until :meth:`resolve` turns it into counts for a given chain, or "profile"
             (balanced by profiled time; :class:`~lightning_pipe.PipelineStrategy` resolves it).
         recompute: activation recomputation, one flag for all stages or one per stage
-            (``depth * virtual_stages`` of them); kept as one flag per stage. With ``split_backward`` a recomputed stage's forward keeps no
+            (``depth * virtual_stages`` of them); kept as one flag per stage. With
+            ``split_backward`` a recomputed stage's forward keeps no
             graph, and I reruns it once; W reuses that graph.
         inner: which dimension's ranks are neighbours (and so share a node): "pp" (the stages
             of a pipeline, default) or "dp" (the replicas of a stage); see :class:`Topology`.
@@ -47,7 +48,8 @@ class PipelinePlan:
             the messages. With ``split_backward`` each rank places its W's as ZB-H1 does.
         split_placement: with ``split_backward``, where the W's go (``schedules/w_placement.py``):
             ``None`` for the schedule's own (ZB-H1 for 1F1B, "bounded" for GPipe, "carry" for 2BW; named,
-            it becomes ``None``: the same plan), or one of "end", "cooldown", "zb-h1", "bounded", "drain". "drain" (1F1B, one stage per rank)
+            it becomes ``None``: the same plan), or one of "end", "cooldown", "zb-h1", "bounded",
+            "drain". "drain" (1F1B, one stage per rank)
             splits only the backwards after a stage's last forward: 1F1B's peak memory, and half
             of ZB-H1's saving with equal F, I and W.
     """
@@ -80,8 +82,10 @@ class PipelinePlan:
             if self.split_max_pending < 0:
                 raise ValueError(f"split_max_pending must be >= 0, got {self.split_max_pending}")
             if self.spec.fixed_placement:
-                raise ValueError(f"split_max_pending does not apply to schedule {self.schedule!r}: its placement, "
-                                 f"{self.spec.w_placement!r}, is part of the schedule (schedules/w_placement.py)")
+                raise ValueError(
+                    f"split_max_pending does not apply to schedule {self.schedule!r}: its placement, "
+                    f"{self.spec.w_placement!r}, is part of the schedule (schedules/w_placement.py)"
+                )
         self._check_placement()
 
     def _check_placement(self) -> None:
@@ -94,8 +98,10 @@ class PipelinePlan:
             object.__setattr__(self, "split_placement", None)
             return
         if self.spec.fixed_placement:
-            raise ValueError(f"split_placement does not apply to schedule {self.schedule!r} (it places W's by its own "
-                             f"rule, {self.spec.w_placement!r}: see schedules/w_placement.py)")
+            raise ValueError(
+                f"split_placement does not apply to schedule {self.schedule!r} (it places W's by its own "
+                f"rule, {self.spec.w_placement!r}: see schedules/w_placement.py)"
+            )
         if placement not in PLACEMENTS:
             raise ValueError(f"unknown split_placement {placement!r}; use one of {PLACEMENTS}")
         if placement == "drain":
@@ -103,10 +109,14 @@ class PipelinePlan:
 
     def _check_drain(self) -> None:
         if not self.spec.offers_drain(self.virtual_stages):
-            raise ValueError("split_placement='drain' is for 1F1B with one stage per rank (GPipe's backwards are all in "
-                             f"its drain: use its default; got schedule={self.schedule!r}, virtual_stages={self.virtual_stages})")
+            raise ValueError(
+                "split_placement='drain' is for 1F1B with one stage per rank (GPipe's backwards are all in "
+                f"its drain: use its default; got schedule={self.schedule!r}, virtual_stages={self.virtual_stages})"
+            )
         if self.split_max_pending is not None:
-            raise ValueError("split_max_pending does not apply with split_placement='drain' (each W runs right after its I)")
+            raise ValueError(
+                "split_max_pending does not apply with split_placement='drain' (each W runs right after its I)"
+            )
 
     def _normalise_recompute(self) -> None:
         flags = self.recompute
@@ -119,7 +129,9 @@ class PipelinePlan:
         spec = self.partition
         if isinstance(spec, str):
             if spec not in ("balanced", "uniform", "profile"):
-                raise ValueError(f"unknown partition {spec!r}; use 'balanced', 'uniform', 'profile' or a list of blocks per stage")
+                raise ValueError(
+                    f"unknown partition {spec!r}; use 'balanced', 'uniform', 'profile' or a list of blocks per stage"
+                )
             return
         sizes = tuple(int(s) for s in spec)
         if len(sizes) != self.stages or min(sizes) < 1:
@@ -183,7 +195,9 @@ class PipelinePlan:
         """
         if self.partition == "profile":
             raise ValueError("partition='profile' is resolved from a profile (PipelineStrategy does it at setup)")
-        sizes = partition_sizes(self.partition if isinstance(self.partition, str) else list(self.partition), costs, self.stages)
+        sizes = partition_sizes(
+            self.partition if isinstance(self.partition, str) else list(self.partition), costs, self.stages
+        )
         return self.replace(partition=tuple(sizes))
 
     def stage_ranges(self) -> list[range]:
@@ -204,6 +218,7 @@ class PipelinePlan:
         virtual = f" interleaved, {self.virtual_stages} stages per rank" if self.virtual_stages > 1 else ""
         stages = [s for s, on in enumerate(self.recompute) if on]
         recompute = f", recompute stages {stages}" if stages else ""
-        return (f"w={self.width} x d={self.depth}, m={self.microbatches}, {self.schedule}{virtual}{split}, "
-                f"partition {list(self.partition) if self.is_resolved else self.partition}{recompute}{ranks}")  # fmt: skip
-
+        return (
+            f"w={self.width} x d={self.depth}, m={self.microbatches}, {self.schedule}{virtual}{split}, "
+            f"partition {list(self.partition) if self.is_resolved else self.partition}{recompute}{ranks}"
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -39,16 +40,24 @@ class Topology:
                 f"use a number of devices that is a multiple of {self.depth}"
             )
         if self.inner not in ("pp", "dp"):
-            raise ValueError(f"inner must be 'pp' (pipelines on neighbouring ranks) or 'dp' (replicas), got {self.inner!r}")
+            raise ValueError(
+                f"inner must be 'pp' (pipelines on neighbouring ranks) or 'dp' (replicas), got {self.inner!r}"
+            )
 
     @property
     def width(self) -> int:
         """Number of data-parallel replicas ``w`` of every stage."""
         return self.world_size // self.depth
 
-    def stage_of(self, rank: int) -> int:
-        """Pipeline stage that ``rank`` runs."""
+    def position_of(self, rank: int) -> int:
+        """``rank``'s position in its pipeline, ``0 .. d-1``: the stage it runs with one stage per rank
+        (with ``v`` stages per rank, position ``p`` runs stages ``p, p + d, ...``)."""
         return rank % self.depth if self.inner == "pp" else rank // self.width
+
+    def stage_of(self, rank: int) -> int:
+        """Deprecated alias of :meth:`position_of` (a position, not a stage, under interleaving)."""
+        warnings.warn("Topology.stage_of is deprecated; use Topology.position_of", DeprecationWarning, stacklevel=2)
+        return self.position_of(rank)
 
     def replica_of(self, rank: int) -> int:
         """Data-parallel replica (pipeline) that ``rank`` belongs to."""

@@ -1,4 +1,4 @@
-"""AutoPlanner: profile the first training steps on every rank, plan, and move the running job to the best plan that fits memory."""
+"""AutoPlanner: profile the first steps on every rank, plan, and move the running job to the best plan that fits."""
 
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.utils._pytree import tree_leaves, tree_map
 
-from lightning_pipe.planning import predict, search
 from lightning_pipe.core.pipeline_plan import PipelinePlan
 from lightning_pipe.lightning.monitor import held_tensors
-from lightning_pipe.planning.profile import BlockProfile, BlockSample, Profile
+from lightning_pipe.planning import predict, search
 from lightning_pipe.planning.links import _link_worker
+from lightning_pipe.planning.profile import BlockProfile, BlockSample, Profile
 from lightning_pipe.planning.profiler import _loss_of, profile_stage
 from lightning_pipe.runtime.microbatch import batch_size
 from lightning_pipe.schedules import Kind
@@ -57,18 +57,24 @@ class AutoPlanner(Callback):
         virtual_stages: stages per rank the planner may choose (above 1: interleaved 1F1B, ``v``
             times the messages for a ``v`` times smaller bubble); ``(1,)`` never interleaves.
         headroom: fraction of ``memory`` kept free when planning: plans must fit
-            ``memory * (1 - headroom)``. The memory model's predictions were measured 5-11% low
-            on a chain of ``tanh(x * w)`` blocks, whose activations dominate (commit 901ad00,
-            2026-11-22), so the default is 0.15.
+            ``memory * (1 - headroom)``. The default, 0.15, covers the memory model's misses,
+            which are largest on chains whose activations dominate.
 
     Attributes:
         decisions: one record per decision (step, table of candidates, chosen plan, reason,
             the profile it was planned on, switch seconds, predicted and measured step time after it).
     """
 
-    def __init__(self, memory: Optional[float] = None, profile_steps: int = 5, allow_stale: bool = False,
-                 min_gain: float = 0.05, recheck_every_n_steps: Optional[int] = None, headroom: float = 0.15,
-                 virtual_stages: Sequence[int] = (1, 2)) -> None:  # fmt: skip
+    def __init__(
+        self,
+        memory: Optional[float] = None,
+        profile_steps: int = 5,
+        allow_stale: bool = False,
+        min_gain: float = 0.05,
+        recheck_every_n_steps: Optional[int] = None,
+        headroom: float = 0.15,
+        virtual_stages: Sequence[int] = (1, 2),
+    ) -> None:
         if profile_steps < 2:
             raise ValueError(f"profile_steps must be >= 2 (the first step is a warm-up), got {profile_steps}")
         if min_gain < 0:
@@ -85,7 +91,9 @@ class AutoPlanner(Callback):
         self._times: dict[tuple[int, str], list[float]] = defaultdict(list)  # (stage, action kind)
         self._captured: dict[int, list[tuple[Tensor, ...]]] = {}  # each of this rank's stages: its inputs
         self._rows_seen: dict[int, int] = {}  # each of this rank's stages: samples forwarded since capturing began
-        self._state_bytes: list[tuple[int, int, int, int]] = []  # each block's, once profiled (profile_stage(state_bytes=))
+        self._state_bytes: list[
+            tuple[int, int, int, int]
+        ] = []  # each block's, once profiled (profile_stage(state_bytes=))
         self._hooks: list[Any] = []
         self._batch: Any = None
         self._after: Optional[list[float]] = None
@@ -138,12 +146,16 @@ class AutoPlanner(Callback):
         self._step_start = time.perf_counter()
         if not self._profiling(trainer):
             return
-        trainer.strategy.engine.record_trace = True  # the executor's trace calibrates the profile (no stash counting: it slows the step)
+        trainer.strategy.engine.record_trace = (
+            True  # the executor's trace calibrates the profile (no stash counting: it slows the step)
+        )
         if self._steps_seen == self.profile_steps - 1:
             self._batch = trainer.strategy.replica_batch(batch)
             self._hooks = self._capture_inputs(trainer.strategy.engine)
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         """Collect the step's trace; decide after the profiled steps; time the steps after a switch."""
         elapsed = time.perf_counter() - self._step_start
         if self._after is not None:
@@ -180,8 +192,8 @@ class AutoPlanner(Callback):
         one sample (:func:`_profile_inputs`; recomputations are not forwards). Not copied: the stage
         holds them until their backward anyway, and received tensors are never reused. Each
         forward lets the one before go, so that only the step's last inputs outlive their
-        backward (the first microbatch's, kept instead, held one input more through the whole
-        step: 5% over a recomputed stage's step peak, 2026-11-26)."""
+        backward (the first microbatch's, kept instead, would hold one input more through the
+        whole step, above a recomputed stage's step peak)."""
         kept = self._captured[stage]
         kept.append(tuple(a.detach() for a in args if isinstance(a, Tensor)))
         del kept[: -(2 if batch_size(kept[-1]) == 1 else 1)]
@@ -215,9 +227,14 @@ class AutoPlanner(Callback):
         engine, plan = strategy.engine, strategy.plan
         if plan.topology.replica_of(strategy.global_rank) != 0:
             return []
-        return [self._profile_one(trainer, module, st, position.is_last) for st, position in zip(engine.stages, engine.positions)]
+        return [
+            self._profile_one(trainer, module, st, position.is_last)
+            for st, position in zip(engine.stages, engine.positions)
+        ]
 
-    def _profile_one(self, trainer: Trainer, module: Any, st: Any, is_last: bool) -> tuple[int, list[BlockProfile], float]:
+    def _profile_one(
+        self, trainer: Trainer, module: Any, st: Any, is_last: bool
+    ) -> tuple[int, list[BlockProfile], float]:
         captured = self._captured[st.index]
         inputs = _profile_inputs(captured)
         rows = self._batch
@@ -226,9 +243,17 @@ class AutoPlanner(Callback):
         factory = _same_kind(trainer.optimizers[0])
         known = [self._state_bytes[st.first_index + i] for i in range(len(st.blocks))] if self._state_bytes else None
         with torch.random.fork_rng():
-            profiles = profile_stage(st.blocks, st.first_index, inputs, loss, 2, factory, trainer.strategy.root_device, known)
+            profiles = profile_stage(
+                st.blocks, st.first_index, inputs, loss, 2, factory, trainer.strategy.root_device, known
+            )
         forward, backward, step = self._measured(st.index)
-        return st.index, _calibrated(profiles, batch_size(captured[0]), trainer.strategy.plan.recompute[st.index], forward, backward), step
+        return (
+            st.index,
+            _calibrated(
+                profiles, batch_size(captured[0]), trainer.strategy.plan.recompute[st.index], forward, backward
+            ),
+            step,
+        )
 
     def _gather_profile(self, trainer: Trainer, module: Any) -> Profile:
         """Every stage's calibrated blocks, gathered on every rank, with the job's measured links."""
@@ -241,7 +266,9 @@ class AutoPlanner(Callback):
         dist.all_gather_object(parts, mine)
         stages = sorted(stage for part in parts for stage in part)
         blocks = [b for _, profiles, _ in stages for b in profiles]
-        self._state_bytes = [(b.parameter_bytes, b.gradient_bytes, b.optimizer_bytes, b.optimizer_step_bytes) for b in blocks]
+        self._state_bytes = [
+            (b.parameter_bytes, b.gradient_bytes, b.optimizer_bytes, b.optimizer_step_bytes) for b in blocks
+        ]
         large = _link_bytes(self._all_captured(), strategy.root_device)
         self._captured = {}  # the link measurement reuses their memory
         measured = [_link_worker(strategy.global_rank, dist.get_world_size(), 1024, large, 3, strategy.root_device)]
@@ -251,12 +278,24 @@ class AutoPlanner(Callback):
         data = tree_leaves(module.pipeline_inputs(rows))
         own = {t.untyped_storage().data_ptr() for t in tree_leaves(rows) if isinstance(t, Tensor)}
         n = batch_size(rows)
-        return Profile(blocks, optimizer_step=sum(step for _, _, step in stages),
-                       input_bytes_per_sample=sum(t.numel() * t.element_size() for t in data
-                                                  if isinstance(t, Tensor) and t.untyped_storage().data_ptr() not in own) / n,
-                       batch_bytes_per_sample=sum(t.numel() * t.element_size() for t in tree_leaves(rows) if isinstance(t, Tensor)) / n,
-                       loads_global_batch=True, cores=_shared_cores(trainer), device=str(strategy.root_device),
-                       device_bytes=device_bytes, shared_blocks=strategy.placement.shared_blocks, **links)  # fmt: skip
+        return Profile(
+            blocks,
+            optimizer_step=sum(step for _, _, step in stages),
+            input_bytes_per_sample=sum(
+                t.numel() * t.element_size()
+                for t in data
+                if isinstance(t, Tensor) and t.untyped_storage().data_ptr() not in own
+            )
+            / n,
+            batch_bytes_per_sample=sum(t.numel() * t.element_size() for t in tree_leaves(rows) if isinstance(t, Tensor))
+            / n,
+            loads_global_batch=True,
+            cores=_shared_cores(trainer),
+            device=str(strategy.root_device),
+            device_bytes=device_bytes,
+            shared_blocks=strategy.placement.shared_blocks,
+            **links,
+        )
 
     # -- deciding --------------------------------------------------------------------------
     def _budget(self, trainer: Trainer) -> Optional[float]:
@@ -297,13 +336,22 @@ class AutoPlanner(Callback):
         plan, budget, global_batch = strategy.plan, self._budget(trainer), strategy.global_batch_size
         current = predict.predict(profile, plan, max(global_batch // (plan.width * plan.microbatches), 1), budget)
         # The running partition is a candidate too: keeping it (less what costs time) is always an option.
-        ranked = search.search(profile, plan.world_size, global_batch, budget, self.allow_stale, partitions=[plan.partition],
-                                virtual_stages=self.virtual_stages)  # fmt: skip
+        ranked = search.search(
+            profile,
+            plan.world_size,
+            global_batch,
+            budget,
+            self.allow_stale,
+            partitions=[plan.partition],
+            virtual_stages=self.virtual_stages,
+        )
         if not ranked or not ranked[0].feasible:
             smallest = min((max(p.stage_memory) for p in ranked), default=float("nan"))
-            raise RuntimeError(f"no plan fits the memory budget of {predict._size(budget or 0)} per device (after "
-                               f"{self.headroom:.0%} headroom); the smallest "
-                               f"predicted peak is {predict._size(smallest)} (raise AutoPlanner(memory=...) or shrink the batch)")  # fmt: skip
+            raise RuntimeError(
+                f"no plan fits the memory budget of {predict._size(budget or 0)} per device (after "
+                f"{self.headroom:.0%} headroom); the smallest "
+                f"predicted peak is {predict._size(smallest)} (raise AutoPlanner(memory=...) or shrink the batch)"
+            )
         return current, ranked
 
     def _decide(self, trainer: Trainer, module: Any) -> None:
@@ -318,11 +366,26 @@ class AutoPlanner(Callback):
         self._start_step, self._times = trainer.global_step, defaultdict(list)
         self._captured, self._batch = {}, None
 
-    def _switch(self, trainer: Trainer, current: predict.Prediction, best: predict.Prediction, reason: str,
-                ranked: list[predict.Prediction], profile: Profile) -> None:  # fmt: skip
+    def _switch(
+        self,
+        trainer: Trainer,
+        current: predict.Prediction,
+        best: predict.Prediction,
+        reason: str,
+        ranked: list[predict.Prediction],
+        profile: Profile,
+    ) -> None:
         """Move to ``best`` unless it is ``current``; record and report the decision."""
-        record = {"step": trainer.global_step, "current": current, "chosen": best, "reason": reason, "profile": profile,
-                  "table": _table(current, ranked), "switch_seconds": 0.0, "measured_step_s": None}  # fmt: skip
+        record = {
+            "step": trainer.global_step,
+            "current": current,
+            "chosen": best,
+            "reason": reason,
+            "profile": profile,
+            "table": _table(current, ranked),
+            "switch_seconds": 0.0,
+            "measured_step_s": None,
+        }
         if best is not current:
             start = time.perf_counter()
             trainer.strategy.reconfigure(best.plan)
@@ -339,23 +402,35 @@ class AutoPlanner(Callback):
             measured = statistics.median(self._after[1:])
             record = self.decisions[-1]
             record["measured_step_s"] = measured
-            rank_zero_info(f"AutoPlanner: after the decision, measured step {measured:.4f} s "
-                           f"(predicted {record['chosen'].step_time:.4f} s)")  # fmt: skip
-            _log_scalars(trainer, {"autoplan/measured_step_s": measured, "autoplan/predicted_step_s": record["chosen"].step_time})
+            rank_zero_info(
+                f"AutoPlanner: after the decision, measured step {measured:.4f} s "
+                f"(predicted {record['chosen'].step_time:.4f} s)"
+            )
+            _log_scalars(
+                trainer, {"autoplan/measured_step_s": measured, "autoplan/predicted_step_s": record["chosen"].step_time}
+            )
             self._after = None
 
     def _report(self, trainer: Trainer, record: dict[str, Any]) -> None:
-        text = (f"AutoPlanner at step {record['step']}: {record['reason']}\n"
-                f"chosen: {record['chosen'].plan.describe()}, switch took {record['switch_seconds']:.3f} s\n{record['table']}")
+        text = (
+            f"AutoPlanner at step {record['step']}: {record['reason']}\n"
+            f"chosen: {record['chosen'].plan.describe()}, "
+            f"switch took {record['switch_seconds']:.3f} s\n{record['table']}"
+        )
         rank_zero_info(text)
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 experiment = getattr(logger, "experiment", None)
                 if callable(getattr(experiment, "add_text", None)):
                     experiment.add_text("autoplan/decision", f"```\n{text}\n```", record["step"])
-        _log_scalars(trainer, {"autoplan/switch_s": record["switch_seconds"],
-                               "autoplan/predicted_step_s": record["chosen"].step_time,
-                               "autoplan/current_predicted_step_s": record["current"].step_time})  # fmt: skip
+        _log_scalars(
+            trainer,
+            {
+                "autoplan/switch_s": record["switch_seconds"],
+                "autoplan/predicted_step_s": record["chosen"].step_time,
+                "autoplan/current_predicted_step_s": record["current"].step_time,
+            },
+        )
 
 
 def _same_kind(optimizer: torch.optim.Optimizer) -> Callable[[list[Any]], torch.optim.Optimizer]:
@@ -374,8 +449,10 @@ def _safe_start(plan: PipelinePlan, global_batch: int) -> PipelinePlan:
 def _check_steps(profile_steps: int, steps: Union[int, float], what: str = "Trainer(max_steps=...) allows") -> None:
     """Refuse a fit too short to profile: it would end before the AutoPlanner decides anything."""
     if 0 <= steps < profile_steps:
-        raise ValueError(f"AutoPlanner(profile_steps={profile_steps}) profiles that many training steps before "
-                         f"deciding, but {what} only {int(steps)}: lower profile_steps or train longer")  # fmt: skip
+        raise ValueError(
+            f"AutoPlanner(profile_steps={profile_steps}) profiles that many training steps before "
+            f"deciding, but {what} only {int(steps)}: lower profile_steps or train longer"
+        )
 
 
 def _link_bytes(captured: list[tuple[Tensor, ...]], device: torch.device, most: int = 2**20, least: int = 2**14) -> int:
@@ -393,8 +470,7 @@ def _profile_inputs(captured: list[tuple[Tensor, ...]]) -> list[tuple[Tensor, ..
     the captured microbatch and the whole of it (where a microbatch is one sample: the first of
     two captured, and both concatenated). Profiling one block at a time at no more than a
     microbatch holds no more than the step does, so the job stays within its budget (at twice
-    the microbatch, one recomputed stage's profile peaked 1.26 times its plan's predicted step
-    peak, over the budget: 2026-11-26)."""
+    the microbatch, a recomputed stage's profile can peak above its plan's step)."""
     first = captured[0]
     size = batch_size(first)
     if size > 1:
@@ -415,7 +491,9 @@ def _rows(batch: Any, start: int, size: int) -> Any:
     return tree_map(lambda t: t[start : start + size] if isinstance(t, Tensor) and t.dim() > 0 else t, batch)
 
 
-def _calibrated(profiles: list[BlockProfile], b: int, recompute: bool, forward: float, backward: float) -> list[BlockProfile]:
+def _calibrated(
+    profiles: list[BlockProfile], b: int, recompute: bool, forward: float, backward: float
+) -> list[BlockProfile]:
     """Scale the stage's profiled times so that at microbatch size ``b`` its F and B equal the
     measured ones (``forward``/``backward`` seconds per microbatch; a recomputed B includes a forward)."""
     at = [p.at(b) for p in profiles]
@@ -425,8 +503,13 @@ def _calibrated(profiles: list[BlockProfile], b: int, recompute: bool, forward: 
     b_scale = backward / b_pred if backward > 0 and b_pred > 0 else 1.0
 
     def scaled(s: BlockSample) -> BlockSample:
-        return dataclasses.replace(s, forward=s.forward * f_scale, backward=s.backward * b_scale,
-                                   input_grad=s.input_grad * b_scale, weight_grad=s.weight_grad * b_scale)  # fmt: skip
+        return dataclasses.replace(
+            s,
+            forward=s.forward * f_scale,
+            backward=s.backward * b_scale,
+            input_grad=s.input_grad * b_scale,
+            weight_grad=s.weight_grad * b_scale,
+        )
 
     return [dataclasses.replace(p, samples=[scaled(s) for s in p.samples]) for p in profiles]
 
@@ -441,7 +524,9 @@ def _choose(current: predict.Prediction, best: predict.Prediction, min_gain: flo
     return current, f"keeping the current plan: the best is predicted {gain:.1%} faster (min_gain {min_gain:.0%})"
 
 
-def _table(current: predict.Prediction, ranked: list[predict.Prediction], rows: int = 10, rejected_rows: int = 6) -> str:
+def _table(
+    current: predict.Prediction, ranked: list[predict.Prediction], rows: int = 10, rejected_rows: int = 6
+) -> str:
     """The candidate table: the fastest plans that fit, the fastest rejected for memory (and why),
     and the current plan; each with its microbatch size, predicted step, throughput and peak memory."""
     fits = [p for p in ranked if p.feasible]
@@ -452,9 +537,11 @@ def _table(current: predict.Prediction, ranked: list[predict.Prediction], rows: 
     for p in shown + ([] if any(map(is_current, shown)) else [current]):  # the current plan once
         verdict = "fits" if p.feasible else "rejected: " + p.why_infeasible()
         place = ranked.index(p) + 1 if p in ranked else "-"
-        lines.append(f"{place} | {p.plan.describe()} | {p.microbatch_size} | {p.step_time:.4f} | "
-                     f"{p.samples_per_second:.1f} | {predict._size(max(p.stage_memory))} | "
-                     f"{'current, ' if is_current(p) else ''}{verdict}")  # fmt: skip
+        lines.append(
+            f"{place} | {p.plan.describe()} | {p.microbatch_size} | {p.step_time:.4f} | "
+            f"{p.samples_per_second:.1f} | {predict._size(max(p.stage_memory))} | "
+            f"{'current, ' if is_current(p) else ''}{verdict}"
+        )
     lines.append(f"({len(ranked)} candidates, {len(rejected)} rejected for memory)")
     return "\n".join(lines)
 
@@ -477,8 +564,11 @@ def _device_bytes(trainer: Trainer, extra: list[Tensor]) -> int:
         return 0
     engine = trainer.strategy.engine
     params = [p for slot in engine.versions.slots for p in slot or ()]
-    known = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-             for t in held_tensors(params, trainer.optimizers) + extra if t.device == device}  # fmt: skip
+    known = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in held_tensors(params, trainer.optimizers) + extra
+        if t.device == device
+    }
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, max(torch.cuda.memory_allocated(device) - sum(known.values()), 0))
     return int(max(gathered))

@@ -89,7 +89,9 @@ def _publish(staged: Path, path: Path) -> None:
         shutil.rmtree(old) if old.is_dir() else old.unlink()
 
 
-def save_sharded(path: Path, shards: dict[str, Any], meta: dict[str, Any], rank: int, barrier: Callable[[], None]) -> None:
+def save_sharded(
+    path: Path, shards: dict[str, Any], meta: dict[str, Any], rank: int, barrier: Callable[[], None]
+) -> None:
     """Write every rank's ``shards`` and rank 0's ``meta`` under ``path``, visible only once complete.
 
     All ranks write into a staging directory; rank 0 adds ``meta.pt`` after every shard and
@@ -202,8 +204,10 @@ def load_file(path: Path, placement: Placement, optimizers: list[Any], strict: b
         check_names(placement, {k: tuple(v.shape) for k, v in model.items()}, f"checkpoint {path}")
     states = checkpoint.pop("optimizer_states", [])
     if optimizers and any("pipeline_stages" in s for s in states):
-        raise ValueError(f"{path} was saved by an older lightning_pipe (optimizer state by stage index); "
-                         "load its weights with load_from_checkpoint and train on")  # fmt: skip
+        raise ValueError(
+            f"{path} was saved by an older lightning_pipe (optimizer state by stage index); "
+            "load its weights with load_from_checkpoint and train on"
+        )
     placement.import_state({MODEL: model})
     for opt, flat in zip(optimizers, states):
         placement.import_state({MODEL: model, "optimizer": flat}, opt)

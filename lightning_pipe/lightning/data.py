@@ -103,7 +103,9 @@ def per_replica_loader(loader: DataLoader, global_batch_size: int, width: int) -
             its own batch sampler.
     """
     if global_batch_size % width:
-        raise ValueError(f"global_batch_size={global_batch_size} is not divisible by the {width} data-parallel replicas")
+        raise ValueError(
+            f"global_batch_size={global_batch_size} is not divisible by the {width} data-parallel replicas"
+        )
     per_replica = global_batch_size // width
     if loader.batch_size == per_replica:
         return loader

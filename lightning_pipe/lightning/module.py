@@ -74,7 +74,9 @@ class PipelineMixin:
         """
         optimizer = self.optimizers()
         if isinstance(optimizer, list):
-            raise ValueError(f"pipeline training supports one optimizer, configure_optimizers returned {len(optimizer)}")
+            raise ValueError(
+                f"pipeline training supports one optimizer, configure_optimizers returned {len(optimizer)}"
+            )
         self._step_epoch_schedulers()
         batch = self.trainer.strategy.replica_batch(batch)  # a global batch, when the layout may change
         loss = self.pipeline_engine.train_step(batch, optimizer.optimizer, self._step_interval_schedulers)

@@ -13,9 +13,9 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
-from lightning_pipe.schedules import timeline
-from lightning_pipe.runtime.engine import PipelineEngine
 from lightning_pipe.lightning.strategy import PipelineStrategy
+from lightning_pipe.runtime.engine import PipelineEngine
+from lightning_pipe.schedules import timeline
 
 
 class PipelineMonitor(Callback):
@@ -49,8 +49,13 @@ class PipelineMonitor(Callback):
         Trainer(strategy=PipelineStrategy(...), callbacks=[PipelineMonitor()])
     """
 
-    def __init__(self, log_every_n_steps: Optional[int] = None, timeline_every_n_steps: int = 100,
-                 dirpath: Optional[str] = None, tokens_per_sample: Optional[int] = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        log_every_n_steps: Optional[int] = None,
+        timeline_every_n_steps: int = 100,
+        dirpath: Optional[str] = None,
+        tokens_per_sample: Optional[int] = None,
+    ) -> None:
         if log_every_n_steps is not None and log_every_n_steps < 1:
             raise ValueError(f"log_every_n_steps must be >= 1, got {log_every_n_steps}")
         if timeline_every_n_steps < 0:
@@ -69,7 +74,9 @@ class PipelineMonitor(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Refuse to run without a pipeline strategy."""
         if not isinstance(trainer.strategy, PipelineStrategy):
-            raise TypeError(f"PipelineMonitor needs Trainer(strategy=PipelineStrategy(...)), got {type(trainer.strategy).__name__}")
+            raise TypeError(
+                f"PipelineMonitor needs Trainer(strategy=PipelineStrategy(...)), got {type(trainer.strategy).__name__}"
+            )
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Resolve the PNG folder (on every rank: ``trainer.log_dir`` is a collective), make the
@@ -85,7 +92,9 @@ class PipelineMonitor(Callback):
         """Have the engine record the step's trace and the bytes it holds for backward (off by default)."""
         trainer.strategy.engine.instrument = True
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         """Count the batch; every N steps gather every rank's record and log (and draw) it."""
         engine: PipelineEngine = trainer.strategy.engine
         samples, tokens = self._count(engine, trainer.strategy.replica_batch(batch))
@@ -121,7 +130,10 @@ class PipelineMonitor(Callback):
     def _throughput(self, engine: PipelineEngine) -> dict[str, float]:
         elapsed = max(time.perf_counter() - self._since, 1e-9)
         width = engine.topology.width  # every replica reads its own batch of the same size
-        out = {"pipeline/step_time_s": elapsed / max(self._steps, 1), "pipeline/samples_per_s": width * self._samples / elapsed}
+        out = {
+            "pipeline/step_time_s": elapsed / max(self._steps, 1),
+            "pipeline/samples_per_s": width * self._samples / elapsed,
+        }
         if self._tokens:
             out["pipeline/tokens_per_s"] = width * self._tokens / elapsed
         return out
@@ -134,8 +146,10 @@ class PipelineMonitor(Callback):
         split += f" ({engine.plan.split_placement})" if engine.plan.split_placement else ""
         if engine.plan.virtual_stages > 1:
             split += f", interleaved ({engine.plan.virtual_stages} stages per rank)"
-        title = (f"{engine.schedule}{split}, step {step}: w={engine.topology.width}, d={engine.topology.depth}, "
-                 f"m={engine.microbatches}, measured bubble {bubble:.0%}")  # fmt: skip
+        title = (
+            f"{engine.schedule}{split}, step {step}: w={engine.topology.width}, d={engine.topology.depth}, "
+            f"m={engine.microbatches}, measured bubble {bubble:.0%}"
+        )
         labels = {r["rank"]: f"rank {r['rank']} ({_stages_label(engine.plan.stages_of(r['stage']))})" for r in records}
         fig = timeline.draw(intervals, title, labels)
         os.makedirs(self._folder, exist_ok=True)
@@ -210,7 +224,9 @@ def stage_metrics(records: list[dict], engine: PipelineEngine) -> dict[str, floa
     """Per-stage means over replicas, and the bubble of all ranks, from every rank's record."""
     bubbles, total = {}, []
     for replica in sorted({r["replica"] for r in records}):
-        per_rank, whole = timeline.bubble_fraction(i for r in records if r["replica"] == replica for i in r["intervals"])
+        per_rank, whole = timeline.bubble_fraction(
+            i for r in records if r["replica"] == replica for i in r["intervals"]
+        )
         bubbles.update(per_rank)
         total.append(whole)
     busy = timeline.compute_time(i for r in records for i in r["intervals"])

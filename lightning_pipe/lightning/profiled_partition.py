@@ -31,8 +31,10 @@ def profiled_partition(module: Any, plan: PipelinePlan, rank: int, broadcast: Ca
 
     example = getattr(module, "example_input_array", None)
     if example is None:
-        raise ValueError("partition='profile' needs an example batch: set self.example_input_array in "
-                         f"{type(module).__name__}.__init__ (one batch of pipeline inputs)")  # fmt: skip
+        raise ValueError(
+            "partition='profile' needs an example batch: set self.example_input_array in "
+            f"{type(module).__name__}.__init__ (one batch of pipeline inputs)"
+        )
     sizes: Any = None
     if rank == 0:
         try:

@@ -59,14 +59,22 @@ def reconfigure(strategy: Reconfigurable, plan: PipelinePlan) -> PipelinePlan:
     old, new = strategy.plan, strategy.placement.resolved(plan)
     new.check_world_size(old.world_size)
     if new.width != old.width and not strategy.loads_global_batches:
-        raise ValueError(f"changing the width from {old.width} to {new.width} during fit needs "
-                         "strategy.enable_reconfiguration() before the data is set up (AutoPlanner does it)")  # fmt: skip
+        raise ValueError(
+            f"changing the width from {old.width} to {new.width} during fit needs "
+            "strategy.enable_reconfiguration() before the data is set up (AutoPlanner does it)"
+        )
     strategy.drain()
     exported = strategy.placement.export_state(strategy.single_optimizer())
     flat = {f"{part}.{k}": v for part in _PARTS for k, v in exported[part].items()}
     schedulers = [config.scheduler.state_dict() for config in module.trainer.lr_scheduler_configs]
-    moved = reshard.exchange(flat, lambda key: strategy.placement.blocks_of(reshard.key_name(key)), old, new,
-                             strategy.global_rank, strategy.root_device)  # fmt: skip
+    moved = reshard.exchange(
+        flat,
+        lambda key: strategy.placement.blocks_of(reshard.key_name(key)),
+        old,
+        new,
+        strategy.global_rank,
+        strategy.root_device,
+    )
     module._pipeline_engine.close()
     strategy.placement.undo()
     strategy.place(new)

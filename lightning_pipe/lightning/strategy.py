@@ -1,4 +1,4 @@
-"""PipelineStrategy: Lightning glue that places a PipelinePlan on every rank, runs its engine and checkpoints it by name."""
+"""PipelineStrategy: Lightning glue that places a PipelinePlan on every rank, runs its engine, checkpoints by name."""
 
 from __future__ import annotations
 
@@ -24,16 +24,16 @@ from torch.optim import Optimizer
 from torch.utils._pytree import tree_map
 from typing_extensions import override
 
+from lightning_pipe.core.pipeline_plan import PartitionArg, PipelinePlan, RecomputeArg
+from lightning_pipe.core.topology import Topology
 from lightning_pipe.lightning import checkpoint as _checkpoint
 from lightning_pipe.lightning.data import ResumableLoader, per_replica_loader
-from lightning_pipe.core.pipeline_plan import PartitionArg, PipelinePlan, RecomputeArg
-from lightning_pipe.runtime.engine import PipelineEngine
-from lightning_pipe.runtime.comm.groups import PipelineGroups
 from lightning_pipe.lightning.profiled_partition import profiled_partition
 from lightning_pipe.lightning.reconfigure import reconfigure
 from lightning_pipe.runtime.autograd.deferred_norm import convert_deferred_batch_norm
+from lightning_pipe.runtime.comm.groups import PipelineGroups
+from lightning_pipe.runtime.engine import PipelineEngine
 from lightning_pipe.runtime.placement import Placement, pipeline_blocks_of
-from lightning_pipe.core.topology import Topology
 
 #: The layout arguments' defaults: PipelinePlan's own, with ``pipeline_depth=None`` (every device in one pipeline).
 _LAYOUT_DEFAULTS: dict[str, Any] = {
@@ -44,10 +44,10 @@ _LAYOUT_DEFAULTS: dict[str, Any] = {
 
 def _destroy_groups_at_exit() -> None:
     """Destroy every process group when the interpreter exits, before it finalizes (registered
-    once per process, however many runs call this). Lightning does so only for NCCL. Once in CI
-    (2026-11-26) a process aborted after a clean ``fit`` ("terminate called without an active
-    exception"); gloo's threads can still hold work when a group is left to the interpreter's
-    finalization (pytorch/pytorch PR 179291)."""
+    once per process, however many runs call this). Lightning does so only for NCCL; gloo's
+    threads can still hold work when a group is left to the interpreter's finalization, which
+    can abort the process ("terminate called without an active exception"; pytorch/pytorch PR
+    179291)."""
     atexit.unregister(_destroy_dist_connection)
     atexit.register(_destroy_dist_connection)
 
@@ -150,9 +150,18 @@ class PipelineStrategy(DDPStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
     ) -> None:
-        layout = dict(schedule=schedule, pipeline_depth=pipeline_depth, microbatches=microbatches, partition=partition,
-                      recompute=recompute, split_backward=split_backward, split_max_pending=split_max_pending,
-                      inner=inner, virtual_stages=virtual_stages, split_placement=split_placement)  # fmt: skip
+        layout = dict(
+            schedule=schedule,
+            pipeline_depth=pipeline_depth,
+            microbatches=microbatches,
+            partition=partition,
+            recompute=recompute,
+            split_backward=split_backward,
+            split_max_pending=split_max_pending,
+            inner=inner,
+            virtual_stages=virtual_stages,
+            split_placement=split_placement,
+        )
         self._layout = _check_layout(layout, plan)
         if global_batch_size is not None and global_batch_size < 1:
             raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
@@ -232,7 +241,11 @@ class PipelineStrategy(DDPStrategy):
             raise RuntimeError("the model is already placed; use reconfigure() to change the layout of a running job")
         if self._plan is not None:
             plan.check_world_size(self._plan.world_size)
-        if self._groups is not None and (plan.width, plan.depth, plan.inner) != (self.plan.width, self.plan.depth, self.plan.inner):
+        if self._groups is not None and (plan.width, plan.depth, plan.inner) != (
+            self.plan.width,
+            self.plan.depth,
+            self.plan.inner,
+        ):
             self._groups.destroy()
             self._groups = PipelineGroups.build(plan.topology, self.global_rank, self.root_device.type)
         self._plan = plan
@@ -247,8 +260,10 @@ class PipelineStrategy(DDPStrategy):
             ValueError: without ``global_batch_size`` (the global batch must stay fixed).
         """
         if self.global_batch_size is None:
-            raise ValueError("reconfiguring the layout during fit needs PipelineStrategy(global_batch_size=...), "
-                             "so that every width trains on the same global batches")  # fmt: skip
+            raise ValueError(
+                "reconfiguring the layout during fit needs PipelineStrategy(global_batch_size=...), "
+                "so that every width trains on the same global batches"
+            )
         self._global_batches = True
 
     @property
@@ -313,7 +328,9 @@ class PipelineStrategy(DDPStrategy):
                 engine.groups.destroy()  # an earlier Trainer's layout: no engine uses them any more
         placement = placement or Placement(module)
         if self.plan.partition == "profile":
-            self._plan = self.plan.replace(partition=profiled_partition(module, self.plan, self.global_rank, self.broadcast))
+            self._plan = self.plan.replace(
+                partition=profiled_partition(module, self.plan, self.global_rank, self.broadcast)
+            )
         if self.deferred_batch_norm:  # a batch is this plan's microbatches
             for block in placement.blocks:
                 convert_deferred_batch_norm(block, self.plan.microbatches)
@@ -321,16 +338,24 @@ class PipelineStrategy(DDPStrategy):
         self._plan = placement.plan
         module._pipeline_placement = placement
         rank_zero_info(placement.summary())
-        return PipelineEngine(module, stages, self.plan, self.global_rank, self._groups, self.root_device,
-                              self.gradient_clip_val, self.loss, self.bucket_bytes)  # fmt: skip
+        return PipelineEngine(
+            module,
+            stages,
+            self.plan,
+            self.global_rank,
+            self._groups,
+            self.root_device,
+            self.gradient_clip_val,
+            self.loss,
+            self.bucket_bytes,
+        )
 
     def _adopt_groups(self, groups: Optional[PipelineGroups]) -> None:
-        """Use the groups of the engine kept from an earlier Trainer (the same layout), destroying the ones built for this run."""
+        """Use the groups of an earlier Trainer's engine (the same layout), destroying the ones built for this run."""
         if groups is not None and groups is not self._groups:
             if self._groups is not None:
                 self._groups.destroy()
             self._groups = groups
-
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -342,7 +367,9 @@ class PipelineStrategy(DDPStrategy):
                 f"{type(module).__name__}.__init__ and call self.pipeline_step(batch) in training_step"
             )
         if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError("PipelineStrategy does not support loss-scaled fp16 ('16-mixed'); use precision='bf16-mixed'")
+            raise ValueError(
+                "PipelineStrategy does not support loss-scaled fp16 ('16-mixed'); use precision='bf16-mixed'"
+            )
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(module)
@@ -389,7 +416,9 @@ class PipelineStrategy(DDPStrategy):
         """
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         if len(optimizers) != 1:
-            raise ValueError(f"pipeline training supports one optimizer, configure_optimizers returned {len(optimizers)}")
+            raise ValueError(
+                f"pipeline training supports one optimizer, configure_optimizers returned {len(optimizers)}"
+            )
         return optimizers[0]
 
     # -- data --------------------------------------------------------------------------------
@@ -420,8 +449,10 @@ class PipelineStrategy(DDPStrategy):
         unfilled = sorted(self.placement.unfilled)
         missing = self.reduce(torch.tensor(float(len(unfilled)), device=self.root_device), reduce_op="sum")
         if int(missing):
-            raise RuntimeError(f"{int(missing)} pipeline block(s) moved to ranks without their weights (here: {unfilled}); "
-                               "load a checkpoint (ckpt_path=...) after changing the layout of a placed model")  # fmt: skip
+            raise RuntimeError(
+                f"{int(missing)} pipeline block(s) moved to ranks without their weights (here: {unfilled}); "
+                "load a checkpoint (ckpt_path=...) after changing the layout of a placed model"
+            )
 
     @override
     def on_train_start(self) -> None:
@@ -529,7 +560,9 @@ def _check_layout(layout: dict[str, Any], plan: Optional[PipelinePlan]) -> dict[
     if depth is not None and depth < 1:
         raise ValueError(f"pipeline_depth must be >= 1, got {depth}")
     virtual = layout["virtual_stages"]
-    lists = [len(v) // max(virtual, 1) for v in (layout["recompute"], layout["partition"]) if not isinstance(v, (bool, str))]
+    lists = [
+        len(v) // max(virtual, 1) for v in (layout["recompute"], layout["partition"]) if not isinstance(v, (bool, str))
+    ]
     hint = depth or next(iter(lists), None)
     fields = {k: v for k, v in layout.items() if k != "pipeline_depth"}
     if hint is None:  # depth comes from the world size: what needs it is checked once that is known
@@ -539,5 +572,7 @@ def _check_layout(layout: dict[str, Any], plan: Optional[PipelinePlan]) -> dict[
 
 
 StrategyRegistry.register(
-    PipelineStrategy.strategy_name, PipelineStrategy, description="Pipeline parallelism (GPipe, 1F1B, 2BW, split backward) over w x d processes"
+    PipelineStrategy.strategy_name,
+    PipelineStrategy,
+    description="Pipeline parallelism (GPipe, 1F1B, 2BW, split backward) over w x d processes",
 )

@@ -16,8 +16,8 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from lightning_pipe.planning import predict, search
 from lightning_pipe.core.pipeline_plan import PipelinePlan
+from lightning_pipe.planning import predict, search
 from lightning_pipe.planning.links import profile_links
 from lightning_pipe.planning.profile import Profile
 from lightning_pipe.planning.profiler import profile_blocks
@@ -77,17 +77,23 @@ def profile_config(model: Any, data: Any, sizes: Sequence[int]) -> Profile:
 
 def table(ranked: Sequence[predict.Prediction], top: int) -> str:
     """The ranked plans as a markdown table (the best ``top`` feasible, then a few infeasible)."""
-    rows = ["| w | d | v | b | m | schedule | split | recompute | partition | step (s) | samples/s | peak per rank | infeasible because |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    rows = [
+        "| w | d | v | b | m | schedule | split | recompute | partition | step (s) | samples/s | peak per rank "
+        "| infeasible because |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     feasible = [p for p in ranked if p.feasible][:top]
     shown = feasible + [p for p in ranked if not p.feasible][: max(3, top - len(feasible))]
     for p in shown:
         plan = p.plan
         peaks = ", ".join(predict._size(x) for x in p.stage_memory)
         recompute = "".join("y" if r else "n" for r in plan.recompute)
-        rows.append(f"| {plan.width} | {plan.depth} | {plan.virtual_stages} | {p.microbatch_size} | {plan.microbatches} | {plan.schedule} | "
-                    f"{_split(plan)} | {recompute} | {list(plan.partition)} | {p.step_time:.4f} | "
-                    f"{p.samples_per_second:.1f} | {peaks} | {p.why_infeasible()} |")  # fmt: skip
+        rows.append(
+            f"| {plan.width} | {plan.depth} | {plan.virtual_stages} | {p.microbatch_size} | {plan.microbatches} "
+            f"| {plan.schedule} | "
+            f"{_split(plan)} | {recompute} | {list(plan.partition)} | {p.step_time:.4f} | "
+            f"{p.samples_per_second:.1f} | {peaks} | {p.why_infeasible()} |"
+        )
     return "\n".join(rows)
 
 
@@ -101,10 +107,17 @@ def _split(plan: PipelinePlan) -> str:
 def snippet(best: predict.Prediction, global_batch: int) -> str:
     """The best plan as YAML for ``trainer.strategy.init_args``."""
     plan = best.plan
-    init = {"schedule": plan.schedule, "pipeline_depth": plan.depth, "microbatches": plan.microbatches,
-            "partition": list(plan.partition), "recompute": list(plan.recompute),
-            "split_backward": plan.split_backward, "inner": plan.inner, "global_batch_size": global_batch,
-            "virtual_stages": plan.virtual_stages}  # fmt: skip
+    init = {
+        "schedule": plan.schedule,
+        "pipeline_depth": plan.depth,
+        "microbatches": plan.microbatches,
+        "partition": list(plan.partition),
+        "recompute": list(plan.recompute),
+        "split_backward": plan.split_backward,
+        "inner": plan.inner,
+        "global_batch_size": global_batch,
+        "virtual_stages": plan.virtual_stages,
+    }
     if plan.split_placement is not None:
         init["split_placement"] = plan.split_placement
     return yaml.safe_dump({"trainer": {"devices": plan.world_size, "strategy": {"init_args": init}}}, sort_keys=False)
@@ -114,16 +127,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Parse arguments, profile, search, print the table and write the best plan's YAML."""
     parser = argparse.ArgumentParser(prog="python -m lightning_pipe.plan", description=__doc__)
     parser.add_argument("--config", type=Path, required=True, help="a LightningCLI YAML config")
-    parser.add_argument("--script", type=Path, default=None, help="the script defining the model and data module "
-                        "(default: examples/<config name before its first '_'>.py)")  # fmt: skip
+    parser.add_argument(
+        "--script",
+        type=Path,
+        default=None,
+        help="the script defining the model and data module (default: examples/<config name before its first '_'>.py)",
+    )
     parser.add_argument("--devices", type=int, required=True)
     parser.add_argument("--ranks-per-node", type=int, default=None, help="processes per node (default: all on one)")
-    parser.add_argument("--memory", type=parse_bytes, default=None,
-                        help="budget of tensor bytes per device, e.g. 256MiB (default on GPU: the device's free memory)")
+    parser.add_argument(
+        "--memory",
+        type=parse_bytes,
+        default=None,
+        help="budget of tensor bytes per device, e.g. 256MiB (default on GPU: the device's free memory)",
+    )
     parser.add_argument("--global-batch", type=int, default=None, help="default: the config's")
     parser.add_argument("--allow-stale", action="store_true", help="also plan PipeDream-2BW (1-stale updates)")
-    parser.add_argument("--virtual-stages", type=int, nargs="+", default=[1, 2],
-                        help="stages per rank to plan (above 1: interleaved 1F1B; default: 1 2)")
+    parser.add_argument(
+        "--virtual-stages",
+        type=int,
+        nargs="+",
+        default=[1, 2],
+        help="stages per rank to plan (above 1: interleaved 1F1B; default: 1 2)",
+    )
     parser.add_argument("--no-links", action="store_true", help="skip measuring transfers (they are then free)")
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--output", type=Path, default=Path("plan.yaml"))
@@ -140,8 +166,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not args.no_links:
         print("measuring transfers and all-reduce between 2 local processes ...", flush=True)
         profile = dataclasses.replace(profile, **profile_links())
-    candidates = list(search.candidates(profile, args.devices, global_batch, args.allow_stale, memory_limit=args.memory,
-                                         virtual_stages=args.virtual_stages))  # fmt: skip
+    candidates = list(
+        search.candidates(
+            profile,
+            args.devices,
+            global_batch,
+            args.allow_stale,
+            memory_limit=args.memory,
+            virtual_stages=args.virtual_stages,
+        )
+    )
     ranked = search.rank([search.evaluate(profile, c, args.memory) for c in tqdm(candidates, desc="simulating plans")])
     print(table(ranked, args.top))
     if not ranked or not ranked[0].feasible:

@@ -1,4 +1,4 @@
-"""Per-stage costs of a plan from a profile: seconds and bytes of each stage, each action's cost, the batch and gradient sets a rank holds."""
+"""Per-stage costs of a plan from a profile: seconds and bytes of each stage and action, batches and gradients held."""
 
 from __future__ import annotations
 
@@ -7,12 +7,11 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
+from lightning_pipe.core.partition import balanced
 from lightning_pipe.core.pipeline_plan import PipelinePlan
 from lightning_pipe.planning.profile import BlockProfile, BlockSample, Profile
 from lightning_pipe.runtime.buckets import DEFAULT_BUCKET_BYTES
 from lightning_pipe.schedules import Action, Kind
-from lightning_pipe.core.partition import balanced
-
 
 
 @dataclass(frozen=True)
@@ -32,17 +31,29 @@ class StageCosts:
     unsaved_output_bytes: int = 0  # of the output, what autograd does not save anyway
     forward_workspace_bytes: int = 0  # the largest block's temporaries during its forward
     backward_workspace_bytes: int = 0  # the largest block's temporaries during its backward
-    first_backward_bytes: int = 0  # one microbatch's saved tensors and the gradients during the step's first backward (a recomputed last stage: after the loss's backward)
+    # one microbatch's saved tensors and the gradients during the step's first backward (a recomputed
+    # last stage: after the loss's backward)
+    first_backward_bytes: int = 0
     captured_bytes: int = 0  # split backward: the gradients one microbatch's I captures for its W
-    backward_excess_bytes: Optional[int] = None  # a full backward's peak over the microbatch's saved tensors, blocks freeing theirs as it goes (None: the largest block's temporaries)
+    # a full backward's peak over the microbatch's saved tensors, blocks freeing theirs as it goes
+    # (None: the largest block's temporaries)
+    backward_excess_bytes: Optional[int] = None
     loss_bytes: int = 0  # the last stage: one microbatch's loss, kept until its backward (and the step's running sum)
-    loss_saved_bytes: int = 0  # the last stage: what the loss saves for backward (part of stash_bytes; kept outside a recomputed stage)
+    loss_saved_bytes: int = (
+        0  # the last stage: what the loss saves for backward (part of stash_bytes; kept outside a recomputed stage)
+    )
     optimizer_step_bytes: int = 0  # the temporaries of the stage's optimizer step
-    frees_graph_at_input_grad: bool = False  # split backward defers its linear and convolution weight gradients: I frees the graph (runtime/autograd/deferred_weights.py)
-    input_grad_workspace_bytes: int = 0  # a deferring I's peak temporaries, the later blocks' kept tensors and its incoming gradient with them (_input_grad_peak)
+    # split backward defers its linear and convolution weight gradients: I frees the graph
+    # (runtime/autograd/deferred_weights.py)
+    frees_graph_at_input_grad: bool = False
+    # a deferring I's peak temporaries, the later blocks' kept tensors and its incoming gradient with
+    # them (_input_grad_peak)
+    input_grad_workspace_bytes: int = 0
 
 
-def _backward_peaks(samples: Sequence[BlockSample], grads: Sequence[int], bucket_cap: int = 0, last_incoming: int = 0) -> tuple[int, int]:
+def _backward_peaks(
+    samples: Sequence[BlockSample], grads: Sequence[int], bucket_cap: int = 0, last_incoming: int = 0
+) -> tuple[int, int]:
     """Peaks of one microbatch's backward through the blocks, last to first: the step's first
     backward, while the gradients appear, and a later one beyond the microbatch's saved tensors.
 
@@ -58,7 +69,9 @@ def _backward_peaks(samples: Sequence[BlockSample], grads: Sequence[int], bucket
     finds every gradient there: a block with large temporaries early in the stage adds less
     than the same block last."""
     inner = [0] + [max(b.saved_input_bytes - a.saved_output_bytes, 0) for a, b in zip(samples, samples[1:])]
-    saved = [0] + list(itertools.accumulate(x.saved_bytes + i for x, i in zip(samples, inner)))  # saved[j + 1]: blocks 0..j
+    saved = [0] + list(
+        itertools.accumulate(x.saved_bytes + i for x, i in zip(samples, inner))
+    )  # saved[j + 1]: blocks 0..j
     after = list(itertools.accumulate(reversed(grads)))[::-1] + [0]  # after[j]: gradients of blocks j..
     # The gradient a block's backward starts from, until it is consumed: the next block's input gradient
     # (the stage's last block starts from the loss, or from a received gradient counted with the stage,
@@ -71,7 +84,9 @@ def _backward_peaks(samples: Sequence[BlockSample], grads: Sequence[int], bucket
     held = [bucketed_bytes(c, after[0], bucket_cap) for c in after]
     peaks = []
     for j, x in enumerate(samples):
-        peaks.append(saved[j + 1] + held[j + 1] + incoming[j] + x.backward_workspace_bytes)  # before its first weight gradient
+        peaks.append(
+            saved[j + 1] + held[j + 1] + incoming[j] + x.backward_workspace_bytes
+        )  # before its first weight gradient
         if grads[j] and x.after_gradient_bytes:
             peaks.append(saved[j] + inner[j] + held[j] + x.after_gradient_bytes)
         elif grads[j]:  # not profiled: everything the block holds beside its gradients' buckets
@@ -84,8 +99,13 @@ def _recomputed(samples: Sequence[BlockSample]) -> tuple[list[BlockSample], int]
     block starts from: the loss runs outside the recomputation, so its backward has run, freed
     what it saved and left the gradient of the stage output before the blocks are recomputed."""
     x = samples[-1]
-    alone = dataclasses.replace(x, saved_bytes=x.saved_bytes - x.loss_saved_bytes, backward_workspace_bytes=x.block_backward_workspace_bytes,
-                                after_gradient_bytes=x.block_after_gradient_bytes, cold_backward_bytes=x.block_cold_backward_bytes)  # fmt: skip
+    alone = dataclasses.replace(
+        x,
+        saved_bytes=x.saved_bytes - x.loss_saved_bytes,
+        backward_workspace_bytes=x.block_backward_workspace_bytes,
+        after_gradient_bytes=x.block_after_gradient_bytes,
+        cold_backward_bytes=x.block_cold_backward_bytes,
+    )
     return [*samples[:-1], alone], x.output_bytes
 
 
@@ -124,15 +144,22 @@ def _input_grad_peak(samples: Sequence[BlockSample]) -> int:
     return peak
 
 
-def range_costs(profile: Profile, blocks: range, microbatch_size: int, recompute: bool = False,
-                samples: Optional[Sequence[BlockSample]] = None, bucket_cap: int = 0) -> StageCosts:  # fmt: skip
+def range_costs(
+    profile: Profile,
+    blocks: range,
+    microbatch_size: int,
+    recompute: bool = False,
+    samples: Optional[Sequence[BlockSample]] = None,
+    bucket_cap: int = 0,
+) -> StageCosts:
     """The profiled costs of blocks ``blocks`` run as one stage at ``microbatch_size`` (``samples``:
     every block already at that size, to save the interpolation; ``bucket_cap``: the most bytes
     of one replica all-reduce bucket, 0 without replicas)."""
     mine = [samples[i] if samples is not None else profile.blocks[i].at(microbatch_size) for i in blocks]
     states = [profile.blocks[i] for i in blocks]
     first = blocks.start
-    # A full backward's blocks (with recompute on the last stage, as the loss's backward leaves them; profiled since loss_bytes).
+    # A full backward's blocks (with recompute on the last stage, as the loss's backward leaves them;
+    # profiled since loss_bytes).
     backward, incoming = _recomputed(mine) if recompute and mine[-1].loss_bytes else (mine, 0)
     first_backward, excess = _backward_peaks(backward, [b.gradient_bytes for b in states], bucket_cap, incoming)
     return StageCosts(
@@ -141,8 +168,11 @@ def range_costs(profile: Profile, blocks: range, microbatch_size: int, recompute
         input_grad=sum(x.input_grad for x in mine),
         weight_grad=sum(x.weight_grad for x in mine),
         stash_bytes=sum(x.saved_bytes for x in mine) + _inner_inputs(mine),
-        input_bytes=((samples[first - 1] if samples is not None else profile.blocks[first - 1].at(microbatch_size)).output_bytes if first > 0
-                     else int(profile.input_bytes_per_sample * microbatch_size)),
+        input_bytes=(
+            (samples[first - 1] if samples is not None else profile.blocks[first - 1].at(microbatch_size)).output_bytes
+            if first > 0
+            else int(profile.input_bytes_per_sample * microbatch_size)
+        ),
         output_bytes=mine[-1].output_bytes,
         unsaved_output_bytes=mine[-1].output_bytes - mine[-1].saved_output_bytes,
         weight_bytes=sum(b.parameter_bytes for b in states),
@@ -157,17 +187,24 @@ def range_costs(profile: Profile, blocks: range, microbatch_size: int, recompute
         loss_saved_bytes=mine[-1].loss_saved_bytes,
         optimizer_step_bytes=step_bytes(profile, states),
         input_grad_workspace_bytes=_input_grad_peak(mine),
-        # As the executor decides: a stage with an input gradient whose matrices are all linear, convolution or embedding weights.
-        frees_graph_at_input_grad=first > 0 and any(b.deferred_weights for b in states) and not any(b.other_matrices for b in states),
-    )  # fmt: skip
+        # As the executor decides: a stage with an input gradient whose matrices are all linear,
+        # convolution or embedding weights.
+        frees_graph_at_input_grad=first > 0
+        and any(b.deferred_weights for b in states)
+        and not any(b.other_matrices for b in states),
+    )
 
 
-def stage_costs(profile: Profile, plan: PipelinePlan, microbatch_size: int,
-                samples: Optional[Sequence[BlockSample]] = None) -> list[StageCosts]:  # fmt: skip
+def stage_costs(
+    profile: Profile, plan: PipelinePlan, microbatch_size: int, samples: Optional[Sequence[BlockSample]] = None
+) -> list[StageCosts]:
     """Sum the profiled blocks of every stage of ``plan`` (partition resolved) at ``microbatch_size``
     (``samples``: every block already at that size, as :meth:`RangeCosts.samples` keeps them)."""
     cap = bucket_cap(plan)
-    return [range_costs(profile, rng, microbatch_size, plan.recompute[s], samples, cap) for s, rng in enumerate(plan.stage_ranges())]
+    return [
+        range_costs(profile, rng, microbatch_size, plan.recompute[s], samples, cap)
+        for s, rng in enumerate(plan.stage_ranges())
+    ]
 
 
 def bucket_cap(plan: PipelinePlan) -> int:
@@ -188,7 +225,12 @@ def action_cost(profile: Profile, plan: PipelinePlan, stages: Sequence[StageCost
     (latency + bytes / bandwidth), the all-reduce from the replicas' ring, the step by weight share."""
     total_weights = sum(s.weight_bytes for s in stages) or 1
 
-    compute = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.INPUT_GRAD: "input_grad", Kind.WEIGHT_GRAD: "weight_grad"}
+    compute = {
+        Kind.FORWARD: "forward",
+        Kind.BACKWARD: "backward",
+        Kind.INPUT_GRAD: "input_grad",
+        Kind.WEIGHT_GRAD: "weight_grad",
+    }
 
     def cost(a: Action) -> float:
         st = stages[a.stage]
@@ -251,4 +293,3 @@ def time_balanced(profile: Profile, depth: int, microbatch_size: int) -> tuple[i
     """Contiguous partition minimising the slowest stage's profiled F + B time."""
     samples = [b.at(microbatch_size) for b in profile.blocks]
     return tuple(balanced([s.forward + s.backward for s in samples], depth))
-

@@ -10,8 +10,6 @@ import torch
 from torch import Tensor
 
 
-
-
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -41,8 +39,15 @@ def _ping(nbytes: int, repeats: int, device: torch.device) -> float:
 LOADED_GAP = 0.005  # seconds of compute between two transfers in the loaded link measurement
 
 
-def _link_worker(rank: int, world: int, small: int, large: int, repeats: int,
-                 device: torch.device = torch.device("cpu"), busy: float = LOADED_GAP) -> dict[str, float]:  # fmt: skip
+def _link_worker(
+    rank: int,
+    world: int,
+    small: int,
+    large: int,
+    repeats: int,
+    device: torch.device = torch.device("cpu"),
+    busy: float = LOADED_GAP,
+) -> dict[str, float]:
     """Latency, bandwidth and all-reduce bandwidth between this job's ranks, with tensors on
     ``device`` (the backend's: NCCL moves CUDA tensors only); nothing to measure for one rank.
     On CPU the latency and the sender's posting time are those of :func:`_loaded_hop` with
@@ -69,8 +74,13 @@ def _link_worker(rank: int, world: int, small: int, large: int, repeats: int,
         _synchronize(device)
         times.append(time.perf_counter() - start)
     ring = 2 * (world - 1) / world * large  # bytes each rank moves in a ring all-reduce
-    return {"link_latency": latency, "link_bandwidth": bandwidth, "allreduce_bandwidth": ring / statistics.median(times[1:]),
-            "send_overhead": posting, "exchange_latency": exchange}  # fmt: skip
+    return {
+        "link_latency": latency,
+        "link_bandwidth": bandwidth,
+        "allreduce_bandwidth": ring / statistics.median(times[1:]),
+        "send_overhead": posting,
+        "exchange_latency": exchange,
+    }
 
 
 def _compute_for(seconds: float, operands: tuple[Tensor, Tensor]) -> None:
@@ -90,9 +100,8 @@ def _loaded_hop(nbytes: int, busy: float, rounds: int, device: torch.device) -> 
 
     Pipeline ranks compute between transfers. On a CPU host the processes share the cores with
     the transport's threads, and a transfer posted right after computing costs more than
-    between idle processes (on the 2-core development machine, 2026-11-24: 0.45 ms per hop
-    after 2 ms of compute, 0.8 ms after 10 ms, 0.2 ms idle). The other ranks compute meanwhile,
-    as they would in a step.
+    between idle processes, the more so the longer the compute. The other ranks compute
+    meanwhile, as they would in a step.
     """
     import torch.distributed as dist
 
@@ -131,7 +140,9 @@ def _loaded_hop(nbytes: int, busy: float, rounds: int, device: torch.device) -> 
     dist.recv(theirs, 1)
     # Each round's trip less its own compute and both postings, so that a slow posting (a busy
     # host) cancels against the trip it lengthened instead of against another round's.
-    hops = [(trip - 2 * busy - mine - other) / 2 for trip, mine, other in zip(trips[1:], posts[1:], theirs.tolist()[1:])]
+    hops = [
+        (trip - 2 * busy - mine - other) / 2 for trip, mine, other in zip(trips[1:], posts[1:], theirs.tolist()[1:])
+    ]
     return max(statistics.median(hops), 0.0), statistics.median(posts[1:])
 
 
@@ -145,9 +156,8 @@ def _exchange_hop(nbytes: int, busy: float, rounds: int, device: torch.device) -
     executor sends and receives; from the sender's posting to the receiver having it (one
     clock for the processes of a host). Rank 0's result is the measurement.
 
-    On the 2-core development machine under gloo such a message arrives 1.7-2.7 ms after its
-    send (median; 128-256 KiB, 2026-11-25), where one sent to a waiting rank takes 0.1-0.2 ms:
-    a pipeline whose ranks send each other at the same moment (1F1B's steady state with many
+    Under gloo on a CPU host such a message arrives about ten times later than one sent to a
+    waiting rank: a pipeline whose ranks send each other at the same moment (1F1B's steady state with many
     microbatches, interleaved 1F1B) waits that long for each such message
     (:class:`~lightning_pipe.schedules.simulate.Exchange`)."""
     import torch.distributed as dist
@@ -177,7 +187,9 @@ def _exchange_hop(nbytes: int, busy: float, rounds: int, device: torch.device) -
     their_sent, their_arrived = torch.zeros(len(sent), dtype=torch.float64), torch.zeros(len(sent), dtype=torch.float64)
     dist.recv(their_sent, 1)
     dist.recv(their_arrived, 1)
-    delays = [a - s for a, s in zip(arrived[1:], their_sent.tolist()[1:])] + [a - s for a, s in zip(their_arrived.tolist()[1:], sent[1:])]
+    delays = [a - s for a, s in zip(arrived[1:], their_sent.tolist()[1:])] + [
+        a - s for a, s in zip(their_arrived.tolist()[1:], sent[1:])
+    ]
     return max(statistics.median(delays), 0.0)
 
 
@@ -208,8 +220,14 @@ def _threaded_link_worker(rank: int, world: int, threads: int, *args: Any) -> di
     return _link_worker(rank, world, *args)
 
 
-def profile_links(world: int = 2, small: int = 1024, large: int = 8 * 2**20, repeats: int = 5, threads: int = 1,
-                  busy: float = LOADED_GAP) -> dict[str, float]:  # fmt: skip
+def profile_links(
+    world: int = 2,
+    small: int = 1024,
+    large: int = 8 * 2**20,
+    repeats: int = 5,
+    threads: int = 1,
+    busy: float = LOADED_GAP,
+) -> dict[str, float]:
     """Measure this machine's transfers between local gloo processes: latency (a small message,
     between processes that compute ``busy`` seconds between transfers on ``threads`` torch
     threads each, as the job's ranks will), the latency of a message in an exchange (two ranks
@@ -217,8 +235,9 @@ def profile_links(world: int = 2, small: int = 1024, large: int = 8 * 2**20, rep
     the bandwidth of a ring all-reduce over ``world``."""
     from lightning_pipe.runtime.spawn import run_gloo
 
-    status, value = run_gloo(_threaded_link_worker, world, threads, small, large, repeats, torch.device("cpu"), busy,
-                             timeout=120.0)[0]  # fmt: skip
+    status, value = run_gloo(
+        _threaded_link_worker, world, threads, small, large, repeats, torch.device("cpu"), busy, timeout=120.0
+    )[0]
     if status != "ok":
         raise RuntimeError(f"link profiling failed: {value}")
     return value

@@ -1,4 +1,4 @@
-"""Memory-aware contiguous partitioning after MadPipe (MadPipe, Beaumont et al., section 4): a DP for a target period, binary-searched.
+"""Memory-aware contiguous partitioning (MadPipe, Beaumont et al., section 4): a DP per target period, searched.
 
 MadPipe-DP (MadPipe, section 4.2.2) takes a target period ``T^`` and splits a chain into stages whose
 memory, counted from how many activations each stage must keep, fits the device; the
@@ -15,15 +15,19 @@ import bisect
 import functools
 import itertools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from lightning_pipe.core.pipeline_plan import PipelinePlan
-
-from lightning_pipe.planning.profile import Profile
-from typing import Any
-from lightning_pipe.planning.profile import BlockSample
-from lightning_pipe.planning.costs import StageCosts, batch_bytes, bucket_cap, range_costs, time_balanced, weight_versions
+from lightning_pipe.planning.costs import (
+    StageCosts,
+    batch_bytes,
+    bucket_cap,
+    range_costs,
+    time_balanced,
+    weight_versions,
+)
 from lightning_pipe.planning.memory import HeldCounts, stage_peak_bytes
+from lightning_pipe.planning.profile import BlockSample, Profile
 from lightning_pipe.planning.programs import held
 
 
@@ -44,12 +48,24 @@ class RangeCosts:
         key = (start, stop, microbatch_size, bucket_cap)
         if key not in self._costs:
             samples = self.samples(microbatch_size)
-            self._costs[key] = range_costs(self.profile, range(start, stop), microbatch_size, samples=samples, bucket_cap=bucket_cap)
+            self._costs[key] = range_costs(
+                self.profile, range(start, stop), microbatch_size, samples=samples, bucket_cap=bucket_cap
+            )
         return self._costs[key]
 
-    def peak(self, start: int, stop: int, microbatch_size: int, bucket_cap: int, held: HeldCounts, versions: int,
-             first: bool, last: bool, batch_bytes: int) -> int:  # fmt: skip
-        """:func:`stage_peak_bytes` of blocks ``start .. stop-1`` run as one stage (no recompute), each computed once."""
+    def peak(
+        self,
+        start: int,
+        stop: int,
+        microbatch_size: int,
+        bucket_cap: int,
+        held: HeldCounts,
+        versions: int,
+        first: bool,
+        last: bool,
+        batch_bytes: int,
+    ) -> int:
+        """:func:`stage_peak_bytes` of blocks ``start .. stop-1`` as one stage (no recompute), computed once."""
         key = (start, stop, microbatch_size, bucket_cap, held, versions, first, last, batch_bytes)
         if key not in self._peaks:
             costs = self(start, stop, microbatch_size, bucket_cap)
@@ -86,7 +102,6 @@ class Partition:
     stage_memory: tuple[int, ...]
 
 
-
 class _Chain:
     """Stage time and memory of any block range at one microbatch size (the planner's own formulas)."""
 
@@ -118,7 +133,9 @@ class _Chain:
     def _memory(self, start: int, stop: int, stage: int) -> int:
         """MadPipe's M(k, l, g) with g the exact count of stage ``stage`` (the planner's stage_peak_bytes)."""
         last = stage == self.depth - 1
-        return self.ranges.peak(start, stop, self.b, self.cap, self.held[stage], self.versions, stage == 0, last, self.batch)
+        return self.ranges.peak(
+            start, stop, self.b, self.cap, self.held[stage], self.versions, stage == 0, last, self.batch
+        )
 
 
 def _fits(chain: _Chain, n: int, depth: int, target: float, limit: float) -> Optional[tuple[int, ...]]:
@@ -141,8 +158,9 @@ def _fits(chain: _Chain, n: int, depth: int, target: float, limit: float) -> Opt
     return rest(0, 0)
 
 
-def madpipe_partition(profile: Profile, plan: PipelinePlan, microbatch_size: int, memory_limit: float,
-                      ranges: Optional[RangeCosts] = None) -> Optional[Partition]:  # fmt: skip
+def madpipe_partition(
+    profile: Profile, plan: PipelinePlan, microbatch_size: int, memory_limit: float, ranges: Optional[RangeCosts] = None
+) -> Optional[Partition]:
     """The contiguous partition of ``plan``'s depth with the smallest period whose every stage fits ``memory_limit``.
 
     Binary search (MadPipe, section 4.2.3) over the candidate periods, the times of every contiguous
@@ -168,7 +186,9 @@ def madpipe_partition(profile: Profile, plan: PipelinePlan, microbatch_size: int
     if best is not None:
         hi = lo - 1
     else:
-        best = _fits(chain, n, depth, targets[hi], memory_limit)  # the loosest period: if nothing fits there, nothing does
+        best = _fits(
+            chain, n, depth, targets[hi], memory_limit
+        )  # the loosest period: if nothing fits there, nothing does
         if best is None:
             return None
         lo, hi = lo + 1, hi - 1

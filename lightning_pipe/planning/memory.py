@@ -5,7 +5,6 @@ from __future__ import annotations
 import bisect
 import functools
 import math
-
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Sequence
 
@@ -13,7 +12,18 @@ import numpy as np
 
 from lightning_pipe.runtime.comm.p2p import HEADER_BYTES
 from lightning_pipe.schedules.actions import Action, Kind
-from lightning_pipe.schedules.flat import BACKWARD, CODES, FORWARD, INPUT_GRAD, RECV_ACT, SEND_ACT, SEND_GRAD, WEIGHT_GRAD, FlatProgram, flatten
+from lightning_pipe.schedules.flat import (
+    BACKWARD,
+    CODES,
+    FORWARD,
+    INPUT_GRAD,
+    RECV_ACT,
+    SEND_ACT,
+    SEND_GRAD,
+    WEIGHT_GRAD,
+    FlatProgram,
+    flatten,
+)
 
 OPTIMIZER_STEP = CODES[Kind.OPTIMIZER_STEP]
 
@@ -40,6 +50,7 @@ Point = tuple[int, int, Sent]
 #: among the rank's stages, the kind of moment (a :class:`HeldCounts` field), and per stage of
 #: the rank its :data:`Point` and whether its gradients exist.
 Moment = tuple[int, str, tuple[Point, ...], tuple[bool, ...]]
+
 
 def unacknowledged(flat: FlatProgram) -> np.ndarray:
     """After each action of a program, its rank's sends not yet acknowledged by their peer:
@@ -93,7 +104,8 @@ def posted_receives(flat: FlatProgram) -> np.ndarray:
     (runtime/executor.py, ``Executor._post_ahead``). Messages from a neighbour are read in send
     order, each by the first receive action that needs it or a later message. A receive is
     sized for the link's last message of its kind; on a rank of several stages counting it at
-    the size of the stage that reads it is exact when those stages' sizes agree. Over 2BW's windows, which the executor runs as separate programs,
+    the size of the stage that reads it is exact when those stages' sizes agree. Over 2BW's windows,
+    which the executor runs as separate programs,
     a receive posted by a send in the window before its own is an upper bound."""
     ranks = flat.ranks
     change = np.zeros((len(flat.kind), int(flat.stage.max(initial=0)) // ranks + 1, 2), np.int64)
@@ -286,7 +298,14 @@ class HeldCounts:
     @property
     def peak(self) -> int:
         """Most microbatches held at any moment."""
-        points = self.forward_cold + self.forward_warm + self.backward_first + self.backward_warm + self.input_cold + self.optimizer_step
+        points = (
+            self.forward_cold
+            + self.forward_warm
+            + self.backward_first
+            + self.backward_warm
+            + self.input_cold
+            + self.optimizer_step
+        )
         return max((point[0] for point in points), default=0)
 
 
@@ -300,8 +319,13 @@ _MOMENT_KINDS = {
 }
 
 
-def _walk(actions: Sequence[Action], position: Callable[[int], int], count: int, warm: bool = False,
-          sent: Optional[np.ndarray] = None) -> Iterator[Moment]:  # fmt: skip
+def _walk(
+    actions: Sequence[Action],
+    position: Callable[[int], int],
+    count: int,
+    warm: bool = False,
+    sent: Optional[np.ndarray] = None,
+) -> Iterator[Moment]:
     """Every moment of a rank's program over ``count`` stages (``position``: a stage's index among
     them): a forward takes a microbatch in, a backward (or, under split backward, its W) lets it
     go; an input gradient moves it to pending until its W. Gradients exist from a stage's
@@ -309,7 +333,13 @@ def _walk(actions: Sequence[Action], position: Callable[[int], int], count: int,
     :func:`unacknowledged` (``None``: none counted)."""
     held, pending, grads = [0] * count, [0] * count, [warm] * count
     rows = sent.tolist() if sent is not None else None
-    f, b, ig, w, o = Kind.FORWARD, Kind.BACKWARD, Kind.INPUT_GRAD, Kind.WEIGHT_GRAD, Kind.OPTIMIZER_STEP  # by identity: Enum hashing is slow
+    f, b, ig, w, o = (
+        Kind.FORWARD,
+        Kind.BACKWARD,
+        Kind.INPUT_GRAD,
+        Kind.WEIGHT_GRAD,
+        Kind.OPTIMIZER_STEP,
+    )  # by identity: Enum hashing is slow
     for i, a in enumerate(actions):
         k = a.kind
         if k is f or k is b or k is ig or k is w or k is o:
@@ -340,7 +370,9 @@ for _kind, _names in _MOMENT_KINDS.items():
     _MOMENT_CODES[CODES[_kind]] = [_FIELDS.index(name) for name in _names]
 
 
-def program_held_counts(program: Sequence[Sequence[Action]], warm: bool = False, flat: Optional[FlatProgram] = None) -> list[HeldCounts]:
+def program_held_counts(
+    program: Sequence[Sequence[Action]], warm: bool = False, flat: Optional[FlatProgram] = None
+) -> list[HeldCounts]:
     """:func:`held_counts` of every rank of a program of one stage per rank, with its
     :func:`buffered` sends and receives: the same walk on arrays (the planner walks millions of actions)."""
     flat = flat or flatten(program)
@@ -353,7 +385,14 @@ def program_held_counts(program: Sequence[Sequence[Action]], warm: bool = False,
     grads = (released - release > 0) | warm
     sent = buffered(flat)[:, 0, :]
     at = np.flatnonzero(f | b | i | w | o)
-    columns = [flat.owner[at], _MOMENT_CODES[kind[at], grads[at].astype(np.int64)], held[at], pending[at], sent[at, 0], sent[at, 1]]
+    columns = [
+        flat.owner[at],
+        _MOMENT_CODES[kind[at], grads[at].astype(np.int64)],
+        held[at],
+        pending[at],
+        sent[at, 0],
+        sent[at, 1],
+    ]
     seen: list[dict[str, set[Point]]] = [{name: set() for name in _FIELDS} for _ in range(flat.ranks)]
     for r, moment, h, p, outputs, gradients in _unique_rows(columns):
         seen[r][_FIELDS[moment]].add((h, p, (outputs, gradients)))
@@ -375,9 +414,17 @@ def _unique_rows(columns: Sequence[np.ndarray]) -> list[tuple[int, ...]]:
     return list(zip(*reversed(digits)))
 
 
-def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, recompute: bool = False,
-                       first: bool = True, last: bool = True, batch_bytes: int = 0,
-                       gradient_sets: Optional[int] = None, split: bool = False) -> dict[str, int]:  # fmt: skip
+def stage_memory_terms(
+    st: "StageCosts",
+    held: HeldCounts,
+    versions: int = 1,
+    recompute: bool = False,
+    first: bool = True,
+    last: bool = True,
+    batch_bytes: int = 0,
+    gradient_sets: Optional[int] = None,
+    split: bool = False,
+) -> dict[str, int]:
     """Peak tensor bytes of one stage, by term, at its worst moment (see :class:`HeldCounts`).
 
     - ``state``: weights times the versions the schedule keeps (2 under 2BW, PipeDream-2BW paper, section
@@ -434,12 +481,20 @@ def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, re
     full_ws = bws - st.backward_workspace_bytes + excess  # a full backward's workspace beside its freeing blocks
     # A deferring I keeps its output gradients for W as it frees the graph: on convolutions that
     # peaks above a full backward's workspace, which on few linear blocks their new weight gradients dominate.
-    split_ws = max(bws, bws - st.backward_workspace_bytes + st.input_grad_workspace_bytes) if st.frees_graph_at_input_grad else bws
+    split_ws = (
+        max(bws, bws - st.backward_workspace_bytes + st.input_grad_workspace_bytes)
+        if st.frees_graph_at_input_grad
+        else bws
+    )
     moments = [
         (held.forward_cold, weights, fws, (0, per_held, 0, one, 0)),
         (held.forward_warm, weights + grads, fws, (0, per_held, 0, one, 0)),
-        (held.backward_first, weights, bws - st.backward_workspace_bytes,
-         (received + st.first_backward_bytes + st.loss_bytes, 0, per_held, 0, 0)),
+        (
+            held.backward_first,
+            weights,
+            bws - st.backward_workspace_bytes,
+            (received + st.first_backward_bytes + st.loss_bytes, 0, per_held, 0, 0),
+        ),
         (held.full_backwards, weights + grads, full_ws, (-loss_graph, per_held, 0, 0, one)),
         # The first stage's W is a whole backward (no input gradient), freeing as it goes like one.
         (held.split_backwards, weights + grads, full_ws if first else split_ws, (0, per_held, 0, 0, one)),
@@ -447,8 +502,13 @@ def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, re
         # Every microbatch's I and W done or not begun (2BW: windows overlap); pending ones counted
         # with the running one's terms, an upper bound.
         # (Where I frees the graph, ``cap`` already counts p - 1 pending ones as they are, one as held.)
-        (held.optimizer_step, weights + grads, st.optimizer_step_bytes, (0, per_held, 0, 0 if st.frees_graph_at_input_grad else one + cap, 0)),
-    ]  # fmt: skip
+        (
+            held.optimizer_step,
+            weights + grads,
+            st.optimizer_step_bytes,
+            (0, per_held, 0, 0 if st.frees_graph_at_input_grad else one + cap, 0),
+        ),
+    ]
     # Totals first, on plain numbers, parts only for the worst point: MadPipe asks millions of times.
     per_output, per_gradient = HEADER_BYTES + st.output_bytes, HEADER_BYTES + st.input_bytes
     worst, most = (weights + grads, 0, (0, 0, NOTHING_SENT), (0,) * 5), -1
@@ -456,14 +516,27 @@ def stage_memory_terms(st: "StageCosts", held: HeldCounts, versions: int = 1, re
         base, per_h, per_p = state + workspace + a0, ah + out, ap - out
         for point in points:
             h, p, (o, g) = point
-            total = base + per_h * h + am * (h - 1 if h > 1 else 0) + per_p * p + a1 * (p if p > 1 else 1) + cap * (p - 1 if p > 1 else 0)
+            total = (
+                base
+                + per_h * h
+                + am * (h - 1 if h > 1 else 0)
+                + per_p * p
+                + a1 * (p if p > 1 else 1)
+                + cap * (p - 1 if p > 1 else 0)
+            )
             total += per_output * o + per_gradient * g
             if total > most:
                 worst, most = (state, workspace, point, (a0, ah, am, ap, a1)), total
     state, workspace, (h, p, sent), (a0, ah, am, ap, a1) = worst
     activations = a0 + ah * h + am * max(h - 1, 0) + ap * p + a1 * max(p, 1) + cap * max(p - 1, 0)
-    return {"state": state, "activations": activations, "outputs": (h - p) * out, "workspace": workspace,
-            "buffers": sent_bytes(st, sent), "batch": batch_bytes + st.loss_bytes}  # fmt: skip
+    return {
+        "state": state,
+        "activations": activations,
+        "outputs": (h - p) * out,
+        "workspace": workspace,
+        "buffers": sent_bytes(st, sent),
+        "batch": batch_bytes + st.loss_bytes,
+    }
 
 
 def _after_input_grad_bytes(st: "StageCosts", held: int) -> int:
@@ -500,20 +573,35 @@ def _kept_output_bytes(st: "StageCosts", recompute: bool, last: bool) -> int:
     return st.output_bytes
 
 
-def stage_peak_bytes(st: "StageCosts", held: HeldCounts, versions: int = 1, recompute: bool = False, first: bool = True,
-                     last: bool = True, batch_bytes: int = 0, gradient_sets: Optional[int] = None, split: bool = False) -> int:  # fmt: skip
+def stage_peak_bytes(
+    st: "StageCosts",
+    held: HeldCounts,
+    versions: int = 1,
+    recompute: bool = False,
+    first: bool = True,
+    last: bool = True,
+    batch_bytes: int = 0,
+    gradient_sets: Optional[int] = None,
+    split: bool = False,
+) -> int:
     """Peak tensor bytes of one stage: the sum of :func:`stage_memory_terms`."""
-    return int(sum(stage_memory_terms(st, held, versions, recompute, first, last, batch_bytes, gradient_sets, split).values()))
+    return int(
+        sum(stage_memory_terms(st, held, versions, recompute, first, last, batch_bytes, gradient_sets, split).values())
+    )
 
 
-def rank_moments(actions: Sequence[Action], stages: Sequence[int], sent: Optional[np.ndarray] = None) -> tuple[Moment, ...]:
+def rank_moments(
+    actions: Sequence[Action], stages: Sequence[int], sent: Optional[np.ndarray] = None
+) -> tuple[Moment, ...]:
     """The distinct moments of one rank's program over its ``stages``, in program order (see
     :func:`_walk`; every stage's counts at each, where :func:`held_counts` keeps one stage's)."""
     index = {s: c for c, s in enumerate(stages)}
     return tuple(dict.fromkeys(_walk(actions, index.__getitem__, len(stages), sent=sent)))
 
 
-def resting_bytes(st: "StageCosts", point: Point, grads: bool, recompute: bool, first: bool, last: bool, split: bool = False) -> int:
+def resting_bytes(
+    st: "StageCosts", point: Point, grads: bool, recompute: bool, first: bool, last: bool, split: bool = False
+) -> int:
     """Tensor bytes of a stage whose rank runs another of its stages: its weights, optimizer
     state and (once they exist) gradients, its held microbatches' saved tensors, inputs and kept
     outputs, and its pending microbatches' captured gradients (and, with recompute, their
@@ -521,7 +609,12 @@ def resting_bytes(st: "StageCosts", point: Point, grads: bool, recompute: bool, 
     h, p, _ = point
     one = st.stash_bytes if recompute else 0
     state = st.weight_bytes + st.optimizer_bytes + (st.gradient_bytes if grads else 0)
-    kept = received_input_bytes(st, first) + (0 if recompute else st.stash_bytes) + st.loss_bytes + _loss_graph_bytes(st, recompute, last, split)
+    kept = (
+        received_input_bytes(st, first)
+        + (0 if recompute else st.stash_bytes)
+        + st.loss_bytes
+        + _loss_graph_bytes(st, recompute, last, split)
+    )
     activations = h * kept + p * (one + _after_input_grad_bytes(st, kept + one))
     return state + activations + (h - p) * _kept_output_bytes(st, recompute, last)
 
@@ -538,9 +631,17 @@ def _bucketed_moment(kind: str, grads: tuple[bool, ...]) -> tuple[str, tuple[boo
     return kind, (True,) * len(grads) if kind.startswith("backward") else grads
 
 
-def rank_peak_bytes(stages: Sequence["StageCosts"], moments: Sequence[Moment], recompute: Sequence[bool],
-                    first: Sequence[bool], last: Sequence[bool], batch_bytes: int = 0,
-                    buckets: bool = False, split: bool = False, step_bytes: Optional[int] = None) -> int:  # fmt: skip
+def rank_peak_bytes(
+    stages: Sequence["StageCosts"],
+    moments: Sequence[Moment],
+    recompute: Sequence[bool],
+    first: Sequence[bool],
+    last: Sequence[bool],
+    batch_bytes: int = 0,
+    buckets: bool = False,
+    split: bool = False,
+    step_bytes: Optional[int] = None,
+) -> int:
     """Peak tensor bytes of a rank that runs several stages (one weight version): at each of its
     :func:`rank_moments`, the running stage's :func:`stage_memory_terms` at that moment but its
     buffers, plus every other stage's :func:`resting_bytes`, plus every stage's buffers at that
@@ -560,7 +661,9 @@ def rank_peak_bytes(stages: Sequence["StageCosts"], moments: Sequence[Moment], r
         key = (c, kind, points[c][:2])
         if key not in running:
             point = (*points[c][:2], NOTHING_SENT)
-            terms = stage_memory_terms(stages[c], HeldCounts(**{kind: (point,)}), 1, recompute[c], first[c], last[c], split=split)
+            terms = stage_memory_terms(
+                stages[c], HeldCounts(**{kind: (point,)}), 1, recompute[c], first[c], last[c], split=split
+            )
             running[key] = int(sum(terms.values())) - terms["buffers"] - terms["batch"]
         total = running[key] + sum(sent_bytes(st, point[2]) for st, point in zip(stages, points))
         if kind == "optimizer_step":  # one optimizer over all the rank's stages
@@ -569,7 +672,9 @@ def rank_peak_bytes(stages: Sequence["StageCosts"], moments: Sequence[Moment], r
         for o, (point, g) in enumerate(zip(points, grads)):
             if o != c:
                 if (o, point[:2], g) not in resting:
-                    resting[o, point[:2], g] = resting_bytes(stages[o], point, g, recompute[o], first[o], last[o], split)
+                    resting[o, point[:2], g] = resting_bytes(
+                        stages[o], point, g, recompute[o], first[o], last[o], split
+                    )
                 total += resting[o, point[:2], g]
         best = max(best, total)
     return best + batch_bytes + sum(st.loss_bytes for st in stages)

@@ -6,14 +6,21 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from lightning_pipe.core.pipeline_plan import PipelinePlan
+from lightning_pipe.planning.costs import (
+    StageCosts,
+    action_cost,
+    batch_bytes,
+    gradient_sets,
+    stage_costs,
+    step_bytes,
+    traffic,
+    weight_versions,
+)
+from lightning_pipe.planning.memory import HeldCounts, rank_peak_bytes, stage_peak_bytes
 from lightning_pipe.planning.profile import BlockSample, Profile
+from lightning_pipe.planning.programs import compiled_program, held, moments, program_key
 from lightning_pipe.schedules import Action, Kind
 from lightning_pipe.schedules.simulate import Exchange
-from lightning_pipe.planning.costs import StageCosts, action_cost, batch_bytes, gradient_sets, stage_costs, step_bytes, traffic, weight_versions
-from lightning_pipe.planning.memory import HeldCounts, rank_peak_bytes, stage_peak_bytes
-from lightning_pipe.planning.programs import compiled_program, held, moments, program_key
-
-
 
 #: What keeps a CPU core busy: compute and the optimizer step.
 _CPU_KINDS = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.INPUT_GRAD, Kind.WEIGHT_GRAD, Kind.OPTIMIZER_STEP})
@@ -26,8 +33,12 @@ def exchange(profile: Profile) -> Optional[Exchange]:
     return Exchange(profile.exchange_latency, extra) if extra > 0 else None
 
 
-def step_time(plan: PipelinePlan, cost: Callable[[Action], float], cores: Optional[int] = None,
-              exchange: Optional[Exchange] = None) -> float:  # fmt: skip
+def step_time(
+    plan: PipelinePlan,
+    cost: Callable[[Action], float],
+    cores: Optional[int] = None,
+    exchange: Optional[Exchange] = None,
+) -> float:
     """Seconds of one step of ``plan``'s program under ``cost`` (the simulator's makespan, on the
     program compiled once). 2BW never flushes: its step is one steady-state window, the
     difference of runs of 3 and 2 windows.
@@ -48,8 +59,9 @@ def step_time(plan: PipelinePlan, cost: Callable[[Action], float], cores: Option
     return max(seconds, plan.width * busy / cores) if cores else seconds
 
 
-def predict_step(profile: Profile, plan: PipelinePlan, microbatch_size: int,
-                 costs: Optional[Sequence[StageCosts]] = None) -> tuple[float, list[HeldCounts]]:  # fmt: skip
+def predict_step(
+    profile: Profile, plan: PipelinePlan, microbatch_size: int, costs: Optional[Sequence[StageCosts]] = None
+) -> tuple[float, list[HeldCounts]]:
     """Predicted seconds of one training step (:func:`step_time`), and the microbatches each stage
     holds (:func:`held`; empty for an interleaved plan, whose ranks have :func:`moments`).
     ``costs``: the plan's :func:`stage_costs`, if already summed."""
@@ -57,8 +69,13 @@ def predict_step(profile: Profile, plan: PipelinePlan, microbatch_size: int,
     return step_time(plan, cost, profile.cores, exchange(profile)), (held(plan) if plan.virtual_stages == 1 else [])
 
 
-def predict_memory(profile: Profile, plan: PipelinePlan, microbatch_size: int, held: Sequence[HeldCounts],
-                   costs: Optional[Sequence[StageCosts]] = None) -> list[int]:  # fmt: skip
+def predict_memory(
+    profile: Profile,
+    plan: PipelinePlan,
+    microbatch_size: int,
+    held: Sequence[HeldCounts],
+    costs: Optional[Sequence[StageCosts]] = None,
+) -> list[int]:
     """Predicted peak tensor bytes of every pipeline rank: of its stage
     (:func:`~lightning_pipe.planning.memory.stage_peak_bytes` over ``held``), or of an interleaved
     rank's stages together (:func:`~lightning_pipe.planning.memory.rank_peak_bytes` over :func:`moments`).
@@ -68,12 +85,36 @@ def predict_memory(profile: Profile, plan: PipelinePlan, microbatch_size: int, h
     last = len(costs) - 1
     if plan.virtual_stages > 1:
         ranges = plan.stage_ranges()
-        return [rank_peak_bytes([costs[s] for s in mine], walked, [plan.recompute[s] for s in mine], [s == 0 for s in mine],
-                                [s == last for s in mine], batch, plan.width > 1, _all_split(plan),
-                                step_bytes(profile, [profile.blocks[i] for s in mine for i in ranges[s]])) + profile.device_bytes
-                for mine, walked in zip(map(plan.stages_of, range(plan.depth)), moments(plan))]  # fmt: skip
-    return [stage_peak_bytes(st, held[s], versions, plan.recompute[s], s == 0, s == last, batch, gradient_sets(profile, plan, s),
-                             _all_split(plan)) + profile.device_bytes for s, st in enumerate(costs)]  # fmt: skip
+        return [
+            rank_peak_bytes(
+                [costs[s] for s in mine],
+                walked,
+                [plan.recompute[s] for s in mine],
+                [s == 0 for s in mine],
+                [s == last for s in mine],
+                batch,
+                plan.width > 1,
+                _all_split(plan),
+                step_bytes(profile, [profile.blocks[i] for s in mine for i in ranges[s]]),
+            )
+            + profile.device_bytes
+            for mine, walked in zip(map(plan.stages_of, range(plan.depth)), moments(plan))
+        ]
+    return [
+        stage_peak_bytes(
+            st,
+            held[s],
+            versions,
+            plan.recompute[s],
+            s == 0,
+            s == last,
+            batch,
+            gradient_sets(profile, plan, s),
+            _all_split(plan),
+        )
+        + profile.device_bytes
+        for s, st in enumerate(costs)
+    ]
 
 
 def _all_split(plan: PipelinePlan) -> bool:
@@ -92,15 +133,19 @@ def orient(profile: Profile, plan: PipelinePlan, microbatch_size: int, ranks_per
     return plan.replace(inner="pp" if pipeline >= replicas else "dp")
 
 
-def appendix_a_time(t_comp: Sequence[float], t_comm_in: Sequence[float], t_comm_dp: Sequence[float],
-                    m: int, c_extra: float = 1.0) -> float:  # fmt: skip
+def appendix_a_time(
+    t_comp: Sequence[float], t_comm_in: Sequence[float], t_comm_dp: Sequence[float], m: int, c_extra: float = 1.0
+) -> float:
     """Seconds per microbatch with pipelining (PipeDream-2BW paper, Appendix A.1.1), kept as a cross-check:
     ``t = max_i max(c_extra * T_comp_i + sum_j T_comm_{j->i}, T_comm_i / m(b))``."""
     return max(max(c_extra * tc + ti, td / m) for tc, ti, td in zip(t_comp, t_comm_in, t_comm_dp))
 
 
-def appendix_a_memory(weights: float, activations_total: float, activations_input: float, d: int, recompute: bool) -> float:
-    """2BW footprint of a stage (PipeDream-2BW paper, Appendix A.1.2), kept as a cross-check: ``2|W|/d + d|A_total(b)|/d + d|A_input(b)|``, or with
+def appendix_a_memory(
+    weights: float, activations_total: float, activations_input: float, d: int, recompute: bool
+) -> float:
+    """2BW footprint of a stage (PipeDream-2BW paper, Appendix A.1.2), kept as a cross-check:
+    ``2|W|/d + d|A_total(b)|/d + d|A_input(b)|``, or with
     recomputation ``2|W|/d + |A_total(b)|/d + d|A_input(b)|``."""
     versions = 1 if recompute else d
     return 2 * weights / d + versions * activations_total / d + d * activations_input
@@ -133,7 +178,11 @@ class Prediction:
             return ""
         r = max(range(len(self.stage_memory)), key=lambda i: self.stage_memory[i])
         over = self.stage_memory[r] - (self.memory_limit or 0)
-        where = f"stage {r}" if self.plan.virtual_stages == 1 else f"rank {r} (stages {', '.join(map(str, self.plan.stages_of(r)))})"
+        where = (
+            f"stage {r}"
+            if self.plan.virtual_stages == 1
+            else f"rank {r} (stages {', '.join(map(str, self.plan.stages_of(r)))})"
+        )
         return f"{where} needs {_size(self.stage_memory[r])}, {_size(over)} over the budget"
 
 
@@ -144,10 +193,21 @@ def _size(nbytes: float) -> str:
     return f"{int(nbytes)} B"
 
 
-def predict(profile: Profile, plan: PipelinePlan, microbatch_size: int, memory_limit: Optional[float] = None,
-            samples: Optional[Sequence[BlockSample]] = None) -> Prediction:  # fmt: skip
+def predict(
+    profile: Profile,
+    plan: PipelinePlan,
+    microbatch_size: int,
+    memory_limit: Optional[float] = None,
+    samples: Optional[Sequence[BlockSample]] = None,
+) -> Prediction:
     """Predicted step time and memory of one resolved plan at ``microbatch_size`` (``samples``: every
     block already at that size, see :func:`stage_costs`)."""
     costs = stage_costs(profile, plan, microbatch_size, samples)
     seconds, peaks = predict_step(profile, plan, microbatch_size, costs)
-    return Prediction(plan, microbatch_size, seconds, tuple(predict_memory(profile, plan, microbatch_size, peaks, costs)), memory_limit)
+    return Prediction(
+        plan,
+        microbatch_size,
+        seconds,
+        tuple(predict_memory(profile, plan, microbatch_size, peaks, costs)),
+        memory_limit,
+    )

@@ -9,9 +9,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Sequence
 
 
-
-
-
 @dataclass
 class BlockSample:
     """One block measured at one microbatch size (seconds and bytes per microbatch)."""
@@ -28,12 +25,21 @@ class BlockSample:
     forward_workspace_bytes: int = 0  # peak temporaries of its forward (see ``_workspace``)
     backward_workspace_bytes: int = 0  # peak temporaries of its backward
     captured_bytes: int = 0  # gradients split backward's I captures for the block's W (held until W)
-    input_grad_workspace_bytes: int = 0  # peak temporaries of its I where it defers its weight gradients (see ``_input_grad_workspace``)
-    after_gradient_bytes: int = 0  # peak bytes alive from its backward's first weight-gradient accumulation on (see ``_workspace``)
+    input_grad_workspace_bytes: int = (
+        0  # peak temporaries of its I where it defers its weight gradients (see ``_input_grad_workspace``)
+    )
+    after_gradient_bytes: int = (
+        0  # peak bytes alive from its backward's first weight-gradient accumulation on (see ``_workspace``)
+    )
     cold_backward_bytes: int = 0  # peak temporaries and new gradients of its backward when no gradient exists before it
-    loss_saved_bytes: int = 0  # the last block: what the loss saves for its backward (part of saved_bytes; outside a recomputed stage)
-    loss_bytes: int = 0  # the last block: the loss itself, kept until the microbatch's backward (the same at every size)
-    # The last block's backward alone, the loss's left out (as above): a recomputed last stage runs the loss's backward first.
+    loss_saved_bytes: int = (
+        0  # the last block: what the loss saves for its backward (part of saved_bytes; outside a recomputed stage)
+    )
+    loss_bytes: int = (
+        0  # the last block: the loss itself, kept until the microbatch's backward (the same at every size)
+    )
+    # The last block's backward alone, the loss's left out (as above): a recomputed last stage runs the
+    # loss's backward first.
     block_backward_workspace_bytes: int = 0
     block_after_gradient_bytes: int = 0
     block_cold_backward_bytes: int = 0
@@ -54,8 +60,12 @@ class BlockProfile:
     gradient_bytes: int
     optimizer_bytes: int
     optimizer_step_bytes: int = 0  # the temporaries of an optimizer step over the block's parameters
-    deferred_weights: bool = False  # it holds a trainable nn.Linear or nn.Conv1d/2d/3d (split backward defers their weight gradients)
-    other_matrices: bool = False  # it holds a trainable matrix that is no linear, convolution or embedding weight (it cannot)
+    deferred_weights: bool = (
+        False  # it holds a trainable nn.Linear or nn.Conv1d/2d/3d (split backward defers their weight gradients)
+    )
+    other_matrices: bool = (
+        False  # it holds a trainable matrix that is no linear, convolution or embedding weight (it cannot)
+    )
 
     def at(self, size: int) -> BlockSample:
         """Every field at microbatch ``size``: linear in ``size`` through the two nearest samples (PipeDream-2BW paper,
@@ -71,15 +81,33 @@ class BlockProfile:
         return _interpolate(lo, hi, size)
 
 
-_FIELDS = ("forward", "backward", "input_grad", "weight_grad", "saved_bytes", "output_bytes", "saved_input_bytes",
-           "saved_output_bytes", "forward_workspace_bytes", "backward_workspace_bytes", "captured_bytes", "after_gradient_bytes",
-           "cold_backward_bytes", "loss_saved_bytes", "block_backward_workspace_bytes", "block_after_gradient_bytes",
-           "block_cold_backward_bytes", "input_grad_workspace_bytes")
+_FIELDS = (
+    "forward",
+    "backward",
+    "input_grad",
+    "weight_grad",
+    "saved_bytes",
+    "output_bytes",
+    "saved_input_bytes",
+    "saved_output_bytes",
+    "forward_workspace_bytes",
+    "backward_workspace_bytes",
+    "captured_bytes",
+    "after_gradient_bytes",
+    "cold_backward_bytes",
+    "loss_saved_bytes",
+    "block_backward_workspace_bytes",
+    "block_after_gradient_bytes",
+    "block_cold_backward_bytes",
+    "input_grad_workspace_bytes",
+)
 
 
 def _sample(size: int, values: dict[str, float], like: BlockSample) -> BlockSample:
     """A sample at ``size`` of these ``_FIELDS`` values, ``like``'s in every field that does not depend on the size."""
-    return BlockSample(size, **{f: int(v) if f.endswith("bytes") else v for f, v in values.items()}, loss_bytes=like.loss_bytes)  # type: ignore[arg-type]
+    return BlockSample(
+        size, **{f: int(v) if f.endswith("bytes") else v for f, v in values.items()}, loss_bytes=like.loss_bytes
+    )  # type: ignore[arg-type]
 
 
 def _interpolate(lo: BlockSample, hi: BlockSample, size: int) -> BlockSample:
@@ -169,7 +197,9 @@ class Profile:
         for b in data["blocks"]:  # written before convolutions deferred too
             if "linear_weights" in b:
                 b["deferred_weights"] = b.pop("linear_weights")
-        blocks = [BlockProfile(**{**b, "samples": [BlockSample(**s) for s in b["samples"]]}) for b in data.pop("blocks")]
+        blocks = [
+            BlockProfile(**{**b, "samples": [BlockSample(**s) for s in b["samples"]]}) for b in data.pop("blocks")
+        ]
         data["link_bandwidth"] = float(data["link_bandwidth"])
         return cls(blocks=blocks, **data)
 
@@ -194,10 +224,19 @@ def mean_profile(profiles: Sequence[Profile]) -> Profile:
     times = ("forward", "backward", "input_grad", "weight_grad")
 
     def sample(b: int, k: int) -> BlockSample:
-        return dataclasses.replace(first.blocks[b].samples[k], **{
-            f: statistics.fmean(getattr(p.blocks[b].samples[k], f) for p in profiles) for f in times})  # fmt: skip
+        return dataclasses.replace(
+            first.blocks[b].samples[k],
+            **{f: statistics.fmean(getattr(p.blocks[b].samples[k], f) for p in profiles) for f in times},
+        )
 
-    blocks = [dataclasses.replace(bp, samples=[sample(b, k) for k in range(len(bp.samples))]) for b, bp in enumerate(first.blocks)]
-    return dataclasses.replace(first, blocks=blocks, meta=dict(first.meta),
-                               optimizer_step=statistics.fmean(p.optimizer_step for p in profiles),
-                               action_overhead=statistics.fmean(p.action_overhead for p in profiles))  # fmt: skip
+    blocks = [
+        dataclasses.replace(bp, samples=[sample(b, k) for k in range(len(bp.samples))])
+        for b, bp in enumerate(first.blocks)
+    ]
+    return dataclasses.replace(
+        first,
+        blocks=blocks,
+        meta=dict(first.meta),
+        optimizer_step=statistics.fmean(p.optimizer_step for p in profiles),
+        action_overhead=statistics.fmean(p.action_overhead for p in profiles),
+    )

@@ -1,4 +1,4 @@
-"""Block timing: each block's forward, backward, input- and weight-gradient seconds and its saved and temporary bytes, measured as the executor runs them."""
+"""Block timing: each block's F, B, I and W seconds and its saved and temporary bytes, as the executor runs them."""
 
 from __future__ import annotations
 
@@ -18,12 +18,16 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_pipe.planning.profile import BlockProfile, BlockSample, Profile, mean_profile, median_sample
 from lightning_pipe.runtime.autograd import backward_split as split
-from lightning_pipe.runtime.autograd.deferred_weights import DeferWeightGrads, DeferredGrads, deferrable_weights_only, weight_kinds
+from lightning_pipe.runtime.autograd.deferred_weights import (
+    DeferredGrads,
+    DeferWeightGrads,
+    deferrable_weights_only,
+    weight_kinds,
+)
 from lightning_pipe.runtime.microbatch import batch_size, split_batch
 from lightning_pipe.runtime.placement import pipeline_blocks_of
 from lightning_pipe.runtime.stage import as_tuple
 from lightning_pipe.runtime.ties import shared_blocks
-
 
 
 def _tensor_bytes(values: Sequence[Any]) -> int:
@@ -50,7 +54,9 @@ class _SavedByBlock:
     anyway. Inside a stage a block's input is the previous block's output, so a stage holds it
     for backward only if saved; the stage's own input is held regardless."""
 
-    def __init__(self, inputs: Sequence[Tensor], weights: Iterable[Tensor], external: frozenset[int] = frozenset()) -> None:
+    def __init__(
+        self, inputs: Sequence[Tensor], weights: Iterable[Tensor], external: frozenset[int] = frozenset()
+    ) -> None:
         self.inputs = {t.untyped_storage().data_ptr() for t in inputs}
         self.held = {t.untyped_storage().data_ptr() for t in weights} | external  # held anyway: never counted
         self.saved: dict[int, int] = {}
@@ -99,8 +105,14 @@ class _Forwarded:
     saved_other_bytes: int
 
 
-def _timed_forward(block: nn.Module, x: tuple[Tensor, ...], first: bool, device: torch.device, loss: Loss = None,
-                   external: frozenset[int] = frozenset()) -> tuple[_Forwarded, tuple[Tensor, ...]]:  # fmt: skip
+def _timed_forward(
+    block: nn.Module,
+    x: tuple[Tensor, ...],
+    first: bool,
+    device: torch.device,
+    loss: Loss = None,
+    external: frozenset[int] = frozenset(),
+) -> tuple[_Forwarded, tuple[Tensor, ...]]:
     """Time ``block``'s forward on input ``x`` once (with ``loss``, the last block's loss is part
     of it, as on the last stage); returns the forward, its graph kept, and the detached output."""
     name = type(block).__name__
@@ -108,7 +120,9 @@ def _timed_forward(block: nn.Module, x: tuple[Tensor, ...], first: bool, device:
     saved = _SavedByBlock(inputs, block.parameters(), external)
     with saved.hooks():
         t_f, (out, (roots, grads)) = _timed(lambda: _forward(block, inputs, loss, name), device)
-    forwarded = _Forwarded(t_f, roots, grads, _tensor_bytes(out), saved.bytes_of(inputs), saved.bytes_of(out), saved.other_bytes())
+    forwarded = _Forwarded(
+        t_f, roots, grads, _tensor_bytes(out), saved.bytes_of(inputs), saved.bytes_of(out), saved.other_bytes()
+    )
     return forwarded, tuple(o.detach() for o in out)
 
 
@@ -121,8 +135,15 @@ def _timed_backward(block: nn.Module, forwarded: _Forwarded, device: torch.devic
     return t_b
 
 
-def _block_sample(block: nn.Module, x: tuple[Tensor, ...], first: bool, device: torch.device, loss: Loss,
-                  forwarded: _Forwarded, t_b: float) -> tuple[BlockSample, tuple[Tensor, ...]]:  # fmt: skip
+def _block_sample(
+    block: nn.Module,
+    x: tuple[Tensor, ...],
+    first: bool,
+    device: torch.device,
+    loss: Loss,
+    forwarded: _Forwarded,
+    t_b: float,
+) -> tuple[BlockSample, tuple[Tensor, ...]]:
     """The block's sample: its timed forward and backward, then I and W timed once after a
     forward of their own on input ``x``; and that forward's detached output."""
     needing, deferred, out, (roots, grads) = _split_forward(block, x, first, loss)
@@ -130,12 +151,24 @@ def _block_sample(block: nn.Module, x: tuple[Tensor, ...], first: bool, device: 
     captured = _captured_bytes(work, found)
     t_w, _ = _timed(lambda: split.weight_grads(work), device)
     block.zero_grad(set_to_none=True)
-    sample = BlockSample(batch_size(x), forwarded.seconds, t_b, t_i, t_w, forwarded.saved_other_bytes, forwarded.out_bytes,
-                         forwarded.saved_input_bytes, saved_output_bytes=forwarded.saved_output_bytes, captured_bytes=captured)
+    sample = BlockSample(
+        batch_size(x),
+        forwarded.seconds,
+        t_b,
+        t_i,
+        t_w,
+        forwarded.saved_other_bytes,
+        forwarded.out_bytes,
+        forwarded.saved_input_bytes,
+        saved_output_bytes=forwarded.saved_output_bytes,
+        captured_bytes=captured,
+    )
     return sample, tuple(o.detach() for o in out)
 
 
-def _loss_bytes(out: tuple[Tensor, ...], loss: Callable[[tuple[Tensor, ...]], Tensor], external: frozenset[int] = frozenset()) -> tuple[int, int]:
+def _loss_bytes(
+    out: tuple[Tensor, ...], loss: Callable[[tuple[Tensor, ...]], Tensor], external: frozenset[int] = frozenset()
+) -> tuple[int, int]:
     """What the loss saves for its backward, and the loss itself, on the last block's output ``out``."""
     detached = tuple(o.detach().requires_grad_(o.is_floating_point()) for o in out)
     saved = _SavedByBlock(detached, (), external)
@@ -165,7 +198,9 @@ class _Allocations(TorchDispatchMode):
         self.sizes: dict[int, int] = {}
         self.current = self.peak = self.peak_kept = self.taken = 0  # taken: the bytes of the gradients taken away
         self.peak_since: Optional[int] = None  # the peak from the first :meth:`take` on, once taken
-        self._taken: dict[int, int] = {}  # bytes of each parameter's gradient taken away (the largest, as accumulation keeps one)
+        self._taken: dict[
+            int, int
+        ] = {}  # bytes of each parameter's gradient taken away (the largest, as accumulation keeps one)
         self._refs: list[Any] = []
 
     def restart_peaks(self) -> None:
@@ -173,7 +208,7 @@ class _Allocations(TorchDispatchMode):
         self.peak = self.peak_kept = self.current + self.taken
 
     def take(self, p: Tensor) -> None:
-        """Drop ``p.grad``, still counting its bytes in :attr:`peak_kept`, and start :attr:`peak_since` (first call only)."""
+        """Drop ``p.grad``, counting its bytes in :attr:`peak_kept`, and start :attr:`peak_since` (first call only)."""
         if self.peak_since is None:
             self.peak_since = self.current
         size = self.sizes.get(p.grad.untyped_storage().data_ptr(), 0) if p.grad is not None else 0
@@ -227,13 +262,19 @@ def _workspace(block: nn.Module, x: tuple[Tensor, ...], first: bool, loss: Loss)
     return forward_extra, mem.peak - kept, after_gradient, mem.peak_kept - kept
 
 
-def _split_forward(block: nn.Module, x: tuple[Tensor, ...], first: bool, loss: Loss) -> tuple[list[Tensor], Optional[DeferredGrads], tuple, tuple[list, list]]:
+def _split_forward(
+    block: nn.Module, x: tuple[Tensor, ...], first: bool, loss: Loss
+) -> tuple[list[Tensor], Optional[DeferredGrads], tuple, tuple[list, list]]:
     """A forward on input ``x`` as the runtime runs it for split backward: the inputs that need a
     gradient, the store of deferred weight gradients (``None`` where the block defers none), the
     output, and what the backward starts from."""
     inputs = _inputs_for(x, first)
     needing = [t for t in inputs if t.requires_grad]
-    deferred = DeferredGrads([p for p in block.parameters() if p.requires_grad]) if needing and deferrable_weights_only(block.modules()) else None
+    deferred = (
+        DeferredGrads([p for p in block.parameters() if p.requires_grad])
+        if needing and deferrable_weights_only(block.modules())
+        else None
+    )
     with DeferWeightGrads(deferred) if deferred is not None else contextlib.nullcontext():
         out, roots = _forward(block, inputs, loss, type(block).__name__)
     return needing, deferred, out, roots
@@ -261,18 +302,23 @@ def _loss_of(module: nn.Module, microbatch: Any, out: tuple[Tensor, ...]) -> Ten
     return module.pipeline_loss(out[0] if len(out) == 1 else out, microbatch)
 
 
-
-def profile_blocks(module: nn.Module, batch: Any, microbatch_sizes: Sequence[int], repeats: int = 3,
-                   optimizer: Optional[Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = None,
-                   device: Optional[torch.device] = None, with_loss: bool = True,
-                   sync: Optional[Callable[[], None]] = None) -> Profile:  # fmt: skip
+def profile_blocks(
+    module: nn.Module,
+    batch: Any,
+    microbatch_sizes: Sequence[int],
+    repeats: int = 3,
+    optimizer: Optional[Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = None,
+    device: Optional[torch.device] = None,
+    with_loss: bool = True,
+    sync: Optional[Callable[[], None]] = None,
+) -> Profile:
     """Profile every block of ``module``'s chain in this process at each microbatch size.
 
     Each block runs on the previous block's real output (from ``pipeline_inputs(batch)`` cut to
     the microbatch size), ``repeats`` times after one warm-up; the median is kept. Every block's
     forward runs in chain order, then every backward in reverse, as a stage runs them: a
-    backward right after its own forward finds its activations still in the cache (GPT's
-    blocks at microbatch 16: 8% faster, on the 2-core development machine). Optimizer bytes
+    backward right after its own forward would find its activations still in the cache, and
+    run faster than in a stage. Optimizer bytes
     come from the real optimizer after one step (Adam's state exists only then).
 
     Args:
@@ -303,22 +349,40 @@ def profile_blocks(module: nn.Module, batch: Any, microbatch_sizes: Sequence[int
     leaves = [t for t in tree_leaves(batch) if isinstance(t, Tensor)]
     batch_storages = {t.untyped_storage().data_ptr() for t in leaves}
     data = as_tuple(module.pipeline_inputs(batch), "pipeline_inputs")
-    per_sample = _tensor_bytes([t for t in data if t.untyped_storage().data_ptr() not in batch_storages]) / batch_size(batch)
+    per_sample = _tensor_bytes([t for t in data if t.untyped_storage().data_ptr() not in batch_storages]) / batch_size(
+        batch
+    )
     batch_per_sample = _tensor_bytes(leaves) / batch_size(batch)
     if with_loss and sync is not None:
         sync()
-    per_action = _action_overhead(module, blocks, batch, profiles, min(microbatch_sizes), repeats, device) if with_loss else 0.0
+    per_action = (
+        _action_overhead(module, blocks, batch, profiles, min(microbatch_sizes), repeats, device) if with_loss else 0.0
+    )
     # One tensor at a time (torch's default on CPU) a step's temporaries are about its largest block's; with
     # whole-list (foreach) kernels they add up: the step over every block tells which it is nearer.
     sizes = [b.optimizer_step_bytes for b in profiles]
     adds_up = len(sizes) > 1 and step_bytes >= (sum(sizes) + max(sizes)) / 2
-    return Profile(profiles, optimizer_step=step, action_overhead=per_action, input_bytes_per_sample=per_sample,
-                   batch_bytes_per_sample=batch_per_sample, device=str(device), shared_blocks=shared_blocks(module, blocks),
-                   step_bytes_add_up=adds_up)  # fmt: skip
+    return Profile(
+        profiles,
+        optimizer_step=step,
+        action_overhead=per_action,
+        input_bytes_per_sample=per_sample,
+        batch_bytes_per_sample=batch_per_sample,
+        device=str(device),
+        shared_blocks=shared_blocks(module, blocks),
+        step_bytes_add_up=adds_up,
+    )
 
 
-def _profile_microbatch(module: nn.Module, blocks: list[nn.Module], mb: Any, loss: Loss, repeats: int,
-                        device: torch.device, sync: Optional[Callable[[], None]] = None) -> list[BlockSample]:  # fmt: skip
+def _profile_microbatch(
+    module: nn.Module,
+    blocks: list[nn.Module],
+    mb: Any,
+    loss: Loss,
+    repeats: int,
+    device: torch.device,
+    sync: Optional[Callable[[], None]] = None,
+) -> list[BlockSample]:
     """Every block run in chain order on microbatch ``mb``, ``repeats`` times after a warm-up
     run that also measures each block's workspace; the median sample of each block."""
     start = lambda: as_tuple(module.pipeline_inputs(mb), "pipeline_inputs")  # noqa: E731
@@ -326,9 +390,17 @@ def _profile_microbatch(module: nn.Module, blocks: list[nn.Module], mb: Any, los
     return _profile_chain(blocks, start, True, loss, repeats, device, sync, batch)
 
 
-def _profile_chain(blocks: list[nn.Module], start: Callable[[], tuple[Tensor, ...]], first: bool, loss: Loss,
-                   repeats: int, device: torch.device, sync: Optional[Callable[[], None]] = None,
-                   external: frozenset[int] = frozenset(), stage_order: bool = True) -> list[BlockSample]:  # fmt: skip
+def _profile_chain(
+    blocks: list[nn.Module],
+    start: Callable[[], tuple[Tensor, ...]],
+    first: bool,
+    loss: Loss,
+    repeats: int,
+    device: torch.device,
+    sync: Optional[Callable[[], None]] = None,
+    external: frozenset[int] = frozenset(),
+    stage_order: bool = True,
+) -> list[BlockSample]:
     """:func:`_profile_microbatch` from the inputs ``start()`` gives the first block (``first``: the
     chain's first block, whose inputs need no gradient); ``loss`` follows the last block if given;
     ``sync`` is called before every pass; ``external``: storages saved tensors may share that
@@ -364,27 +436,45 @@ def _profile_chain(blocks: list[nn.Module], start: Callable[[], tuple[Tensor, ..
         backward = [_timed_backward(blocks[i], pending[i][1], device) for i in reversed(range(len(pending)))][::-1]
         for i, ((x, forwarded, last), t_b) in enumerate(zip(pending, backward)):
             runs[i].append(_block_sample(blocks[i], x, first and i == 0, device, last, forwarded, t_b)[0])
-    samples = [dataclasses.replace(median_sample(measured[1:]), forward_workspace_bytes=fw, backward_workspace_bytes=bw, after_gradient_bytes=ag,
-                                   cold_backward_bytes=cold, input_grad_workspace_bytes=iw)
-               for measured, (fw, bw, ag, cold), iw in zip(runs, workspace, input_grad_workspace)]  # fmt: skip
+    samples = [
+        dataclasses.replace(
+            median_sample(measured[1:]),
+            forward_workspace_bytes=fw,
+            backward_workspace_bytes=bw,
+            after_gradient_bytes=ag,
+            cold_backward_bytes=cold,
+            input_grad_workspace_bytes=iw,
+        )
+        for measured, (fw, bw, ag, cold), iw in zip(runs, workspace, input_grad_workspace)
+    ]
     if loss is not None:
-        samples[-1] = dataclasses.replace(samples[-1], block_backward_workspace_bytes=alone[1], block_after_gradient_bytes=alone[2],
-                                          block_cold_backward_bytes=alone[3], loss_saved_bytes=losses[0], loss_bytes=losses[1])  # fmt: skip
+        samples[-1] = dataclasses.replace(
+            samples[-1],
+            block_backward_workspace_bytes=alone[1],
+            block_after_gradient_bytes=alone[2],
+            block_cold_backward_bytes=alone[3],
+            loss_saved_bytes=losses[0],
+            loss_bytes=losses[1],
+        )
     return samples
 
 
-def profile_stage(blocks: Sequence[nn.Module], first_block: int, inputs: Sequence[tuple[Tensor, ...]],
-                  loss: Optional[Callable[[int, tuple[Tensor, ...]], Tensor]], repeats: int = 2,
-                  optimizer: Optional[Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = None,
-                  device: Optional[torch.device] = None,
-                  state_bytes: Optional[Sequence[tuple[int, int, int, int]]] = None) -> list[BlockProfile]:  # fmt: skip
+def profile_stage(
+    blocks: Sequence[nn.Module],
+    first_block: int,
+    inputs: Sequence[tuple[Tensor, ...]],
+    loss: Optional[Callable[[int, tuple[Tensor, ...]], Tensor]],
+    repeats: int = 2,
+    optimizer: Optional[Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = None,
+    device: Optional[torch.device] = None,
+    state_bytes: Optional[Sequence[tuple[int, int, int, int]]] = None,
+) -> list[BlockProfile]:
     """Profile one stage's blocks on inputs captured from real training steps (the autoplanner:
     every rank profiles its own blocks, inside the running job).
 
     Inside a job whose plan may not fit its budget, each block's backward runs right after its
     forward, so that profiling holds one block's graph at a time, not the stage's (that order
-    finds the block's activations still in the cache: on the GPT example's blocks at microbatch
-    16, 8% faster than a stage's order, on the 2-core development machine).
+    finds the block's activations still in the cache, so its backwards read a little fast).
 
     Args:
         blocks: the stage's blocks, in order.
@@ -395,31 +485,55 @@ def profile_stage(blocks: Sequence[nn.Module], first_block: int, inputs: Sequenc
         repeats, optimizer, device: as for :func:`profile_blocks`.
         state_bytes: each block's parameter, gradient, optimizer-state and optimizer-step bytes
             where an earlier profile measured them: no trial optimizer steps, which hold a
-            second optimizer state for the block beside the job's (a one-block stage of
-            ``Linear`` layers peaked 1.55 times its step's memory: 2026-11-26).
+            second optimizer state for the block beside the job's, above the step's own peak.
     """
     device = device or torch.device("cpu")
     by_size: list[list[BlockSample]] = [[] for _ in blocks]
     for x in inputs:
         size = batch_size(x)
         last = functools.partial(loss, size) if loss is not None else None
-        samples = _profile_chain(list(blocks), lambda: tuple(t.detach() for t in x), first_block == 0, last, repeats, device,
-                                 stage_order=False)  # fmt: skip
+        samples = _profile_chain(
+            list(blocks),
+            lambda: tuple(t.detach() for t in x),
+            first_block == 0,
+            last,
+            repeats,
+            device,
+            stage_order=False,
+        )
         for i, sample in enumerate(samples):
             by_size[i].append(sample)
-    return [_block_profile(f"{first_block + i}:{type(b).__name__}", b, by_size[i], optimizer, state_bytes[i] if state_bytes else None)
-            for i, b in enumerate(blocks)]  # fmt: skip
+    return [
+        _block_profile(
+            f"{first_block + i}:{type(b).__name__}", b, by_size[i], optimizer, state_bytes[i] if state_bytes else None
+        )
+        for i, b in enumerate(blocks)
+    ]
 
 
-def _block_profile(name: str, block: nn.Module, samples: list[BlockSample], optimizer: Any,
-                   state: Optional[tuple[int, int, int, int]] = None) -> BlockProfile:  # fmt: skip
+def _block_profile(
+    name: str,
+    block: nn.Module,
+    samples: list[BlockSample],
+    optimizer: Any,
+    state: Optional[tuple[int, int, int, int]] = None,
+) -> BlockProfile:
     """A block's profile: its samples, the bytes of its state (``state`` if known), and the kinds of its weights."""
     deferred, other = weight_kinds(block.modules())
-    return BlockProfile(name, samples, *(state or _state_bytes(block, optimizer)), deferred_weights=deferred, other_matrices=other)
+    return BlockProfile(
+        name, samples, *(state or _state_bytes(block, optimizer)), deferred_weights=deferred, other_matrices=other
+    )
 
 
-def _profile_worker(rank: int, world: int, factory: Callable[[], nn.Module], batch: Any, sizes: Sequence[int],
-                    threads: int, options: dict[str, Any]) -> Profile:  # fmt: skip
+def _profile_worker(
+    rank: int,
+    world: int,
+    factory: Callable[[], nn.Module],
+    batch: Any,
+    sizes: Sequence[int],
+    threads: int,
+    options: dict[str, Any],
+) -> Profile:
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
@@ -428,15 +542,21 @@ def _profile_worker(rank: int, world: int, factory: Callable[[], nn.Module], bat
     return profile_blocks(module, batch, sizes, sync=dist.barrier, **options)
 
 
-def profile_concurrently(factory: Callable[[], nn.Module], batch: Any, microbatch_sizes: Sequence[int], processes: int,
-                         threads: int = 1, timeout: float = 600.0, **options: Any) -> Profile:  # fmt: skip
+def profile_concurrently(
+    factory: Callable[[], nn.Module],
+    batch: Any,
+    microbatch_sizes: Sequence[int],
+    processes: int,
+    threads: int = 1,
+    timeout: float = 600.0,
+    **options: Any,
+) -> Profile:
     """:func:`profile_blocks` run at once in ``processes`` processes, as many as the job will run on
     this machine, so that block times include the contention of ranks sharing its cores and
-    memory (on 2 CPU cores two compute-bound ranks each run about 12-18% slower than one alone).
-    The processes time each pass together, behind a barrier, and their times are averaged
-    (:func:`mean_profile`): on this 2-core machine two processes' sums of a GPT model's F and B
-    differed by 9 to 43% within one profile (8 and 71% in two profiles with the barriers), which
-    process was slower changing from one profile to the next; one process's alone is a sample.
+    memory (compute-bound ranks sharing cores each run slower than one alone). The processes
+    time each pass together, behind a barrier, and their times are averaged
+    (:func:`mean_profile`): which process runs slower changes from one profile to the next, so
+    one process's times alone are a sample, not the job's.
 
     Args:
         factory: builds the model in each process (importable: a class or module-level function).
@@ -452,25 +572,29 @@ def profile_concurrently(factory: Callable[[], nn.Module], batch: Any, microbatc
         return profile_blocks(factory(), batch, microbatch_sizes, **options)
     from lightning_pipe.runtime.spawn import run_gloo
 
-    ran = run_gloo(_profile_worker, processes, factory, batch, list(microbatch_sizes), threads, options, timeout=timeout)
+    ran = run_gloo(
+        _profile_worker, processes, factory, batch, list(microbatch_sizes), threads, options, timeout=timeout
+    )
     failed = [f"rank {r}: {value}" for r, (status, value) in enumerate(ran) if status != "ok"]
     if failed:  # every rank's: one rank's error leaves the others timing out at a barrier
         raise RuntimeError("concurrent profiling failed:\n" + "\n".join(failed))
     return mean_profile([value for _, value in ran])
 
 
-def _action_overhead(module: nn.Module, blocks: list[nn.Module], batch: Any, profiles: list[BlockProfile], size: int,
-                     repeats: int, device: torch.device) -> float:  # fmt: skip
+def _action_overhead(
+    module: nn.Module,
+    blocks: list[nn.Module],
+    batch: Any,
+    profiles: list[BlockProfile],
+    size: int,
+    repeats: int,
+    device: torch.device,
+) -> float:
     """Seconds per F or B action that a one-stage executor run takes beyond the blocks' profiled time.
 
     The run and the block times are taken seconds apart, so the machine's drift lands in the
-    difference (six consecutive GPT profiles read 0 to 2.6 ms per action on the 2-core VM).
-    Estimators paired in time, the run alternated with the same microbatches run block by
-    block or in a plain loop, read 0 to 0.5 ms steadily; with them bench_planner's chain rows
-    came out 0 to 3 points lower than with this one (median error 2.0-2.3% against 1.4-1.9%,
-    2026-11-24), and its GPT rows missed as often (3 rows past 10% in runs of either). Kept for
-    now: a multi-process step appears to cost more per action than a one-stage run shows, and
-    this estimate's upward bias covers part of that.
+    difference: on a busy host the estimate is noisy and biased upward. The upward bias covers
+    part of what a multi-process step costs per action beyond a one-stage run.
     """
     from lightning_pipe.runtime.executor import Executor, Hooks, Position, StepState
     from lightning_pipe.runtime.stage import Stage
@@ -479,7 +603,9 @@ def _action_overhead(module: nn.Module, blocks: list[nn.Module], batch: Any, pro
     m = max(batch_size(batch) // size, 1)
     microbatches, shares = split_batch(batch, m)
     actions = [a for a in build_schedule("1f1b", 1, m)[0] if a.kind in (Kind.FORWARD, Kind.BACKWARD)]
-    executor = Executor(Stage(blocks, 0), Position(0, 1, None, None), device, Hooks(module.pipeline_inputs, module.pipeline_loss))
+    executor = Executor(
+        Stage(blocks, 0), Position(0, 1, None, None), device, Hooks(module.pipeline_inputs, module.pipeline_loss)
+    )
     times = []
     for _ in range(repeats + 1):
         state = StepState({}, {})
@@ -497,7 +623,9 @@ def _make_optimizer(params: list[nn.Parameter], optimizer: Optional[Callable]) -
 
 
 @contextlib.contextmanager
-def _trial_steps(params: list[nn.Parameter], optimizer: Optional[Callable]) -> Iterator[tuple[torch.optim.Optimizer, int]]:
+def _trial_steps(
+    params: list[nn.Parameter], optimizer: Optional[Callable]
+) -> Iterator[tuple[torch.optim.Optimizer, int]]:
     """An optimizer over ``params`` after one step on zero gradients (Adam's state exists only
     then), and the most bytes a second step allocates for the time it runs; on exit the
     parameters get their values back and lose the gradients."""
@@ -530,8 +658,13 @@ def _state_bytes(block: nn.Module, optimizer: Optional[Callable]) -> tuple[int, 
         return _tensor_bytes(params), _tensor_bytes(params), _tensor_bytes(state), step_bytes
 
 
-def _optimizer_step_seconds(module: nn.Module, optimizer: Optional[Callable], device: torch.device, repeats: int = 5,
-                            sync: Optional[Callable[[], None]] = None) -> tuple[float, int]:  # fmt: skip
+def _optimizer_step_seconds(
+    module: nn.Module,
+    optimizer: Optional[Callable],
+    device: torch.device,
+    repeats: int = 5,
+    sync: Optional[Callable[[], None]] = None,
+) -> tuple[float, int]:
     """Median seconds of ``repeats`` optimizer steps over the module's parameters (a single timing,
     taken while other processes profile on the same cores, read 12.8 ms for the GPT example's
     AdamW step against 7.0-7.5 ms alone and in the measured steps), and the most bytes one step

@@ -8,12 +8,11 @@ import weakref
 from typing import Any, Optional
 
 from lightning_pipe.core.pipeline_plan import PipelinePlan
+from lightning_pipe.planning.memory import HeldCounts, Moment, buffered, program_held_counts, rank_moments
 from lightning_pipe.schedules import Action, build_schedule, two_bw_drain, two_bw_window
 from lightning_pipe.schedules.flat import FlatProgram, flatten
-from lightning_pipe.schedules.simulate import CompiledProgram, compile_program
 from lightning_pipe.schedules.registry import get
-from lightning_pipe.planning.memory import HeldCounts, Moment, buffered, program_held_counts, rank_moments
-
+from lightning_pipe.schedules.simulate import CompiledProgram, compile_program
 
 
 def program(plan: PipelinePlan, steps: int = 1) -> list[list[Action]]:
@@ -22,13 +21,29 @@ def program(plan: PipelinePlan, steps: int = 1) -> list[list[Action]]:
 
 
 def program_key(plan: PipelinePlan, steps: int) -> tuple:
-    return (plan.schedule, plan.depth, plan.microbatches, plan.split_backward, plan.split_max_pending, plan.split_placement, steps,
-            plan.virtual_stages)  # fmt: skip
+    return (
+        plan.schedule,
+        plan.depth,
+        plan.microbatches,
+        plan.split_backward,
+        plan.split_max_pending,
+        plan.split_placement,
+        steps,
+        plan.virtual_stages,
+    )
 
 
 @functools.lru_cache(maxsize=1024)
-def _program(schedule: str, depth: int, m: int, split: bool, max_pending: Optional[int], placement: Optional[str], steps: int,
-             virtual: int = 1) -> list[list[Action]]:  # fmt: skip
+def _program(
+    schedule: str,
+    depth: int,
+    m: int,
+    split: bool,
+    max_pending: Optional[int],
+    placement: Optional[str],
+    steps: int,
+    virtual: int = 1,
+) -> list[list[Action]]:
     if get(schedule).streams:  # two_bw_run, from windows shared between the runs of 2 and 3 windows
         parts = [_two_bw_part(depth, m, t, split, False) for t in range(steps)]
         parts.append(_two_bw_part(depth, m, steps - 1, split, True))
@@ -51,7 +66,7 @@ def _flat(*key: Any) -> FlatProgram:
     return flatten(_program(*key))
 
 
-#: One object per distinct :class:`HeldCounts`: programs of many lengths share them, and caches keyed by them hit at once.
+#: One object per distinct :class:`HeldCounts`: programs of many lengths share them, and caches keyed by them hit.
 _SHARED_COUNTS: "weakref.WeakValueDictionary[HeldCounts, HeldCounts]" = weakref.WeakValueDictionary()
 
 
@@ -73,7 +88,9 @@ def held(plan: PipelinePlan) -> list[HeldCounts]:
 def _moments(*key: Any) -> list[tuple[Moment, ...]]:
     depth, virtual, program, flat = key[1], key[-1], _program(*key), _flat(*key)
     sent = buffered(flat)
-    return [rank_moments(actions, range(r, depth * virtual, depth), sent[flat.rank(r)]) for r, actions in enumerate(program)]
+    return [
+        rank_moments(actions, range(r, depth * virtual, depth), sent[flat.rank(r)]) for r, actions in enumerate(program)
+    ]
 
 
 def clear_caches() -> None:
@@ -84,5 +101,5 @@ def clear_caches() -> None:
 
 
 def moments(plan: PipelinePlan) -> list[tuple[Moment, ...]]:
-    """Every pipeline rank's distinct moments over all its stages (:func:`~lightning_pipe.planning.memory.rank_moments`; cached)."""
+    """Every pipeline rank's distinct moments over all its stages (:func:`~.memory.rank_moments`; cached)."""
     return _moments(*program_key(plan, 1))

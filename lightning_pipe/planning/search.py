@@ -9,11 +9,10 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional, Sequence
 
 from lightning_pipe.core.pipeline_plan import PipelinePlan
-from lightning_pipe.planning.profile import BlockSample, Profile
-from lightning_pipe.schedules.registry import SCHEDULE_NAMES, get
 from lightning_pipe.planning.madpipe import RangeCosts
 from lightning_pipe.planning.predict import Prediction, predict
-
+from lightning_pipe.planning.profile import BlockSample, Profile
+from lightning_pipe.schedules.registry import SCHEDULE_NAMES, get
 
 
 def _layouts(devices: int, blocks: int, virtual: Sequence[int]) -> Iterable[tuple[int, int, int]]:
@@ -31,16 +30,22 @@ class Candidate:
     microbatch_size: int
 
 
-
 #: Split backward as the search tries it: off, on with the schedule's own W placement, and on
 #: with "drain" (1F1B's peak memory: only the backwards after a stage's last forward split).
 _SPLITS = ((False, None), (True, None), (True, "drain"))
 
 
-def candidates(profile: Profile, devices: int, global_batch: int, allow_stale: bool = False,
-               schedules: Optional[Sequence[str]] = None, memory_limit: Optional[float] = None,
-               partitions: Sequence[tuple[int, ...]] = (), virtual_stages: Sequence[int] = (1, 2),
-               ranges: Optional[RangeCosts] = None) -> Iterator[Candidate]:  # fmt: skip
+def candidates(
+    profile: Profile,
+    devices: int,
+    global_batch: int,
+    allow_stale: bool = False,
+    schedules: Optional[Sequence[str]] = None,
+    memory_limit: Optional[float] = None,
+    partitions: Sequence[tuple[int, ...]] = (),
+    virtual_stages: Sequence[int] = (1, 2),
+    ranges: Optional[RangeCosts] = None,
+) -> Iterator[Candidate]:
     """Every ``(w, d)`` with ``w * d = devices``; every microbatch size ``b`` with
     ``m = global_batch / (w * b)`` whole; every registered schedule (2BW only with
     ``allow_stale``: its update is 1-stale; a schedule registered later is covered with no change
@@ -62,15 +67,25 @@ def candidates(profile: Profile, devices: int, global_batch: int, allow_stale: b
             m = global_batch // (width * b)
             if not get(name).runs(depth, m, virtual):
                 continue
-            plan = PipelinePlan(width, depth, m, name, split, partition=ranges.balanced(depth * virtual, b), virtual_stages=virtual,
-                                split_placement=placement)  # fmt: skip
+            plan = PipelinePlan(
+                width,
+                depth,
+                m,
+                name,
+                split,
+                partition=ranges.balanced(depth * virtual, b),
+                virtual_stages=virtual,
+                split_placement=placement,
+            )
             memory_aware = _memory_aware(ranges, plan, b, memory_limit) if virtual == 1 else None
             extra = [p for p in partitions if len(p) == plan.stages]
             for partition in dict.fromkeys([plan.partition, *([memory_aware] if memory_aware else []), *extra]):
                 yield Candidate(plan.replace(partition=partition), b)
 
 
-def _memory_aware(ranges: RangeCosts, plan: PipelinePlan, b: int, memory_limit: Optional[float]) -> Optional[tuple[int, ...]]:
+def _memory_aware(
+    ranges: RangeCosts, plan: PipelinePlan, b: int, memory_limit: Optional[float]
+) -> Optional[tuple[int, ...]]:
     if memory_limit is None or plan.depth == 1:
         return None
     from lightning_pipe.planning.madpipe import madpipe_partition
@@ -79,8 +94,9 @@ def _memory_aware(ranges: RangeCosts, plan: PipelinePlan, b: int, memory_limit: 
     return found.sizes if found is not None else None
 
 
-def evaluate(profile: Profile, candidate: Candidate, memory_limit: Optional[float] = None,
-             ranges: Optional[RangeCosts] = None) -> Prediction:  # fmt: skip
+def evaluate(
+    profile: Profile, candidate: Candidate, memory_limit: Optional[float] = None, ranges: Optional[RangeCosts] = None
+) -> Prediction:
     """The candidate as is, or with recomputation on exactly the stages that would not fit
     (``ranges``: the profile's block-range costs, shared by a search's candidates)."""
     samples = RangeCosts.of(profile, ranges).samples(candidate.microbatch_size) if ranges is not None else None
@@ -92,13 +108,22 @@ def rank(predictions: Iterable[Prediction]) -> list[Prediction]:
     return sorted(predictions, key=lambda p: (not p.feasible, -p.samples_per_second))
 
 
-def search(profile: Profile, devices: int, global_batch: int, memory_limit: Optional[float] = None,
-           allow_stale: bool = False, schedules: Optional[Sequence[str]] = None,
-           partitions: Sequence[tuple[int, ...]] = (), virtual_stages: Sequence[int] = (1, 2)) -> list[Prediction]:  # fmt: skip
+def search(
+    profile: Profile,
+    devices: int,
+    global_batch: int,
+    memory_limit: Optional[float] = None,
+    allow_stale: bool = False,
+    schedules: Optional[Sequence[str]] = None,
+    partitions: Sequence[tuple[int, ...]] = (),
+    virtual_stages: Sequence[int] = (1, 2),
+) -> list[Prediction]:
     """Every :func:`candidates` plan evaluated and ranked, best first (see :func:`rank`); each
     infeasible one says which stage (or interleaved rank) exceeds the budget and by how much."""
     ranges = RangeCosts(profile)
-    found = candidates(profile, devices, global_batch, allow_stale, schedules, memory_limit, partitions, virtual_stages, ranges)
+    found = candidates(
+        profile, devices, global_batch, allow_stale, schedules, memory_limit, partitions, virtual_stages, ranges
+    )
     with _collector_paused():
         return rank(evaluate(profile, c, memory_limit, ranges) for c in found)
 
@@ -106,7 +131,7 @@ def search(profile: Profile, devices: int, global_batch: int, memory_limit: Opti
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
     """Python's cycle collector off for a search: it builds millions of objects, none in cycles,
-    and each collector pass scans them all (a fifth of a 64-device search, measured 2026-11-24)."""
+    and each collector pass would scan them all."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -116,8 +141,13 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _with_recompute(profile: Profile, plan: PipelinePlan, b: int, memory_limit: Optional[float],
-                    samples: Optional[Sequence[BlockSample]] = None) -> Prediction:  # fmt: skip
+def _with_recompute(
+    profile: Profile,
+    plan: PipelinePlan,
+    b: int,
+    memory_limit: Optional[float],
+    samples: Optional[Sequence[BlockSample]] = None,
+) -> Prediction:
     """The plan as is, or with recomputation on the stages over the limit when that makes it fit (not with split)."""
     first = predict(profile, plan, b, memory_limit, samples)
     if first.feasible or plan.split_backward:

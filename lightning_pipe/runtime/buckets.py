@@ -1,4 +1,4 @@
-"""Replica gradient averaging in buckets, each all-reduce started once its gradients are final (overlapped with backward)."""
+"""Replica gradient averaging in buckets, each all-reduce started once its gradients are final (during backward)."""
 
 from __future__ import annotations
 
@@ -35,8 +35,9 @@ class GradientBuckets:
             that several virtual stages of the rank share).
     """
 
-    def __init__(self, params: Sequence[Tensor], group: Any, width: int, cap_bytes: int,
-                 uses: Optional[Mapping[int, int]] = None) -> None:  # fmt: skip
+    def __init__(
+        self, params: Sequence[Tensor], group: Any, width: int, cap_bytes: int, uses: Optional[Mapping[int, int]] = None
+    ) -> None:
         self.group, self.width = group, width
         self._uses = dict(uses or {})  # accumulations per microbatch, by id: a parameter two stages share gets two
         self.buckets = _group_by_size([p for p in reversed(list(params)) if p.requires_grad], cap_bytes)
@@ -62,8 +63,10 @@ class GradientBuckets:
             i = self._place[id(p)][0]
             count, final = self._counts.get(id(p), 0) + 1, self.expected * self._uses.get(id(p), 1)
             if count > final:
-                raise RuntimeError(f"a parameter of shape {tuple(p.shape)} received {count} gradient accumulations in "
-                                   f"one batch of {self.expected} microbatches: its bucket was already all-reduced")  # fmt: skip
+                raise RuntimeError(
+                    f"a parameter of shape {tuple(p.shape)} received {count} gradient accumulations in "
+                    f"one batch of {self.expected} microbatches: its bucket was already all-reduced"
+                )
             self._counts[id(p)] = count
             self._adopt(i, p)
             if count == final:
@@ -76,7 +79,9 @@ class GradientBuckets:
         flat = self._flats[i]
         if flat is None:
             bucket = self.buckets[i]
-            flat = self._flats[i] = torch.zeros(sum(q.numel() for q in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+            flat = self._flats[i] = torch.zeros(
+                sum(q.numel() for q in bucket), dtype=bucket[0].dtype, device=bucket[0].device
+            )
         offset = self._place[id(p)][1]
         view = flat[offset : offset + p.numel()].view_as(p)
         if p.grad is None:

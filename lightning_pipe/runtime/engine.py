@@ -11,10 +11,10 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_pipe.core.pipeline_plan import PipelinePlan
-from lightning_pipe.runtime.comm import p2p
 from lightning_pipe.runtime.buckets import DEFAULT_BUCKET_BYTES
-from lightning_pipe.runtime.executor import Executor, Hooks, Position, StepState
+from lightning_pipe.runtime.comm import p2p
 from lightning_pipe.runtime.comm.groups import PipelineGroups
+from lightning_pipe.runtime.executor import Executor, Hooks, Position, StepState
 from lightning_pipe.runtime.microbatch import split_batch
 from lightning_pipe.runtime.stage import Stage
 from lightning_pipe.runtime.ties import TiedGradients
@@ -60,10 +60,18 @@ class PipelineEngine:
 
     LOSS_MODES = ("current", "previous")
 
-    def __init__(self, module: nn.Module, stage: Union[Stage, Sequence[Stage]], plan: PipelinePlan, rank: int,
-                 groups: Optional[PipelineGroups] = None, device: Optional[torch.device] = None,
-                 gradient_clip_val: Optional[float] = None, loss: str = "current",
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:  # fmt: skip
+    def __init__(
+        self,
+        module: nn.Module,
+        stage: Union[Stage, Sequence[Stage]],
+        plan: PipelinePlan,
+        rank: int,
+        groups: Optional[PipelineGroups] = None,
+        device: Optional[torch.device] = None,
+        gradient_clip_val: Optional[float] = None,
+        loss: str = "current",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
         if loss not in self.LOSS_MODES:
             raise ValueError(f"loss must be one of {self.LOSS_MODES}, got {loss!r}")
         if groups is None and plan.world_size > 1:
@@ -72,9 +80,11 @@ class PipelineEngine:
         self.stages = [stage] if isinstance(stage, Stage) else list(stage)
         self.topology = plan.topology
         self.device = device or torch.device("cpu")
-        self.stage_index = self.topology.stage_of(rank)  # this rank's position in its pipeline
+        self.stage_index = self.topology.position_of(rank)  # this rank's position in its pipeline
         self.position = self._position()
-        self.positions = [self._stage_position(st.index) for st in self.stages] if plan.virtual_stages > 1 else [self.position]
+        self.positions = (
+            [self._stage_position(st.index) for st in self.stages] if plan.virtual_stages > 1 else [self.position]
+        )
         self.streaming = plan.spec.streams  # the stream of microbatches runs on across steps
         params = {id(p): p for st in self.stages for p in st.parameters()}  # a tie between two of them: once
         self._parameters = list(params.values())
@@ -101,7 +111,10 @@ class PipelineEngine:
         self._programs: dict[tuple[bool, int], tuple[list[Action], dict[int, list[Action]]]] = {}
         self._restart()
         if self.streaming:
-            verify(two_bw_run(plan.depth, plan.microbatches, 3, plan.split_backward, self.early_step), 3 * plan.microbatches)
+            verify(
+                two_bw_run(plan.depth, plan.microbatches, 3, plan.split_backward, self.early_step),
+                3 * plan.microbatches,
+            )
 
     @property
     def stage(self) -> Stage:
@@ -167,24 +180,29 @@ class PipelineEngine:
         """This rank's verified actions for one flushed training step."""
         return self._program(True, microbatches)[0]
 
-    def inference_program(self, microbatches: int) -> list[Action]:
-        """This rank's verified forward-only actions."""
-        return self._program(False, microbatches)[0]
-
     def _program(self, train: bool, microbatches: int) -> tuple[list[Action], dict[int, list[Action]]]:
         """This rank's actions and, per source rank, its receives in the order they arrive."""
         key = (train, microbatches)
         if key not in self._programs:
             d, v = self.topology.depth, self.plan.virtual_stages
             program = (
-                build_schedule(self.schedule, d, microbatches, self.split_backward, self.plan.split_max_pending, v,
-                               self.plan.split_placement)
+                build_schedule(
+                    self.schedule,
+                    d,
+                    microbatches,
+                    self.split_backward,
+                    self.plan.split_max_pending,
+                    v,
+                    self.plan.split_placement,
+                )
                 if train
                 else build_inference(d, microbatches, v)
             )
             verify(program, microbatches, train=train, virtual=v)
             replica = self.topology.replica_of(self.rank)
-            arrivals = {self.topology.rank_of(replica, q): keys for q, keys in receive_order(program, self.stage_index).items()}
+            arrivals = {
+                self.topology.rank_of(replica, q): keys for q, keys in receive_order(program, self.stage_index).items()
+            }
             self._programs[key] = (program[self.stage_index], arrivals)
         return self._programs[key]
 
@@ -196,11 +214,14 @@ class PipelineEngine:
 
     def _hooks(self) -> Hooks:
         return Hooks(
-            self.module.pipeline_inputs, self.module.pipeline_loss, self.update.all_reduce,
+            self.module.pipeline_inputs,
+            self.module.pipeline_loss,
+            self.update.all_reduce,
             lambda: self.update.optimizer_step(self._optimizer, self._on_step),
-            self._weights_of, lambda loss_sum: self._share_loss(loss_sum.to(self.device, torch.float32)),
+            self._weights_of,
+            lambda loss_sum: self._share_loss(loss_sum.to(self.device, torch.float32)),
             self.update.gradients_accumulated,
-        )  # fmt: skip
+        )
 
     def _weights_of(self, first_microbatch: int) -> Optional[list[Tensor]]:
         """The weight version the batch starting at ``first_microbatch`` runs on (2BW's V action)."""
@@ -209,8 +230,13 @@ class PipelineEngine:
         self.update.watch(self.versions.grads_of(batch))
         return weights
 
-    def _train(self, actions: list[Action], wait: bool, trace: Optional[Trace] = None,
-               arrivals: Optional[dict[int, list[Action]]] = None) -> None:  # fmt: skip
+    def _train(
+        self,
+        actions: list[Action],
+        wait: bool,
+        trace: Optional[Trace] = None,
+        arrivals: Optional[dict[int, list[Action]]] = None,
+    ) -> None:
         """Run a training program: gradient buckets count accumulations only meanwhile."""
         self.update.arm(self.microbatches)
         try:
@@ -219,7 +245,7 @@ class PipelineEngine:
             self.update.arm(0)
 
     def close(self) -> None:
-        """Release what outlives a step (gradient hooks on the parameters, the tied gradients' groups) before another layout is placed."""
+        """Release what outlives a step (gradient hooks, the tied gradients' groups) before another layout is placed."""
         self.update.close()
 
     @property
@@ -231,11 +257,24 @@ class PipelineEngine:
     def instrument(self, on: bool) -> None:
         self.record_trace = self.count_stash = on
 
-    def _run(self, actions: list[Action], state: StepState, wait: bool = True, trace: Optional[Trace] = None,
-             arrivals: Optional[dict[int, list[Action]]] = None) -> StepState:  # fmt: skip
-        return Executor(self.stages, self.positions, self.device, self._hooks(), trace=trace if self.record_trace else None,
-                        links=self.links, account=self.count_stash,
-                        channel=self.groups.channel if self.groups is not None else p2p.DIRECT).run(actions, state, wait, arrivals)  # fmt: skip
+    def _run(
+        self,
+        actions: list[Action],
+        state: StepState,
+        wait: bool = True,
+        trace: Optional[Trace] = None,
+        arrivals: Optional[dict[int, list[Action]]] = None,
+    ) -> StepState:
+        return Executor(
+            self.stages,
+            self.positions,
+            self.device,
+            self._hooks(),
+            trace=trace if self.record_trace else None,
+            links=self.links,
+            account=self.count_stash,
+            channel=self.groups.channel if self.groups is not None else p2p.DIRECT,
+        ).run(actions, state, wait, arrivals)
 
     # -- steps -----------------------------------------------------------------------------
     def train_step(self, batch: Any, optimizer: Optimizer, on_step: Optional[Callable[[], None]] = None) -> Tensor:
@@ -256,7 +295,10 @@ class PipelineEngine:
             self.versions.clear_grads()
         self._state.add_batch(self._batches * self.microbatches, microbatches, shares)
         self.trace.clear()
-        loss, self._loss_work = torch.zeros((), dtype=torch.float32, device=self.device), None  # the last stage's loss is float32
+        loss, self._loss_work = (
+            torch.zeros((), dtype=torch.float32, device=self.device),
+            None,
+        )  # the last stage's loss is float32
         if not self.position.is_last:
             self._share_loss(loss)  # posted now, filled when the last stage has the loss
         actions, arrivals = self._window()
@@ -328,7 +370,9 @@ class PipelineEngine:
         actions, arrivals = self._program(False, len(microbatches))
         state = self._run(actions, state, arrivals=arrivals)
         if not self.position.is_last:
-            return self._from_last_stage(torch.zeros((), dtype=torch.float32, device=self.device) if with_loss else None)
+            return self._from_last_stage(
+                torch.zeros((), dtype=torch.float32, device=self.device) if with_loss else None
+            )
         outputs = [state.results[k] for k in range(len(microbatches))]
         if with_loss:
             losses = [self.module.pipeline_loss(o, mb) * s for o, mb, s in zip(outputs, microbatches, shares)]

@@ -11,10 +11,10 @@ import torch
 from torch import Tensor
 
 from lightning_pipe.runtime.autograd import backward_split as split
+from lightning_pipe.runtime.autograd.deferred_weights import DeferredGrads, DeferWeightGrads, keeps_saved_tensors
 from lightning_pipe.runtime.comm import p2p
 from lightning_pipe.runtime.comm.abort import failure_message, notify_neighbours
 from lightning_pipe.runtime.comm.mailbox import Mailbox, Outbox
-from lightning_pipe.runtime.autograd.deferred_weights import DeferWeightGrads, DeferredGrads, keeps_saved_tensors
 from lightning_pipe.runtime.stage import Stage, Tensors, as_tuple
 from lightning_pipe.schedules.actions import Action, Kind
 from lightning_pipe.schedules.passes import DELIVERS
@@ -54,7 +54,6 @@ class Hooks:
     weights_accumulated: Callable[[list[Tensor]], None] = lambda weights: None
 
 
-
 Key = tuple[int, int]  # (stage, microbatch): a rank may run several stages (interleaved 1F1B)
 
 
@@ -73,7 +72,9 @@ class StepState:
     grads: dict[Key, Tensors] = field(default_factory=dict)
     input_grads: dict[Key, Tensors] = field(default_factory=dict)
     weight_work: dict[Key, split.WeightWork] = field(default_factory=dict)
-    deferred: dict[Key, DeferredGrads] = field(default_factory=dict)  # split backward: linear and convolution calls waiting for I
+    deferred: dict[Key, DeferredGrads] = field(
+        default_factory=dict
+    )  # split backward: linear and convolution calls waiting for I
     replay: dict[Key, "Replay"] = field(default_factory=dict)  # split backward with recompute: how to rerun F
     results: dict[int, Any] = field(default_factory=dict)
     loss_sum: Optional[Tensor] = None  # on the loss's device: read once per step, never per microbatch
@@ -177,9 +178,18 @@ class Executor:
         channel: where headers and tensors travel (:class:`p2p.Channel`).
     """
 
-    def __init__(self, stage: Union[Stage, Sequence[Stage]], position: Union[Position, Sequence[Position]],
-                 device: torch.device, hooks: Hooks, abort_timeout: float = 10.0, trace: Optional[Trace] = None,
-                 links: Optional[p2p.Links] = None, account: bool = False, channel: p2p.Channel = p2p.DIRECT) -> None:  # fmt: skip
+    def __init__(
+        self,
+        stage: Union[Stage, Sequence[Stage]],
+        position: Union[Position, Sequence[Position]],
+        device: torch.device,
+        hooks: Hooks,
+        abort_timeout: float = 10.0,
+        trace: Optional[Trace] = None,
+        links: Optional[p2p.Links] = None,
+        account: bool = False,
+        channel: p2p.Channel = p2p.DIRECT,
+    ) -> None:
         stages = [stage] if isinstance(stage, Stage) else list(stage)
         positions = [position] if isinstance(position, Position) else list(position)
         self._chunks = {p.stage: (st, p) for st, p in zip(stages, positions, strict=True)}
@@ -190,8 +200,12 @@ class Executor:
         self.channel = channel
         self.mailbox = Mailbox(device, self.links, channel, posts_after_send=len(self._chunks) == 1)
         self._replayed: set[int] = set()  # split backward on a recomputed stage: F keeps no graph, I reruns it
-        self._deferring: set[int] = set()  # split backward on a stage whose linear and convolution calls defer their weight gradients
-        self._whole: set[Key] = set()  # microbatches whose backward runs whole in a split run (split_backward's "drain")
+        self._deferring: set[int] = (
+            set()
+        )  # split backward on a stage whose linear and convolution calls defer their weight gradients
+        self._whole: set[Key] = (
+            set()
+        )  # microbatches whose backward runs whole in a split run (split_backward's "drain")
         self._actions: list[Action] = []  # the program running, and the index of its action now running
         self._at = 0
         self._posted_at = -1  # the action whose send was posted last (see _next_send_kind)
@@ -215,8 +229,13 @@ class Executor:
     def _position(self, a: Action) -> Position:
         return self._chunks[a.stage][1]
 
-    def run(self, actions: list[Action], state: StepState, wait: bool = True,
-            arrivals: Optional[Mapping[int, list[Action]]] = None) -> StepState:  # fmt: skip
+    def run(
+        self,
+        actions: list[Action],
+        state: StepState,
+        wait: bool = True,
+        arrivals: Optional[Mapping[int, list[Action]]] = None,
+    ) -> StepState:
         """Run ``actions`` in order; on any error tell every neighbour, then re-raise.
 
         Args:
@@ -259,8 +278,10 @@ class Executor:
         if replay:  # the graph is built once, by I's recomputation, and W reuses it
             st.replay[key] = Replay.capture(st.weights, self.device)
         stage = self._stage(a)
-        with saved_bytes(stage.parameters()) if self.account and st.train else nullcontext([0]) as counted, \
-                torch.no_grad() if replay else self._deferred_weights(a, st, st.weights, inputs):  # fmt: skip
+        with (
+            saved_bytes(stage.parameters()) if self.account and st.train else nullcontext([0]) as counted,
+            torch.no_grad() if replay else self._deferred_weights(a, st, st.weights, inputs),
+        ):
             outputs = stage(inputs, st.weights)
         if st.train:
             st.stash(1)
@@ -277,7 +298,9 @@ class Executor:
         else:
             st.results[k] = _unwrap(outputs)
 
-    def _deferred_weights(self, a: Action, st: StepState, weights: Optional[list[Tensor]], inputs: Tensors) -> ContextManager[Any]:
+    def _deferred_weights(
+        self, a: Action, st: StepState, weights: Optional[list[Tensor]], inputs: Tensors
+    ) -> ContextManager[Any]:
         """Split backward on a stage that defers its linear and convolution weight gradients: record
         those calls of this microbatch's forward on ``weights`` (``None``: the stage's own) for its I and W
         (:mod:`~lightning_pipe.runtime.autograd.deferred_weights`). Not where no input needs a gradient (the
@@ -313,7 +336,9 @@ class Executor:
             st.microbatches.pop(a.microbatch, None)
             st.shares.pop(a.microbatch, None)
         if not self._position(a).is_first:
-            st.input_grads[a.stage, a.microbatch] = tuple(g if g is not None else torch.zeros_like(x) for x, g in zip(floats, grads))
+            st.input_grads[a.stage, a.microbatch] = tuple(
+                g if g is not None else torch.zeros_like(x) for x, g in zip(floats, grads)
+            )
 
     def _backward(self, a: Action, st: StepState) -> None:
         key = (a.stage, a.microbatch)
@@ -330,8 +355,11 @@ class Executor:
         on the weights and random state of its first run, and return what I starts from."""
         key, stage = (a.stage, a.microbatch), self._stage(a)
         replay = st.replay.pop(key)
-        with replay.restored(self.device), saved_bytes(stage.parameters()) if self.account else nullcontext([0]) as counted, \
-                self._deferred_weights(a, st, replay.weights, st.inputs[key]):  # fmt: skip
+        with (
+            replay.restored(self.device),
+            saved_bytes(stage.parameters()) if self.account else nullcontext([0]) as counted,
+            self._deferred_weights(a, st, replay.weights, st.inputs[key]),
+        ):
             outputs = stage.recompute_forward(st.inputs[key], replay.weights)
         if self.account:
             st.hold(key, counted[0])
@@ -348,7 +376,9 @@ class Executor:
         floats = [x for x in st.inputs.pop(key) if x.is_floating_point()]
         needing = [x for x in floats if x.requires_grad]
         deferred = st.deferred.pop(key, None)
-        found, work = split.input_grads(roots, grads, needing, deferred) if roots else ([], split.WeightWork([], [], []))
+        found, work = (
+            split.input_grads(roots, grads, needing, deferred) if roots else ([], split.WeightWork([], [], []))
+        )
         by_input = {id(x): g for x, g in zip(needing, found)}
         self._keep_input_grads(a, st, floats, [by_input.get(id(x)) for x in floats])
         st.weight_work[key] = work
@@ -370,8 +400,14 @@ class Executor:
         assert dst is not None
         self.mailbox.before_send(dst)
         box = st.sent.get(dst) or st.sent.setdefault(dst, Outbox())
-        transfer = p2p.send_tensors(tensors, dst, self.device, ack=st.received[dst], posted=self.links.sent.get((dst, kind)),
-                                    channel=self.channel)  # fmt: skip
+        transfer = p2p.send_tensors(
+            tensors,
+            dst,
+            self.device,
+            ack=st.received[dst],
+            posted=self.links.sent.get((dst, kind)),
+            channel=self.channel,
+        )
         box.post(transfer)
         self._posted_at = self._at
         self.links.sent[dst, kind] = transfer.specs
@@ -393,12 +429,6 @@ class Executor:
         position = self._position(a)
         return position.prev_rank if a.kind is Kind.RECV_ACT else position.next_rank
 
-
-
-
-
-
-
     def _receive(self, a: Action, st: StepState) -> Tensors:
         src = self._source(a)
         assert src is not None
@@ -409,7 +439,6 @@ class Executor:
                 st.sent[peer].release(ack)
 
         return self.mailbox.receive(a, src, self._at, delivered)
-
 
     def _recv_act(self, a: Action, st: StepState) -> None:
         received = self._receive(a, st)
@@ -427,8 +456,16 @@ class Executor:
     def _abort(self, err: BaseException) -> None:
         source = getattr(err, "source_rank", None)
         peers = {peer for _, p in self._chunks.values() for peer in (p.prev_rank, p.next_rank)} - {None, source}
-        notify_neighbours(failure_message(err, sorted(self._chunks)), peers, self._next_send_kind, self.links,  # type: ignore[arg-type]
-                          self.device, self.channel, self.mailbox.take_incoming, self.abort_timeout)  # fmt: skip
+        notify_neighbours(
+            failure_message(err, sorted(self._chunks)),
+            peers,
+            self._next_send_kind,
+            self.links,  # type: ignore[arg-type]
+            self.device,
+            self.channel,
+            self.mailbox.take_incoming,
+            self.abort_timeout,
+        )
 
     def _next_send_kind(self, peer: int) -> Kind:
         """What ``peer`` reads our next message as (so an abort notice fills the receives it

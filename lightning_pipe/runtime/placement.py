@@ -12,7 +12,16 @@ from torch.optim import Optimizer
 from lightning_pipe.core.partition import block_cost
 from lightning_pipe.core.pipeline_plan import PipelinePlan
 from lightning_pipe.runtime.stage import Stage
-from lightning_pipe.runtime.ties import Tie, alias_names, find_ties, retie, share_again, shared_blocks, shared_slots, untie_remote
+from lightning_pipe.runtime.ties import (
+    Tie,
+    alias_names,
+    find_ties,
+    retie,
+    share_again,
+    shared_blocks,
+    shared_slots,
+    untie_remote,
+)
 
 if TYPE_CHECKING:
     from lightning_pipe.runtime.engine import PipelineEngine
@@ -58,7 +67,9 @@ def _parents(module: nn.Module, blocks: list[nn.Module]) -> list[tuple[nn.Module
     index = {id(m): (parent, name) for parent in module.modules() for name, m in parent.named_children()}
     missing = [i for i, b in enumerate(blocks) if id(b) not in index]
     if missing:
-        raise ValueError(f"pipeline blocks {missing} are not submodules of {type(module).__name__}; register them as attributes")
+        raise ValueError(
+            f"pipeline blocks {missing} are not submodules of {type(module).__name__}; register them as attributes"
+        )
     return [index[id(b)] for b in blocks]
 
 
@@ -72,7 +83,9 @@ def _check_parameters(module: nn.Module, blocks: list[nn.Module]) -> None:
     owned = {id(p) for block in blocks for p in block.parameters()}
     stray = [n for n, p in module.named_parameters() if id(p) not in owned]
     if stray:
-        raise ValueError(f"parameters outside every pipeline block would never train: {stray[:5]}; move them into a block")
+        raise ValueError(
+            f"parameters outside every pipeline block would never train: {stray[:5]}; move them into a block"
+        )
 
 
 def check_shapes(names: Mapping[str, Any], found: Mapping[str, Any], what: str) -> None:
@@ -130,20 +143,26 @@ class Placement:
         plan = self.resolved(plan)
         ranges = plan.stage_ranges()
         if ranges[-1].stop != len(self.blocks):
-            raise ValueError(f"partition {list(plan.partition)} covers {ranges[-1].stop} blocks, the chain has {len(self.blocks)}")
+            raise ValueError(
+                f"partition {list(plan.partition)} covers {ranges[-1].stop} blocks, the chain has {len(self.blocks)}"
+            )
         _check_parameters(self.module, self.blocks)
-        position = plan.topology.stage_of(rank)
+        position = plan.topology.position_of(rank)
         device = device or torch.device("cpu")
         by_rank = [[i for s in plan.stages_of(r) for i in ranges[s]] for r in range(plan.depth)]
         self.ties = find_ties(self.module, self.blocks, by_rank)  # between pipeline ranks: one copy per rank
         mine = set(by_rank[position])
-        self._untied = untie_remote(self.blocks, sorted(mine), [i for i in range(len(self.blocks)) if i not in mine], self.ties)
+        self._untied = untie_remote(
+            self.blocks, sorted(mine), [i for i in range(len(self.blocks)) if i not in mine], self.ties
+        )
         for s, rng in enumerate(ranges):
             for i in rng:
                 self._place_block(i, s if i not in mine else None, device)
         self.plan, self.stage_index = plan, position
-        return [Stage([self.blocks[i] for i in ranges[s]], ranges[s].start, plan.recompute[s], tuple(self.ties), index=s)
-                for s in plan.stages_of(position)]  # fmt: skip
+        return [
+            Stage([self.blocks[i] for i in ranges[s]], ranges[s].start, plan.recompute[s], tuple(self.ties), index=s)
+            for s in plan.stages_of(position)
+        ]
 
     def _place_block(self, i: int, remote_stage: Optional[int], device: torch.device) -> None:
         parent, name = self._parents[i]
@@ -203,7 +222,9 @@ class Placement:
         The optimizer's state is flattened to one key per parameter name and field. Under
         2BW, drain first so the module holds the newest weights and the optimizer points at them.
         """
-        state: dict[str, Any] = {"model": {self._aliases.get(k, k): v.detach() for k, v in self.module.state_dict().items()}}
+        state: dict[str, Any] = {
+            "model": {self._aliases.get(k, k): v.detach() for k, v in self.module.state_dict().items()}
+        }
         if optimizer is not None:
             state["optimizer"] = self.optimizer_template(optimizer)
         return state
@@ -236,8 +257,9 @@ class Placement:
         if optimizer is not None and "optimizer" in state:
             flat = _own_optimizer_keys(state["optimizer"], {self._aliases.get(k, k) for k in own})
             back = {kept: alias for alias, kept in self._aliases.items() if alias in own}  # this rank's name for it
-            set_optimizer_state_dict(self.module, optimizer, optim_state_dict={_renamed(k, back): v for k, v in flat.items()},
-                                     options=FLAT)  # fmt: skip
+            set_optimizer_state_dict(
+                self.module, optimizer, optim_state_dict={_renamed(k, back): v for k, v in flat.items()}, options=FLAT
+            )
 
 
 def _own_optimizer_keys(flat: Mapping[str, Any], own: Container[str]) -> dict[str, Any]:
@@ -252,9 +274,16 @@ def _renamed(key: str, names: Mapping[str, str]) -> str:
     return f"{kind}.{names.get(name, name)}.{field}" if name in names else key
 
 
-def place(module: nn.Module, plan: PipelinePlan, rank: int, device: Optional[torch.device] = None,
-          groups: Optional[Any] = None, gradient_clip_val: Optional[float] = None, loss: str = "current",
-          bucket_bytes: Optional[int] = None) -> "PipelineEngine":  # fmt: skip
+def place(
+    module: nn.Module,
+    plan: PipelinePlan,
+    rank: int,
+    device: Optional[torch.device] = None,
+    groups: Optional[Any] = None,
+    gradient_clip_val: Optional[float] = None,
+    loss: str = "current",
+    bucket_bytes: Optional[int] = None,
+) -> "PipelineEngine":
     """Place ``plan`` on ``rank`` and return the engine that runs its steps (scripts, tests, benchmarks).
 
     Args:

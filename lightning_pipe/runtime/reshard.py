@@ -47,8 +47,9 @@ def _wire(t: Tensor) -> Tensor:
     return t.view(torch.uint8) if t.dtype == torch.bool else t
 
 
-def _transfers(described: dict[str, Description], blocks_of: Callable[[str], list[int]], old: PipelinePlan,
-               new: PipelinePlan) -> list[tuple[str, int, int]]:  # fmt: skip
+def _transfers(
+    described: dict[str, Description], blocks_of: Callable[[str], list[int]], old: PipelinePlan, new: PipelinePlan
+) -> list[tuple[str, int, int]]:
     """(key, source rank, destination rank) of every key a rank gains, in one order every rank agrees on."""
     old_stage, new_stage = stage_of_block(old), stage_of_block(new)
     out = []
@@ -62,8 +63,14 @@ def _transfers(described: dict[str, Description], blocks_of: Callable[[str], lis
     return out
 
 
-def exchange(state: Mapping[str, Any], blocks_of: Callable[[str], list[int]], old: PipelinePlan, new: PipelinePlan,
-             rank: int, device: Optional[torch.device] = None) -> dict[str, Any]:  # fmt: skip
+def exchange(
+    state: Mapping[str, Any],
+    blocks_of: Callable[[str], list[int]],
+    old: PipelinePlan,
+    new: PipelinePlan,
+    rank: int,
+    device: Optional[torch.device] = None,
+) -> dict[str, Any]:
     """The state this rank holds under ``new``: its own keys that stay, plus those sent to it.
 
     A collective over the default process group: every rank of the job calls it with its
@@ -89,7 +96,7 @@ def exchange(state: Mapping[str, Any], blocks_of: Callable[[str], list[int]], ol
     dist.all_gather_object(gathered, mine)
     described = {k: d for part in gathered for k, d in part.items()}
     new_stage = stage_of_block(new)
-    here = new.topology.stage_of(rank)
+    here = new.topology.position_of(rank)
     result = {k: v for k, v in state.items() if here in {new_stage[b] for b in blocks_of(k)}}
     ops, received = [], {}
     for key, src, dst in _transfers(described, blocks_of, old, new):

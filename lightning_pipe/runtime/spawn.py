@@ -47,7 +47,9 @@ def _worker(rank: int, world: int, port: int, out: str, timeout: float, fn: Call
         dist.destroy_process_group()
 
 
-def run_gloo(fn: Callable, world: int, *args: Any, timeout: float = 60.0, pg_timeout: float = 30.0) -> list[tuple[str, Any]]:
+def run_gloo(
+    fn: Callable, world: int, *args: Any, timeout: float = 60.0, pg_timeout: float = 30.0
+) -> list[tuple[str, Any]]:
     """Run ``fn(rank, world, *args)`` in ``world`` gloo processes; return each rank's (status, value).
 
     ``fn`` must be importable (a module-level function). Status is "ok", "error" (value: the
@@ -58,7 +60,10 @@ def run_gloo(fn: Callable, world: int, *args: Any, timeout: float = 60.0, pg_tim
     """
     with tempfile.TemporaryDirectory() as out:
         ctx = mp.start_processes(
-            _worker, args=(world, free_port(), out, pg_timeout, fn, args), nprocs=world, join=False,
+            _worker,
+            args=(world, free_port(), out, pg_timeout, fn, args),
+            nprocs=world,
+            join=False,
             start_method=_start_method(fn),
         )
         deadline = time.monotonic() + timeout

@@ -43,8 +43,9 @@ class Stage:
         index: the stage's position in the chain of stages.
     """
 
-    def __init__(self, blocks: Sequence[nn.Module], first_index: int, recompute: bool = False, ties: tuple = (),
-                 index: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self, blocks: Sequence[nn.Module], first_index: int, recompute: bool = False, ties: tuple = (), index: int = 0
+    ) -> None:
         self.blocks = list(blocks)
         self.first_index = first_index
         self.index = index
@@ -54,7 +55,8 @@ class Stage:
         self._params = list(unique.values())
         position = {id(p): i for i, p in enumerate(self._params)}
         self._names = [
-            [(name, position[id(p)]) for name, p in block.named_parameters() if id(p) in position] for block in self.blocks
+            [(name, position[id(p)]) for name, p in block.named_parameters() if id(p) in position]
+            for block in self.blocks
         ]
         self._input_hooks: OrderedDict[int, Callable[[Tensors], None]] = OrderedDict()  # weakly referenced by handles
         # Walked once: every forward renews running statistics (a walk of every module cost

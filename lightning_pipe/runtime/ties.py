@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from lightning_pipe.runtime.comm.groups import destroy_groups, pipeline_group
 from lightning_pipe.core.topology import Topology
+from lightning_pipe.runtime.comm.groups import destroy_groups, pipeline_group
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,9 @@ def find_ties(module: nn.Module, blocks: Sequence[nn.Module], ranges: Sequence[S
     names: dict[int, list[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
-    ties = [Tie(names[key][0], tuple(names[key][1:]), tuple(sorted(used))) for key, used in stages.items() if len(used) > 1]
+    ties = [
+        Tie(names[key][0], tuple(names[key][1:]), tuple(sorted(used))) for key, used in stages.items() if len(used) > 1
+    ]
     return sorted(ties, key=lambda t: t.name)
 
 
@@ -86,7 +88,7 @@ class TiedGradients:
     """
 
     def __init__(self, ties: Sequence[Tie], names: Sequence[str], topology: Topology, rank: int) -> None:
-        stage, replica = topology.stage_of(rank), topology.replica_of(rank)
+        stage, replica = topology.position_of(rank), topology.replica_of(rank)
         index = {name: i for i, name in enumerate(names)}
         self.any = bool(ties)
         self._groups: list[tuple[Any, list[int]]] = []
@@ -141,8 +143,9 @@ def _local_index(tie: Tie, index: dict[str, int]) -> int:
     raise KeyError(f"tied parameter {tie.name} is used on this stage but none of its names is")
 
 
-def untie_remote(blocks: Sequence[nn.Module], local: Sequence[int], remote: Sequence[int],
-                 ties: Sequence[Tie]) -> list[tuple[nn.Module, str, nn.Parameter]]:  # fmt: skip
+def untie_remote(
+    blocks: Sequence[nn.Module], local: Sequence[int], remote: Sequence[int], ties: Sequence[Tie]
+) -> list[tuple[nn.Module, str, nn.Parameter]]:
     """In the blocks of other stages, replace each parameter a local block also uses by a meta
     placeholder, so dropping those blocks' weights leaves the local copy alone.
 
@@ -157,7 +160,9 @@ def untie_remote(blocks: Sequence[nn.Module], local: Sequence[int], remote: Sequ
         for sub in blocks[i].modules():
             for attr, p in list(sub._parameters.items()):
                 if p is not None and id(p) in here:
-                    sub._parameters[attr] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                    sub._parameters[attr] = nn.Parameter(
+                        torch.empty_like(p, device="meta"), requires_grad=p.requires_grad
+                    )
                     replaced.append((sub, attr, p))
     return replaced
 

@@ -1,4 +1,4 @@
-"""The update path of a batch: replica all-reduce (bucketed, overlapped), global gradient norm, clipping, non-finite skip, optimizer step."""
+"""A batch's update: replica all-reduce (bucketed, overlapped), global norm, clipping, non-finite skip, step."""
 
 from __future__ import annotations
 
@@ -37,8 +37,16 @@ class UpdatePath:
             microbatch); default one each.
     """
 
-    def __init__(self, versions: WeightVersions, width: int, groups: Optional[PipelineGroups], device: torch.device,
-                 gradient_clip_val: Optional[float] = None, bucket_bytes: int = 0, uses: Sequence[int] = ()) -> None:  # fmt: skip
+    def __init__(
+        self,
+        versions: WeightVersions,
+        width: int,
+        groups: Optional[PipelineGroups],
+        device: torch.device,
+        gradient_clip_val: Optional[float] = None,
+        bucket_bytes: int = 0,
+        uses: Sequence[int] = (),
+    ) -> None:
         self.versions, self.width, self.groups, self.device = versions, width, groups, device
         self.gradient_clip_val, self.bucket_bytes = gradient_clip_val, bucket_bytes
         self.uses = list(uses)
@@ -60,7 +68,13 @@ class UpdatePath:
     def watch(self, params: list[Tensor]) -> None:
         """Average ``params``' gradients (one weight slot) in overlapped buckets from now on, when
         there are replicas and ``bucket_bytes``; a no-op for a slot already watched."""
-        if self.groups is None or self.width == 1 or not self.bucket_bytes or not params or id(params[0]) in self._buckets:
+        if (
+            self.groups is None
+            or self.width == 1
+            or not self.bucket_bytes
+            or not params
+            or id(params[0]) in self._buckets
+        ):
             return
         uses = {id(p): n for p, n in zip(params, self.uses)}
         buckets = GradientBuckets(params, self.groups.dp, self.width, self.bucket_bytes, uses)
@@ -104,7 +118,11 @@ class UpdatePath:
         if self.ties is not None:
             self.ties.post(params)  # summed by the optimizer step, which counts them in the norm once
             tied = self.ties.tied
-        norms = [torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32) for i, p in enumerate(params) if i not in tied]
+        norms = [
+            torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32)
+            for i, p in enumerate(params)
+            if i not in tied
+        ]
         local = torch.stack(norms).pow(2).sum() if norms else torch.zeros((), device=self.device)
         norm_group = self.groups.norm if self.groups is not None else None
         work = dist.all_reduce(local, group=norm_group, async_op=True) if norm_group is not None else None
@@ -154,7 +172,9 @@ class UpdatePath:
         (by the first stage holding it), summed over the pipeline."""
         assert self.ties is not None
         self.ties.wait()
-        counted = [torch.linalg.vector_norm(params[i].grad.detach(), dtype=torch.float32) for i in sorted(self.ties.counted)]
+        counted = [
+            torch.linalg.vector_norm(params[i].grad.detach(), dtype=torch.float32) for i in sorted(self.ties.counted)
+        ]
         squares = torch.stack(counted).pow(2).sum() if counted else torch.zeros((), device=self.device)
         dist.all_reduce(squares, group=self.ties.norm_group)
         return squares

@@ -13,7 +13,14 @@ from lightning_pipe.schedules.passes import (
     two_bw_stage_window,
     two_bw_window,
 )
-from lightning_pipe.schedules.registry import SCHEDULE_NAMES, SCHEDULES, ScheduleSpec, check_name, flushed_generator, get
+from lightning_pipe.schedules.registry import (
+    SCHEDULE_NAMES,
+    SCHEDULES,
+    ScheduleSpec,
+    check_name,
+    flushed_generator,
+    get,
+)
 from lightning_pipe.schedules.verify import verify
 
 __all__ = [

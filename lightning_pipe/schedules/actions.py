@@ -59,7 +59,6 @@ class Action:
             (:mod:`lightning_pipe.schedules.flat`).
     """
 
-
     stage: int
     kind: Kind
     microbatch: Optional[int] = None

@@ -14,8 +14,12 @@ from lightning_pipe.schedules.actions import KIND_NUMBERS, MICROBATCH_SPAN, Acti
 
 #: Each kind's integer code in :attr:`FlatProgram.kind`.
 CODES = KIND_NUMBERS
-SEND_ACT, SEND_GRAD, RECV_ACT, RECV_GRAD = (CODES[k] for k in (Kind.SEND_ACT, Kind.SEND_GRAD, Kind.RECV_ACT, Kind.RECV_GRAD))
-FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = (CODES[k] for k in (Kind.FORWARD, Kind.BACKWARD, Kind.INPUT_GRAD, Kind.WEIGHT_GRAD))
+SEND_ACT, SEND_GRAD, RECV_ACT, RECV_GRAD = (
+    CODES[k] for k in (Kind.SEND_ACT, Kind.SEND_GRAD, Kind.RECV_ACT, Kind.RECV_GRAD)
+)
+FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = (
+    CODES[k] for k in (Kind.FORWARD, Kind.BACKWARD, Kind.INPUT_GRAD, Kind.WEIGHT_GRAD)
+)
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,11 @@ def flatten(program: Sequence[Sequence[Action]]) -> FlatProgram:
     by_key = np.argsort(sent_keys, kind="stable")
     if np.any(np.diff(sent_keys[by_key]) == 0):
         raise ScheduleError("a message is sent twice")
-    found = by_key[np.searchsorted(sent_keys[by_key], received_keys).clip(max=max(len(sends) - 1, 0))] if len(sends) else receives
+    found = (
+        by_key[np.searchsorted(sent_keys[by_key], received_keys).clip(max=max(len(sends) - 1, 0))]
+        if len(sends)
+        else receives
+    )
     missing = np.flatnonzero(sent_keys[found] != received_keys) if len(sends) else np.arange(len(receives))
     if len(missing):
         i = receives[missing[0]]

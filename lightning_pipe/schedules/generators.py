@@ -55,4 +55,3 @@ def forward_only(stage: int, depth: int, microbatches: int) -> list[Action]:
     """Inference: forwards only, for validation, test and predict."""
     del depth
     return _forwards(stage, range(microbatches))
-

@@ -61,7 +61,10 @@ def interleaved_one_f_one_b(rank: int, depth: int, microbatches: int, virtual: i
     warmup = min(2 * (depth - 1 - rank) + (virtual - 1) * depth, total)
     out = [_action(rank, depth, virtual, k, Kind.FORWARD) for k in range(warmup)]
     for k in range(total - warmup):
-        out += [_action(rank, depth, virtual, warmup + k, Kind.FORWARD), _action(rank, depth, virtual, k, Kind.BACKWARD)]
+        out += [
+            _action(rank, depth, virtual, warmup + k, Kind.FORWARD),
+            _action(rank, depth, virtual, k, Kind.BACKWARD),
+        ]
     out += [_action(rank, depth, virtual, k, Kind.BACKWARD) for k in range(total - warmup, total)]
     return out
 
@@ -69,13 +72,3 @@ def interleaved_one_f_one_b(rank: int, depth: int, microbatches: int, virtual: i
 def forwards(rank: int, depth: int, microbatches: int, virtual: int) -> list[Action]:
     """Rank ``rank``'s forwards in the interleaved order, for inference."""
     return [_action(rank, depth, virtual, k, Kind.FORWARD) for k in range(microbatches * virtual)]
-
-
-def rank_of_stage(stage: int, depth: int) -> int:
-    """Pipeline rank (position in the pipeline) that runs ``stage``."""
-    return stage % depth
-
-
-def stages_of_rank(rank: int, depth: int, virtual: int) -> list[int]:
-    """The stages pipeline rank ``rank`` runs, in chain order."""
-    return [chunk * depth + rank for chunk in range(virtual)]

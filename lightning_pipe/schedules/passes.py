@@ -5,8 +5,8 @@ from __future__ import annotations
 from functools import partial
 from typing import Optional
 
-from lightning_pipe.schedules.actions import Action, Kind, action
 from lightning_pipe.schedules import interleaved, two_bw
+from lightning_pipe.schedules.actions import Action, Kind, action
 from lightning_pipe.schedules.generators import forward_only
 from lightning_pipe.schedules.registry import flushed_generator, get
 from lightning_pipe.schedules.w_placement import carry_split, split_backward
@@ -65,11 +65,15 @@ def add_optimizer(actions: list[Action], stage: int) -> list[Action]:
     return actions + [action(stage, Kind.ALL_REDUCE), action(stage, Kind.OPTIMIZER_STEP)]
 
 
-
 def build_schedule(
-    name: str, depth: int, microbatches: int, split: bool = False, max_pending: Optional[int] = None,
-    virtual: int = 1, placement: Optional[str] = None,
-) -> Schedule:  # fmt: skip
+    name: str,
+    depth: int,
+    microbatches: int,
+    split: bool = False,
+    max_pending: Optional[int] = None,
+    virtual: int = 1,
+    placement: Optional[str] = None,
+) -> Schedule:
     """Full training program of every rank: compute, communication and the optimizer flush.
 
     Args:
@@ -85,7 +89,9 @@ def build_schedule(
     """
     spec = get(name)
     spec.check(depth, microbatches, virtual)
-    generator = flushed_generator(name) if virtual == 1 else partial(interleaved.interleaved_one_f_one_b, virtual=virtual)
+    generator = (
+        flushed_generator(name) if virtual == 1 else partial(interleaved.interleaved_one_f_one_b, virtual=virtual)
+    )
     programs = []
     for r in range(depth):
         compute = generator(r, depth, microbatches)
@@ -99,24 +105,32 @@ def build_inference(depth: int, microbatches: int, virtual: int = 1) -> Schedule
     """Forward-only program of every rank (validation, test, predict); with ``virtual`` stages
     per rank, the forwards in interleaved 1F1B's order."""
     if virtual > 1:
-        return [add_communication(interleaved.forwards(r, depth, microbatches, virtual), depth * virtual) for r in range(depth)]
+        return [
+            add_communication(interleaved.forwards(r, depth, microbatches, virtual), depth * virtual)
+            for r in range(depth)
+        ]
     return [add_communication(forward_only(s, depth, microbatches), depth) for s in range(depth)]
 
 
-def _split_2bw(part: list[Action], before: list[Action], microbatches: int, steps_before: int, split: bool) -> list[Action]:
+def _split_2bw(
+    part: list[Action], before: list[Action], microbatches: int, steps_before: int, split: bool
+) -> list[Action]:
     """``part`` of a stage's 2BW stream, split by the ``"carry"`` placement (schedules/w_placement.py):
     the W carried from the part ``before`` it (the previous window, after ``steps_before``
     optimizer steps) runs in this one."""
     return carry_split([before, part], microbatches, steps_before)[1] if split else part
 
 
-def two_bw_stage_window(stage: int, depth: int, microbatches: int, step: int, split: bool = False,
-                        early: bool = True) -> list[Action]:  # fmt: skip
+def two_bw_stage_window(
+    stage: int, depth: int, microbatches: int, step: int, split: bool = False, early: bool = True
+) -> list[Action]:
     """Stage ``stage``'s full 2BW program for training step ``step`` (its list in
     :func:`two_bw_window`; a rank builds only its own each step); ``early``: stage 0 steps right
     after its all-reduce (see schedules/two_bw.py)."""
     before = two_bw.window(stage, depth, microbatches, step - 1, early) if split and step else []
-    part = _split_2bw(two_bw.window(stage, depth, microbatches, step, early), before, microbatches, max(step - 2, 0), split)
+    part = _split_2bw(
+        two_bw.window(stage, depth, microbatches, step, early), before, microbatches, max(step - 2, 0), split
+    )
     return add_communication(part, depth)
 
 
@@ -125,12 +139,15 @@ def two_bw_window(depth: int, microbatches: int, step: int, split: bool = False,
     return [two_bw_stage_window(s, depth, microbatches, step, split, early) for s in range(depth)]
 
 
-def two_bw_stage_drain(stage: int, depth: int, microbatches: int, last_step: int, split: bool = False,
-                       early: bool = True) -> list[Action]:  # fmt: skip
+def two_bw_stage_drain(
+    stage: int, depth: int, microbatches: int, last_step: int, split: bool = False, early: bool = True
+) -> list[Action]:
     """Stage ``stage``'s full 2BW program that finishes the stream after ``last_step`` (its list in
     :func:`two_bw_drain`)."""
     before = two_bw.window(stage, depth, microbatches, last_step, early) if split else []
-    part = _split_2bw(two_bw.drain(stage, depth, microbatches, last_step), before, microbatches, max(last_step - 1, 0), split)
+    part = _split_2bw(
+        two_bw.drain(stage, depth, microbatches, last_step), before, microbatches, max(last_step - 1, 0), split
+    )
     return add_communication(part, depth)
 
 

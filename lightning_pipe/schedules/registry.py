@@ -55,11 +55,12 @@ class ScheduleSpec:
     aliases: tuple[str, ...] = ()
 
     def check(self, depth: int, microbatches: int, virtual: int = 1) -> None:
-        """Raise a clear ``ValueError`` unless this schedule runs ``microbatches`` on ``depth`` ranks of ``virtual`` stages."""
+        """Raise a clear ``ValueError`` unless it runs ``microbatches`` on ``depth`` ranks of ``virtual`` stages."""
         if virtual > 1 and not self.interleaves:
             names = [s.name for s in SCHEDULES.values() if s.interleaves]
             raise ValueError(
-                f"virtual_stages={virtual} runs interleaved 1F1B: use schedule={names[0]!r} (got schedule={self.name!r})"
+                f"virtual_stages={virtual} runs interleaved 1F1B: use schedule={names[0]!r} "
+                f"(got schedule={self.name!r})"
             )
         interleaved.check(depth, microbatches, virtual)
         if self.microbatches_at_least_depth and microbatches < depth:

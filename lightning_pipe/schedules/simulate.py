@@ -134,8 +134,19 @@ def _peer(action: Action, ranks: int) -> int:
     return (action.stage + _PEER_OFFSET[action.kind]) % ranks
 
 
-def _advance(rank: int, actions: list[Action], ptr: int, clock: float, done: dict, cost, out: list,
-             exchange: Optional[Exchange], last_sent: dict, ranks: int, latency: float = 0.0) -> tuple[int, float]:  # fmt: skip
+def _advance(
+    rank: int,
+    actions: list[Action],
+    ptr: int,
+    clock: float,
+    done: dict,
+    cost,
+    out: list,
+    exchange: Optional[Exchange],
+    last_sent: dict,
+    ranks: int,
+    latency: float = 0.0,
+) -> tuple[int, float]:
     """Run rank's actions from ``ptr`` until one waits on a send not yet simulated
     (``last_sent``: when each rank's last send to each peer ended, for ``exchange``)."""
     while ptr < len(actions):
@@ -145,7 +156,11 @@ def _advance(rank: int, actions: list[Action], ptr: int, clock: float, done: dic
             break
         start = max(clock, done[dep] + latency) if dep is not None else clock
         seconds = cost(action)
-        if dep is not None and exchange is not None and exchange.applies(done[dep], last_sent.get((rank, _peer(action, ranks)))):
+        if (
+            dep is not None
+            and exchange is not None
+            and exchange.applies(done[dep], last_sent.get((rank, _peer(action, ranks))))
+        ):
             seconds += exchange.extra
         clock = start + seconds
         done[action] = clock
@@ -156,8 +171,13 @@ def _advance(rank: int, actions: list[Action], ptr: int, clock: float, done: dic
     return ptr, clock
 
 
-def simulate(schedule: list[list[Action]], costs: CostModel, stash: StashModel = StashModel(),
-             exchange: Optional[Exchange] = None, latency: float = 0.0) -> SimResult:  # fmt: skip
+def simulate(
+    schedule: list[list[Action]],
+    costs: CostModel,
+    stash: StashModel = StashModel(),
+    exchange: Optional[Exchange] = None,
+    latency: float = 0.0,
+) -> SimResult:
     """Simulate one pipeline; rank ``r`` runs ``schedule[r]`` in order, sends never block.
 
     Reports the makespan, busy time per rank, peak microbatches stashed per stage (held from
@@ -177,12 +197,16 @@ def simulate(schedule: list[list[Action]], costs: CostModel, stash: StashModel =
     while any(p < len(a) for p, a in zip(ptrs, schedule)):
         before = list(ptrs)
         for r, actions in enumerate(schedule):
-            ptrs[r], clocks[r] = _advance(r, actions, ptrs[r], clocks[r], done, cost, timeline, exchange, last_sent, len(schedule),
-                                          latency)  # fmt: skip
+            ptrs[r], clocks[r] = _advance(
+                r, actions, ptrs[r], clocks[r], done, cost, timeline, exchange, last_sent, len(schedule), latency
+            )
         if ptrs == before:
             stuck = {r: str(schedule[r][p]) for r, p in enumerate(ptrs) if p < len(schedule[r])}
             raise ScheduleError(f"deadlock: ranks wait at {stuck}\n{grid(schedule)}")
-    busy = [sum(i.end - i.start for i in timeline if i.rank == r and i.action.kind in COMPUTE_KINDS) for r in range(len(schedule))]
+    busy = [
+        sum(i.end - i.start for i in timeline if i.rank == r and i.action.kind in COMPUTE_KINDS)
+        for r in range(len(schedule))
+    ]
     peaks = [int(_peak(a, _microbatch_delta)) for a in schedule]
     peak_bytes = [_peak(a, stash.delta) for a in schedule]
     return SimResult(max(clocks, default=0.0), busy, peaks, timeline, peak_bytes)
@@ -238,12 +262,16 @@ class CompiledProgram:
                 end[k] = (ready if ready > sent else sent) + c
         else:  # as above, and a receive that is part of an exchange costs more
             mine_gap = (ran[mine_at] - ran[mine_flat]).tolist()
-            for k, ((p, g, q, h, c), o, x, at) in enumerate(zip(columns, mine_order.tolist(), mine_gap, mine_at.tolist())):
+            for k, ((p, g, q, h, c), o, x, at) in enumerate(
+                zip(columns, mine_order.tolist(), mine_gap, mine_at.tolist())
+            ):
                 ready, sent = end[p] + g, end[q] + h
                 extra = exchange.extra if exchange.applies(sent, end[o] + x if at >= 0 else None) else 0.0
                 end[k] = (ready if ready > sent else sent) + c + extra
         last_at, last_order, last_flat = self.finish
-        return max((end[q] + g for q, g in zip(last_order.tolist(), (ran[last_at] - ran[last_flat]).tolist())), default=0.0)
+        return max(
+            (end[q] + g for q, g in zip(last_order.tolist(), (ran[last_at] - ran[last_flat]).tolist())), default=0.0
+        )
 
     def busy(self, key_costs: list[float], kinds: frozenset[Kind] = COMPUTE_KINDS) -> float:
         """Seconds all ranks together spend in actions of ``kinds`` (compute, by default)."""
@@ -277,19 +305,40 @@ def compile_program(schedule: list[list[Action]], flat: Optional[FlatProgram] = 
     mine_flat = np.where(mine_at >= 0, last_receive[mine_at], -1)
     order, stuck = _receive_order(receive_number[send_flat].tolist(), np.searchsorted(receives, starts).tolist())
     if stuck:
-        raise ScheduleError(f"deadlock: ranks wait at { {r: str(flat.actions[receives[k]]) for r, k in stuck.items()} }\n{grid(schedule)}")
+        raise ScheduleError(
+            f"deadlock: ranks wait at { {r: str(flat.actions[receives[k]]) for r, k in stuck.items()} }\n"
+            f"{grid(schedule)}"
+        )
     placed = np.full(len(receives) + 1, -1)  # [-1]: none
     placed[order] = np.arange(len(order))
     order = np.asarray(order, dtype=np.int64)
     numbered = lambda at: placed[receive_number[at]]  # noqa: E731  # a flat receive index (or -1) as its place in the order
-    waits = (own_at[order], numbered(own_flat[order]), own_flat[order], send_at[order], numbered(send_flat[order]), send_flat[order],
-             mine_at[order], numbered(mine_flat[order]), mine_flat[order])  # fmt: skip
+    waits = (
+        own_at[order],
+        numbered(own_flat[order]),
+        own_flat[order],
+        send_at[order],
+        numbered(send_flat[order]),
+        send_flat[order],
+        mine_at[order],
+        numbered(mine_flat[order]),
+        mine_flat[order],
+    )
     last_at = starts[1:] - 1
     has = np.diff(starts) > 0
     last_flat = np.where(has, last_receive[np.where(has, last_at, 0)] if n else -1, -1)
     finish = (np.where(has, last_at, -1), numbered(last_flat), last_flat)
     counts = np.bincount(key_of, minlength=len(first)).tolist()
-    return CompiledProgram(len(schedule), tuple(flat.actions[i] for i in first.tolist()), key_of, starts, receives[order], waits, finish, tuple(counts))
+    return CompiledProgram(
+        len(schedule),
+        tuple(flat.actions[i] for i in first.tolist()),
+        key_of,
+        starts,
+        receives[order],
+        waits,
+        finish,
+        tuple(counts),
+    )
 
 
 def _last_receives(flat: FlatProgram) -> np.ndarray:

@@ -119,8 +119,12 @@ def draw(intervals: Iterable[Interval], title: str = "", labels: Optional[dict[i
     ax.set_xlabel(f"time ({unit})")
     ax.set_title(title)
     kinds = [k for k in COLOURS if any(i.action.kind == k for i in items)]
-    ax.legend(handles=[Patch(color=COLOURS[k], label=k.name.lower().replace("_", " ")) for k in kinds],
-              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")  # fmt: skip
+    ax.legend(
+        handles=[Patch(color=COLOURS[k], label=k.name.lower().replace("_", " ")) for k in kinds],
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize="small",
+    )
     fig.tight_layout()
     return fig
 

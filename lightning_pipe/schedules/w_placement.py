@@ -1,4 +1,4 @@
-"""Split backward (2BP: 2-Stage Backpropagation, Rae et al.) as a pure pass: each B becomes I (input gradient) and W (weight gradient).
+"""Split backward (2BP, Rae et al.) as a pure pass: each B becomes I (input gradient) and W (weight gradient).
 
 ``I`` produces the gradient the previous stage waits for; ``W`` is needed only by the
 all-reduce and the optimizer step, so it is delayed into time the stage would idle:
@@ -75,7 +75,6 @@ from typing import Optional, Sequence
 from lightning_pipe.schedules.actions import Action, Kind, action
 
 PLACEMENTS = ("end", "cooldown", "zb-h1", "bounded", "drain")
-
 
 
 def split_backward(actions: list[Action], placement: str, max_pending: Optional[int] = None) -> list[Action]:

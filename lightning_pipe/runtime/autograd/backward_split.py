@@ -143,13 +143,14 @@ _WARNED: set[str] = set()
 
 
 def _warn_custom_functions(front: list[_Front]) -> None:
-    """Warn, once per class, of a custom ``autograd.Function`` on the frontier: its backward runs in I and again in W."""
+    """Warn, once per class, of a custom ``autograd.Function`` on the frontier: its backward runs in I and in W."""
     for f in front:
         name = type(f.node).__name__
         if isinstance(f.node, torch.autograd.function.BackwardCFunction) and name not in _WARNED:
             _WARNED.add(name)
             warnings.warn(
-                f"split backward: the custom autograd.Function {name.removesuffix('Backward')} takes both an activation "
+                f"split backward: the custom autograd.Function {name.removesuffix('Backward')} takes both an "
+                "activation "
                 "and a weight, so its backward runs twice (in I for the input gradient, in W for the weight "
                 "gradient; ctx.needs_input_grad is fixed at forward time). Gradients stay correct; to run it once, "
                 "split it into an activation part and a weight part, or train without split_backward.",
@@ -162,7 +163,7 @@ def _outputs(node: Node) -> int:
 
 
 def _warn_shared(shared: list[_Front]) -> None:
-    """Warn, once per set of weight shapes, that weights shared by several operations of a stage get their gradients in I."""
+    """Warn, once per set of weight shapes, that weights shared by several operations of a stage get gradients in I."""
     shapes = sorted({tuple(w.shape) for f in shared for w in f.weights})
     if shapes and f"shared {shapes}" not in _WARNED:
         _WARNED.add(f"shared {shapes}")
@@ -174,8 +175,12 @@ def _warn_shared(shared: list[_Front]) -> None:
         )
 
 
-def input_grads(roots: Sequence[Tensor], grads: Sequence[Optional[Tensor]], inputs: Sequence[Tensor],
-                deferred: Optional[DeferredGrads] = None) -> tuple[list[Optional[Tensor]], WeightWork]:  # fmt: skip
+def input_grads(
+    roots: Sequence[Tensor],
+    grads: Sequence[Optional[Tensor]],
+    inputs: Sequence[Tensor],
+    deferred: Optional[DeferredGrads] = None,
+) -> tuple[list[Optional[Tensor]], WeightWork]:
     """I: gradients of ``roots`` w.r.t. ``inputs``, and what W needs to finish the weights.
 
     Weights whose subgraph several frontier nodes share get their gradients here, in the same
@@ -205,7 +210,11 @@ def input_grads(roots: Sequence[Tensor], grads: Sequence[Optional[Tensor]], inpu
     edges = [[GradientEdge(f.node, i) for i in range(_outputs(f.node))] for f in own]
     flat = [e for group in edges for e in group]
     wanted = [*inputs, *flat, *early]
-    result = list(torch.autograd.grad(list(roots), wanted, list(grads), retain_graph=True, allow_unused=True)) if wanted else []
+    result = (
+        list(torch.autograd.grad(list(roots), wanted, list(grads), retain_graph=True, allow_unused=True))
+        if wanted
+        else []
+    )
     captured, start, grouped = result[len(inputs) : len(inputs) + len(flat)], 0, []
     for group in edges:
         grouped.append(captured[start : start + len(group)])
@@ -215,8 +224,9 @@ def input_grads(roots: Sequence[Tensor], grads: Sequence[Optional[Tensor]], inpu
     return result[: len(inputs)], WeightWork(edges, grouped, [f.weights for f in own], done)
 
 
-def _eager_input_grads(roots: list[Tensor], grads: list[Optional[Tensor]], inputs: list[Tensor],
-                       deferred: DeferredGrads) -> tuple[list[Optional[Tensor]], WeightWork]:  # fmt: skip
+def _eager_input_grads(
+    roots: list[Tensor], grads: list[Optional[Tensor]], inputs: list[Tensor], deferred: DeferredGrads
+) -> tuple[list[Optional[Tensor]], WeightWork]:
     """I where the linear and convolution calls defer their weight gradients: one autograd call
     for the inputs and every other weight, the graph freed as it goes. With no input to differentiate (stage 0) the
     whole backward is left to W, which has nothing to wait for."""
@@ -226,7 +236,9 @@ def _eager_input_grads(roots: list[Tensor], grads: list[Optional[Tensor]], input
     result = torch.autograd.grad(roots, [*inputs, *weights], grads, allow_unused=True)
     # A gradient passed through to a weight may be one of these: the input gradients sent on, the
     # deferred calls' output gradients kept for W, the gradients received (see _unshared).
-    taken = _storages([*(g for g in result[: len(inputs)] if g is not None), *deferred.kept(), *(g for g in grads if g is not None)])
+    taken = _storages(
+        [*(g for g in result[: len(inputs)] if g is not None), *deferred.kept(), *(g for g in grads if g is not None)]
+    )
     added = []
     for w, g in zip(weights, result[len(inputs) :]):
         if g is not None:  # added now, not held until W (an embedding's dense gradient is large); W reports it
@@ -288,7 +300,9 @@ def weight_grads(work: WeightWork) -> list[Tensor]:
             if g is not None:
                 _accumulate(w, g, taken)
                 updated.append(w)
-    if work.roots and work.deferred is not None and work.deferred.weights:  # I left the whole backward to W (no input gradient)
+    if (
+        work.roots and work.deferred is not None and work.deferred.weights
+    ):  # I left the whole backward to W (no input gradient)
         work.deferred.immediate = True  # as a full backward: each call's weight gradients at once, its tensors freed
         results = torch.autograd.grad(work.roots, work.deferred.weights, work.root_grads, allow_unused=True)
         work.early += [(w, g) for w, g in zip(work.deferred.weights, results) if g is not None]

@@ -24,8 +24,14 @@ class DeferredBatchNorm(_BatchNorm):
         chunks: microbatches per batch.
     """
 
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1, affine: bool = True,
-                 chunks: int = 1) -> None:  # fmt: skip
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: Optional[float] = 0.1,
+        affine: bool = True,
+        chunks: int = 1,
+    ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats=True)
         self.chunks = chunks
         # The batch in progress: not in checkpoints (a step never ends mid-batch), so a
@@ -43,7 +49,9 @@ class DeferredBatchNorm(_BatchNorm):
         """Normalise with this microbatch's statistics; after the batch's last, update the running ones."""
         self._check_input_dim(input)
         if not self.training:
-            return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+            return F.batch_norm(
+                input, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps
+            )
         self._track(input.detach())
         return F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
 

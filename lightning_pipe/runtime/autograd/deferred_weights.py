@@ -1,4 +1,4 @@
-"""Linear and convolution layers whose weight gradient waits for W: I computes the input gradient and keeps (input, output gradient).
+"""Linear and convolution layers whose weight gradient waits for W: I keeps (input, output gradient) for it.
 
 Zero Bubble's ``WeightGradStore`` (Zero Bubble Pipeline Parallelism, Qi et al., 2023), for any ``F.linear``
 or ``F.conv1d/2d/3d`` a stage calls on a trainable leaf weight while split backward records
@@ -35,8 +35,19 @@ class _Conv:
     def backward(self, grad: Tensor, x: Tensor, weight: Tensor, mask: list[bool]) -> tuple:
         """The parts of a convolution's backward that ``mask`` asks for: (input, weight, bias) gradients."""
         zeros = [0] * len(self.stride)
-        return torch.ops.aten.convolution_backward(grad, x, weight, [weight.shape[0]] if mask[2] else None, self.stride,
-                                                   self.padding, self.dilation, False, zeros, self.groups, mask)  # fmt: skip
+        return torch.ops.aten.convolution_backward(
+            grad,
+            x,
+            weight,
+            [weight.shape[0]] if mask[2] else None,
+            self.stride,
+            self.padding,
+            self.dilation,
+            False,
+            zeros,
+            self.groups,
+            mask,
+        )
 
 
 @dataclass
@@ -150,7 +161,9 @@ class _DeferredConv(torch.autograd.Function):
     """``F.conv1d/2d/3d`` whose backward computes the input gradient and leaves the weight's and bias's to W."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], conv: _Conv, store: DeferredGrads) -> Tensor:  # noqa: D102
+    def forward(
+        ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], conv: _Conv, store: DeferredGrads
+    ) -> Tensor:  # noqa: D102
         ctx.save_for_backward(x, weight)  # as _DeferredLinear
         ctx.weight, ctx.bias, ctx.conv, ctx.store = weight, bias, conv, store
         store.forwarded += 1
@@ -218,8 +231,18 @@ class DeferWeightGrads(TorchFunctionMode):
             call = dict(zip(_CONV_ARGS, args), **kwargs)
             x, weight, bias = call["input"], call["weight"], call.get("bias")
             # Batched input only: convolution_backward takes no other (unbatched, autograd keeps the call).
-            if _CONVS.get(weight.dim() - 2) is func and x.dim() == weight.dim() and _deferrable(x, weight, bias, self.store):
-                conv = _conv_geometry(weight, call.get("stride", 1), call.get("padding", 0), call.get("dilation", 1), call.get("groups", 1))
+            if (
+                _CONVS.get(weight.dim() - 2) is func
+                and x.dim() == weight.dim()
+                and _deferrable(x, weight, bias, self.store)
+            ):
+                conv = _conv_geometry(
+                    weight,
+                    call.get("stride", 1),
+                    call.get("padding", 0),
+                    call.get("dilation", 1),
+                    call.get("groups", 1),
+                )
                 if conv is not None:
                     return _DeferredConv.apply(x, weight, bias, conv, self.store)
         return func(*args, **kwargs)

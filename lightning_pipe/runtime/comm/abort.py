@@ -1,4 +1,4 @@
-"""Failure in a pipeline: a failing rank tells each neighbour, so that every rank raises the same error instead of waiting."""
+"""Failure in a pipeline: a failing rank tells each neighbour, so that every rank raises its error, none waits."""
 
 from __future__ import annotations
 
@@ -25,9 +25,16 @@ def failure_message(err: BaseException, stages: list[int]) -> str:
     return f"stage {where} (rank {rank}) failed: {type(err).__name__}: {err}"
 
 
-def notify_neighbours(message: str, peers: Iterable[int], next_kind: Callable[[int], Kind], links: p2p.Links,
-                      device: torch.device, channel: p2p.Channel, incoming: Callable[[int], p2p.Incoming],
-                      timeout: float) -> None:  # fmt: skip
+def notify_neighbours(
+    message: str,
+    peers: Iterable[int],
+    next_kind: Callable[[int], Kind],
+    links: p2p.Links,
+    device: torch.device,
+    channel: p2p.Channel,
+    incoming: Callable[[int], p2p.Incoming],
+    timeout: float,
+) -> None:
     """Send ``message`` to every peer as an abort notice and wait (at most ``timeout`` seconds) until each has it.
 
     Args:

@@ -1,4 +1,4 @@
-"""The process groups of one layout, built in one place: the ("dp", "pp") mesh, the gradient-norm groups and the headers' CPU side channel."""
+"""The process groups of one layout, built in one place: the ("dp", "pp") mesh, norm groups, the CPU side channel."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_pipe.runtime.comm.p2p import DIRECT, Channel
 from lightning_pipe.core.topology import Topology
+from lightning_pipe.runtime.comm.p2p import DIRECT, Channel
 
 
 @dataclass(frozen=True)
@@ -39,8 +39,9 @@ class PipelineGroups:
     links: Optional[dict[tuple[int, int], Any]] = None
 
     @classmethod
-    def build(cls, topology: Topology, rank: int, device_type: str = "cpu",
-              side_channel: Optional[bool] = None) -> "PipelineGroups":  # fmt: skip
+    def build(
+        cls, topology: Topology, rank: int, device_type: str = "cpu", side_channel: Optional[bool] = None
+    ) -> "PipelineGroups":
         """Create the groups of ``topology`` (a collective: every rank of the job calls it).
 
         ``side_channel``: send headers over a gloo group of their own; by default when the

@@ -1,4 +1,4 @@
-"""The messages of one rank's program: sends kept until delivered, and the receive policy (what each neighbour sends next and when its receive is posted)."""
+"""The messages of one rank's program: sends kept until delivered, and when each receive is posted."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from lightning_pipe.schedules.actions import Action, Kind
 from lightning_pipe.schedules.passes import DELIVERS
 
 Route = Callable[[Action], Optional[int]]
+
 
 class Outbox:
     """Messages posted to one peer, kept (so their tensors stay alive) until known delivered.
@@ -48,7 +49,6 @@ class Outbox:
         for _, transfer in self.messages:
             transfer.wait()
         self.messages.clear()
-
 
 
 class Mailbox:
@@ -88,8 +88,13 @@ class Mailbox:
         self._reads_from: dict[int, list[int]] = {}  # per peer: the program's receives from it, by action index
         self._polls = False  # whether a posted header receive can report its arrival unwaited
 
-    def start(self, actions: list[Action], source: Route, destination: Route,
-              arrivals: Optional[Mapping[int, list[Action]]] = None) -> None:  # fmt: skip
+    def start(
+        self,
+        actions: list[Action],
+        source: Route,
+        destination: Route,
+        arrivals: Optional[Mapping[int, list[Action]]] = None,
+    ) -> None:
         """Learn which messages ``actions`` read from each neighbour, in the order it sends them
         (``arrivals``; default: the order the program reads them), and post the first receives."""
         self._sends_to, self._reads_from = {}, {}

@@ -1,4 +1,8 @@
-"""Point-to-point transfer of tensor tuples between stages: one message per tuple once its shapes are known (header and tensors packed), shape headers (on a CPU side channel when tensors go over NCCL) and abort notices."""
+"""Point-to-point transfer of tensor tuples between stages: one message per tuple, shape headers, abort notices.
+
+Once a link's shapes are known, header and tensors travel packed in one message; the shape headers
+go on a CPU side channel when tensors go over NCCL.
+"""
 
 from __future__ import annotations
 
@@ -15,12 +19,24 @@ from torch import Tensor
 HEADER_LEN = 64
 HEADER_BYTES = HEADER_LEN * 8
 _ACK = 2  # the header field that carries the ack
-_OK, _ABORT, _PACKED = 1, 2, 3  # _OK: the tensors follow, each its own message; _PACKED: they follow the header in its message
+_OK, _ABORT, _PACKED = (
+    1,
+    2,
+    3,
+)  # _OK: the tensors follow, each its own message; _PACKED: they follow the header in its message
 _ALIGN = 8  # packed tensors start at multiples of the largest element size
 _DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-]  # fmt: skip
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+]
 _DTYPE_INDEX = {dt: i for i, dt in enumerate(_DTYPES)}
 
 
@@ -93,7 +109,9 @@ def header_fields(tensors: Sequence[Tensor], ack: int = 0, status: int = _OK) ->
             raise TypeError(f"cannot send a tensor of dtype {t.dtype} between pipeline stages")
     fields = [status, len(tensors), ack, *_spec_fields(specs_of(tensors))]
     if len(fields) > HEADER_LEN:
-        raise ValueError(f"a stage output with {len(tensors)} tensors and these shapes does not fit the {HEADER_LEN}-field header")
+        raise ValueError(
+            f"a stage output with {len(tensors)} tensors and these shapes does not fit the {HEADER_LEN}-field header"
+        )
     return fields + [0] * (HEADER_LEN - len(fields))
 
 
@@ -106,7 +124,7 @@ def _spec_fields(specs: Specs) -> list[int]:
 
 
 def decode_header(fields: list[int]) -> Specs:
-    """Inverse of :func:`header_fields` for a header (its fields) that is not an abort notice: (dtype, shape) of each tensor."""
+    """Inverse of :func:`header_fields` for a header that is not an abort notice: (dtype, shape) of each tensor."""
     specs, pos = [], 3
     for _ in range(fields[1]):
         dtype, ndim = _DTYPES[fields[pos]], fields[pos + 1]
@@ -189,7 +207,9 @@ class Packing:
 
     def views(self, message: Tensor) -> list[Tensor]:
         """Views of a packed message's tensors (they share its storage, header included)."""
-        return [message[start:end].view(dtype).view(shape) for (dtype, shape), (start, end) in zip(self.specs, self.spans)]
+        return [
+            message[start:end].view(dtype).view(shape) for (dtype, shape), (start, end) in zip(self.specs, self.spans)
+        ]
 
     def describes(self, header: list[int]) -> bool:
         """Whether ``header`` (its fields) describes this packing's tensors, whatever its status and ack."""
@@ -249,8 +269,14 @@ class Transfer:
         return all(work.is_completed() for work in self.works)
 
 
-def send_tensors(tensors: Sequence[Tensor], dst: int, device: torch.device, ack: int = 0,
-                 posted: Optional[Specs] = None, channel: Channel = DIRECT) -> Transfer:  # fmt: skip
+def send_tensors(
+    tensors: Sequence[Tensor],
+    dst: int,
+    device: torch.device,
+    ack: int = 0,
+    posted: Optional[Specs] = None,
+    channel: Channel = DIRECT,
+) -> Transfer:
     """Post the non-blocking sends of one tensor tuple, with its header (carrying ``ack``), to global rank ``dst``.
 
     ``posted`` are the specs the receiver posted for before the header came (those of the
@@ -271,8 +297,9 @@ def send_tensors(tensors: Sequence[Tensor], dst: int, device: torch.device, ack:
     return Transfer(works, first + tensors, specs)
 
 
-def _header_first(fields: list[int], specs: Optional[Specs], posted: Optional[Specs], device: torch.device,
-                  channel: Channel) -> list[Tensor]:  # fmt: skip
+def _header_first(
+    fields: list[int], specs: Optional[Specs], posted: Optional[Specs], device: torch.device, channel: Channel
+) -> list[Tensor]:
     """What goes before a message's tensors (``specs``; ``None``: an abort notice's text) when
     they go one message each: where the receiver posted for a packed message, the header padded
     to that message's size; else the header, then placeholders for payload receives posted for
@@ -297,7 +324,9 @@ class Incoming:
     payload receives are posted as soon as the header is in (:meth:`advance`) or when needed
     (:meth:`wait`)."""
 
-    def __init__(self, src: int, device: torch.device, expected: Optional[Specs] = None, channel: Channel = DIRECT) -> None:
+    def __init__(
+        self, src: int, device: torch.device, expected: Optional[Specs] = None, channel: Channel = DIRECT
+    ) -> None:
         self.src, self.device, self.expected, self.channel = src, device, expected, channel
         self.packing = packing(expected) if channel.packs and expected is not None else None
         if self.packing is not None:
@@ -324,8 +353,10 @@ class Incoming:
         if status == _PACKED:
             assert self.packing is not None  # a header alone is never packed
             if not self.packing.describes(header):  # the sender packs only what this receive was posted for
-                raise RuntimeError(f"rank {self.src} packed {decode_header(header)} into a message posted for "
-                                   f"{self.expected}: the links disagree")  # fmt: skip
+                raise RuntimeError(
+                    f"rank {self.src} packed {decode_header(header)} into a message posted for "
+                    f"{self.expected}: the links disagree"
+                )
             self.ack, self.specs = header[2], self.packing.specs
             self.buffers = self.packing.views(self.message)
             return
@@ -359,8 +390,9 @@ class Incoming:
         return tuple(self.buffers)
 
 
-def send_abort(message: str, dst: int, device: torch.device, posted: Optional[Specs] = None,
-               channel: Channel = DIRECT) -> list[dist.Work]:  # fmt: skip
+def send_abort(
+    message: str, dst: int, device: torch.device, posted: Optional[Specs] = None, channel: Channel = DIRECT
+) -> list[dist.Work]:
     """Tell rank ``dst`` that this pipeline failed, in place of the next tensor tuple it awaits
     (``posted``, ``channel``: as for :func:`send_tensors`)."""
     data = torch.tensor(list(message.encode("utf-8")), dtype=torch.uint8, device=device)
