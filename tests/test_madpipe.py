@@ -30,8 +30,8 @@ def _stage_memory(profile: Profile, a: int, z: int, s: int, depth: int, m: int, 
     stage (tested against measured steps in test_planner.py), so that the brute force below and
     the dynamic program search the same function, and only the search is compared."""
     plan = PipelinePlan(depth=depth, microbatches=m, schedule=schedule)
-    costs = costs.range_costs(profile, range(a, z), 1)
-    return stage_peak_bytes(costs, programs.held(plan)[s], 1, False, s == 0, s == depth - 1, costs.batch_bytes(profile, plan, 1))
+    stage = costs.range_costs(profile, range(a, z), 1)
+    return stage_peak_bytes(stage, programs.held(plan)[s], 1, False, s == 0, s == depth - 1, costs.batch_bytes(profile, plan, 1))
 
 
 def _brute_force(profile: Profile, schedule: str, depth: int, m: int, limit: float) -> tuple[float, tuple[int, ...]] | None:
