@@ -12,21 +12,21 @@ only the wait for the buckets not finished yet).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]  # lightning_pipe, benchmarks, gpt
 
-from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place
 from benchmarks.sleep_chain import SleepChain
-from lightning_pipe.schedules import Kind
+from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place
 from lightning_pipe.runtime.spawn import run_gloo
+from lightning_pipe.schedules import Kind
 
 WIDTH, DEPTH = 2, 2
 
@@ -42,7 +42,9 @@ def _worker(rank: int, world: int, blocks: int, dim: int, costs: tuple, m: int, 
     engines, opts = {}, {}
     for name, bucket_bytes in variants.items():
         torch.manual_seed(0)
-        engines[name] = place(SleepChain(DEPTH, blocks, costs, dim), plan, rank, groups=groups, bucket_bytes=bucket_bytes)
+        engines[name] = place(
+            SleepChain(DEPTH, blocks, costs, dim), plan, rank, groups=groups, bucket_bytes=bucket_bytes
+        )
         engines[name].instrument = True
         opts[name] = torch.optim.SGD(engines[name].stage.parameters(), lr=1e-3)
     batch = torch.ones(m, dim)
@@ -57,7 +59,9 @@ def _worker(rank: int, world: int, blocks: int, dim: int, costs: tuple, m: int, 
                 elapsed = time.perf_counter() - start
                 if step:  # the first step of a round warms up
                     steps_s[name].append(elapsed)
-                    seconds[name] += [i.end - i.start for i in engines[name].trace.intervals if i.action.kind is Kind.ALL_REDUCE]
+                    seconds[name] += [
+                        i.end - i.start for i in engines[name].trace.intervals if i.action.kind is Kind.ALL_REDUCE
+                    ]
         if rank == 0:
             print(f"round {r + 1}/{rounds} done", flush=True)
     return {"stage": topo.position_of(rank), "ar": seconds, "step": steps_s}
@@ -73,22 +77,38 @@ def main() -> None:
     parser.add_argument("--cost-ms", type=float, default=5.0, help="sleep of F, I and W per block")
     args = parser.parse_args()
     costs = (args.cost_ms / 1e3,) * 3
-    results = run_gloo(_worker, WIDTH * DEPTH, args.blocks, args.dim, costs, args.microbatches, args.steps, args.rounds,
-                       timeout=1800, pg_timeout=300)  # fmt: skip
+    results = run_gloo(
+        _worker,
+        WIDTH * DEPTH,
+        args.blocks,
+        args.dim,
+        costs,
+        args.microbatches,
+        args.steps,
+        args.rounds,
+        timeout=1800,
+        pg_timeout=300,
+    )
     bad = [value for status, value in results if status != "ok"]
     if bad:
         raise SystemExit(f"a worker failed:\n{bad[0]}")
     grads_mib = args.blocks * args.dim * 4 / 2**20
-    print(f"\nw={WIDTH} x d={DEPTH}, 1F1B m={args.microbatches}, {args.blocks} blocks a stage, {grads_mib:.0f} MiB of "
-          f"gradients a stage, F = I = W = {args.cost_ms:g} ms a block; {args.rounds} rounds x {args.steps} steps\n")  # fmt: skip
-    print("| stage | blocking AR (ms, median) | bucketed AR (ms, median) | hidden | step blocking (s) | step bucketed (s) |")
+    print(
+        f"\nw={WIDTH} x d={DEPTH}, 1F1B m={args.microbatches}, {args.blocks} blocks a stage, {grads_mib:.0f} MiB of "
+        f"gradients a stage, F = I = W = {args.cost_ms:g} ms a block; {args.rounds} rounds x {args.steps} steps\n"
+    )
+    print(
+        "| stage | blocking AR (ms, median) | bucketed AR (ms, median) | hidden | step blocking (s) | step bucketed (s) |"
+    )
     print("|---|---|---|---|---|---|")
     for stage in range(DEPTH):
         mine = [value for _, value in results if value["stage"] == stage]
         ar = {k: statistics.median(x for v in mine for x in v["ar"][k]) for k in ("blocking", "buckets")}
         step = {k: statistics.median(x for v in mine for x in v["step"][k]) for k in ("blocking", "buckets")}
-        print(f"| {stage} | {ar['blocking'] * 1e3:.2f} | {ar['buckets'] * 1e3:.2f} | {1 - ar['buckets'] / ar['blocking']:.1%} "
-              f"| {step['blocking']:.4f} | {step['buckets']:.4f} |")  # fmt: skip
+        print(
+            f"| {stage} | {ar['blocking'] * 1e3:.2f} | {ar['buckets'] * 1e3:.2f} | {1 - ar['buckets'] / ar['blocking']:.1%} "
+            f"| {step['blocking']:.4f} | {step['buckets']:.4f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -25,11 +25,11 @@ from typing import Any, Optional
 import lightning as L
 import torch
 
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]  # lightning_pipe, benchmarks, gpt
 
 from gpt import GPT, StdlibText  # noqa: E402
+
 from lightning_pipe import AutoPlanner, PipelinePlan, PipelineStrategy  # noqa: E402
 
 GLOBAL, WARMUP, MEASURED = 32, 3, 15
@@ -69,10 +69,19 @@ def _fit(plan: PipelinePlan, steps: int, auto: Optional[AutoPlanner] = None) -> 
     clock = StepClock()
     callbacks = [clock] + ([auto] if auto is not None else [])
     trainer = L.Trainer(
-        accelerator="cpu", devices=4, max_steps=steps, max_epochs=-1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-        callbacks=callbacks, strategy=PipelineStrategy(plan=plan, global_batch_size=GLOBAL, timeout=timedelta(seconds=120)),
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=4,
+        max_steps=steps,
+        max_epochs=-1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+        strategy=PipelineStrategy(plan=plan, global_batch_size=GLOBAL, timeout=timedelta(seconds=120)),
+    )
     trainer.fit(GPT(n_layer=4, n_embd=128, n_head=4, block_size=64), StdlibText(block_size=64, batch_size=8))
     return clock, trainer
 
@@ -98,14 +107,20 @@ def worker() -> None:
     best_name = min(measured, key=measured.get)
     chosen = decision["chosen"].plan.describe()
     say(f"\nAutoPlanner from {POOR.describe()}: chose {chosen} ({decision['reason']})")
-    say(f"  predicted step {decision['chosen'].step_time:.4f} s, measured after the switch {after:.4f} s "
-        f"(poor plan before it: {before:.4f} s)")
-    say(f"  best measured in the sweep: {best_name} at {measured[best_name]:.4f} s; throughput after the switch / best: "
-        f"{measured[best_name] / after:.3f}")
+    say(
+        f"  predicted step {decision['chosen'].step_time:.4f} s, measured after the switch {after:.4f} s "
+        f"(poor plan before it: {before:.4f} s)"
+    )
+    say(
+        f"  best measured in the sweep: {best_name} at {measured[best_name]:.4f} s; throughput after the switch / best: "
+        f"{measured[best_name] / after:.3f}"
+    )
     if chosen in measured:
         say(f"  the chosen plan in the sweep: {measured[chosen]:.4f} s")
-    say(f"  switch (drain, state move, rebuild): {decision['switch_seconds']:.3f} s = "
-        f"{decision['switch_seconds'] / after:.2f} steps of the new plan, {decision['switch_seconds'] / before:.2f} of the poor one")
+    say(
+        f"  switch (drain, state move, rebuild): {decision['switch_seconds']:.3f} s = "
+        f"{decision['switch_seconds'] / after:.2f} steps of the new plan, {decision['switch_seconds'] / before:.2f} of the poor one"
+    )
     dist.destroy_process_group()
 
 

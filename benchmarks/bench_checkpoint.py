@@ -27,7 +27,6 @@ import torch.distributed as dist
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import nn
 
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]  # lightning_pipe, benchmarks, gpt
 
@@ -98,8 +97,16 @@ def measure(fn: Callable[[], Any]) -> tuple[float, float]:
 
 def _trained(strategy: PipelineStrategy) -> L.Trainer:
     torch.manual_seed(0)
-    trainer = L.Trainer(accelerator="cpu", devices=DEPTH, strategy=strategy, max_steps=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=DEPTH,
+        strategy=strategy,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(LinearChain(), torch.utils.data.DataLoader(torch.randn(8, WIDTH), batch_size=8))
     return trainer
 
@@ -114,11 +121,19 @@ def run(folder: Path) -> dict[str, Any]:
     """Every save and load path on this rank: {row: (MiB, seconds)}, plus the stage's state size."""
     rows: dict[str, Any] = {}
     paths = {
-        "save: all_gather_object on every rank (before)": (GatherEverywhere(pipeline_depth=DEPTH, partition="uniform"), "before.ckpt"),
-        "save: sharded DCP directory (default)": (PipelineStrategy(pipeline_depth=DEPTH, partition="uniform"), "sharded.ckpt"),
-        "save: one file, gathered on rank 0": (PipelineStrategy(pipeline_depth=DEPTH, partition="uniform",
-                                                                 save_distributed_checkpoint=False), "file.ckpt"),
-    }  # fmt: skip
+        "save: all_gather_object on every rank (before)": (
+            GatherEverywhere(pipeline_depth=DEPTH, partition="uniform"),
+            "before.ckpt",
+        ),
+        "save: sharded DCP directory (default)": (
+            PipelineStrategy(pipeline_depth=DEPTH, partition="uniform"),
+            "sharded.ckpt",
+        ),
+        "save: one file, gathered on rank 0": (
+            PipelineStrategy(pipeline_depth=DEPTH, partition="uniform", save_distributed_checkpoint=False),
+            "file.ckpt",
+        ),
+    }
     for label, (strategy, name) in paths.items():
         trainer = _trained(strategy)
         path = folder / name
@@ -136,7 +151,11 @@ def run(folder: Path) -> dict[str, Any]:
 def table(results: list[dict[str, Any]]) -> str:
     """Markdown: one row per path, peak increase per rank, the largest as a multiple of one stage, seconds."""
     stage = results[0]["stage"]
-    header = "| path | " + " | ".join(f"rank {r} peak (MiB)" for r in range(len(results))) + " | largest / one stage | seconds |"
+    header = (
+        "| path | "
+        + " | ".join(f"rank {r} peak (MiB)" for r in range(len(results)))
+        + " | largest / one stage | seconds |"
+    )
     lines = [header, "|" + "---|" * (len(results) + 3)]
     for label in [k for k in results[0] if k != "stage"]:
         peaks = [r[label][0] for r in results]
@@ -148,13 +167,23 @@ def table(results: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     if "LOCAL_RANK" not in os.environ:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={DEPTH}", "--master_port=29561", __file__]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={DEPTH}",
+            "--master_port=29561",
+            __file__,
+        ]
         raise SystemExit(subprocess.call(cmd))
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     if rank == 0:
-        print(f"{datetime.date.today()} on {platform.node()}, {os.cpu_count()} CPUs, torch {torch.__version__}", flush=True)
+        print(
+            f"{datetime.date.today()} on {platform.node()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
+            flush=True,
+        )
     with tempfile.TemporaryDirectory() as tmp:
         shared = [tmp]  # every rank writes under rank 0's folder
         dist.broadcast_object_list(shared, src=0)
@@ -163,7 +192,9 @@ def main() -> None:
     dist.all_gather_object(results, rows)
     if rank == 0:
         stage = results[0]["stage"]
-        print(f"\nOne stage's state (weights + Adam): {stage / MiB:.1f} MiB; the whole model's: {DEPTH * stage / MiB:.1f} MiB\n")
+        print(
+            f"\nOne stage's state (weights + Adam): {stage / MiB:.1f} MiB; the whole model's: {DEPTH * stage / MiB:.1f} MiB\n"
+        )
         print(table(results), flush=True)
     dist.destroy_process_group()
 

@@ -48,38 +48,53 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from tqdm import tqdm
 
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]  # lightning_pipe, benchmarks, gpt
 
 from gpt import GPT  # noqa: E402
-from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place  # noqa: E402
-from lightning_pipe.planning import costs  # noqa: E402
-from lightning_pipe.schedules.simulate import simulate  # noqa: E402
+
 from benchmarks.sleep_chain import SleepChain  # noqa: E402
+from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place  # noqa: E402
+from lightning_pipe.core.partition import block_cost, partition_sizes, stage_ranges  # noqa: E402
 from lightning_pipe.lightning.monitor import held_tensors  # noqa: E402
+from lightning_pipe.planning import costs  # noqa: E402
 from lightning_pipe.planning.profile import Profile  # noqa: E402
 from lightning_pipe.planning.profiler import profile_blocks  # noqa: E402
-from lightning_pipe.core.partition import block_cost, partition_sizes, stage_ranges  # noqa: E402
 from lightning_pipe.runtime.microbatch import split_batch  # noqa: E402
-from lightning_pipe.schedules import Kind, build_schedule, two_bw_window  # noqa: E402
 from lightning_pipe.runtime.spawn import run_gloo  # noqa: E402
+from lightning_pipe.schedules import Kind, build_schedule, two_bw_window  # noqa: E402
+from lightning_pipe.schedules.simulate import simulate  # noqa: E402
 
 #: Our contenders: (schedule, split backward, stages per rank, W placement or None for the schedule's own).
 OURS = [(s, split, 1, None) for s in ("gpipe", "1f1b", "2bw") for split in (False, True)] + [
-    ("1f1b", True, 1, "drain"), ("1f1b", False, 2, None), ("1f1b", True, 2, None)]  # fmt: skip
-TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zb": "ScheduleInterleavedZeroBubble",
-         "interleaved": "ScheduleInterleaved1F1B", "interleaved zb": "ScheduleInterleavedZeroBubble"}  # fmt: skip
+    ("1f1b", True, 1, "drain"),
+    ("1f1b", False, 2, None),
+    ("1f1b", True, 2, None),
+]
+TORCH = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "zb": "ScheduleInterleavedZeroBubble",
+    "interleaved": "ScheduleInterleaved1F1B",
+    "interleaved zb": "ScheduleInterleavedZeroBubble",
+}
 VIRTUAL = {"interleaved": 2, "interleaved zb": 2}  # stages per rank; the others run one
 # The torch.distributed.pipelining schedule each of ours is compared with: the same schedule,
 # zero bubble (1F1B with split backward, ZB-H1) for split 1F1B, 1F1B for 2BW, whose steady
 # state is 1F1B without the flush, and torch's zero bubble on two stages per rank for our
 # interleaved 1F1B with split backward. 1F1B split only in its drain holds 1F1B's peak memory:
 # it is compared with torch's 1F1B.
-SAME = {("gpipe", False, 1, None): "gpipe", ("gpipe", True, 1, None): "gpipe", ("1f1b", False, 1, None): "1f1b",
-        ("1f1b", True, 1, None): "zb", ("1f1b", True, 1, "drain"): "1f1b", ("2bw", False, 1, None): "1f1b",
-        ("2bw", True, 1, None): "zb", ("1f1b", False, 2, None): "interleaved",
-        ("1f1b", True, 2, None): "interleaved zb"}  # fmt: skip
+SAME = {
+    ("gpipe", False, 1, None): "gpipe",
+    ("gpipe", True, 1, None): "gpipe",
+    ("1f1b", False, 1, None): "1f1b",
+    ("1f1b", True, 1, None): "zb",
+    ("1f1b", True, 1, "drain"): "1f1b",
+    ("2bw", False, 1, None): "1f1b",
+    ("2bw", True, 1, None): "zb",
+    ("1f1b", False, 2, None): "interleaved",
+    ("1f1b", True, 2, None): "interleaved zb",
+}
 
 
 @dataclass(frozen=True)
@@ -115,8 +130,15 @@ class Workload:
         method = "uniform" if self.name == "costmodel" else "balanced"
         return partition_sizes(method, [block_cost(b) for b in blocks], self.depth * virtual)
 
-    def predicted_step(self, schedule: str, split: bool, virtual: int = 1, placement: Optional[str] = None, steps: int = 2,
-                       profile: Optional[Profile] = None) -> Optional[float]:  # fmt: skip
+    def predicted_step(
+        self,
+        schedule: str,
+        split: bool,
+        virtual: int = 1,
+        placement: Optional[str] = None,
+        steps: int = 2,
+        profile: Optional[Profile] = None,
+    ) -> Optional[float]:
         """Simulator step time of what :func:`_time` measures: for 2BW, each stage's rate over
         ``steps`` windows of a running stream (:func:`running_rate`), the slowest stage's.
 
@@ -125,12 +147,17 @@ class Workload:
         transfers and the executor's own work cost nothing either way."""
         if self.name != "costmodel" and profile is None:
             return None  # a GPT block has no nominal cost
-        cost = (self.model().predicted_cost(virtual) if profile is None
-                else self.profiled_cost(profile, schedule, split, virtual, placement))  # fmt: skip
+        cost = (
+            self.model().predicted_cost(virtual)
+            if profile is None
+            else self.profiled_cost(profile, schedule, split, virtual, placement)
+        )
         d, m = self.depth, self.microbatches
         if schedule == "2bw":
             return max(running_rate(d, m, split, steps, cost))
-        return simulate(build_schedule(schedule, d, m, split=split, virtual=virtual, placement=placement), cost).makespan
+        return simulate(
+            build_schedule(schedule, d, m, split=split, virtual=virtual, placement=placement), cost
+        ).makespan
 
     def profile(self, threads: int) -> Profile:
         """Every block's F, B, I and W measured in this process at the microbatch size
@@ -142,14 +169,28 @@ class Workload:
         finally:
             torch.set_num_threads(before)
 
-    def profiled_cost(self, profile: Profile, schedule: str, split: bool, virtual: int = 1,
-                      placement: Optional[str] = None) -> Callable[[Any], float]:  # fmt: skip
+    def profiled_cost(
+        self, profile: Profile, schedule: str, split: bool, virtual: int = 1, placement: Optional[str] = None
+    ) -> Callable[[Any], float]:
         """Each compute action's profiled seconds (its stage's blocks summed, as the planner sums
         them); every other action free."""
-        plan = PipelinePlan(1, self.depth, self.microbatches, schedule, split, partition=self.partition(self.model(), virtual),
-                            virtual_stages=virtual, split_placement=placement)  # fmt: skip
+        plan = PipelinePlan(
+            1,
+            self.depth,
+            self.microbatches,
+            schedule,
+            split,
+            partition=self.partition(self.model(), virtual),
+            virtual_stages=virtual,
+            split_placement=placement,
+        )
         stages = costs.stage_costs(profile, plan, self.batch_size // self.microbatches)
-        field = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.INPUT_GRAD: "input_grad", Kind.WEIGHT_GRAD: "weight_grad"}
+        field = {
+            Kind.FORWARD: "forward",
+            Kind.BACKWARD: "backward",
+            Kind.INPUT_GRAD: "input_grad",
+            Kind.WEIGHT_GRAD: "weight_grad",
+        }
         return lambda a: getattr(stages[a.stage], field[a.kind]) if a.kind in field else 0.0
 
     def profiled_single(self, profile: Profile) -> float:
@@ -204,12 +245,21 @@ def _single(rank: int, work: Workload) -> Contender:
     return Contender(step, lambda: held_tensors(list(model.parameters()), [opt]))
 
 
-def _ours(rank: int, work: Workload, groups: Any, schedule: str, split: bool, virtual: int,
-          placement: Optional[str] = None) -> Contender:  # fmt: skip
+def _ours(
+    rank: int, work: Workload, groups: Any, schedule: str, split: bool, virtual: int, placement: Optional[str] = None
+) -> Contender:
     """A lightning_pipe engine; ``finish`` drains 2BW, whose sends run on into the next window."""
     model = work.model()
-    plan = PipelinePlan(1, work.depth, work.microbatches, schedule, split, partition=work.partition(model, virtual),
-                        virtual_stages=virtual, split_placement=placement)  # fmt: skip
+    plan = PipelinePlan(
+        1,
+        work.depth,
+        work.microbatches,
+        schedule,
+        split,
+        partition=work.partition(model, virtual),
+        virtual_stages=virtual,
+        split_placement=placement,
+    )
     engine = place(model, plan, rank, groups=groups, loss="previous" if schedule == "2bw" else "current")
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     versions = lambda: [p for slot in engine.versions.slots for p in slot or ()]  # noqa: E731 - both 2BW versions
@@ -389,8 +439,9 @@ def _peak_bytes(step: Contender, batch: Any) -> int:
     return tracker.peak
 
 
-def _worker(rank: int, world: int, work: Workload, rounds: int, steps: int, threads: int, only: Sequence[str],
-            pairs: int) -> dict:  # fmt: skip
+def _worker(
+    rank: int, world: int, work: Workload, rounds: int, steps: int, threads: int, only: Sequence[str], pairs: int
+) -> dict:
     """Each round builds every contender afresh, in a rotated order, then times each in that order;
     after the last round, ``pairs`` paired steps of each of ours with its torch counterpart.
 
@@ -404,8 +455,9 @@ def _worker(rank: int, world: int, work: Workload, rounds: int, steps: int, thre
     times: dict[str, list[float]] = {name: [] for name in names}
     peaks: dict[str, int] = {}
     matched = counterparts(names) if pairs else {}
-    progress = tqdm(total=rounds * len(names) + len(matched), desc=f"{work.name} d={work.depth}", disable=rank != 0,
-                    file=sys.stderr)  # fmt: skip
+    progress = tqdm(
+        total=rounds * len(names) + len(matched), desc=f"{work.name} d={work.depth}", disable=rank != 0, file=sys.stderr
+    )
     paired: dict[str, list[tuple[float, ...]]] = {}
     for r in range(rounds):
         shift = r * len(names) // rounds
@@ -428,8 +480,12 @@ def _worker(rank: int, world: int, work: Workload, rounds: int, steps: int, thre
         del contenders
         gc.collect()
     progress.close()
-    return {"times": {n: statistics.median(t) for n, t in times.items()}, "rounds": times, "peaks": peaks,
-            "paired": paired}
+    return {
+        "times": {n: statistics.median(t) for n, t in times.items()},
+        "rounds": times,
+        "peaks": peaks,
+        "paired": paired,
+    }
 
 
 def run(work: Workload, rounds: int, steps: int, threads: int, only: Sequence[str] = (), pairs: int = 0) -> list[dict]:
@@ -442,8 +498,16 @@ def run(work: Workload, rounds: int, steps: int, threads: int, only: Sequence[st
     rows = []
     for name, seconds in times.items():
         peaks = [rank_out["peaks"][name] for _, rank_out in out]
-        rows.append({"workload": work, "name": name, "step_s": seconds, "samples_s": work.batch_size / seconds,
-                     "rounds": out[0][1]["rounds"][name], "peaks": peaks[:1] if name == "one process" else peaks})  # fmt: skip
+        rows.append(
+            {
+                "workload": work,
+                "name": name,
+                "step_s": seconds,
+                "samples_s": work.batch_size / seconds,
+                "rounds": out[0][1]["rounds"][name],
+                "peaks": peaks[:1] if name == "one process" else peaks,
+            }
+        )
     for ours in (o for o in OURS if _name(*o) in times):
         row = _row(rows, _name(*ours))
         ref = _row(rows, f"torch {SAME[ours]}")
@@ -452,7 +516,11 @@ def run(work: Workload, rounds: int, steps: int, threads: int, only: Sequence[st
         row["profiled_s"] = work.predicted_step(*ours, steps=steps, profile=profile)
         if out[0][1]["paired"].get(row["name"]):
             row["paired"] = paired_summary([rank_out["paired"][row["name"]] for _, rank_out in out])
-    simulated = {"gpipe": ("gpipe", False), "1f1b": ("1f1b", False), "interleaved": ("1f1b", False, VIRTUAL["interleaved"])}
+    simulated = {
+        "gpipe": ("gpipe", False),
+        "1f1b": ("1f1b", False),
+        "interleaved": ("1f1b", False, VIRTUAL["interleaved"]),
+    }
     for kind, args in simulated.items():
         if f"torch {kind}" in times:
             _row(rows, f"torch {kind}")["sim_s"] = work.predicted_step(*args)
@@ -471,8 +539,13 @@ def paired_summary(per_rank: list[list[tuple[float, ...]]]) -> dict:
     speed = [theirs / ours for ours, _, theirs, _ in per_rank[0]]
     q1, _, q3 = statistics.quantiles(speed, n=4) if len(speed) > 1 else (speed[0],) * 3
     cpu = [statistics.median(theirs / ours for _, ours, _, theirs in rows) for rows in per_rank]
-    return {"median": statistics.median(speed), "quartiles": (q1, q3), "won": sum(s > 1 for s in speed),
-            "pairs": len(speed), "cpu": cpu}
+    return {
+        "median": statistics.median(speed),
+        "quartiles": (q1, q3),
+        "won": sum(s > 1 for s in speed),
+        "pairs": len(speed),
+        "cpu": cpu,
+    }
 
 
 def _row(rows: list[dict], name: str) -> dict:
@@ -497,10 +570,14 @@ def table(rows: list[dict]) -> str:
         sim = f"{r['step_s'] / r['sim_s']:.3f}" if r.get("sim_s") else ""
         profiled = f"{r['step_s'] / r['profiled_s']:.3f}" if r.get("profiled_s") else ""
         peaks = ", ".join(_size(p) for p in r["peaks"])
-        lines.append(f"| {r['name']} | {r['step_s']:.3f} | {r['samples_s']:.1f} | {r['samples_s'] / single:.2f} | "
-                     f"{vs} | {sim} | {profiled} | {peaks} |")  # fmt: skip
-    lines.append("\nStep time of each round (s), in the order run: " + "; ".join(
-        f"{r['name']} {', '.join(f'{t:.3f}' for t in r['rounds'])}" for r in rows))
+        lines.append(
+            f"| {r['name']} | {r['step_s']:.3f} | {r['samples_s']:.1f} | {r['samples_s'] / single:.2f} | "
+            f"{vs} | {sim} | {profiled} | {peaks} |"
+        )
+    lines.append(
+        "\nStep time of each round (s), in the order run: "
+        + "; ".join(f"{r['name']} {', '.join(f'{t:.3f}' for t in r['rounds'])}" for r in rows)
+    )
     return "\n".join(lines)
 
 
@@ -509,15 +586,22 @@ def paired_table(rows: list[dict]) -> str:
     paired = [r for r in rows if "paired" in r]
     if not paired:
         return ""
-    lines = ["| contender | against | pairs ours won | torch's step / ours: median of pairs | quartiles | "
-             "torch's CPU time / ours, per stage |", "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| contender | against | pairs ours won | torch's step / ours: median of pairs | quartiles | "
+        "torch's CPU time / ours, per stage |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in paired:
         p = r["paired"]
         cpu = ", ".join(f"{c:.3f}" for c in p["cpu"])
-        lines.append(f"| {r['name']} | torch {r['vs'][0]} | {p['won']} of {p['pairs']} | {p['median']:.3f} | "
-                     f"{p['quartiles'][0]:.3f} to {p['quartiles'][1]:.3f} | {cpu} |")  # fmt: skip
-    title = (f"Paired steps, each of ours alternating with its torch counterpart, one step each (2BW and its "
-             f"counterpart: {STREAMED_STEPS} in a row), drained:")  # fmt: skip
+        lines.append(
+            f"| {r['name']} | torch {r['vs'][0]} | {p['won']} of {p['pairs']} | {p['median']:.3f} | "
+            f"{p['quartiles'][0]:.3f} to {p['quartiles'][1]:.3f} | {cpu} |"
+        )
+    title = (
+        f"Paired steps, each of ours alternating with its torch counterpart, one step each (2BW and its "
+        f"counterpart: {STREAMED_STEPS} in a row), drained:"
+    )
     return title + "\n\n" + "\n".join(lines)
 
 
@@ -537,7 +621,9 @@ def chart(results: list[list[dict]], path: Path) -> None:
         ax = fig.add_subplot(1, len(results), i + 1)
         work, single = rows[0]["workload"], _row(rows, "one process")["samples_s"]
         names = [r["name"].replace("lightning_pipe", "lp") for r in rows]
-        colours = ["#7f7f7f" if n == "one process" else "#dd8452" if n.startswith("torch") else "#4c72b0" for n in names]
+        colours = [
+            "#7f7f7f" if n == "one process" else "#dd8452" if n.startswith("torch") else "#4c72b0" for n in names
+        ]
         ax.barh(names, [r["samples_s"] / single for r in rows], color=colours)
         ideal = work.depth * work.microbatches / (work.microbatches + work.depth - 1)
         ax.axvline(ideal, color="black", linestyle="--", linewidth=1, label=f"ideal d*m/(m+d-1) = {ideal:.2f}")
@@ -573,15 +659,27 @@ def main() -> None:
     parser.add_argument("--gpt-microbatches", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (one process too)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds; each rebuilds and times every contender")
-    parser.add_argument("--steps", type=int, default=8,
-                        help="timed steps per contender per round, back to back as in training, each rank "
-                        "timing its own after one untimed step")
-    parser.add_argument("--pairs", type=int, default=20,
-                        help="after the rounds, pairs of single steps of each of ours and its torch counterpart, "
-                        "alternating (0: none)")
-    parser.add_argument("--only", nargs="+", default=[], metavar="TEXT",
-                        help="run only the contenders whose name contains one of these (with one process "
-                        "and the torch schedules they are compared with)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=8,
+        help="timed steps per contender per round, back to back as in training, each rank "
+        "timing its own after one untimed step",
+    )
+    parser.add_argument(
+        "--pairs",
+        type=int,
+        default=20,
+        help="after the rounds, pairs of single steps of each of ours and its torch counterpart, alternating (0: none)",
+    )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        default=[],
+        metavar="TEXT",
+        help="run only the contenders whose name contains one of these (with one process "
+        "and the torch schedules they are compared with)",
+    )
     parser.add_argument("--chart", type=Path, default=Path("docs/bench_pipelines.png"))
     args = parser.parse_args()
     results = []

@@ -52,21 +52,22 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]  # lightning_pipe, benchmarks, gpt
 
 from bench_pipelines import PeakTensorBytes  # noqa: E402
+
 from lightning_pipe import PipelineGroups, PipelinePlan, place  # noqa: E402
-from lightning_pipe.planning import costs, predict, programs, search  # noqa: E402
 from lightning_pipe.lightning.monitor import held_tensors  # noqa: E402
+from lightning_pipe.planning import costs, predict, programs, search  # noqa: E402
+from lightning_pipe.planning.links import profile_links  # noqa: E402
 from lightning_pipe.planning.profile import mean_profile  # noqa: E402
 from lightning_pipe.planning.profiler import profile_blocks, profile_concurrently  # noqa: E402
-from lightning_pipe.planning.links import profile_links  # noqa: E402
 from lightning_pipe.runtime.spawn import run_gloo  # noqa: E402
 
 BLOCKS, DIM, ACT = 8, 64, 4096  # ACT floats per sample kept by every block for its backward
 FORWARD, BACKWARD = 0.002, 0.004  # seconds per sample
+
 
 class Config(NamedTuple):
     """One measured configuration: chain w * d <= 4 processes, m = 16 / (w * b); gpt w * d <= 2
@@ -81,17 +82,35 @@ class Config(NamedTuple):
     virtual: int = 1
 
 
-CONFIGS = [Config(*c) for c in [
-    ("chain", 1, 2, 2, "1f1b", False), ("chain", 1, 2, 4, "1f1b", False), ("chain", 1, 2, 2, "gpipe", False),
-    ("chain", 1, 2, 2, "1f1b", True), ("chain", 2, 1, 2, "1f1b", False), ("chain", 2, 1, 4, "gpipe", False),
-    ("chain", 1, 4, 1, "1f1b", False), ("chain", 1, 4, 2, "1f1b", False), ("chain", 1, 4, 2, "gpipe", True),
-    ("chain", 2, 2, 2, "1f1b", False), ("chain", 2, 2, 2, "gpipe", False), ("chain", 2, 2, 4, "1f1b", True),
-    ("chain", 4, 1, 2, "1f1b", False), ("chain", 4, 1, 4, "gpipe", True),
-    ("chain", 1, 2, 2, "1f1b", False, 2), ("chain", 1, 4, 2, "1f1b", False, 2), ("chain", 2, 2, 2, "1f1b", False, 2),
-    ("gpt", 1, 2, 4, "1f1b", False), ("gpt", 1, 2, 8, "1f1b", False), ("gpt", 1, 2, 8, "gpipe", False),
-    ("gpt", 1, 2, 8, "1f1b", True), ("gpt", 2, 1, 8, "1f1b", False), ("gpt", 2, 1, 16, "gpipe", True),
-    ("gpt", 1, 2, 8, "1f1b", False, 2),
-]]  # fmt: skip
+CONFIGS = [
+    Config(*c)
+    for c in [
+        ("chain", 1, 2, 2, "1f1b", False),
+        ("chain", 1, 2, 4, "1f1b", False),
+        ("chain", 1, 2, 2, "gpipe", False),
+        ("chain", 1, 2, 2, "1f1b", True),
+        ("chain", 2, 1, 2, "1f1b", False),
+        ("chain", 2, 1, 4, "gpipe", False),
+        ("chain", 1, 4, 1, "1f1b", False),
+        ("chain", 1, 4, 2, "1f1b", False),
+        ("chain", 1, 4, 2, "gpipe", True),
+        ("chain", 2, 2, 2, "1f1b", False),
+        ("chain", 2, 2, 2, "gpipe", False),
+        ("chain", 2, 2, 4, "1f1b", True),
+        ("chain", 4, 1, 2, "1f1b", False),
+        ("chain", 4, 1, 4, "gpipe", True),
+        ("chain", 1, 2, 2, "1f1b", False, 2),
+        ("chain", 1, 4, 2, "1f1b", False, 2),
+        ("chain", 2, 2, 2, "1f1b", False, 2),
+        ("gpt", 1, 2, 4, "1f1b", False),
+        ("gpt", 1, 2, 8, "1f1b", False),
+        ("gpt", 1, 2, 8, "gpipe", False),
+        ("gpt", 1, 2, 8, "1f1b", True),
+        ("gpt", 2, 1, 8, "1f1b", False),
+        ("gpt", 2, 1, 16, "gpipe", True),
+        ("gpt", 1, 2, 8, "1f1b", False, 2),
+    ]
+]
 
 
 class _Hold(torch.autograd.Function):
@@ -130,7 +149,9 @@ class HoldChain(nn.Module):
 
     def __init__(self, heavy_first: bool = False, sleeps: bool = True) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(HoldBlock(8 * ACT if i == 0 and heavy_first else ACT, sleeps) for i in range(BLOCKS))
+        self.blocks = nn.ModuleList(
+            HoldBlock(8 * ACT if i == 0 and heavy_first else ACT, sleeps) for i in range(BLOCKS)
+        )
 
     def pipeline_blocks(self) -> list[nn.Module]:
         return list(self.blocks)
@@ -182,11 +203,20 @@ WORKLOADS = {"chain": Chain(), "gpt": GPTWorkload()}
 
 
 def _plan(config: Config, partition: tuple[int, ...]) -> PipelinePlan:
-    return PipelinePlan(config.w, config.d, plan_m(config), config.schedule, partition=partition, recompute=config.recompute,
-                        virtual_stages=config.virtual)  # fmt: skip
+    return PipelinePlan(
+        config.w,
+        config.d,
+        plan_m(config),
+        config.schedule,
+        partition=partition,
+        recompute=config.recompute,
+        virtual_stages=config.virtual,
+    )
 
 
-def _measure(rank: int, world: int, name: str, plan: PipelinePlan, b: int, steps: int, heavy_first: bool = False) -> dict[str, Any]:
+def _measure(
+    rank: int, world: int, name: str, plan: PipelinePlan, b: int, steps: int, heavy_first: bool = False
+) -> dict[str, Any]:
     """One configuration on this rank: median step seconds and peak tensor bytes of one step."""
     torch.set_num_threads(1)
     engine, opt, batch = _engine(name, plan, b, rank, heavy_first)
@@ -201,7 +231,9 @@ def _measure(rank: int, world: int, name: str, plan: PipelinePlan, b: int, steps
     return {"step": statistics.median(times[1:]), "peak": peak, "stage": engine.stage_index, **traced}
 
 
-def _engine(name: str, plan: PipelinePlan, b: int, rank: int, heavy_first: bool = False) -> tuple[Any, torch.optim.Optimizer, Any]:
+def _engine(
+    name: str, plan: PipelinePlan, b: int, rank: int, heavy_first: bool = False
+) -> tuple[Any, torch.optim.Optimizer, Any]:
     """This rank's engine for ``plan``, its optimizer, and the batch of its replica (the stages of a pipeline see the same one)."""
     work = WORKLOADS[name]
     engine = place(work.model(heavy_first), plan, rank, groups=PipelineGroups.build(plan.topology, rank))
@@ -215,8 +247,9 @@ def _stage_peaks(measured: Sequence[dict[str, Any]], depth: int) -> list[int]:
     return [max(v["peak"] for v in measured if v["stage"] == s) for s in range(depth)]
 
 
-def _run_group(rank: int, world: int, name: str, plans: Sequence[tuple[PipelinePlan, int]],
-               passes: int) -> dict[str, Any]:  # fmt: skip
+def _run_group(
+    rank: int, world: int, name: str, plans: Sequence[tuple[PipelinePlan, int]], passes: int
+) -> dict[str, Any]:
     """A group of configurations (same process count) profiled and measured side by side, in one launch.
 
     Every plan's engine is built, then each of ``passes`` passes (after one that warms up)
@@ -245,8 +278,10 @@ def _run_group(rank: int, world: int, name: str, plans: Sequence[tuple[PipelineP
             start = time.perf_counter()
             engine.train_step(batch, opt)
             times[i].append(time.perf_counter() - start)
-    each = [{**_traced_step(engine, batch, opt), "peak": _peak_bytes(engine, batch, opt), "stage": engine.stage_index}
-            for engine, opt, batch in runs]  # fmt: skip
+    each = [
+        {**_traced_step(engine, batch, opt), "peak": _peak_bytes(engine, batch, opt), "stage": engine.stage_index}
+        for engine, opt, batch in runs
+    ]
     return {"times": [t[1:] for t in times], "profiles": profiles[1:], "each": each}
 
 
@@ -308,7 +343,9 @@ def _profile(name: str, processes: int, links: Optional[dict[str, float]] = None
     the round's measured links, set on the profile."""
     work = WORKLOADS[name]
     sizes = [min(work.sizes), max(work.sizes)]
-    profile = profile_concurrently(work.model, work.batch(max(sizes)), sizes, processes, repeats=3, optimizer=work.optimizer)
+    profile = profile_concurrently(
+        work.model, work.batch(max(sizes)), sizes, processes, repeats=3, optimizer=work.optimizer
+    )
     profile.__dict__.update(links or {})
     return profile
 
@@ -336,22 +373,34 @@ def _round(links: dict[str, float], workloads: Sequence[str]) -> dict[tuple, dic
             steps = [max(r["times"][i][k] for r in ranks) for k in range(len(passes))]  # its slowest rank's
             predicted = [predict.predict(profile, plan, b).step_time for profile in passes]
             measured = [r["each"][i] for r in ranks]
-            out[config] = {"predicted": predict.predict(whole, plan, b), "predicted_step": statistics.median(predicted),
-                           "measured": statistics.median(steps), "steps": steps,
-                           "error": statistics.median(p / q - 1 for p, q in zip(predicted, steps)),
-                           "planned": predict.predict(group, plan, b).step_time, "plan": plan, "peaks": _stage_peaks(measured, config.d),
-                           "replayed": replayed_step(whole, plan, b, measured), "traced": max(v["traced_step"] for v in measured)}  # fmt: skip
+            out[config] = {
+                "predicted": predict.predict(whole, plan, b),
+                "predicted_step": statistics.median(predicted),
+                "measured": statistics.median(steps),
+                "steps": steps,
+                "error": statistics.median(p / q - 1 for p, q in zip(predicted, steps)),
+                "planned": predict.predict(group, plan, b).step_time,
+                "plan": plan,
+                "peaks": _stage_peaks(measured, config.d),
+                "replayed": replayed_step(whole, plan, b, measured),
+                "traced": max(v["traced_step"] for v in measured),
+            }
             x = out[config]
-            print(f"  {name} ({config.w},{config.d}) b={b} {_schedule(config)}{' recompute' if config.recompute else ''}: "
-                  f"predicted {x['predicted_step']:.3f} s, measured {x['measured']:.3f} s (median over {len(steps)} passes), "
-                  f"error {x['error']:+.1%}; replayed with the traced actions {x['replayed']:.3f} s, traced step {x['traced']:.3f} s",
-                  flush=True)  # fmt: skip
+            print(
+                f"  {name} ({config.w},{config.d}) b={b} {_schedule(config)}{' recompute' if config.recompute else ''}: "
+                f"predicted {x['predicted_step']:.3f} s, measured {x['measured']:.3f} s (median over {len(steps)} passes), "
+                f"error {x['error']:+.1%}; replayed with the traced actions {x['replayed']:.3f} s, traced step {x['traced']:.3f} s",
+                flush=True,
+            )
     return out
 
 
 def main(rounds: int, workloads: Sequence[str]) -> None:
-    print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on {platform.node()}, torch {torch.__version__}; "
-          f"{rounds} rounds; workloads {', '.join(workloads)}", flush=True)
+    print(
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on {platform.node()}, torch {torch.__version__}; "
+        f"{rounds} rounds; workloads {', '.join(workloads)}",
+        flush=True,
+    )
     torch.set_num_threads(1)
     runs = []
     for r in range(rounds):
@@ -369,20 +418,38 @@ def main(rounds: int, workloads: Sequence[str]) -> None:
         m_err = max(abs(p / q - 1) for x in mine for p, q in zip(x["predicted"].stage_memory, x["peaks"]))
         time_errors.append(abs(t_err))
         memory_errors.append(m_err)
-        results.append({"workload": name, "config": (w, d), "schedule": _schedule(config), "predicted": predicted, "b": b, "recompute": recompute,
-                        "planned_step": statistics.median(x["planned"] for x in mine), "plan": mine[-1]["plan"],
-                        "measured": step, "steps": [t for x in mine for t in x["steps"]], "peaks": peaks})  # fmt: skip
+        results.append(
+            {
+                "workload": name,
+                "config": (w, d),
+                "schedule": _schedule(config),
+                "predicted": predicted,
+                "b": b,
+                "recompute": recompute,
+                "planned_step": statistics.median(x["planned"] for x in mine),
+                "plan": mine[-1]["plan"],
+                "measured": step,
+                "steps": [t for x in mine for t in x["steps"]],
+                "peaks": peaks,
+            }
+        )
         each = ", ".join(f"{x['error']:+.0%}" for x in mine)
-        rows.append(f"| {name} | ({w},{d}) | {b} | {plan_m(config)} | {_schedule(config)} | {'yes' if recompute else 'no'} | "
-                    f"{predicted_step:.3f} | {step:.3f} | {t_err:+.1%} ({each}) | "
-                    f"{', '.join(f'{p / 2**20:.2f}' for p in predicted.stage_memory)} | "
-                    f"{', '.join(f'{q / 2**20:.2f}' for q in peaks)} | {m_err:.1%} |")  # fmt: skip
-    print("\n| workload | (w,d) | b | m | schedule | recompute | predicted step (s) | measured step (s) | "
-          "time error: median (each round) | predicted peak per stage (MiB) | measured peak per stage (MiB) | worst memory error |")
+        rows.append(
+            f"| {name} | ({w},{d}) | {b} | {plan_m(config)} | {_schedule(config)} | {'yes' if recompute else 'no'} | "
+            f"{predicted_step:.3f} | {step:.3f} | {t_err:+.1%} ({each}) | "
+            f"{', '.join(f'{p / 2**20:.2f}' for p in predicted.stage_memory)} | "
+            f"{', '.join(f'{q / 2**20:.2f}' for q in peaks)} | {m_err:.1%} |"
+        )
+    print(
+        "\n| workload | (w,d) | b | m | schedule | recompute | predicted step (s) | measured step (s) | "
+        "time error: median (each round) | predicted peak per stage (MiB) | measured peak per stage (MiB) | worst memory error |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
-    print(f"\nstep time error (each configuration's median over rounds): median {statistics.median(time_errors):.1%}, worst {max(time_errors):.1%}; "
-          f"peak memory error (every round): median {statistics.median(memory_errors):.1%}, worst {max(memory_errors):.1%}")
+    print(
+        f"\nstep time error (each configuration's median over rounds): median {statistics.median(time_errors):.1%}, worst {max(time_errors):.1%}; "
+        f"peak memory error (every round): median {statistics.median(memory_errors):.1%}, worst {max(memory_errors):.1%}"
+    )
     _decomposition(runs, workloads)
     for name in workloads:
         _ranking([r for r in results if r["workload"] == name], name)
@@ -395,8 +462,10 @@ def _decomposition(runs: list[dict], workloads: Sequence[str]) -> None:
     """Where each configuration's time error comes from, medians over the rounds: the profile's
     action costs against the ones the step traced (predicted / replayed), and the simulator
     against the traced step with those same action times (replayed / traced)."""
-    print("\n| workload | (w,d) | b | schedule | recompute | predicted / replayed - 1 (action costs) | "
-          "replayed / traced step - 1 (simulator) | predicted / traced step - 1 |")
+    print(
+        "\n| workload | (w,d) | b | schedule | recompute | predicted / replayed - 1 (action costs) | "
+        "replayed / traced step - 1 (simulator) | predicted / traced step - 1 |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for config in (c for c in CONFIGS if c.workload in workloads):
         mine = [run[config] for run in runs]
@@ -404,8 +473,10 @@ def _decomposition(runs: list[dict], workloads: Sequence[str]) -> None:
         costs = part(lambda x: x["predicted"].step_time / x["replayed"] - 1)
         simulator = part(lambda x: x["replayed"] / x["traced"] - 1)
         total = part(lambda x: x["predicted"].step_time / x["traced"] - 1)
-        print(f"| {config.workload} | ({config.w},{config.d}) | {config.b} | {_schedule(config)} | "
-              f"{'yes' if config.recompute else 'no'} | {costs:+.1%} | {simulator:+.1%} | {total:+.1%} |")
+        print(
+            f"| {config.workload} | ({config.w},{config.d}) | {config.b} | {_schedule(config)} | "
+            f"{'yes' if config.recompute else 'no'} | {costs:+.1%} | {simulator:+.1%} | {total:+.1%} |"
+        )
 
 
 def plan_m(config: Config) -> int:
@@ -433,10 +504,14 @@ def _ranking(results: list[dict[str, Any]], name: str) -> None:
     print(f"\n{name} ranking ({most} processes, {len(same)} configurations measured side by side, {passes} passes):")
     for i in sorted(range(len(same)), key=lambda i: same[i]["planned_step"]):
         r = same[i]
-        print(f"  {r['config']} {r['schedule']} b={r['b']}{' recompute' if r['recompute'] else ''}: planned "
-              f"{r['planned_step']:.3f} s, measured side by side {statistics.median(steps[i]):.3f} s")
-    print(f"  planner's first choice {same[chosen]['config']} {same[chosen]['schedule']} b={same[chosen]['b']}; best measured "
-          f"{same[best]['config']} {same[best]['schedule']} b={same[best]['b']}; ratio {ratio:.3f}")
+        print(
+            f"  {r['config']} {r['schedule']} b={r['b']}{' recompute' if r['recompute'] else ''}: planned "
+            f"{r['planned_step']:.3f} s, measured side by side {statistics.median(steps[i]):.3f} s"
+        )
+    print(
+        f"  planner's first choice {same[chosen]['config']} {same[chosen]['schedule']} b={same[chosen]['b']}; best measured "
+        f"{same[best]['config']} {same[best]['schedule']} b={same[best]['b']}; ratio {ratio:.3f}"
+    )
 
 
 def _verdicts(results: list[dict[str, Any]], name: str) -> None:
@@ -453,14 +528,24 @@ def _verdicts(results: list[dict[str, Any]], name: str) -> None:
     headline = gaps[(len(gaps) - 1) // 2]
     swept = [(budget, r) for budget in gaps for r in _disagreements(results, budget)]
     wrong = [r for budget, r in swept if budget == headline]
-    print(f"{name} memory verdicts at a budget of {headline / 2**20:.3f} MiB (midway between the measured peaks around "
-          f"the median): {len(results) - len(wrong)} of {len(results)} agree")
-    print(f"  at each of the {len(gaps)} budgets midway between neighbouring measured peaks: "
-          f"{len(gaps) * len(results) - len(swept)} of {len(gaps) * len(results)} verdicts agree")
+    print(
+        f"{name} memory verdicts at a budget of {headline / 2**20:.3f} MiB (midway between the measured peaks around "
+        f"the median): {len(results) - len(wrong)} of {len(results)} agree"
+    )
+    print(
+        f"  at each of the {len(gaps)} budgets midway between neighbouring measured peaks: "
+        f"{len(gaps) * len(results) - len(swept)} of {len(gaps) * len(results)} verdicts agree"
+    )
     for budget, r in swept:  # "called feasible, measured over" is the one that lets a job run out of memory
-        verdict = "called feasible, measured over" if max(r["predicted"].stage_memory) <= budget else "called infeasible, measured within"
-        print(f"  budget {budget / 2**20:.3f} MiB, {r['config']} {r['schedule']} b={r['predicted'].microbatch_size}: {verdict} "
-              f"(predicted {max(r['predicted'].stage_memory) / 2**20:.3f} MiB, measured {max(r['peaks']) / 2**20:.3f} MiB)")
+        verdict = (
+            "called feasible, measured over"
+            if max(r["predicted"].stage_memory) <= budget
+            else "called infeasible, measured within"
+        )
+        print(
+            f"  budget {budget / 2**20:.3f} MiB, {r['config']} {r['schedule']} b={r['predicted'].microbatch_size}: {verdict} "
+            f"(predicted {max(r['predicted'].stage_memory) / 2**20:.3f} MiB, measured {max(r['peaks']) / 2**20:.3f} MiB)"
+        )
 
 
 def _disagreements(results: list[dict[str, Any]], budget: float) -> list[dict[str, Any]]:
@@ -472,9 +557,12 @@ def _madpipe_order(profile: Any) -> None:
     """A chain whose first block keeps 8x the activations: time-balanced vs memory-aware partition, measured."""
     from lightning_pipe.planning.madpipe import madpipe_partition
 
-    heavy = profile_concurrently(functools.partial(HoldChain, True), torch.randn(2, DIM), [1, 2], 4, repeats=2,
-                                 optimizer=Chain().optimizer)  # fmt: skip
-    heavy.__dict__.update({k: getattr(profile, k) for k in ("link_latency", "link_bandwidth", "allreduce_bandwidth", "send_overhead")})
+    heavy = profile_concurrently(
+        functools.partial(HoldChain, True), torch.randn(2, DIM), [1, 2], 4, repeats=2, optimizer=Chain().optimizer
+    )
+    heavy.__dict__.update(
+        {k: getattr(profile, k) for k in ("link_latency", "link_bandwidth", "allreduce_bandwidth", "send_overhead")}
+    )
     plan = PipelinePlan(1, 4, 8, "1f1b", partition=costs.time_balanced(heavy, 4, 2))
     balanced = predict.predict(heavy, plan, 2)
     limit = 0.9 * max(balanced.stage_memory)  # the time-balanced split does not fit
@@ -489,9 +577,11 @@ def _madpipe_order(profile: Any) -> None:
         rows.append((name, predicted, max(v["step"] for _, v in out), max(peaks)))
     print(f"\nMadPipe case (block 0 keeps 8x the activations; budget {limit / 2**20:.3f} MiB):")
     for name, predicted, step, peak in rows:
-        print(f"  {name} {list(predicted.plan.partition)}: predicted {predicted.step_time:.3f} s, peak "
-              f"{max(predicted.stage_memory) / 2**20:.3f} MiB; measured {step:.3f} s, peak {peak / 2**20:.3f} MiB, "
-              f"fits: {peak <= limit}")
+        print(
+            f"  {name} {list(predicted.plan.partition)}: predicted {predicted.step_time:.3f} s, peak "
+            f"{max(predicted.stage_memory) / 2**20:.3f} MiB; measured {step:.3f} s, peak {peak / 2**20:.3f} MiB, "
+            f"fits: {peak <= limit}"
+        )
     same = (rows[0][1].step_time < rows[1][1].step_time) == (rows[0][2] < rows[1][2])
     print(f"  measured order of step times matches the predicted one: {same}")
 
@@ -510,8 +600,14 @@ def synthetic_profile(blocks: int, seed: int = 0) -> Any:
         samples = [BlockSample(k, k * t, 2 * k * t, k * t, k * t, k * a, k * 2**16) for k in (1, 8)]
         return BlockProfile(f"b{i}", samples, 2**22, 2**22, 2**23)
 
-    return Profile([block(i) for i in range(blocks)], optimizer_step=0.01, link_latency=1e-4, link_bandwidth=1e9,
-                   allreduce_bandwidth=1e9, exchange_latency=2.5e-3)  # fmt: skip
+    return Profile(
+        [block(i) for i in range(blocks)],
+        optimizer_step=0.01,
+        link_latency=1e-4,
+        link_bandwidth=1e9,
+        allreduce_bandwidth=1e9,
+        exchange_latency=2.5e-3,
+    )
 
 
 def planning_time() -> None:
@@ -524,9 +620,12 @@ def planning_time() -> None:
             start = time.perf_counter()
             found = search.search(profile, devices, batch, memory_limit=limit, allow_stale=True)
             seconds = time.perf_counter() - start
-            print(f"planning time: {blocks} blocks on {devices} devices, global batch {batch}, "
-                  f"memory limit {'none' if limit is None else '1 GiB'}: {len(found)} candidates in {seconds:.2f} s "
-                  "(every program built and compiled)", flush=True)
+            print(
+                f"planning time: {blocks} blocks on {devices} devices, global batch {batch}, "
+                f"memory limit {'none' if limit is None else '1 GiB'}: {len(found)} candidates in {seconds:.2f} s "
+                "(every program built and compiled)",
+                flush=True,
+            )
 
 
 def memory_check(workloads: Sequence[str]) -> None:
@@ -542,11 +641,21 @@ def memory_check(workloads: Sequence[str]) -> None:
             assert all(s == "ok" for s, _ in ran), [v for s, v in ran if s != "ok"]
             peaks = _stage_peaks([v for _, v in ran], config.d)
             errors.append(max(abs(p / q - 1) for p, q in zip(predicted.stage_memory, peaks)))
-            print(f"  {name} ({config.w},{config.d}) b={config.b} {_schedule(config)}{' recompute' if config.recompute else ''}: "
-                  f"predicted - measured peak per stage {[p - q for p, q in zip(predicted.stage_memory, peaks)]} bytes "
-                  f"(worst {errors[-1]:.2%})", flush=True)
-            results.append({"workload": name, "config": (config.w, config.d), "schedule": _schedule(config),
-                            "predicted": predicted, "peaks": peaks})  # fmt: skip
+            print(
+                f"  {name} ({config.w},{config.d}) b={config.b} {_schedule(config)}{' recompute' if config.recompute else ''}: "
+                f"predicted - measured peak per stage {[p - q for p, q in zip(predicted.stage_memory, peaks)]} bytes "
+                f"(worst {errors[-1]:.2%})",
+                flush=True,
+            )
+            results.append(
+                {
+                    "workload": name,
+                    "config": (config.w, config.d),
+                    "schedule": _schedule(config),
+                    "predicted": predicted,
+                    "peaks": peaks,
+                }
+            )
         print(f"{name} peak memory error: median {statistics.median(errors):.2%}, worst {max(errors):.2%}")
         _verdicts(results, name)
 
@@ -556,10 +665,19 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--planning-time", action="store_true", help="only time the planner's search")
-    parser.add_argument("--memory-only", action="store_true", help="only the memory model: predicted and measured peaks, verdicts")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of profiling then measuring; medians are reported")
-    parser.add_argument("--workload", nargs="+", choices=sorted(WORKLOADS), default=sorted(WORKLOADS),
-                        help="only these workloads (and no planning-time part)")  # fmt: skip
+    parser.add_argument(
+        "--memory-only", action="store_true", help="only the memory model: predicted and measured peaks, verdicts"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds of profiling then measuring; medians are reported"
+    )
+    parser.add_argument(
+        "--workload",
+        nargs="+",
+        choices=sorted(WORKLOADS),
+        default=sorted(WORKLOADS),
+        help="only these workloads (and no planning-time part)",
+    )
     args = parser.parse_args()
     if args.planning_time:
         planning_time()

@@ -27,16 +27,16 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]  # lightning_pipe, benchmarks, gpt
 
-from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place
-from benchmarks.sleep_chain import SleepChain
-from lightning_pipe.runtime.autograd.deferred_weights import DeferWeightGrads, DeferredGrads
-from lightning_pipe.runtime.autograd.backward_split import input_grads, weight_grads
-from lightning_pipe.schedules import build_schedule
-from lightning_pipe.schedules.simulate import simulate
-from lightning_pipe.runtime.spawn import run_gloo
-
 import gpt  # noqa: E402
 from gpt import Block  # noqa: E402
+
+from benchmarks.sleep_chain import SleepChain
+from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place
+from lightning_pipe.runtime.autograd.backward_split import input_grads, weight_grads
+from lightning_pipe.runtime.autograd.deferred_weights import DeferredGrads, DeferWeightGrads
+from lightning_pipe.runtime.spawn import run_gloo
+from lightning_pipe.schedules import build_schedule
+from lightning_pipe.schedules.simulate import simulate
 
 DEPTH, BLOCKS_PER_STAGE = 4, 2
 
@@ -72,7 +72,9 @@ def _backward_seconds(block: nn.Module, x: torch.Tensor, mode: str) -> tuple[flo
     return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
 
 
-def backward_overhead(block: nn.Module, x: torch.Tensor, reps: int, warmup: int = 5) -> dict[str, list[tuple[float, int]]]:
+def backward_overhead(
+    block: nn.Module, x: torch.Tensor, reps: int, warmup: int = 5
+) -> dict[str, list[tuple[float, int]]]:
     """Per split mode (linear and convolution weight gradients ``"deferred"``, or the ``"autograd"``
     split): (I + W time) / (full backward time) of ``block`` on ``x``, and the split's page faults,
     for each interleaved repetition after ``warmup``."""
@@ -92,9 +94,10 @@ def _pipeline_worker(rank: int, world: int, configs: list, costs: tuple, steps: 
     engines = {}
     for schedule, m, split in configs:
         model = SleepChain(DEPTH, BLOCKS_PER_STAGE, costs)
-        engines[(schedule, m, split)] = (place(model, PipelinePlan(1, world, m, schedule, split, partition="uniform"),
-                                               rank, groups=groups),
-                                         torch.optim.SGD(model.parameters(), lr=0.0))  # fmt: skip
+        engines[(schedule, m, split)] = (
+            place(model, PipelinePlan(1, world, m, schedule, split, partition="uniform"), rank, groups=groups),
+            torch.optim.SGD(model.parameters(), lr=0.0),
+        )
     times: dict = {c: [] for c in configs}
     for _ in range(rounds):  # interleaved, so drift hits every configuration alike
         for config in configs:
@@ -119,7 +122,13 @@ def pipeline_gain(costs: tuple[float, float, float], steps: int, rounds: int) ->
     rows = []
     for schedule in ("gpipe", "1f1b"):
         for m in (DEPTH, 2 * DEPTH):
-            sim = {split: simulate(build_schedule(schedule, DEPTH, m, split=split), SleepChain(DEPTH, BLOCKS_PER_STAGE, costs).predicted_cost()).makespan for split in (False, True)}
+            sim = {
+                split: simulate(
+                    build_schedule(schedule, DEPTH, m, split=split),
+                    SleepChain(DEPTH, BLOCKS_PER_STAGE, costs).predicted_cost(),
+                ).makespan
+                for split in (False, True)
+            }
             meas = {split: measured[(schedule, m, split)] for split in (False, True)}
             rows.append({"schedule": schedule, "m": m, "measured": meas, "simulated": sim})
     return rows
@@ -133,9 +142,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--overhead-only", action="store_true", help="measure the overhead, not the pipeline gain")
     args = parser.parse_args()
-    print(f"## Split backward overhead: a GPT block ({Path(gpt.__file__).name}, 8 x 128 tokens) and a "
-          "convolutional residual block (8 x 64 channels x 32 x 32), CPU\n")  # fmt: skip
-    print("| block | split | median (I + W) / full backward | min | max | minor page faults per split backward | pairs |")
+    print(
+        f"## Split backward overhead: a GPT block ({Path(gpt.__file__).name}, 8 x 128 tokens) and a "
+        "convolutional residual block (8 x 64 channels x 32 x 32), CPU\n"
+    )
+    print(
+        "| block | split | median (I + W) / full backward | min | max | minor page faults per split backward | pairs |"
+    )
     print("|---|---|---|---|---|---|---|")
     torch.manual_seed(0)
     blocks = [(f"GPT, d_model {dim}", Block(dim, 8), torch.randn(8, 128, dim)) for dim in (256, 512)]
@@ -143,21 +156,30 @@ def main() -> None:
     for name, block, x in blocks:
         for mode, rows in backward_overhead(block, x, args.reps + 5).items():
             ratios = [r for r, _ in rows]
-            print(f"| {name} | {mode} | {statistics.median(ratios):.3f} | {min(ratios):.3f} | {max(ratios):.3f} | "
-                  f"{statistics.median(f for _, f in rows):.0f} | {len(ratios)} interleaved, after 5 warm-up |", flush=True)  # fmt: skip
+            print(
+                f"| {name} | {mode} | {statistics.median(ratios):.3f} | {min(ratios):.3f} | {max(ratios):.3f} | "
+                f"{statistics.median(f for _, f in rows):.0f} | {len(ratios)} interleaved, after 5 warm-up |",
+                flush=True,
+            )
     print()
     if args.overhead_only:
         return
     costs = (args.cost_ms / 1000,) * 3
-    print(f"## Split backward gain, cost-model chain: d={DEPTH}, {BLOCKS_PER_STAGE} blocks/stage, "
-          f"F = I = W = {args.cost_ms:g} ms per block\n")  # fmt: skip
-    print("| schedule | m | step without split (s) | step with split (s) | measured gain | simulated gain | gain ratio | measured / simulated step (no split, split) |")
+    print(
+        f"## Split backward gain, cost-model chain: d={DEPTH}, {BLOCKS_PER_STAGE} blocks/stage, "
+        f"F = I = W = {args.cost_ms:g} ms per block\n"
+    )
+    print(
+        "| schedule | m | step without split (s) | step with split (s) | measured gain | simulated gain | gain ratio | measured / simulated step (no split, split) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for row in pipeline_gain(costs, args.steps, args.rounds):
         meas, sim = row["measured"], row["simulated"]
         gain, pred = meas[False] / meas[True], sim[False] / sim[True]
-        print(f"| {row['schedule']} | {row['m']} | {meas[False]:.3f} | {meas[True]:.3f} | {gain:.3f} | {pred:.3f} | "
-              f"{gain / pred:.3f} | {meas[False] / sim[False]:.3f}, {meas[True] / sim[True]:.3f} |")  # fmt: skip
+        print(
+            f"| {row['schedule']} | {row['m']} | {meas[False]:.3f} | {meas[True]:.3f} | {gain:.3f} | {pred:.3f} | "
+            f"{gain / pred:.3f} | {meas[False] / sim[False]:.3f}, {meas[True] / sim[True]:.3f} |"
+        )
 
 
 if __name__ == "__main__":

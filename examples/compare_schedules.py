@@ -24,8 +24,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def train(schedule: str, logs: Path, extra: list[str]) -> float:
     """Run the example with ``configs/gpt_<schedule>.yaml``; return its wall time in seconds."""
-    cmd = [sys.executable, str(ROOT / "examples" / "gpt.py"), "fit", f"--config={ROOT / 'configs' / f'gpt_{schedule}.yaml'}",
-           f"--trainer.logger.init_args.save_dir={logs}", "--trainer.enable_progress_bar=false", *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "examples" / "gpt.py"),
+        "fit",
+        f"--config={ROOT / 'configs' / f'gpt_{schedule}.yaml'}",
+        f"--trainer.logger.init_args.save_dir={logs}",
+        "--trainer.enable_progress_bar=false",
+        *extra,
+    ]
     start = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=ROOT)
     return time.perf_counter() - start

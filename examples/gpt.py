@@ -130,8 +130,15 @@ class GPT(PipelineMixin, L.LightningModule):
         lr: peak AdamW learning rate (warm-up, then cosine decay to 10% over ``max_steps``).
     """
 
-    def __init__(self, n_layer: int = 4, n_embd: int = 128, n_head: int = 4, block_size: int = 64,
-                 vocab_size: int = 256, lr: float = 3e-3) -> None:  # fmt: skip
+    def __init__(
+        self,
+        n_layer: int = 4,
+        n_embd: int = 128,
+        n_head: int = 4,
+        block_size: int = 64,
+        vocab_size: int = 256,
+        lr: float = 3e-3,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.automatic_optimization = False
@@ -158,10 +165,13 @@ class GPT(PipelineMixin, L.LightningModule):
 
 
 def adamw_warmup_cosine(module: L.LightningModule) -> dict[str, Any]:
-    """AdamW at ``module.hparams.lr`` (weight decay 0.01) under :func:`warmup_cosine` over ``max_steps``, stepped every step."""
+    """AdamW at ``module.hparams.lr`` (weight decay 0.01) under :func:`warmup_cosine` over ``max_steps``, per step."""
     opt = torch.optim.AdamW(module.parameters(), lr=module.hparams.lr, weight_decay=0.01)
     schedule = partial(warmup_cosine, total=max(module.trainer.max_steps, 1))
-    return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, schedule), "interval": "step"}}
+    return {
+        "optimizer": opt,
+        "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, schedule), "interval": "step"},
+    }
 
 
 def warmup_cosine(step: int, total: int) -> float:
@@ -174,7 +184,7 @@ def warmup_cosine(step: int, total: int) -> float:
 
 
 def main(args: Optional[list[str]] = None) -> None:
-    """LightningCLI entry point (``args`` in place of the command line): ``fit``, ``validate`` with a YAML config from ``configs/``."""
+    """LightningCLI entry point (``args`` in place of the command line): ``fit`` or ``validate`` with a config."""
     LightningCLI(GPT, StdlibText, save_config_kwargs={"overwrite": True}, args=args)
 
 

@@ -1,14 +1,18 @@
 """Predicted against measured CUDA peak of one GPT step, term by term (one device; not run in CI).
 
-    python examples/gpu_memory.py     # from the repository root, on a machine with a GPU
+python examples/gpu_memory.py     # from the repository root, on a machine with a GPU
 """
+
 import sys
-sys.path.insert(0, "."); sys.path.insert(0, "examples")
+
+sys.path.insert(0, ".")
+sys.path.insert(0, "examples")
 import torch
 from gpt import GPT
+
 from lightning_pipe import PipelinePlan, place
-from lightning_pipe.planning.predict import predict, _size
 from lightning_pipe.planning.costs import stage_costs
+from lightning_pipe.planning.predict import _size, predict
 from lightning_pipe.planning.profiler import profile_blocks
 
 dev = torch.device("cuda", 0)
@@ -25,9 +29,15 @@ for b, m in ((32, 1), (8, 4)):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for _ in range(3):
         engine.train_step(batch, opt)
-    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
     engine.train_step(batch, opt)
     torch.cuda.synchronize()
-    print(f"b={b} m={m}: predicted {_size(pred.stage_memory[0])}, measured step peak {_size(torch.cuda.max_memory_allocated())} "
-          f"(held between steps {_size(base)})", flush=True)
+    print(
+        f"b={b} m={m}: predicted {_size(pred.stage_memory[0])}, "
+        f"measured step peak {_size(torch.cuda.max_memory_allocated())} "
+        f"(held between steps {_size(base)})",
+        flush=True,
+    )
     print("  terms:", {k: _size(v) for k, v in vars(st).items() if k.endswith("bytes")}, flush=True)

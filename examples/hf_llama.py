@@ -75,16 +75,30 @@ class HFLlama(PipelineMixin, L.LightningModule):
         lr: peak AdamW learning rate (warm-up, then cosine decay over ``max_steps``).
     """
 
-    def __init__(self, hidden_size: int = 128, intermediate_size: int = 344, num_hidden_layers: int = 4,
-                 num_attention_heads: int = 4, num_key_value_heads: int = 2, block_size: int = 64,
-                 lr: float = 3e-3) -> None:  # fmt: skip
+    def __init__(
+        self,
+        hidden_size: int = 128,
+        intermediate_size: int = 344,
+        num_hidden_layers: int = 4,
+        num_attention_heads: int = 4,
+        num_key_value_heads: int = 2,
+        block_size: int = 64,
+        lr: float = 3e-3,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.automatic_optimization = False
-        config = LlamaConfig(vocab_size=256, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                             num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
-                             num_key_value_heads=num_key_value_heads, max_position_embeddings=block_size,
-                             tie_word_embeddings=True, attn_implementation="sdpa")  # fmt: skip
+        config = LlamaConfig(
+            vocab_size=256,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_hidden_layers,
+            num_attention_heads=num_attention_heads,
+            num_key_value_heads=num_key_value_heads,
+            max_position_embeddings=block_size,
+            tie_word_embeddings=True,
+            attn_implementation="sdpa",
+        )
         llama = LlamaForCausalLM(config)
         assert llama.lm_head.weight is llama.model.embed_tokens.weight, "the config ties the embeddings"
         self.tokens_in = TokensIn(llama.model.embed_tokens, llama.model.rotary_emb)
@@ -108,7 +122,7 @@ class HFLlama(PipelineMixin, L.LightningModule):
 
 
 def main(args: Optional[list[str]] = None) -> None:
-    """LightningCLI entry point (``args`` in place of the command line): ``fit``, ``validate`` with ``configs/hf_llama.yaml``."""
+    """LightningCLI entry point (``args`` in place of the command line): ``fit`` or ``validate`` with a config."""
     LightningCLI(HFLlama, StdlibText, save_config_kwargs={"overwrite": True}, args=args)
 
 

@@ -24,7 +24,9 @@ class Launch:
         files = [self.folder / name / f"rank{r}.pkl" for r in range(self.world)]
         if not all(f.exists() for f in files):
             tail = (self.proc.stdout or "")[-3000:] + "\n" + (self.proc.stderr or "")[-6000:]
-            raise AssertionError(f"scenario {name!r} has no result from every rank (launch exit {self.proc.returncode}):\n{tail}")
+            raise AssertionError(
+                f"scenario {name!r} has no result from every rank (launch exit {self.proc.returncode}):\n{tail}"
+            )
         return [pickle.loads(f.read_bytes()) for f in files]
 
     def ok(self, name: str) -> list[Any]:
@@ -49,7 +51,9 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Launch
             get(2)  # world 4 resumes checkpoints that world 2 saved
         if world not in cache:
             start = time.monotonic()
-            proc = launch([str(SCRIPTS / "scenarios.py"), str(root)], timeout=LAUNCH_TIMEOUT, torchrun=world, check=False)
+            proc = launch(
+                [str(SCRIPTS / "scenarios.py"), str(root)], timeout=LAUNCH_TIMEOUT, torchrun=world, check=False
+            )
             cache[world] = Launch(world, root, proc, time.monotonic() - start)
         return cache[world]
 

@@ -21,5 +21,7 @@ def launch(args: list[str], timeout: float, torchrun: int = 0, check: bool = Tru
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     proc = subprocess.run(prefix + args, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")
+        raise AssertionError(
+            f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}"
+        )
     return proc

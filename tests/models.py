@@ -112,7 +112,8 @@ class ConvChain(ToyChain):
 
 def load_plain(cls: Any, path: Any, **init: Any) -> Any:
     """``cls.load_from_checkpoint`` in this one process (``init``: arguments of ``cls``), consolidating
-    a sharded (DCP) checkpoint directory first, as ``python -m lightning.pytorch.utilities.consolidate_checkpoint`` does."""
+    a sharded (DCP) checkpoint directory first, as
+    ``python -m lightning.pytorch.utilities.consolidate_checkpoint`` does."""
     from pathlib import Path
 
     from lightning.fabric.utilities.load import _load_distributed_checkpoint
@@ -160,7 +161,7 @@ def reference_train(
     """Single-process training written from the seeds' update rules; returns the final weights.
 
     ``delay=0`` is vanilla minibatch training (GPipe, PipeDream-Flush):
-    ``W(t+1) = W(t) - lr * grad f(W(t))``. ``delay=1`` is PipeDream-2BW (seed 000, section
+    ``W(t+1) = W(t) - lr * grad f(W(t))``. ``delay=1`` is PipeDream-2BW (PipeDream-2BW paper, section
     3.1): ``W(t+1) = W(t) - lr * grad f(W(t-1))``, batch t's gradient taken on version
     ``max(t-1, 0)`` and applied by one optimizer (no shadow state) to the newest weights.
     Gradients are clipped to the global norm ``clip`` (torch.nn.utils.clip_grad_norm_), and a

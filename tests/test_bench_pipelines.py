@@ -65,7 +65,9 @@ def _restarted_rate(depth: int, m: int, split: bool, steps: int, cost) -> float:
 def test_running_rate_is_what_each_stage_times(depth: int, m: int, split: bool) -> None:
     for seed in range(3):
         cost = _random_costs(depth, seed=depth * 10 + m + 100 * seed)
-        assert running_rate(depth, m, split, 8, cost) == pytest.approx(_timed_by_each_stage(depth, m, split, 8, cost), rel=1e-9)
+        assert running_rate(depth, m, split, 8, cost) == pytest.approx(
+            _timed_by_each_stage(depth, m, split, 8, cost), rel=1e-9
+        )
 
 
 @pytest.mark.parametrize("depth,m", [(3, 5), (8, 8)])

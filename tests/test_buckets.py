@@ -12,8 +12,14 @@ from tests.shared import scenario
 
 BATCH, M, STEPS = 16, 4, 4
 #: (schedule, split backward, recompute): every path a gradient takes into ``.grad``.
-COMBOS = [("gpipe", False, False), ("1f1b", False, True), ("1f1b", True, False), ("gpipe", True, False),
-          ("2bw", False, False), ("2bw", True, False)]  # fmt: skip
+COMBOS = [
+    ("gpipe", False, False),
+    ("1f1b", False, True),
+    ("1f1b", True, False),
+    ("gpipe", True, False),
+    ("2bw", False, False),
+    ("2bw", True, False),
+]
 
 
 class PostCounter:
@@ -79,7 +85,9 @@ def test_bucketed_overlapped_all_reduce_matches_single_process(launched, combo: 
     ranks = launched(4).ok("buckets_2x2")
     batches = [make_data(BATCH, seed=s) for s in range(STEPS)]
     torch.manual_seed(0)
-    want = reference_train(ToyChain(), batches, delay=1 if combo[0] == "2bw" else 0)  # 2BW: seed 000's 1-stale rule
+    want = reference_train(
+        ToyChain(), batches, delay=1 if combo[0] == "2bw" else 0
+    )  # 2BW: PipeDream-2BW's 1-stale rule
     merged: dict = {}
     for rank in ranks[:2]:  # replica 0 holds both stages
         merged.update(rank[combo]["params"])

@@ -1,4 +1,4 @@
-"""Buffers through the pipeline: BatchNorm's running statistics update once per microbatch, in order, recompute or not."""
+"""Buffers through the pipeline: BatchNorm's running statistics update once per microbatch, in order."""
 
 from __future__ import annotations
 
@@ -16,8 +16,13 @@ from tests.shared import scenario
 
 BATCH, M, STEPS = 16, 4, 3
 #: (schedule, split backward, recompute)
-VARIANTS = [("1f1b", False, False), ("1f1b", False, True), ("gpipe", False, True), ("1f1b", True, True),
-            ("2bw", True, True)]  # fmt: skip
+VARIANTS = [
+    ("1f1b", False, False),
+    ("1f1b", False, True),
+    ("gpipe", False, True),
+    ("1f1b", True, True),
+    ("2bw", True, True),
+]
 
 
 class Normed(nn.Module):
@@ -56,7 +61,7 @@ def _one_thread() -> Iterator[None]:
 
 def _reference(model: NormChain, batches: list[tuple[Tensor, Tensor]], delay: int) -> NormChain:
     """One process, the batch's microbatches one after the other (gradient accumulation), SGD.
-    ``delay=1``: 2BW's 1-stale rule (seed 000, 3.1), each batch's forward on W(t-1)."""
+    ``delay=1``: 2BW's 1-stale rule (PipeDream-2BW paper, section 3.1), each batch's forward on W(t-1)."""
     with _one_thread():
         return _accumulated(model, batches, delay)
 
@@ -88,12 +93,20 @@ def _worker(rank: int, world: int) -> dict:
     for schedule, split, recompute in VARIANTS:
         torch.manual_seed(0)
         model = NormChain()
-        engine = place(model, PipelinePlan(1, world, M, schedule, split, partition="uniform", recompute=recompute), rank, groups=groups)
+        engine = place(
+            model,
+            PipelinePlan(1, world, M, schedule, split, partition="uniform", recompute=recompute),
+            rank,
+            groups=groups,
+        )
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for step in range(STEPS):
             engine.train_step(make_data(BATCH, seed=step), opt)
         engine.drain()
-        results[(schedule, split, recompute)] = {"buffers": _buffers(model), "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+        results[(schedule, split, recompute)] = {
+            "buffers": _buffers(model),
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        }
     return results
 
 
@@ -104,7 +117,9 @@ scenario(2, "buffers_1x2", _worker)
 def test_running_statistics_follow_the_microbatches_in_order(launched, variant: tuple) -> None:
     ranks = launched(2).ok("buffers_1x2")
     torch.manual_seed(0)
-    want = _reference(NormChain(), [make_data(BATCH, seed=s) for s in range(STEPS)], delay=1 if variant[0] == "2bw" else 0)
+    want = _reference(
+        NormChain(), [make_data(BATCH, seed=s) for s in range(STEPS)], delay=1 if variant[0] == "2bw" else 0
+    )
     got = {**ranks[0][variant]["buffers"], **ranks[1][variant]["buffers"]}
     want_buffers = _buffers(want)
     assert sorted(got) == sorted(want_buffers) and len(got) == 12  # mean, var, count of 4 BatchNorms
@@ -129,12 +144,16 @@ def _deferred_worker(rank: int, world: int) -> dict:
     for recompute in DEFERRED:
         torch.manual_seed(0)
         model = convert_deferred_batch_norm(NormChain(), M)
-        engine = place(model, PipelinePlan(1, world, M, "1f1b", partition="uniform", recompute=recompute), rank, groups=groups)
+        engine = place(
+            model, PipelinePlan(1, world, M, "1f1b", partition="uniform", recompute=recompute), rank, groups=groups
+        )
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for step in range(STEPS):
             engine.train_step(make_data(BATCH, seed=step), opt)
-        results[recompute] = {"stats": {k: v.clone() for k, v in model.state_dict().items() if "running" in k or "tracked" in k},
-                              "params": {n: p.detach().clone() for n, p in model.named_parameters()}}  # fmt: skip
+        results[recompute] = {
+            "stats": {k: v.clone() for k, v in model.state_dict().items() if "running" in k or "tracked" in k},
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        }
     return results
 
 
@@ -147,10 +166,17 @@ def _deferred_reference(model: NormChain, batches: list[tuple[Tensor, Tensor]]) 
     updated once per batch: ``r <- (1 - momentum) r + momentum * stat`` (unbiased variance)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     norms = {name: m for name, m in model.named_modules() if isinstance(m, nn.BatchNorm1d)}
-    stats = {f"{name}.{k}": getattr(m, k).clone() for name, m in norms.items() for k in ("running_mean", "running_var", "num_batches_tracked")}
+    stats = {
+        f"{name}.{k}": getattr(m, k).clone()
+        for name, m in norms.items()
+        for k in ("running_mean", "running_var", "num_batches_tracked")
+    }
     for x, y in batches:
         seen: dict[str, list[Tensor]] = {name: [] for name in norms}
-        hooks = [m.register_forward_pre_hook(lambda mod, args, name=name: seen[name].append(args[0].detach())) for name, m in norms.items()]
+        hooks = [
+            m.register_forward_pre_hook(lambda mod, args, name=name: seen[name].append(args[0].detach()))
+            for name, m in norms.items()
+        ]
         model.zero_grad()
         for mx, my in zip(x.tensor_split(M), y.tensor_split(M)):
             (model.pipeline_loss(model(mx), (mx, my)) * len(mx) / len(x)).backward()

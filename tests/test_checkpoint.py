@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-
 import runpy
 import sys
 import time
@@ -68,16 +67,21 @@ def _merged_params(ranks: list[dict], depth: int) -> dict[str, torch.Tensor]:
     return {k: v for r in range(depth) for k, v in ranks[r]["params"].items()}
 
 
-@pytest.mark.parametrize("saved,resumed,delay", [
-    ("reshard_save_1x4_1f1b", "reshard_resume_2x2_gpipe", 0),
-    ("reshard_save_1x2_file", "reshard_resume_1x4_partition", 0),
-    ("reshard_save_2x2_2bw", "reshard_resume_2x2_2bw", 1),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "saved,resumed,delay",
+    [
+        ("reshard_save_1x4_1f1b", "reshard_resume_2x2_gpipe", 0),
+        ("reshard_save_1x2_file", "reshard_resume_1x4_partition", 0),
+        ("reshard_save_2x2_2bw", "reshard_resume_2x2_2bw", 1),
+    ],
+)
 def test_resume_under_another_layout_matches_single_process(launched, saved: str, resumed: str, delay: int) -> None:
     first = launched(RUNS[saved][0]).ok(saved)
     second = launched(RUNS[resumed][0]).ok(resumed)
     assert second[0]["global_step"] == 4
-    steps = _global_steps(first, RUNS[saved][0], RUNS[saved][1]) + _global_steps(second, RUNS[resumed][0], RUNS[resumed][1])
+    steps = _global_steps(first, RUNS[saved][0], RUNS[saved][1]) + _global_steps(
+        second, RUNS[resumed][0], RUNS[resumed][1]
+    )
     # The resumed run trains exactly the batches an uninterrupted run would: steps 3 and 4 of the epoch.
     assert [set(s) for s in steps] == _epoch_batches()[:4]
     assert all(len(s) == GLOBAL_BATCH for s in steps)
@@ -111,10 +115,16 @@ def killed_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         proc = launch(script + extra, timeout=150, torchrun=4, check=False)
         runs[name] = (proc, time.monotonic() - start)
         if name == "B":
-            runs["last_after_B"] = torch.load(folder / "ckpt" / "last.ckpt" / "meta.pt", weights_only=False)["global_step"]
+            runs["last_after_B"] = torch.load(folder / "ckpt" / "last.ckpt" / "meta.pt", weights_only=False)[
+                "global_step"
+            ]
             runs["partial_after_B"] = sorted(p.name for p in (folder / "ckpt").iterdir() if p.name.startswith("."))
             runs["step4_after_B"] = (folder / "ckpt" / "epoch=0-step=4.ckpt").exists()
-    runs["C_result"] = [torch.load(folder / f"result_rank{r}.pt", weights_only=False) for r in range(4)] if runs["C"][0].returncode == 0 else None
+    runs["C_result"] = (
+        [torch.load(folder / f"result_rank{r}.pt", weights_only=False) for r in range(4)]
+        if runs["C"][0].returncode == 0
+        else None
+    )
     runs["folder"] = folder
     return runs
 
@@ -196,15 +206,24 @@ def _memory(rank: int, world: int) -> dict[str, Any]:
     for sharded in (True, False):
         torch.manual_seed(0)
         model = BigChain()
-        trainer = L.Trainer(accelerator="cpu", devices=world, max_steps=1, logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False,
-                            strategy=PipelineStrategy(pipeline_depth=world, partition="uniform",
-                                                      save_distributed_checkpoint=sharded))  # fmt: skip
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=world,
+            max_steps=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            strategy=PipelineStrategy(pipeline_depth=world, partition="uniform", save_distributed_checkpoint=sharded),
+        )
         trainer.fit(model, torch.utils.data.DataLoader(torch.randn(8, WIDTH_BIG), batch_size=8))
         path = scenario_dir() / f"big_{sharded}.ckpt"
         trainer.save_checkpoint(path)  # warm-up: lazy imports and first-touch allocations
-        own = sum(t.numel() * t.element_size() for t in trainer.strategy.placement.export_state(trainer.optimizers[0])["optimizer"].values()
-                  if isinstance(t, torch.Tensor)) + sum(p.numel() * 4 for p in model.parameters())  # fmt: skip
+        own = sum(
+            t.numel() * t.element_size()
+            for t in trainer.strategy.placement.export_state(trainer.optimizers[0])["optimizer"].values()
+            if isinstance(t, torch.Tensor)
+        ) + sum(p.numel() * 4 for p in model.parameters())
         saved = _peak_increase(lambda: trainer.save_checkpoint(path))
         loaded = _peak_increase(lambda: trainer.strategy.load_checkpoint(path))
         results[sharded] = {"own_state": own, "save": saved, "load": loaded}
@@ -235,7 +254,9 @@ def test_saving_and_loading_hold_one_stage_plus_a_bounded_buffer(launched) -> No
 # -- consolidation and errors --------------------------------------------------------------
 
 
-def test_consolidated_checkpoint_predicts_like_the_pipeline(launched, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_consolidated_checkpoint_predicts_like_the_pipeline(
+    launched, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ranks = launched(4).ok("toy_1x4_gpipe_plain")
     folder = launched(4).dir("toy_1x4_gpipe_plain") / "ckpt" / "last.ckpt"
     assert folder.is_dir()
@@ -270,11 +291,22 @@ def _refused(rank: int, world: int) -> dict[str, str]:
         (incomplete / "meta.pt").unlink()
     torch.distributed.barrier()
     messages = {}
-    for case, model, path in (("fewer", ToyChain(depth=2), saved), ("shape", Wider(), saved), ("incomplete", ToyChain(), incomplete),
-                              ("more", ToyChain(depth=6), sharded)):  # fmt: skip
-        trainer = L.Trainer(accelerator="cpu", devices=world, max_steps=4, logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False,
-                            strategy=PipelineStrategy(pipeline_depth=world, partition="uniform"))  # fmt: skip
+    for case, model, path in (
+        ("fewer", ToyChain(depth=2), saved),
+        ("shape", Wider(), saved),
+        ("incomplete", ToyChain(), incomplete),
+        ("more", ToyChain(depth=6), sharded),
+    ):
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=world,
+            max_steps=4,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            strategy=PipelineStrategy(pipeline_depth=world, partition="uniform"),
+        )
         try:
             trainer.fit(model, torch.utils.data.DataLoader(Indexed(32, 0), batch_size=8), ckpt_path=str(path))
             messages[case] = "loaded"
@@ -288,7 +320,9 @@ scenario(4, "checkpoint_refused", _refused)
 
 def test_wrong_or_incomplete_checkpoints_are_refused_naming_the_weights(launched) -> None:
     for messages in launched(4).ok("checkpoint_refused"):
-        assert "holds 8 weights this model does not have, first: ['blocks.2.fc.bias'" in messages["fewer"], messages["fewer"]
+        assert "holds 8 weights this model does not have, first: ['blocks.2.fc.bias'" in messages["fewer"], messages[
+            "fewer"
+        ]
         assert "another shape, first: ['head.out.weight: (5, 16) here (6, 16)'" in messages["shape"], messages["shape"]
         assert "IncompleteCheckpointError" in messages["incomplete"] and "no meta.pt" in messages["incomplete"]
         assert "lacks" in messages["more"] and "blocks.4." in messages["more"], messages["more"]

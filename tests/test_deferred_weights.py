@@ -12,8 +12,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.sleep_chain import SleepBlock
-from lightning_pipe.runtime.autograd.deferred_weights import DeferWeightGrads, DeferredGrads, deferrable_weights_only
 from lightning_pipe.runtime.autograd.backward_split import input_grads, weight_grads
+from lightning_pipe.runtime.autograd.deferred_weights import DeferredGrads, DeferWeightGrads, deferrable_weights_only
 
 
 class _Block(nn.Module):
@@ -22,8 +22,16 @@ class _Block(nn.Module):
 
     def __init__(self, width: int = 16, vocab: int = 11) -> None:
         super().__init__()
-        self.norm, self.qkv, self.proj = nn.LayerNorm(width), nn.Linear(width, 3 * width), nn.Linear(width, width, bias=False)
-        self.fc, self.twice, self.frozen = nn.Linear(width, 2 * width), nn.Linear(2 * width, 2 * width), nn.Linear(2 * width, width)
+        self.norm, self.qkv, self.proj = (
+            nn.LayerNorm(width),
+            nn.Linear(width, 3 * width),
+            nn.Linear(width, width, bias=False),
+        )
+        self.fc, self.twice, self.frozen = (
+            nn.Linear(width, 2 * width),
+            nn.Linear(2 * width, 2 * width),
+            nn.Linear(2 * width, width),
+        )
         self.frozen.weight.requires_grad_(False)
         self.embed = nn.Embedding(vocab, width)
         self.head = nn.Linear(width, vocab)
@@ -54,7 +62,9 @@ def _full(block: nn.Module, x: torch.Tensor, tokens: torch.Tensor, grad: torch.T
     return x.grad, grads
 
 
-def _deferred_forward(block: nn.Module, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, DeferredGrads]:
+def _deferred_forward(
+    block: nn.Module, x: torch.Tensor, tokens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, DeferredGrads]:
     store = DeferredGrads([p for p in block.parameters() if p.requires_grad])
     x = x.detach().requires_grad_()
     with DeferWeightGrads(store):
@@ -71,7 +81,9 @@ def test_deferred_split_matches_one_backward() -> None:
     # on a trainable weight: qkv, proj, fc, twice (two calls), head; not the frozen one.
     deferred = {id(p) for m in (block.qkv, block.proj, block.fc, block.twice) for p in m.parameters()}
     assert all(p.grad is None for p in block.parameters() if id(p) in deferred)  # I added only the others' gradients
-    assert sorted(tuple(c.weight.shape) for c in store.calls) == sorted([(48, 16), (16, 16), (32, 16), (32, 32), (32, 32), (11, 16)])
+    assert sorted(tuple(c.weight.shape) for c in store.calls) == sorted(
+        [(48, 16), (16, 16), (32, 16), (32, 32), (32, 32), (11, 16)]
+    )
     updated = weight_grads(work)
     torch.testing.assert_close(gx, want_x, rtol=1e-6, atol=1e-7)
     got = {n: p.grad for n, p in block.named_parameters() if p.grad is not None}
@@ -184,8 +196,12 @@ def test_autocast_and_derived_weights_are_left_to_autograd_and_stay_correct() ->
 def test_only_stages_of_linear_convolution_and_embedding_weights_defer() -> None:
     assert deferrable_weights_only(_Block().modules())
     assert deferrable_weights_only(nn.Sequential(nn.Conv2d(3, 3, 3), nn.BatchNorm2d(3), nn.Linear(3, 3)).modules())
-    assert not deferrable_weights_only(nn.Sequential(nn.ConvTranspose2d(3, 3, 3), nn.Linear(3, 3)).modules())  # F.conv_transpose2d: not deferred
-    assert not deferrable_weights_only(nn.MultiheadAttention(8, 2).modules())  # its packed projection: F.linear inside another torch function
+    assert not deferrable_weights_only(
+        nn.Sequential(nn.ConvTranspose2d(3, 3, 3), nn.Linear(3, 3)).modules()
+    )  # F.conv_transpose2d: not deferred
+    assert not deferrable_weights_only(
+        nn.MultiheadAttention(8, 2).modules()
+    )  # its packed projection: F.linear inside another torch function
     # The cost-model block's weight gradient is a sleep on a 1-D weight's path: no linear, no deferral.
     assert not deferrable_weights_only(SleepBlock(4, (0.0, 0.0, 0.0)).modules())
 
@@ -199,7 +215,9 @@ def test_hugging_face_llama_layers_and_tied_head_defer_and_match_one_backward() 
     from hf_llama import HFLlama
 
     torch.manual_seed(0)
-    model = HFLlama(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    model = HFLlama(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
     first, *stage = model.pipeline_blocks()  # the last stage: both decoder layers, the norm and the tied head
     ids, targets = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
     with torch.no_grad():
@@ -238,7 +256,9 @@ class _PassThrough(nn.Module):
         self.lin, self.p1, self.p2 = nn.Linear(8, 8), nn.Parameter(torch.zeros(4, 8)), nn.Parameter(torch.zeros(4, 8))
 
     def forward(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        return 2 * (self.lin(x) + self.p1 + self.p2) + other  # the doubled gradient goes to lin's output and both weights
+        return (
+            2 * (self.lin(x) + self.p1 + self.p2) + other
+        )  # the doubled gradient goes to lin's output and both weights
 
 
 class _InputAsWeight(nn.Module):
@@ -289,7 +309,10 @@ def test_two_pending_microbatches_match_two_backwards(make) -> None:
     # I of two microbatches, then both W's (a pending W, as under ZB-H1), against two full backwards.
     torch.manual_seed(0)
     block = make()
-    data = [(torch.randn(4, 8), torch.randn(8, 8) if make is _InputAsWeight else torch.randn(4, 8), torch.randn(4, 8)) for _ in range(2)]
+    data = [
+        (torch.randn(4, 8), torch.randn(8, 8) if make is _InputAsWeight else torch.randn(4, 8), torch.randn(4, 8))
+        for _ in range(2)
+    ]
     want_inputs = []
     for x, other, g in data:
         x, other = x.clone().requires_grad_(), other.clone().requires_grad_()
@@ -359,7 +382,8 @@ def test_deferred_convolutions_match_one_backward(monkeypatch, needs_seq_grad: b
     found, work = input_grads([out], [grad], needing, store)
     deferred = {id(p) for m in (block.c1, block.c2, block.c3, block.c4, block.c5) for p in m.parameters()}
     assert sorted(tuple(c.weight.shape) for c in store.calls) == sorted(
-        tuple(m.weight.shape) for m in (block.c1, block.c2, block.c3, block.c4, block.c5))
+        tuple(m.weight.shape) for m in (block.c1, block.c2, block.c3, block.c4, block.c5)
+    )
     assert all(p.grad is None for p in block.parameters() if id(p) in deferred)  # I added only the others' gradients
     assert all(p.grad is not None for p in block.parameters() if id(p) not in deferred)  # the norm's, even's, up's
     with pytest.raises(RuntimeError, match="second time"):  # I kept no graph
@@ -390,14 +414,18 @@ class _ConvolutionBackwards(TorchDispatchMode):
 
 
 def test_each_convolution_gradient_runs_once_split_between_i_and_w() -> None:
-    block = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Tanh(), nn.Conv2d(4, 4, 3, bias=False), nn.Tanh(), nn.Conv2d(4, 2, 1))
+    block = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.Tanh(), nn.Conv2d(4, 4, 3, bias=False), nn.Tanh(), nn.Conv2d(4, 2, 1)
+    )
     x, grad = torch.randn(2, 3, 8, 8, requires_grad=True), torch.randn(2, 2, 6, 6)
     with _ConvolutionBackwards() as full:
         block(x).backward(grad)
     i_pass, w_pass = _recorded_split(_ConvolutionBackwards, block, x, grad)
     assert sorted(full.masks) == sorted([(True, True, True), (True, True, False), (True, True, True)])
     assert i_pass.masks == [(True, False, False)] * 3  # input gradients only
-    assert sorted(w_pass.masks) == sorted([(False, True, True), (False, True, False), (False, True, True)])  # weights and biases
+    assert sorted(w_pass.masks) == sorted(
+        [(False, True, True), (False, True, False), (False, True, True)]
+    )  # weights and biases
 
 
 def _split_against_one_backward(fn, params: list[nn.Parameter], x: torch.Tensor) -> int:
@@ -426,13 +454,19 @@ def _split_against_one_backward(fn, params: list[nn.Parameter], x: torch.Tensor)
 def test_convolution_calls_torch_accepts_in_other_forms_defer_or_stay_correct() -> None:
     torch.manual_seed(0)
     conv = nn.Conv2d(4, 5, 3, padding=1)
-    assert _split_against_one_backward(conv, list(conv.parameters()), torch.randn(4, 8, 8)) == 0  # unbatched: left to autograd
+    assert (
+        _split_against_one_backward(conv, list(conv.parameters()), torch.randn(4, 8, 8)) == 0
+    )  # unbatched: left to autograd
     w = nn.Parameter(torch.randn(6, 4, 3, 5))
     x = torch.randn(2, 4, 9, 9)
-    assert _split_against_one_backward(lambda t: F.conv2d(t, w, padding="same", dilation=[2]), [w], x) == 1  # one value, both dims
+    assert (
+        _split_against_one_backward(lambda t: F.conv2d(t, w, padding="same", dilation=[2]), [w], x) == 1
+    )  # one value, both dims
     assert _split_against_one_backward(lambda t: F.conv2d(t, w, stride=np.int64(2)), [w], x) == 1
     even = nn.Parameter(torch.randn(6, 4, 3, 2))
-    assert _split_against_one_backward(lambda t: F.conv2d(t, even, padding="same", dilation=[1]), [even], x) == 0  # uneven
+    assert (
+        _split_against_one_backward(lambda t: F.conv2d(t, even, padding="same", dilation=[1]), [even], x) == 0
+    )  # uneven
 
 
 class _StridedHead(nn.Module):
@@ -452,7 +486,9 @@ class _ConvChain(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList([nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1), _StridedHead(), nn.Conv2d(8, 8, 1)])
+        self.blocks = nn.ModuleList(
+            [nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1), _StridedHead(), nn.Conv2d(8, 8, 1)]
+        )
 
     def pipeline_blocks(self) -> list[nn.Module]:
         return list(self.blocks)

@@ -40,15 +40,17 @@ NOT_RUN = {
     'python -m pip install -e ".[test]"': "installs packages",
     'python -m pip install torch==2.13.0 -e ".[hf]"': "installs packages",
     "python examples/gpt.py fit --config configs/gpt_auto.yaml": "trains 60 steps on 4 processes",
-    "python examples/hf_llama.py fit --config configs/hf_llama.yaml": "trains 200 steps (tests/test_example.py runs a smaller one)",
+    "python examples/hf_llama.py fit --config configs/hf_llama.yaml": "trains 200 steps (test_example runs less)",
     "python train.py": "a placeholder for the user's own script",
     "torchrun --nproc_per_node=2 examples/gpt.py fit --config configs/gpt_1f1b.yaml": "trains 300 steps",
-    "python -m lightning_pipe.plan --config configs/gpt_1f1b.yaml --devices 4 --memory 256MiB": "profiles the model and measures links between processes (tens of seconds)",
-    "python -m lightning_pipe.plan --config my_config.yaml --script path/to/your_model.py --devices 8": "a placeholder for the user's own config and script",
+    "python -m lightning_pipe.plan --config configs/gpt_1f1b.yaml --devices 4 --memory 256MiB": "profiles (tens of s)",
+    "python -m lightning_pipe.plan --config my_config.yaml --script path/to/your_model.py --devices 8": "placeholders",
     "python -m lightning_pipe.plan --config my_config.yaml --script path/to/your_model.py --devices 8 --memory 40GiB "
     "--allow-stale": "a placeholder for the user's own config and script",
     f'python -m lightning.pytorch.utilities.consolidate_checkpoint "{_CKPT}"': "needs the quickstart's checkpoint",
-    f'python examples/gpt.py fit --config configs/gpt_1f1b.yaml --trainer.max_steps=600 --ckpt_path "{_CKPT}"': "needs the quickstart's checkpoint, then trains 300 steps",
+    f'python examples/gpt.py fit --config configs/gpt_1f1b.yaml --trainer.max_steps=600 --ckpt_path "{_CKPT}"': (
+        "needs the quickstart's checkpoint, then trains 300 steps"
+    ),
     "tensorboard --logdir logs": "a server that runs until stopped",
 }
 
@@ -91,9 +93,25 @@ def _docs_commands() -> dict[str, Path]:
 
 
 def test_mkdocs_build_strict(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"),
-                             "-d", str(tmp_path / "site")], check=False, cwd=ROOT, capture_output=True, text=True,
-                            env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}, timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "-f",
+            str(ROOT / "mkdocs.yml"),
+            "-d",
+            str(tmp_path / "site"),
+        ],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     api = (tmp_path / "site" / "api" / "index.html").read_text()
     import lightning_pipe

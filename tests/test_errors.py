@@ -14,9 +14,9 @@ from torch import nn
 
 from lightning_pipe import PipelineGroups, PipelinePlan, PipelineStrategy, Topology, place
 from tests.distributed import free_port, run_workers
-from tests.models import frozen as _frozen
 from tests.launch import SCRIPTS, launch
 from tests.models import ToyChain, make_data
+from tests.models import frozen as _frozen
 
 
 def test_unknown_schedule() -> None:
@@ -94,7 +94,11 @@ def test_split_placement_misuse() -> None:
     with pytest.raises(ValueError, match="split_max_pending does not apply with split_placement='drain'"):
         PipelinePlan(1, 2, 4, "1f1b", True, 1, split_placement="drain")
     assert "split backward (drain)" in PipelinePlan(1, 2, 4, "1f1b", True, split_placement="drain").describe()
-    for schedule, own in (("1f1b", "zb-h1"), ("gpipe", "bounded"), ("2bw", "carry")):  # the schedule's own is the default
+    for schedule, own in (
+        ("1f1b", "zb-h1"),
+        ("gpipe", "bounded"),
+        ("2bw", "carry"),
+    ):  # the schedule's own is the default
         assert PipelinePlan(1, 2, 4, schedule, True, split_placement=own) == PipelinePlan(1, 2, 4, schedule, True)
 
 
@@ -111,11 +115,20 @@ def test_autoplanner_without_pipeline_strategy_is_refused() -> None:
 
     from lightning_pipe import AutoPlanner
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, callbacks=[AutoPlanner()])  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=[AutoPlanner()],
+    )
     x, y = make_data(16)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
-    with pytest.raises(TypeError, match=r"AutoPlanner needs Trainer\(strategy=PipelineStrategy\(global_batch_size=...\)\)"):
+    with pytest.raises(
+        TypeError, match=r"AutoPlanner needs Trainer\(strategy=PipelineStrategy\(global_batch_size=...\)\)"
+    ):
         trainer.fit(ToyChain(), loader)
 
 
@@ -132,10 +145,13 @@ def test_autoplanner_refuses_a_fit_shorter_than_its_profiling() -> None:
     AutoPlanner(profile_steps=5).on_train_start(endless, None)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("case,error,message", [
-    ("auto_opt", ValueError, "needs manual optimization"),
-    ("no_blocks", TypeError, "has no pipeline_blocks"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "case,error,message",
+    [
+        ("auto_opt", ValueError, "needs manual optimization"),
+        ("no_blocks", TypeError, "has no pipeline_blocks"),
+    ],
+)
 def test_trainer_refuses_misuse_in_one_process(case: str, error: type, message: str) -> None:
     from tests.scripts.misuse import fit_case
 
@@ -211,7 +227,12 @@ def _fail_in_a_send(rank: int, world: int) -> None:
     def failing(self: Any, a: Any, st: Any) -> None:
         calls[0] += 1
         later = self._actions[self._at + 1 :]
-        if rank == 1 and calls[0] > 8 and later and next(x for x in later if x.kind in (Kind.SEND_ACT, Kind.SEND_GRAD)).kind is Kind.SEND_ACT:
+        if (
+            rank == 1
+            and calls[0] > 8
+            and later
+            and next(x for x in later if x.kind in (Kind.SEND_ACT, Kind.SEND_GRAD)).kind is Kind.SEND_ACT
+        ):
             raise RuntimeError("send failed before posting")
         original(self, a, st)
 
@@ -243,9 +264,12 @@ def test_trainer_rank_failing_mid_step_exits_all(tmp_path) -> None:
 def test_autoplanner_arguments_are_checked_when_it_is_made() -> None:
     from lightning_pipe import AutoPlanner
 
-    for kwargs, message in (({"profile_steps": 1}, "profile_steps must be >= 2"), ({"min_gain": -0.1}, "min_gain must be >= 0"),
-                            ({"headroom": 1.0}, r"headroom must be in \[0, 1\)"),
-                            ({"virtual_stages": ()}, "virtual_stages must list stage counts >= 1"),
-                            ({"virtual_stages": (0, 1)}, "virtual_stages must list stage counts >= 1")):  # fmt: skip
+    for kwargs, message in (
+        ({"profile_steps": 1}, "profile_steps must be >= 2"),
+        ({"min_gain": -0.1}, "min_gain must be >= 0"),
+        ({"headroom": 1.0}, r"headroom must be in \[0, 1\)"),
+        ({"virtual_stages": ()}, "virtual_stages must list stage counts >= 1"),
+        ({"virtual_stages": (0, 1)}, "virtual_stages must list stage counts >= 1"),
+    ):
         with pytest.raises(ValueError, match=message):
             AutoPlanner(**kwargs)

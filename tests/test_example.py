@@ -25,20 +25,42 @@ SCHEDULES = ("gpipe", "1f1b", "2bw")
 def _gpt_cli(rank: int, world: int, schedule: str) -> None:
     import gpt
 
-    gpt.main(["fit", f"--config={ROOT / 'configs' / f'gpt_{schedule}.yaml'}",
-              "--trainer.max_steps=6", "--trainer.val_check_interval=3", "--trainer.limit_val_batches=2",
-              "--trainer.log_every_n_steps=1", f"--trainer.logger.init_args.save_dir={scenario_dir()}",
-              "--model.n_layer=2", "--model.n_embd=32", "--data.batch_size=8", "--data.max_bytes=200000"])  # fmt: skip
+    gpt.main(
+        [
+            "fit",
+            f"--config={ROOT / 'configs' / f'gpt_{schedule}.yaml'}",
+            "--trainer.max_steps=6",
+            "--trainer.val_check_interval=3",
+            "--trainer.limit_val_batches=2",
+            "--trainer.log_every_n_steps=1",
+            f"--trainer.logger.init_args.save_dir={scenario_dir()}",
+            "--model.n_layer=2",
+            "--model.n_embd=32",
+            "--data.batch_size=8",
+            "--data.max_bytes=200000",
+        ]
+    )
 
 
 def _hf_llama_cli(rank: int, world: int) -> None:
     import hf_llama
 
-    hf_llama.main(["fit", f"--config={ROOT / 'configs' / 'hf_llama.yaml'}",
-                   "--trainer.max_steps=12", "--trainer.val_check_interval=12", "--trainer.limit_val_batches=2",
-                   "--trainer.log_every_n_steps=1", f"--trainer.logger.init_args.save_dir={scenario_dir()}",
-                   "--model.num_hidden_layers=2", "--model.hidden_size=32", "--model.intermediate_size=64",
-                   "--data.batch_size=8", "--data.max_bytes=200000"])  # fmt: skip
+    hf_llama.main(
+        [
+            "fit",
+            f"--config={ROOT / 'configs' / 'hf_llama.yaml'}",
+            "--trainer.max_steps=12",
+            "--trainer.val_check_interval=12",
+            "--trainer.limit_val_batches=2",
+            "--trainer.log_every_n_steps=1",
+            f"--trainer.logger.init_args.save_dir={scenario_dir()}",
+            "--model.num_hidden_layers=2",
+            "--model.hidden_size=32",
+            "--model.intermediate_size=64",
+            "--data.batch_size=8",
+            "--data.max_bytes=200000",
+        ]
+    )
 
 
 for _schedule in SCHEDULES:

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place
+from tests.models import ToyChain, assert_close_dicts, make_data, reference_grads, reference_train
+from tests.models import frozen as _frozen
 from tests.nccl_order import record, run_in_order
 from tests.shared import scenario, scenario_per_layout
-from tests.models import frozen as _frozen
-from tests.models import ToyChain, assert_close_dicts, make_data, reference_grads, reference_train
 
 BATCH, M, STEPS = 16, 4, 5
 COMBOS = [(s, r) for s in ("gpipe", "1f1b") for r in (False, True)]
@@ -29,7 +29,12 @@ def _worker(rank: int, world: int, depth: int) -> dict:
     for schedule, recompute in COMBOS:
         torch.manual_seed(0)
         model = ToyChain()
-        engine = place(model, PipelinePlan(topo.width, depth, M, schedule, partition="uniform", recompute=recompute), rank, groups=groups)
+        engine = place(
+            model,
+            PipelinePlan(topo.width, depth, M, schedule, partition="uniform", recompute=recompute),
+            rank,
+            groups=groups,
+        )
         opt = torch.optim.Adam(model.parameters(), lr=model.lr)
         losses, grads = [], None
         for step in range(STEPS):
@@ -67,7 +72,7 @@ def test_executor_matches_single_process(launched, width: int, depth: int) -> No
         peaks = [out[r][1][combo][3] for r in range(depth)]
         assert peaks == [M if combo[0] == "gpipe" else min(depth - s, M) for s in range(depth)]
         losses = [out[r][1][combo][2] for r in range(depth)]
-        assert all(l == losses[0] for l in losses), "every stage must return the same loss"
+        assert all(loss == losses[0] for loss in losses), "every stage must return the same loss"
 
 
 SIZES = [8, 7, 5, 3]  # the last batches are partial: uneven microbatches, new shapes every step
@@ -103,11 +108,11 @@ def _side_channel_worker(rank: int, world: int) -> tuple[list[dict], list[tuple[
     """Headers on a gloo group of their own (as with NCCL tensors): gradients for changing
     shapes, where each message went, what a failure on the other rank raised here, and the
     transfers each group carried."""
+    import dataclasses
+
     import torch.distributed as dist
 
     from lightning_pipe.runtime.comm import p2p
-
-    import dataclasses
 
     base = PipelineGroups.build(Topology(world, world), rank, side_channel=True)
     # The failure below leaves a receive and the loss broadcast posted: on groups of this test
@@ -203,7 +208,10 @@ def _out_of_order_worker(rank: int, world: int) -> dict:
 
     model, engine = _interleaved(rank, world, 2)
     program = _out_of_order_program()
-    engine._programs[(True, 2)] = (program[rank], {1 - rank: receive_order(program, rank)[1 - rank]})  # this step runs it
+    engine._programs[(True, 2)] = (
+        program[rank],
+        {1 - rank: receive_order(program, rank)[1 - rank]},
+    )  # this step runs it
     engine.train_step(make_data(8, seed=0), _frozen(engine))
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -268,12 +276,23 @@ def test_links_carrying_activations_and_gradients_post_receives_that_fit(launche
     # Once shapes are known every transfer is one message, header and tensors packed (issue 12):
     # two per transfer before, header then payload.
     out = launched(2)["executor_link_specs"]
-    assert all(status == "ok" and mismatched == 0 and posted == sends > 0 for status, (mismatched, posted, sends) in out), out
+    assert all(
+        status == "ok" and mismatched == 0 and posted == sends > 0 for status, (mismatched, posted, sends) in out
+    ), out
 
 
 # (schedule, split, virtual stages, microbatches) at d = 4
-ORDERED = [("gpipe", False, 1, 4), ("gpipe", True, 1, 4), ("1f1b", False, 1, 4), ("1f1b", True, 1, 4),
-           ("1f1b", False, 2, 4), ("1f1b", False, 2, 8), ("1f1b", True, 2, 8), ("2bw", False, 1, 4), ("2bw", True, 1, 4)]  # fmt: skip
+ORDERED = [
+    ("gpipe", False, 1, 4),
+    ("gpipe", True, 1, 4),
+    ("1f1b", False, 1, 4),
+    ("1f1b", True, 1, 4),
+    ("1f1b", False, 2, 4),
+    ("1f1b", False, 2, 8),
+    ("1f1b", True, 2, 8),
+    ("2bw", False, 1, 4),
+    ("2bw", True, 1, 4),
+]
 ORDERED_SIZES = [16, 16, 12]  # the last batch's microbatches are smaller: new shapes mid-run
 
 
@@ -307,8 +326,11 @@ def _check_ordered(combo: tuple, per_rank: list[tuple[dict, dict]]) -> None:
     """Weights as one process trains them (2BW: its rule), and transfers that run in NCCL's order."""
     _replays([streams for _, streams in per_rank])
     torch.manual_seed(0)
-    want = reference_train(ToyChain(depth=6), [make_data(n, seed=s) for s, n in enumerate(ORDERED_SIZES)],
-                           delay=1 if combo[0] == "2bw" else 0)  # fmt: skip
+    want = reference_train(
+        ToyChain(depth=6),
+        [make_data(n, seed=s) for s, n in enumerate(ORDERED_SIZES)],
+        delay=1 if combo[0] == "2bw" else 0,
+    )
     assert_close_dicts({k: v for weights, _ in per_rank for k, v in weights.items()}, want, rtol=1e-5)
 
 
@@ -344,8 +366,13 @@ def test_the_nccl_replay_finds_hangs_and_mismatched_sizes() -> None:
     apart = {0: {"g": [[("send", 1, 4)], [("recv", 1, 4)]]}, 1: {"g": [[("send", 0, 4)], [("recv", 0, 4)]]}}
     with pytest.raises(AssertionError, match="would hang"):
         run_in_order(apart)
-    assert run_in_order({0: {"g": [[("send", 1, 4), ("recv", 1, 4)]]}, 1: {"g": [[("recv", 0, 4), ("send", 0, 4)]]}}) == 4
-    by_direction = {0: {"01": [[("send", 1, 4)]], "10": [[("recv", 1, 4)]]}, 1: {"10": [[("send", 0, 4)]], "01": [[("recv", 0, 4)]]}}
+    assert (
+        run_in_order({0: {"g": [[("send", 1, 4), ("recv", 1, 4)]]}, 1: {"g": [[("recv", 0, 4), ("send", 0, 4)]]}}) == 4
+    )
+    by_direction = {
+        0: {"01": [[("send", 1, 4)]], "10": [[("recv", 1, 4)]]},
+        1: {"10": [[("send", 0, 4)]], "01": [[("recv", 0, 4)]]},
+    }
     assert run_in_order(by_direction) == 4
     # In a ring on one group, a receive posted first holds back the rank's send to the other
     # side, and a send posted first the receive: both hang.

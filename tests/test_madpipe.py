@@ -1,4 +1,4 @@
-"""Memory-aware partitioning (seed 004, section 4): optimal against brute force, exact stash counts, the MadPipe case."""
+"""Memory-aware partitioning (MadPipe, section 4): optimal against brute force, exact stash counts, its own case."""
 
 from __future__ import annotations
 
@@ -8,20 +8,22 @@ import random
 import pytest
 
 from lightning_pipe import PipelinePlan
-from lightning_pipe.planning.madpipe import madpipe_partition
-from lightning_pipe.schedules import build_schedule
-from lightning_pipe.schedules.simulate import simulate, unit_costs
 from lightning_pipe.core.partition import balanced
 from lightning_pipe.planning import costs, madpipe, predict, programs
-from lightning_pipe.planning.search import candidates
+from lightning_pipe.planning.madpipe import madpipe_partition
+from lightning_pipe.planning.memory import stage_peak_bytes
 from lightning_pipe.planning.predict import predict_memory
 from lightning_pipe.planning.profile import BlockProfile, BlockSample, Profile
-from lightning_pipe.planning.memory import stage_peak_bytes
+from lightning_pipe.planning.search import candidates
+from lightning_pipe.schedules import build_schedule
+from lightning_pipe.schedules.simulate import simulate, unit_costs
 
 
 def _chain(times: list[float], saved: list[int], out: int = 64, weights: int = 1000, data: float = 32.0) -> Profile:
-    blocks = [BlockProfile(f"b{i}", [BlockSample(1, t / 3, 2 * t / 3, t / 3, t / 3, a, out)], weights, weights, 2 * weights)
-              for i, (t, a) in enumerate(zip(times, saved))]  # fmt: skip
+    blocks = [
+        BlockProfile(f"b{i}", [BlockSample(1, t / 3, 2 * t / 3, t / 3, t / 3, a, out)], weights, weights, 2 * weights)
+        for i, (t, a) in enumerate(zip(times, saved))
+    ]
     return Profile(blocks, input_bytes_per_sample=data)
 
 
@@ -31,10 +33,14 @@ def _stage_memory(profile: Profile, a: int, z: int, s: int, depth: int, m: int, 
     the dynamic program search the same function, and only the search is compared."""
     plan = PipelinePlan(depth=depth, microbatches=m, schedule=schedule)
     stage = costs.range_costs(profile, range(a, z), 1)
-    return stage_peak_bytes(stage, programs.held(plan)[s], 1, False, s == 0, s == depth - 1, costs.batch_bytes(profile, plan, 1))
+    return stage_peak_bytes(
+        stage, programs.held(plan)[s], 1, False, s == 0, s == depth - 1, costs.batch_bytes(profile, plan, 1)
+    )
 
 
-def _brute_force(profile: Profile, schedule: str, depth: int, m: int, limit: float) -> tuple[float, tuple[int, ...]] | None:
+def _brute_force(
+    profile: Profile, schedule: str, depth: int, m: int, limit: float
+) -> tuple[float, tuple[int, ...]] | None:
     """Every contiguous partition; the fastest whose every stage fits (:func:`_stage_memory`)."""
     n, best = len(profile.blocks), None
     samples = [b.at(1) for b in profile.blocks]
@@ -84,7 +90,7 @@ def test_dynamic_program_is_optimal_against_brute_force() -> None:
 
 
 def test_memory_heavy_first_block_fits_only_with_the_memory_aware_partition() -> None:
-    # Seed 004's networks keep most activations in their first layers: here block 0 saves 8 times
+    # MadPipe's networks keep most activations in their first layers: here block 0 saves 8 times
     # what the others do, with equal compute. Under 1F1B stage 0 holds d microbatches of them.
     times, saved = [1.0] * 8, [8000] + [1000] * 7
     profile = _chain(times, saved)
@@ -101,7 +107,9 @@ def test_memory_heavy_first_block_fits_only_with_the_memory_aware_partition() ->
     peaks = predict_memory(profile, balanced_plan, 1, predict.predict_step(profile, balanced_plan, 1)[1])
     assert peaks[0] > limit
     # The planner's search offers the memory-aware partition next to the time-balanced one.
-    offered = {c.plan.partition for c in candidates(profile, 4, 4, schedules=["1f1b"], memory_limit=limit) if c.plan.depth == 4}
+    offered = {
+        c.plan.partition for c in candidates(profile, 4, 4, schedules=["1f1b"], memory_limit=limit) if c.plan.depth == 4
+    }
     assert balanced_sizes in offered and got.sizes in offered
 
 

@@ -11,10 +11,10 @@ import matplotlib.image
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lightning_pipe.schedules.simulate import simulate
 from benchmarks.sleep_chain import SleepChain
 from lightning_pipe.schedules import build_schedule
 from lightning_pipe.schedules.actions import COMPUTE_KINDS, Action, Kind
+from lightning_pipe.schedules.simulate import simulate
 from lightning_pipe.schedules.timeline import COLOURS, bubble_fraction, draw
 from tests.scripts.monitor_sleep import fit_monitored
 from tests.shared import scenario, scenario_dir
@@ -39,12 +39,20 @@ def test_bubble_fraction_of_a_simulated_timeline_is_the_simulators_bubble() -> N
 
 
 def test_draw_puts_one_box_per_action_where_it_ran() -> None:
-    sim = simulate(build_schedule("1f1b", DEPTH, M, split=True), SleepChain(DEPTH, 2, (0.01, 0.01, 0.02)).predicted_cost())
+    sim = simulate(
+        build_schedule("1f1b", DEPTH, M, split=True), SleepChain(DEPTH, 2, (0.01, 0.01, 0.02)).predicted_cost()
+    )
     fig = draw(sim.timeline, "test")  # a span under 10 s is drawn in milliseconds
     ax = fig.axes[0]
-    drawn = sorted((round(p.get_x(), 6), round(p.get_y() + p.get_height() / 2), round(p.get_width(), 6)) for p in ax.patches)
+    drawn = sorted(
+        (round(p.get_x(), 6), round(p.get_y() + p.get_height() / 2), round(p.get_width(), 6)) for p in ax.patches
+    )
     # rounded as the drawn side is, so that boxes starting together on two ranks sort alike
-    want = sorted((round(i.start * 1e3, 6), i.rank, round((i.end - i.start) * 1e3, 6)) for i in sim.timeline if i.action.kind in COLOURS)
+    want = sorted(
+        (round(i.start * 1e3, 6), i.rank, round((i.end - i.start) * 1e3, 6))
+        for i in sim.timeline
+        if i.action.kind in COLOURS
+    )
     assert drawn == [pytest.approx(w) for w in want]
     assert sum(i.action.kind in COMPUTE_KINDS for i in sim.timeline) == 3 * DEPTH * M  # F, I and W of each microbatch
 
@@ -89,7 +97,11 @@ def test_monitor_bubble_agrees_with_simulator_and_draws_the_timeline(launched) -
     for s in range(DEPTH):
         assert int(float(rows[-1][f"pipeline/stage{s}/peak_stash"])) == nominal.peak_stash[s]
         assert float(rows[-1][f"pipeline/stage{s}/compute_s"]) > 0
-        assert float(rows[-1][f"pipeline/stage{s}/memory_bytes"]) >= float(rows[-1][f"pipeline/stage{s}/peak_stash_bytes"]) > 0
+        assert (
+            float(rows[-1][f"pipeline/stage{s}/memory_bytes"])
+            >= float(rows[-1][f"pipeline/stage{s}/peak_stash_bytes"])
+            > 0
+        )
     assert float(rows[-1]["pipeline/samples_per_s"]) > 0
     # The figure: one PNG per STEPS steps, and the same image in TensorBoard.
     assert dump["saved"] == [str(Path(dump["tb"]) / "pipeline_timeline" / f"timeline_step{STEPS:06d}.png")]

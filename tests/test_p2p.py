@@ -26,13 +26,19 @@ def test_a_packed_message_carries_the_header_of_its_tensors_and_their_values(ten
     end = p2p.HEADER_BYTES
     for t, view in zip(tensors, layout.views(message)):
         start = (end + 7) // 8 * 8
-        assert view.untyped_storage().data_ptr() + view.storage_offset() * t.element_size() == message.data_ptr() + start
+        assert (
+            view.untyped_storage().data_ptr() + view.storage_offset() * t.element_size() == message.data_ptr() + start
+        )
         assert view.dtype == t.dtype and view.shape == t.shape and torch.equal(view, t)
         end = start + t.numel() * t.element_size()
     assert message.numel() == layout.nbytes == end
     layout.pack(tensors, 12, torch.device("cpu"))  # another message: the first and the cached header keep theirs
     assert message[: p2p.HEADER_BYTES].view(torch.int64).tolist() == header and layout.fields[2] == 0
-    assert layout.pack(tensors, 0, torch.device("cpu"))[: p2p.HEADER_BYTES].view(torch.int64).tolist()[:3] == [p2p._PACKED, len(tensors), 0]
+    assert layout.pack(tensors, 0, torch.device("cpu"))[: p2p.HEADER_BYTES].view(torch.int64).tolist()[:3] == [
+        p2p._PACKED,
+        len(tensors),
+        0,
+    ]
 
 
 def test_a_header_for_other_shapes_is_not_described_by_the_packing() -> None:

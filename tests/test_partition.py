@@ -19,7 +19,9 @@ def _best_by_brute_force(costs: list[float], depth: int) -> float:
     return best
 
 
-@pytest.mark.parametrize("costs,depth", [([1, 2, 3, 4, 5, 6], 3), ([9, 1, 1, 1, 1, 9], 2), ([5, 1, 1, 1, 1, 1, 1, 5], 4)])
+@pytest.mark.parametrize(
+    "costs,depth", [([1, 2, 3, 4, 5, 6], 3), ([9, 1, 1, 1, 1, 9], 2), ([5, 1, 1, 1, 1, 1, 1, 5], 4)]
+)
 def test_balanced_is_optimal(costs: list[float], depth: int) -> None:
     sizes = balanced(costs, depth)
     assert sum(sizes) == len(costs) and min(sizes) >= 1 and len(sizes) == depth
@@ -45,7 +47,14 @@ def test_more_stages_than_blocks_is_refused() -> None:
 def test_topology_layout_and_errors() -> None:
     topo = Topology(6, 3)
     assert topo.width == 2
-    assert [(topo.replica_of(r), topo.position_of(r)) for r in range(6)] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    assert [(topo.replica_of(r), topo.position_of(r)) for r in range(6)] == [
+        (0, 0),
+        (0, 1),
+        (0, 2),
+        (1, 0),
+        (1, 1),
+        (1, 2),
+    ]
     assert all(topo.rank_of(topo.replica_of(r), topo.position_of(r)) == r for r in range(6))
     with pytest.raises(ValueError, match="world size 6 is not divisible by pipeline_depth=4"):
         Topology(6, 4)

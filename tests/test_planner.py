@@ -1,4 +1,4 @@
-"""Profiler and planner: measured bytes, seed 000's Appendix A against the cost model, the search."""
+"""Profiler and planner: measured bytes, the PipeDream-2BW paper's Appendix A against the cost model, the search."""
 
 from __future__ import annotations
 
@@ -23,21 +23,42 @@ from tests.models import HIDDEN, ToyChain, make_data
 from tests.shared import scenario
 
 
-def _uniform(n: int, f: float = 1.0, b: float = 2.0, saved: int = 1000, out: int = 100, params: int = 4000,
-             grads: int = 4000, opt: int = 8000, data: float = 50.0, latency: float = 0.0, bandwidth: float = float("inf")) -> Profile:  # fmt: skip
+def _uniform(
+    n: int,
+    f: float = 1.0,
+    b: float = 2.0,
+    saved: int = 1000,
+    out: int = 100,
+    params: int = 4000,
+    grads: int = 4000,
+    opt: int = 8000,
+    data: float = 50.0,
+    latency: float = 0.0,
+    bandwidth: float = float("inf"),
+) -> Profile:
     """A hand-made profile: n equal blocks, linear in the microbatch size (samples at b = 1 and 4)."""
+
     def at(k: int) -> BlockSample:
         return BlockSample(k, k * f, k * b, k * b / 2, k * b / 2, k * saved, k * out)
 
     blocks = [BlockProfile(f"b{i}", [at(1), at(4)], params, grads, opt) for i in range(n)]
-    return Profile(blocks, optimizer_step=0.0, input_bytes_per_sample=data, link_latency=latency, link_bandwidth=bandwidth)
+    return Profile(
+        blocks, optimizer_step=0.0, input_bytes_per_sample=data, link_latency=latency, link_bandwidth=bandwidth
+    )
 
 
 def test_profile_measures_bytes_and_round_trips_json() -> None:
     torch.manual_seed(0)
     model = ToyChain()
     profile = profile_blocks(model, make_data(16), [2, 8], repeats=2)
-    assert [b.name for b in profile.blocks] == ["0:Embed", "1:Residual", "2:Residual", "3:Residual", "4:Residual", "5:Head"]
+    assert [b.name for b in profile.blocks] == [
+        "0:Embed",
+        "1:Residual",
+        "2:Residual",
+        "3:Residual",
+        "4:Residual",
+        "5:Head",
+    ]
     for size in (2, 8):
         embed = profile.blocks[0].at(size)
         assert embed.output_bytes == size * HIDDEN * 4 + size  # float32 hidden state and a bool mask
@@ -60,8 +81,10 @@ def test_two_bw_first_stage_holds_one_batch_of_gradients_unless_weights_are_tied
     grads = 4000
     plan = PipelinePlan(depth=2, microbatches=4, schedule="2bw", partition=[3, 3])
     ties = {"none": [], "within stage 0": [[0, 2]], "across": [[0, 5]], "unknown": None}
-    got = {k: predict.predict(dataclasses.replace(_uniform(6, grads=grads), shared_blocks=v), plan, 2).stage_memory
-           for k, v in ties.items()}  # fmt: skip
+    got = {
+        k: predict.predict(dataclasses.replace(_uniform(6, grads=grads), shared_blocks=v), plan, 2).stage_memory
+        for k, v in ties.items()
+    }
     assert got["none"] == got["within stage 0"]
     assert got["across"] == got["unknown"]
     assert got["across"][0] - got["none"][0] == 3 * grads  # stage 0's three blocks' gradients, once
@@ -69,7 +92,10 @@ def test_two_bw_first_stage_holds_one_batch_of_gradients_unless_weights_are_tied
     # The profiler finds ties: blocks 0 and 3 of this chain share the first block's weight.
     blocks = [torch.nn.Linear(2, 2) for _ in range(3)]
     tied, plain = [*blocks, blocks[0]], blocks
-    assert shared_blocks(torch.nn.ModuleList(tied), tied) == [[0, 3]] and shared_blocks(torch.nn.ModuleList(plain), plain) == []
+    assert (
+        shared_blocks(torch.nn.ModuleList(tied), tied) == [[0, 3]]
+        and shared_blocks(torch.nn.ModuleList(plain), plain) == []
+    )
 
 
 def test_device_bytes_add_to_every_stage_and_survive_json() -> None:
@@ -78,7 +104,11 @@ def test_device_bytes_add_to_every_stage_and_survive_json() -> None:
     plain = _uniform(8)
     held = Profile.from_json(dataclasses.replace(plain, device_bytes=64 * 2**20).to_json())
     assert held.device_bytes == 64 * 2**20
-    for plan in (PipelinePlan(1, 4, 8, "1f1b"), PipelinePlan(2, 2, 4, "2bw"), PipelinePlan(1, 2, 2, "gpipe", recompute=True)):
+    for plan in (
+        PipelinePlan(1, 4, 8, "1f1b"),
+        PipelinePlan(2, 2, 4, "2bw"),
+        PipelinePlan(1, 2, 2, "gpipe", recompute=True),
+    ):
         plan = plan.resolve([1.0] * 8)
         base, shifted = predict.predict(plain, plan, 2), predict.predict(held, plan, 2)
         assert [b + 64 * 2**20 for b in base.stage_memory] == list(shifted.stage_memory)
@@ -88,13 +118,15 @@ def test_device_bytes_add_to_every_stage_and_survive_json() -> None:
 @pytest.mark.parametrize("depth", [1, 2, 4, 8])
 @pytest.mark.parametrize("recompute", [False, True])
 def test_appendix_a_memory_agrees_with_the_cost_model(depth: int, recompute: bool) -> None:
-    # Seed 000, Appendix A.1.2 (2BW): 2|W|/d + d |A_total(b)| / d + d |A_input(b)|, and with
+    # PipeDream-2BW paper, Appendix A.1.2 (2BW): 2|W|/d + d |A_total(b)| / d + d |A_input(b)|, and with
     # recomputation 2|W|/d + |A_total(b)| / d + d |A_input(b)|. The paper counts weights only
     # and a stage's own input per in-flight microbatch: the profile has no gradients or
     # optimizer state here; the cost model's other terms (outputs kept, buffers) are taken off.
     n, b = 2 * depth, 4
     profile = _uniform(n, grads=0, opt=0, data=25.0)
-    plan = PipelinePlan(depth=depth, microbatches=max(depth, 2), schedule="2bw", partition=[2] * depth, recompute=recompute)
+    plan = PipelinePlan(
+        depth=depth, microbatches=max(depth, 2), schedule="2bw", partition=[2] * depth, recompute=recompute
+    )
     got = predict.predict(profile, plan, b)
     weights, a_total, a_input = n * 4000, n * b * 1000, b * 25.0
     want = predict.appendix_a_memory(weights, a_total, a_input, depth, recompute)
@@ -108,10 +140,13 @@ def test_appendix_a_memory_agrees_with_the_cost_model(depth: int, recompute: boo
 
 @pytest.mark.parametrize("times", [(3.0, 3.0, 3.0, 3.0), (2.0, 5.0, 3.0, 1.0), (1.0, 1.0, 4.0)])
 def test_appendix_a_time_agrees_with_the_simulated_two_bw_window(times: tuple[float, ...]) -> None:
-    # Seed 000, Appendix A.1.1: with pipelining a microbatch is processed every
+    # PipeDream-2BW paper, Appendix A.1.1: with pipelining a microbatch is processed every
     # t = max_i max(T_comp_i + sum_j T_comm_{j->i}, T_comm_i / m); a 2BW step (no flush) is m * t.
     depth, m = len(times), 2 * len(times)
-    blocks = [BlockProfile(f"b{i}", [BlockSample(1, t / 3, 2 * t / 3, t / 3, t / 3, 0, 8)], 0, 0, 0) for i, t in enumerate(times)]
+    blocks = [
+        BlockProfile(f"b{i}", [BlockSample(1, t / 3, 2 * t / 3, t / 3, t / 3, 0, 8)], 0, 0, 0)
+        for i, t in enumerate(times)
+    ]
     for latency in (0.0, 0.05):
         profile = Profile(blocks, link_latency=latency)
         plan = PipelinePlan(depth=depth, microbatches=m, schedule="2bw", partition=[1] * depth)
@@ -128,7 +163,9 @@ def test_posting_a_send_delays_its_sender_and_the_transfer() -> None:
     profile = _uniform(2, f=f, b=b, latency=latency)
     profile.send_overhead = s
     plan = PipelinePlan(1, 2, 1, "gpipe", partition=[1, 1])
-    assert predict.predict(profile, plan, 1).step_time == pytest.approx(f + s + latency + f + b + s + latency + b, rel=1e-12)
+    assert predict.predict(profile, plan, 1).step_time == pytest.approx(
+        f + s + latency + f + b + s + latency + b, rel=1e-12
+    )
 
 
 def test_search_covers_every_layout_and_schedule_and_ranks_by_predicted_throughput() -> None:
@@ -138,12 +175,16 @@ def test_search_covers_every_layout_and_schedule_and_ranks_by_predicted_throughp
     seen = {(p.plan.width, p.plan.depth, p.plan.virtual_stages, p.plan.schedule, p.plan.split_backward) for p in ranked}
     plain = {(4 // d, d, 1) for d in (1, 2, 4)}
     interleaved = {(2, 2, 2), (1, 4, 2)}  # 1F1B only, d >= 2 and d * v <= 8 blocks
-    assert seen == set((*layout, name, split) for layout, name, split in itertools.product(plain, SCHEDULE_NAMES, [False, True])) | set(
-        (*layout, "1f1b", split) for layout, split in itertools.product(interleaved, [False, True]))
+    assert seen == set(
+        (*layout, name, split) for layout, name, split in itertools.product(plain, SCHEDULE_NAMES, [False, True])
+    ) | set((*layout, "1f1b", split) for layout, split in itertools.product(interleaved, [False, True]))
     drained = {(p.plan.schedule, p.plan.virtual_stages) for p in ranked if p.plan.split_placement == "drain"}
     assert drained == {("1f1b", 1)} and all(p.plan.split_backward for p in ranked if p.plan.split_placement)
-    assert all(p.plan.microbatches % p.plan.depth == 0 and len(p.plan.partition) == 2 * p.plan.depth
-               for p in ranked if p.plan.virtual_stages == 2)  # fmt: skip
+    assert all(
+        p.plan.microbatches % p.plan.depth == 0 and len(p.plan.partition) == 2 * p.plan.depth
+        for p in ranked
+        if p.plan.virtual_stages == 2
+    )
     assert {p.microbatch_size for p in ranked if p.plan.width == 1} == {1, 2, 4, 8, 16}  # m = 16 / (w b)
     feasible = [p for p in ranked if p.feasible]
     assert feasible and ranked[: len(feasible)] == feasible, "feasible plans come first"
@@ -156,9 +197,14 @@ def test_search_covers_every_layout_and_schedule_and_ranks_by_predicted_throughp
     )
     assert ranked[0].samples_per_second == pytest.approx(best.samples_per_second)
     infeasible = [p for p in ranked if not p.feasible]
-    assert infeasible and all("over the budget" in p.why_infeasible() and p.why_infeasible().startswith("stage ") for p in infeasible
-                              if p.plan.virtual_stages == 1)  # fmt: skip
-    assert any(p.why_infeasible().startswith("rank 0 (stages 0, 2) needs ") for p in infeasible if p.plan.virtual_stages == 2)
+    assert infeasible and all(
+        "over the budget" in p.why_infeasible() and p.why_infeasible().startswith("stage ")
+        for p in infeasible
+        if p.plan.virtual_stages == 1
+    )
+    assert any(
+        p.why_infeasible().startswith("rank 0 (stages 0, 2) needs ") for p in infeasible if p.plan.virtual_stages == 2
+    )
     for p in infeasible:
         assert max(p.stage_memory) > limit
     assert all(p.plan.schedule != "2bw" for p in search.search(profile, 4, 16, limit))  # 2BW only when allowed
@@ -169,16 +215,24 @@ def test_a_given_partition_is_a_candidate_at_its_depth_and_can_win() -> None:
     # and [2, 2] (also given) is between them.
     profile = _uniform(4)
     slow = profile.blocks[0]
-    profile.blocks[0] = dataclasses.replace(slow, samples=[dataclasses.replace(s, forward=s.forward * 6, backward=s.backward * 6)
-                                                           for s in slow.samples])  # fmt: skip
+    profile.blocks[0] = dataclasses.replace(
+        slow, samples=[dataclasses.replace(s, forward=s.forward * 6, backward=s.backward * 6) for s in slow.samples]
+    )
     ranked = search.search(profile, 2, 8, schedules=["1f1b"], partitions=[(3, 1), (2, 2), (1, 1, 1, 1)])
     by_partition = {p.plan.partition for p in ranked if p.plan.depth == 2 and p.plan.virtual_stages == 1}
     assert by_partition == {(1, 3), (3, 1), (2, 2)}
     assert {p.plan.partition for p in ranked if p.plan.depth == 1} == {(4,)}
-    assert {p.plan.partition for p in ranked if p.plan.virtual_stages == 2} == {(1, 1, 1, 1)}  # 4 stages: interleaved on 2 ranks
-    for b in {p.microbatch_size for p in ranked if p.plan.depth == 2 and p.plan.microbatches > 1}:  # m = 1 runs stages in turn
-        rate = {p.plan.partition: p.samples_per_second for p in ranked if p.plan.depth == 2 and p.microbatch_size == b
-                and not p.plan.split_backward and p.plan.virtual_stages == 1}  # fmt: skip
+    assert {p.plan.partition for p in ranked if p.plan.virtual_stages == 2} == {
+        (1, 1, 1, 1)
+    }  # 4 stages: interleaved on 2 ranks
+    for b in {
+        p.microbatch_size for p in ranked if p.plan.depth == 2 and p.plan.microbatches > 1
+    }:  # m = 1 runs stages in turn
+        rate = {
+            p.plan.partition: p.samples_per_second
+            for p in ranked
+            if p.plan.depth == 2 and p.microbatch_size == b and not p.plan.split_backward and p.plan.virtual_stages == 1
+        }
         assert rate[(1, 3)] > rate[(2, 2)] > rate[(3, 1)]
 
 
@@ -201,10 +255,12 @@ def test_recompute_is_turned_on_only_where_a_stage_would_not_fit() -> None:
     plain = predict.predict(profile, plan, 4)
     limit = (plain.stage_memory[0] + plain.stage_memory[1]) / 2  # stage 0 (2 in flight) exceeds, stage 1 fits
     assert plain.stage_memory[0] > limit >= plain.stage_memory[1]
-    chosen = [p for p in search.search(profile, 2, 16, limit, schedules=["1f1b"]) if p.plan.depth == 2 and p.microbatch_size == 4
-              and not p.plan.split_backward][0]  # fmt: skip
+    chosen = [
+        p
+        for p in search.search(profile, 2, 16, limit, schedules=["1f1b"])
+        if p.plan.depth == 2 and p.microbatch_size == 4 and not p.plan.split_backward
+    ][0]
     assert chosen.plan.recompute == (True, False) and chosen.feasible
-
 
 
 def test_plan_cli_profiles_a_config_and_writes_a_plan_the_strategy_accepts(tmp_path, capsys) -> None:
@@ -215,21 +271,62 @@ def test_plan_cli_profiles_a_config_and_writes_a_plan_the_strategy_accepts(tmp_p
 
     assert parse_bytes("256MiB") == 256 * 2**20 and parse_bytes("2GB") == 2 * 10**9 and parse_bytes("512") == 512
     config = tmp_path / "gpt_tiny.yaml"
-    config.write_text(yaml.safe_dump({
-        "trainer": {"devices": 2, "strategy": {"class_path": "lightning_pipe.PipelineStrategy", "init_args": {"pipeline_depth": 2}}},
-        "model": {"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 16},
-        "data": {"block_size": 16, "batch_size": 8, "max_bytes": 20000},
-    }))  # fmt: skip
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "trainer": {
+                    "devices": 2,
+                    "strategy": {"class_path": "lightning_pipe.PipelineStrategy", "init_args": {"pipeline_depth": 2}},
+                },
+                "model": {"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 16},
+                "data": {"block_size": 16, "batch_size": 8, "max_bytes": 20000},
+            }
+        )
+    )
     out = tmp_path / "plan.yaml"
-    assert main(["--config", str(config), "--script", "examples/gpt.py", "--devices", "4", "--memory", "64MiB", "--output", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--config",
+                str(config),
+                "--script",
+                "examples/gpt.py",
+                "--devices",
+                "4",
+                "--memory",
+                "64MiB",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "| w | d | v | b | m | schedule |" in printed
     init = yaml.safe_load(out.read_text())["trainer"]["strategy"]["init_args"]
     assert init["global_batch_size"] == 8 and init["pipeline_depth"] in (1, 2, 4)
     PipelineStrategy(**init)  # the written plan passes the plan's own validation
     # A budget nothing fits: every plan is reported infeasible, naming the stage and the excess.
-    assert main(["--config", str(config), "--script", "examples/gpt.py", "--devices", "2", "--memory", "1KiB", "--output", str(out),
-                 "--no-links", "--virtual-stages", "1"]) == 1
+    assert (
+        main(
+            [
+                "--config",
+                str(config),
+                "--script",
+                "examples/gpt.py",
+                "--devices",
+                "2",
+                "--memory",
+                "1KiB",
+                "--output",
+                str(out),
+                "--no-links",
+                "--virtual-stages",
+                "1",
+            ]
+        )
+        == 1
+    )
     printed = capsys.readouterr().out
     assert "over the budget" in printed
     rows = [r.split("|") for r in printed.splitlines() if r.startswith("| ") and "over the budget" in r]
@@ -244,7 +341,9 @@ def test_orientation_keeps_the_heavier_traffic_on_neighbouring_ranks() -> None:
     assert predict.orient(heavy_gradients, plan, 2, ranks_per_node=2).inner == "dp"
     assert predict.orient(heavy_gradients, plan, 2, ranks_per_node=4).inner == "pp"  # one node: nothing to keep in
     pipeline, replicas = costs.traffic(heavy_gradients, plan, 2)
-    assert pipeline == 2 * 4 * (2 * 10) and replicas == 2 * (2 * 1 / 2 * 4 * 100_000)  # written out: 1 boundary, 2 stages
+    assert pipeline == 2 * 4 * (2 * 10) and replicas == 2 * (
+        2 * 1 / 2 * 4 * 100_000
+    )  # written out: 1 boundary, 2 stages
 
 
 def test_two_node_launch_trains_on_the_oriented_layout(tmp_path) -> None:
@@ -253,17 +352,34 @@ def test_two_node_launch_trains_on_the_oriented_layout(tmp_path) -> None:
     import subprocess
     import sys
 
-    from tests.launch import ROOT, SCRIPTS
     from tests.distributed import free_port
+    from tests.launch import ROOT, SCRIPTS
     from tests.models import assert_close_dicts, reference_train
 
     port, env = free_port(), dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     agents = [
-        subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2", f"--node_rank={n}",
-                          "--master_addr=127.0.0.1", f"--master_port={port}", str(SCRIPTS / "two_nodes.py"), str(tmp_path)],
-                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                "--nproc_per_node=2",
+                f"--node_rank={n}",
+                "--master_addr=127.0.0.1",
+                f"--master_port={port}",
+                str(SCRIPTS / "two_nodes.py"),
+                str(tmp_path),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         for n in (0, 1)
-    ]  # fmt: skip
+    ]
     try:  # each worker dumps its stacks and exits after 150 s (two_nodes.py): a hang fails with them
         logs = [a.communicate(timeout=240)[0] for a in agents]
     finally:
@@ -325,8 +441,10 @@ class _TrackedBytes(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("schedule,recompute,split", [("1f1b", False, False), ("gpipe", False, False), ("gpipe", True, False),
-                                                     ("1f1b", False, True)])  # fmt: skip
+@pytest.mark.parametrize(
+    "schedule,recompute,split",
+    [("1f1b", False, False), ("gpipe", False, False), ("gpipe", True, False), ("1f1b", False, True)],
+)
 def test_predicted_peak_matches_a_tracked_step_in_one_process(schedule: str, recompute: bool, split: bool) -> None:
     # One stage holds everything the cost model counts except links: state, held microbatches,
     # the batch, the loss and the blocks' temporaries. The tracker counts storages, not the model.
@@ -373,7 +491,9 @@ class _WideChain(torch.nn.Module):
 
 
 @pytest.mark.parametrize("schedule,m,foreach", [("1f1b", 4, False), ("gpipe", 2, False), ("1f1b", 4, True)])
-def test_a_stage_whose_weights_outweigh_its_activations_peaks_at_the_optimizer_step(schedule: str, m: int, foreach: bool) -> None:
+def test_a_stage_whose_weights_outweigh_its_activations_peaks_at_the_optimizer_step(
+    schedule: str, m: int, foreach: bool
+) -> None:
     # An Adam step allocates temporaries beside weights, gradients and state: one tensor at a
     # time (the CPU default) or whole lists at once (foreach). With 4 samples a microbatch that
     # moment is the stage's peak (without it the prediction came out 5% under the tracked step).
@@ -405,7 +525,13 @@ def test_compiled_program_makespan_equals_the_simulator(schedule: str) -> None:
         if schedule == "2bw":
             program = two_bw_run(depth, m, 2, split)
         else:
-            program = build_schedule("1f1b" if schedule == "interleaved" else schedule, depth, m, split, virtual=1 + (schedule == "interleaved"))
+            program = build_schedule(
+                "1f1b" if schedule == "interleaved" else schedule,
+                depth,
+                m,
+                split,
+                virtual=1 + (schedule == "interleaved"),
+            )
         compiled = compile_program(program)
         for _ in range(3):
             table: dict = {}
@@ -413,7 +539,9 @@ def test_compiled_program_makespan_equals_the_simulator(schedule: str) -> None:
             def cost(a: Any) -> float:
                 return table.setdefault((a.stage, a.kind), rng.choice((0.0, rng.uniform(0.0, 2.0))))
 
-            assert compiled.makespan(compiled.costs_from(cost)) == pytest.approx(simulate(program, cost).makespan, rel=1e-12)
+            assert compiled.makespan(compiled.costs_from(cost)) == pytest.approx(
+                simulate(program, cost).makespan, rel=1e-12
+            )
             exchange = Exchange(rng.uniform(0.0, 3.0), rng.uniform(0.0, 1.0))
             expected = simulate(program, cost, exchange=exchange).makespan
             assert compiled.makespan(compiled.costs_from(cost), exchange) == pytest.approx(expected, rel=1e-12)
@@ -471,16 +599,18 @@ def test_processes_sharing_cores_cannot_compute_faster_than_the_cores(width: int
     assert predict.predict(profile, plan, 1).step_time == pytest.approx(alone, rel=1e-12)
 
 
-@pytest.mark.parametrize("schedule,split,recompute", [("gpipe", False, False), ("1f1b", False, True), ("1f1b", True, False),
-                                                     ("gpipe", True, True)])  # fmt: skip
+@pytest.mark.parametrize(
+    "schedule,split,recompute",
+    [("gpipe", False, False), ("1f1b", False, True), ("1f1b", True, False), ("gpipe", True, True)],
+)
 def test_walking_a_rank_of_one_stage_gives_the_stage_model(schedule: str, split: bool, recompute: bool) -> None:
     # Interleaved ranks are predicted by walking every stage's counts at each moment; with one
     # stage per rank that walk must give what the (held, pending) points of each stage give.
     import random
 
+    from lightning_pipe.planning.memory import buffered, held_counts, rank_moments, rank_peak_bytes, stage_peak_bytes
     from lightning_pipe.schedules import build_schedule
     from lightning_pipe.schedules.flat import flatten
-    from lightning_pipe.planning.memory import buffered, held_counts, rank_moments, rank_peak_bytes, stage_peak_bytes
 
     rng = random.Random(1)
     for depth, m in itertools.product((1, 2, 4), (1, 4, 7)):
@@ -488,8 +618,12 @@ def test_walking_a_rank_of_one_stage_gives_the_stage_model(schedule: str, split:
         flat = flatten(program)
         for r, actions in enumerate(program):
             sent = buffered(flat)[flat.rank(r)]  # one stage: position 0
-            st = costs.StageCosts(*(rng.uniform(0.1, 1.0) for _ in range(4)), *(rng.randrange(1, 10_000) for _ in range(11)))
-            st = dataclasses.replace(st, unsaved_output_bytes=rng.randrange(0, st.output_bytes + 1))  # a part of the output
+            st = costs.StageCosts(
+                *(rng.uniform(0.1, 1.0) for _ in range(4)), *(rng.randrange(1, 10_000) for _ in range(11))
+            )
+            st = dataclasses.replace(
+                st, unsaved_output_bytes=rng.randrange(0, st.output_bytes + 1)
+            )  # a part of the output
             first, last = r == 0, r == depth - 1
             want = stage_peak_bytes(st, held_counts(actions, sent=sent), 1, recompute, first, last, 77)
             assert rank_peak_bytes([st], rank_moments(actions, [r], sent), [recompute], [first], [last], 77) == want
@@ -504,9 +638,17 @@ def test_covered_points_are_dropped_exactly() -> None:
 
     rng = random.Random(0)
     for _ in range(2000):
-        points = {(rng.randrange(6), rng.randrange(3), (rng.randrange(6), rng.randrange(6))) for _ in range(rng.randrange(1, 40))}
-        want = {x for x in points if not any(y != x and y[1] == x[1] and y[0] >= x[0] and y[2][0] >= x[2][0] and y[2][1] >= x[2][1]
-                                              for y in points)}  # fmt: skip
+        points = {
+            (rng.randrange(6), rng.randrange(3), (rng.randrange(6), rng.randrange(6)))
+            for _ in range(rng.randrange(1, 40))
+        }
+        want = {
+            x
+            for x in points
+            if not any(
+                y != x and y[1] == x[1] and y[0] >= x[0] and y[2][0] >= x[2][0] and y[2][1] >= x[2][1] for y in points
+            )
+        }
         assert set(_uncovered(points)) == want
 
 
@@ -526,16 +668,20 @@ def test_the_walk_on_arrays_is_the_walk_over_actions() -> None:
     # over Action objects (held_counts, with the rank's rows of unacknowledged sends and posted
     # receives) is the reference, at every depth and length the arrays' mixed-radix keys and
     # per-rank restarts touch.
-    from lightning_pipe.schedules.flat import flatten
     from lightning_pipe.planning.memory import buffered, held_counts, program_held_counts
+    from lightning_pipe.schedules.flat import flatten
 
-    for schedule, depth, m, split, pending in itertools.product(("gpipe", "1f1b", "2bw"), (1, 2, 3, 5), (1, 3, 5, 8), (False, True), (None, 1)):
+    for schedule, depth, m, split, pending in itertools.product(
+        ("gpipe", "1f1b", "2bw"), (1, 2, 3, 5), (1, 3, 5, 8), (False, True), (None, 1)
+    ):
         if (schedule == "2bw" and (m < depth or pending is not None)) or (pending is not None and not split):
             continue
         plan = PipelinePlan(1, depth, m, schedule, split, split_max_pending=pending)
         program = programs.program(plan, steps=3 if schedule == "2bw" else 1)
         flat = flatten(program)
-        want = [held_counts(actions, schedule == "2bw", buffered(flat)[flat.rank(r)]) for r, actions in enumerate(program)]
+        want = [
+            held_counts(actions, schedule == "2bw", buffered(flat)[flat.rank(r)]) for r, actions in enumerate(program)
+        ]
         assert program_held_counts(program, warm=schedule == "2bw") == want, plan.describe()
 
 
@@ -624,9 +770,11 @@ def test_profiling_calls_sync_before_every_timed_pass() -> None:
     finally:
         torch.autograd.backward = original
     passes = [i for i, c in enumerate(calls) if c == "sync"]
-    assert len(passes) == 2 * (2 + 1) + 2  # every pass of both sizes (a warm-up and 2 timed), the optimizer, the overhead run
+    assert (
+        len(passes) == 2 * (2 + 1) + 2
+    )  # every pass of both sizes (a warm-up and 2 timed), the optimizer, the overhead run
     blocks = len(ToyChain().pipeline_blocks())
-    per_pass = [calls[start + 1:end].count("backward") for start, end in zip(passes[:6], passes[1:7])]
+    per_pass = [calls[start + 1 : end].count("backward") for start, end in zip(passes[:6], passes[1:7])]
     # A warm-up (each block's workspace pass and B, and the last block's workspace pass without
     # the loss), then each timed B; in every pass also the first block's split W, a whole backward
     # (its input needs no gradient).
@@ -656,8 +804,11 @@ def test_the_action_overhead_is_what_the_executor_adds_to_the_blocks(monkeypatch
 
 #: With replicas a stage's gradients live in all-reduce buckets made whole at their first
 #: gradient (runtime/buckets.py): a step's first backward holds them all from its start.
-BUCKETED_PLANS = [PipelinePlan(2, 1, 1, "gpipe", partition=(6,)), PipelinePlan(2, 1, 1, "gpipe", partition=(6,), recompute=True),
-                  PipelinePlan(2, 1, 2, "1f1b", partition=(6,))]  # fmt: skip
+BUCKETED_PLANS = [
+    PipelinePlan(2, 1, 1, "gpipe", partition=(6,)),
+    PipelinePlan(2, 1, 1, "gpipe", partition=(6,), recompute=True),
+    PipelinePlan(2, 1, 2, "1f1b", partition=(6,)),
+]
 
 
 def _bucketed_peaks(rank: int, world: int, plans: list[PipelinePlan]) -> list[tuple[int, int]]:
@@ -670,7 +821,7 @@ def _bucketed_peaks(rank: int, world: int, plans: list[PipelinePlan]) -> list[tu
     for plan in plans:
         per, replica = 8 // plan.width, plan.topology.replica_of(rank)
         engine = place(ToyChain(), plan, rank, groups=PipelineGroups.build(plan.topology, rank))
-        measured = _tracked_second_step(engine, tuple(t[replica * per:(replica + 1) * per] for t in batch))
+        measured = _tracked_second_step(engine, tuple(t[replica * per : (replica + 1) * per] for t in batch))
         b = per // plan.microbatches
         rows.append((predict.predict(profile, plan, b).stage_memory[engine.stage_index], measured))
     return rows
@@ -679,8 +830,10 @@ def _bucketed_peaks(rank: int, world: int, plans: list[PipelinePlan]) -> list[tu
 scenario(2, "planner_bucketed_peaks", _bucketed_peaks, BUCKETED_PLANS)
 #: An interleaved rank's stages share its buckets: its first backward makes every stage's gradients.
 #: At m = 4 its sends wait longer for their acknowledgement (headers, input gradients).
-BUCKETED_INTERLEAVED = [PipelinePlan(2, 2, 2, "1f1b", partition=(2, 1, 1, 2), virtual_stages=2),
-                        PipelinePlan(2, 2, 4, "1f1b", partition=(2, 1, 1, 2), virtual_stages=2)]  # fmt: skip
+BUCKETED_INTERLEAVED = [
+    PipelinePlan(2, 2, 2, "1f1b", partition=(2, 1, 1, 2), virtual_stages=2),
+    PipelinePlan(2, 2, 4, "1f1b", partition=(2, 1, 1, 2), virtual_stages=2),
+]
 scenario(4, "planner_bucketed_peaks_interleaved", _bucketed_peaks, BUCKETED_INTERLEAVED)
 
 
@@ -710,7 +863,14 @@ def test_a_rank_with_shared_buckets_counts_the_running_stages_gradients_once_any
     # holds its gradients too (the moment is a warm forward), written out from the one-stage terms.
     # Unacknowledged sends: stage 0 an output, stage 2 an input gradient, each packed with a header
     # (stage 2's held input is one such message too).
-    from lightning_pipe.planning.memory import HEADER_BYTES, NOTHING_SENT, HeldCounts, rank_peak_bytes, resting_bytes, stage_memory_terms
+    from lightning_pipe.planning.memory import (
+        HEADER_BYTES,
+        NOTHING_SENT,
+        HeldCounts,
+        rank_peak_bytes,
+        resting_bytes,
+        stage_memory_terms,
+    )
 
     profile = _uniform(4, grads=5000)
     plan = PipelinePlan(2, 2, 4, "1f1b", partition=(1, 1, 1, 1), virtual_stages=2)
@@ -718,8 +878,18 @@ def test_a_rank_with_shared_buckets_counts_the_running_stages_gradients_once_any
     mine, first, last = [st[0], st[2]], [True, False], [False, False]
     moment = (0, "forward_cold", ((2, 0, (1, 0)), (1, 0, (0, 1))), (False, True))
     warm = stage_memory_terms(mine[0], HeldCounts(forward_warm=((2, 0, NOTHING_SENT),)), 1, False, True, False)
-    resting = mine[1].weight_bytes + mine[1].optimizer_bytes + mine[1].gradient_bytes + HEADER_BYTES + mine[1].input_bytes + mine[1].stash_bytes
-    assert resting_bytes(mine[1], (1, 0, NOTHING_SENT), True, False, False, False) == resting + mine[1].unsaved_output_bytes
+    resting = (
+        mine[1].weight_bytes
+        + mine[1].optimizer_bytes
+        + mine[1].gradient_bytes
+        + HEADER_BYTES
+        + mine[1].input_bytes
+        + mine[1].stash_bytes
+    )
+    assert (
+        resting_bytes(mine[1], (1, 0, NOTHING_SENT), True, False, False, False)
+        == resting + mine[1].unsaved_output_bytes
+    )
     want = sum(warm.values()) - warm["buffers"] + resting + mine[1].unsaved_output_bytes
     want += 2 * HEADER_BYTES + mine[0].output_bytes + mine[1].input_bytes
     assert rank_peak_bytes(mine, [moment], [False, False], first, last, 0, buckets=True) == want
@@ -766,7 +936,9 @@ def test_loaded_link_measurement_relays_compute_and_leaves_the_link_clean(launch
     # Measured 2026-11-25 with 2 and 4 processes: the hop came out 0 (posting 5-10 ms) in 3 of
     # 17 runs of the code before one message per transfer (b7405e8), and in 4 of 18 after it.
     ranks = launched(world).ok("profiler_loaded_links" + ("_four" if world == 4 else ""))
-    assert ranks[0][0]["send_overhead"] > 0 and ranks[0][0]["link_latency"] + ranks[0][0]["send_overhead"] > 0.0001, ranks[0][0]
+    assert ranks[0][0]["send_overhead"] > 0 and ranks[0][0]["link_latency"] + ranks[0][0]["send_overhead"] > 0.0001, (
+        ranks[0][0]
+    )
     assert ranks[0][0]["exchange_latency"] >= ranks[0][0]["link_latency"], ranks[0][0]
     for rank, (links, relay, got) in enumerate(ranks):
         assert relay >= 4 * 0.02 * (2 if rank < 2 else 1), (rank, relay)
@@ -800,7 +972,7 @@ def _emulated_outboxes(program: list[list[Any]]) -> list[list[tuple[int, int, in
                         break
                     upto = keys.index(a) + 1
                     if upto > taken[r, q]:
-                        newest = max(ack for _, ack in wire[taken[r, q]:upto])
+                        newest = max(ack for _, ack in wire[taken[r, q] : upto])
                         mine = [m for m in outbox[r] if m[0] == q]
                         for m in mine[: newest - (posted[r, q] - len(mine))]:
                             outbox[r].remove(m)
@@ -824,8 +996,11 @@ def _emulated_outboxes(program: list[list[Any]]) -> list[list[tuple[int, int, in
     return seen
 
 
-POSTED_PLANS = [PipelinePlan(1, 2, 4, "gpipe", partition=(3, 3)), PipelinePlan(1, 2, 4, "1f1b", partition=(3, 3)),
-                PipelinePlan(1, 2, 4, "1f1b", partition=(2, 1, 1, 2), virtual_stages=2)]
+POSTED_PLANS = [
+    PipelinePlan(1, 2, 4, "gpipe", partition=(3, 3)),
+    PipelinePlan(1, 2, 4, "1f1b", partition=(3, 3)),
+    PipelinePlan(1, 2, 4, "1f1b", partition=(2, 1, 1, 2), virtual_stages=2),
+]
 
 
 def _posted_receives(rank: int, world: int, plans: list[PipelinePlan]) -> list[list[tuple[int, int, int]]]:
@@ -875,8 +1050,8 @@ def test_a_stage_holds_a_receive_exactly_while_the_model_says_it_is_posted(launc
     # rank's first send to it after the previous message was read, or else not at all, until
     # the message is read (stage_memory.posted_receives); measured: the receive objects the
     # executor keeps alive, at every forward and backward. At depth 2 both neighbours are one rank.
-    from lightning_pipe.schedules.flat import flatten
     from lightning_pipe.planning.memory import posted_receives
+    from lightning_pipe.schedules.flat import flatten
 
     totals = []
     for rank, seen in enumerate(launched(2).ok("planner_posted_receives")):
@@ -911,6 +1086,7 @@ def _emulated_posts(program: list[list[Any]]) -> list[list[list[int]]]:
                 stage = a.stage + (1 if a.kind is Kind.SEND_ACT else -1)
                 kind = Kind.RECV_ACT if a.kind is Kind.SEND_ACT else Kind.RECV_GRAD
                 sent_to.setdefault((q, stage % depth), []).append(Action(stage, kind, a.microbatch))
+
     def peer(a: Any) -> Optional[int]:  # the other rank of a send or a receive
         step = {Kind.SEND_ACT: 1, Kind.SEND_GRAD: -1, Kind.RECV_ACT: -1, Kind.RECV_GRAD: 1}.get(a.kind)
         return None if step is None else (a.stage + step) % depth
@@ -930,7 +1106,7 @@ def _emulated_posts(program: list[list[Any]]) -> list[list[list[int]]]:
                 posted[q] = posted[q] or read[q] < len(sent_to.get((q, r), []))
             elif a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
                 q = peer(a)
-                while a in sent_to[q, r][read[q]:]:
+                while a in sent_to[q, r][read[q] :]:
                     read[q] += 1
                     posted[q] = read[q] < len(sent_to[q, r]) and ahead(actions, i, q)
                     if sent_to[q, r][read[q] - 1] == a:
@@ -946,13 +1122,22 @@ def _emulated_posts(program: list[list[Any]]) -> list[list[list[int]]]:
     return out
 
 
-@pytest.mark.parametrize("schedule,depth,m,virtual,split", [("1f1b", 4, 8, 1, False), ("gpipe", 3, 5, 1, False), ("1f1b", 4, 8, 1, True),
-                                                             ("1f1b", 2, 4, 2, False), ("1f1b", 4, 8, 2, False), ("1f1b", 3, 6, 2, True)])  # fmt: skip
+@pytest.mark.parametrize(
+    "schedule,depth,m,virtual,split",
+    [
+        ("1f1b", 4, 8, 1, False),
+        ("gpipe", 3, 5, 1, False),
+        ("1f1b", 4, 8, 1, True),
+        ("1f1b", 2, 4, 2, False),
+        ("1f1b", 4, 8, 2, False),
+        ("1f1b", 3, 6, 2, True),
+    ],
+)
 def test_posted_receives_follow_the_executor_rule(schedule: str, depth: int, m: int, virtual: int, split: bool) -> None:
     # The array walk against the rule run literally, at every compute action of every rank.
+    from lightning_pipe.planning.memory import posted_receives
     from lightning_pipe.schedules.actions import Kind
     from lightning_pipe.schedules.flat import flatten
-    from lightning_pipe.planning.memory import posted_receives
 
     program = programs.program(PipelinePlan(1, depth, m, schedule, split_backward=split, virtual_stages=virtual))
     flat, want = flatten(program), _emulated_posts(program)
@@ -968,9 +1153,18 @@ def test_posted_receives_follow_the_executor_rule(schedule: str, depth: int, m: 
 #: bench_planner's chain (8 blocks keeping 16 KiB of real activations per sample), here without
 #: its sleeps: each plan exercises terms of the memory model. Batch 16 per replica as there.
 EXACT_PLANS = [
-    (PipelinePlan(1, 4, 8, "gpipe", partition=(2, 2, 2, 2), recompute=True), 2),  # no input receive in the backward phase; recomputed last stage
-    (PipelinePlan(2, 2, 2, "1f1b", partition=(4, 4), recompute=True), 4),  # replicas' buckets; the loss outside the recomputation
-    (PipelinePlan(1, 4, 16, "1f1b", partition=(2, 2, 2, 2)), 1),  # the header of a forward's send outweighs its temporaries
+    (
+        PipelinePlan(1, 4, 8, "gpipe", partition=(2, 2, 2, 2), recompute=True),
+        2,
+    ),  # no input receive in the backward phase; recomputed last stage
+    (
+        PipelinePlan(2, 2, 2, "1f1b", partition=(4, 4), recompute=True),
+        4,
+    ),  # replicas' buckets; the loss outside the recomputation
+    (
+        PipelinePlan(1, 4, 16, "1f1b", partition=(2, 2, 2, 2)),
+        1,
+    ),  # the header of a forward's send outweighs its temporaries
     (PipelinePlan(2, 2, 4, "gpipe", partition=(4, 4)), 2),
     (PipelinePlan(1, 4, 8, "1f1b", partition=(1,) * 8, virtual_stages=2), 2),  # interleaved ranks
 ]
@@ -1013,22 +1207,35 @@ def test_predicted_peaks_match_a_chain_of_real_activations_to_the_byte(launched)
             assert abs(predicted - measured) <= 4, (rank, plan.describe(), b, predicted, measured)
 
 
-@pytest.mark.parametrize("schedule,depth,m,virtual,split", [("1f1b", 4, 8, 1, False), ("gpipe", 3, 5, 1, False), ("1f1b", 4, 8, 1, True),
-                                                             ("1f1b", 2, 4, 2, False), ("1f1b", 4, 8, 2, False), ("1f1b", 3, 6, 2, True)])  # fmt: skip
-def test_unacknowledged_sends_follow_the_executor_protocol(schedule: str, depth: int, m: int, virtual: int, split: bool) -> None:
+@pytest.mark.parametrize(
+    "schedule,depth,m,virtual,split",
+    [
+        ("1f1b", 4, 8, 1, False),
+        ("gpipe", 3, 5, 1, False),
+        ("1f1b", 4, 8, 1, True),
+        ("1f1b", 2, 4, 2, False),
+        ("1f1b", 4, 8, 2, False),
+        ("1f1b", 3, 6, 2, True),
+    ],
+)
+def test_unacknowledged_sends_follow_the_executor_protocol(
+    schedule: str, depth: int, m: int, virtual: int, split: bool
+) -> None:
     # The walk's counts at every compute action against the protocol run literally. A rank
     # learns a send arrived only from a later message of its peer: in 1F1B's drain no more
     # activations come upstream, so the input gradients sent there stay until the step ends.
-    from lightning_pipe.schedules.flat import flatten
     from lightning_pipe.planning.memory import _walk, unacknowledged
+    from lightning_pipe.schedules.flat import flatten
 
     plan = PipelinePlan(1, depth, m, schedule, split_backward=split, virtual_stages=virtual)
     program = programs.program(plan)
     want, flat = _emulated_outboxes(program), flatten(program)
     for r, actions in enumerate(program):
         stages = list(range(r, depth * virtual, depth))
-        got = [(sum(sum(p[2]) for p in moment[2]), sum(p[2][1] for p in moment[2]), 0)
-               for moment in _walk(actions, stages.index, len(stages), sent=unacknowledged(flat)[flat.rank(r)])]  # fmt: skip
+        got = [
+            (sum(sum(p[2]) for p in moment[2]), sum(p[2][1] for p in moment[2]), 0)
+            for moment in _walk(actions, stages.index, len(stages), sent=unacknowledged(flat)[flat.rank(r)])
+        ]
         assert got == want[r], (r, [x for x in zip(got, want[r]) if x[0] != x[1]][:3])
     if schedule == "1f1b" and not split and virtual == 1:  # the drain keeps every input gradient it sends
         assert max(g for _, g, _ in want[1]) >= depth - 2
@@ -1045,7 +1252,11 @@ def test_replaying_the_modelled_action_times_gives_the_prediction():
     from bench_planner import replayed_step, synthetic_profile
 
     profile = synthetic_profile(8)
-    for plan in (PipelinePlan(1, 4, 8, "1f1b"), PipelinePlan(1, 2, 8, "1f1b", virtual_stages=2), PipelinePlan(2, 2, 4, "gpipe")):
+    for plan in (
+        PipelinePlan(1, 4, 8, "1f1b"),
+        PipelinePlan(1, 2, 8, "1f1b", virtual_stages=2),
+        PipelinePlan(2, 2, 4, "gpipe"),
+    ):
         plan = plan.replace(partition=costs.time_balanced(profile, plan.depth * plan.virtual_stages, 2))
         cost = costs.action_cost(profile, plan, costs.stage_costs(profile, plan, 2))
         traced = {(a.kind.name, a.stage, a.microbatch): cost(a) for rank in programs.program(plan) for a in rank}
@@ -1078,4 +1289,9 @@ def test_planner_cli_table_and_yaml_keep_the_split_placement() -> None:
     init.pop("global_batch_size")
     assert PipelineStrategy(**init)._build_plan(2) == plan
     assert "| yes (drain) |" in table([best], 1)
-    assert "split_placement" not in yaml.safe_load(snippet(predict.predict(_uniform(4), plan.replace(split_placement=None), 2), 8))["trainer"]["strategy"]["init_args"]
+    assert (
+        "split_placement"
+        not in yaml.safe_load(snippet(predict.predict(_uniform(4), plan.replace(split_placement=None), 2), 8))[
+            "trainer"
+        ]["strategy"]["init_args"]
+    )

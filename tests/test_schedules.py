@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_pipe.schedules import Action, Kind, build_inference, build_schedule, format_actions, parse_actions, verify
+from lightning_pipe.schedules import (
+    Action,
+    Kind,
+    build_inference,
+    build_schedule,
+    format_actions,
+    parse_actions,
+    verify,
+)
 from lightning_pipe.schedules.simulate import ScheduleError, simulate, unit_costs
 
 DEPTHS = range(1, 9)
@@ -42,7 +50,7 @@ def test_schedules_are_valid_and_match_seed_bubble(name: str) -> None:
             program = build_schedule(name, d, m)
             verify(program, m)  # each F and B once, F before B, no deadlock
             result = simulate(program, unit_costs())
-            bubble = (d - 1) / (m + d - 1)  # seed 003: 1 - 2mn / (2n(m+n-1))
+            bubble = (d - 1) / (m + d - 1)  # GPipe's bubble: 1 - 2mn / (2n(m+n-1))
             assert result.makespan == pytest.approx(2 * (m + d - 1))
             assert result.bubble == pytest.approx([bubble] * d)
             if name == "gpipe":
@@ -125,7 +133,9 @@ def test_interleaved_split_is_zero_bubble_h1_per_chunk(f: float, i: float, w: fl
                 verify(program, m, virtual=virtual)
                 result = simulate(program, costs)
                 assert result.makespan == pytest.approx(virtual * m * (f + i + w) + (d - 1) * (f + i - w))
-                assert all(b == pytest.approx((d - 1) * (f + i - w)) for b in (result.makespan - x for x in result.busy))
+                assert all(
+                    b == pytest.approx((d - 1) * (f + i - w)) for b in (result.makespan - x for x in result.busy)
+                )
                 plain = simulate(build_schedule("1f1b", d, m, virtual=virtual), costs)
                 assert plain.makespan - plain.busy[0] == pytest.approx((d - 1) * (f + i + w))
                 assert max(result.peak_stash) <= plain.peak_stash[0] == max(plain.peak_stash)

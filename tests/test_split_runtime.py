@@ -7,12 +7,18 @@ import torch
 
 from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place
 from lightning_pipe.runtime.autograd.backward_split import input_grads, weight_grads
-from tests.shared import scenario, scenario_per_layout
 from tests.models import ConvChain, ToyChain, make_data
+from tests.shared import scenario, scenario_per_layout
 
 BATCH, M, STEPS = 16, 4, 3
 SCHEDULES = ("gpipe", "1f1b", "2bw")
-VARIANTS = [(False, False, None), (True, False, None), (True, True, None), (True, False, "drain"), (True, True, "drain")]
+VARIANTS = [
+    (False, False, None),
+    (True, False, None),
+    (True, True, None),
+    (True, False, "drain"),
+    (True, True, "drain"),
+]
 # (split backward, recompute, W placement): "drain" splits only the backwards after a stage's last
 # forward, so one program runs both whole backwards and I + W (not 2BW, whose stream never drains)
 
@@ -31,8 +37,9 @@ def test_transformer_block_split_matches_backward_and_runs_no_forward() -> None:
     assert len(calls) == 2  # one forward each; I and W re-ran none
 
 
-def _assert_matches_full_backward(block: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, gx: torch.Tensor,
-                                  **tolerance: float) -> None:  # fmt: skip
+def _assert_matches_full_backward(
+    block: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, gx: torch.Tensor, **tolerance: float
+) -> None:
     """The input gradient ``gx`` and the weight gradients I and W left in ``block`` equal one full backward's."""
     split = {n: p.grad.clone() for n, p in block.named_parameters()}
     block.zero_grad()
@@ -170,8 +177,9 @@ def _split_worker(rank: int, world: int, depth: int) -> dict:
     for name, make, schedule, (split, recompute, placement) in _split_runs():
         torch.manual_seed(0)
         model = make()
-        plan = PipelinePlan(topo.width, depth, M, schedule, split, partition="uniform", recompute=recompute,
-                            split_placement=placement)  # fmt: skip
+        plan = PipelinePlan(
+            topo.width, depth, M, schedule, split, partition="uniform", recompute=recompute, split_placement=placement
+        )
         engine = place(model, plan, rank, groups=groups)
         forwards = [0]
         for block in engine.stage.blocks:
@@ -229,7 +237,9 @@ def test_split_backward_matches_full_backward(launched, width: int, depth: int) 
     # Convolution stages, their weight gradients deferred to W, against the same chain without split
     for rank in range(width * depth):
         plain = out[rank][1][("conv", False, False)]
-        assert "DEFERS_WEIGHTS" in plain[3]  # every stage holds a convolution (or the first's linear) and no other matrix
+        assert (
+            "DEFERS_WEIGHTS" in plain[3]
+        )  # every stage holds a convolution (or the first's linear) and no other matrix
         for variant in CONV_VARIANTS[1:]:
             split = out[rank][1][("conv", *variant[:2])]
             for name, g in plain[0].items():
@@ -262,7 +272,7 @@ scenario(2, "split_stash", _memory_worker)
 
 def test_runtime_reports_stash_and_bounded_split_lowers_it(launched) -> None:
     # 1F1B-2 (m = 2d): 2BP's unbounded split holds every microbatch until its W; a bound of one
-    # pending W (seed 001, Figure 5) brings the peak back towards plain 1F1B's; the default,
+    # pending W (2BP, Figure 5) brings the peak back towards plain 1F1B's; the default,
     # ZB-H1, holds d on every stage (1F1B's first-stage peak).
     out = launched(2)["split_stash"]
     assert all(status == "ok" for status, _ in out), out

@@ -1,4 +1,4 @@
-"""Split backward (2BP) as schedule data: the pass, seed 001's Table 1, and stash memory."""
+"""Split backward (2BP) as schedule data: the pass, 2BP's Table 1, and stash memory."""
 
 from __future__ import annotations
 
@@ -6,18 +6,17 @@ from typing import Callable
 
 import pytest
 
-from lightning_pipe.schedules import build_schedule, format_actions, one_f_one_b, two_bw_run, verify
+from lightning_pipe.schedules import build_schedule, format_actions, one_f_one_b, two_bw, two_bw_run, verify
 from lightning_pipe.schedules.actions import Action, Kind
 from lightning_pipe.schedules.generators import gpipe
 from lightning_pipe.schedules.passes import add_communication, add_optimizer
-from lightning_pipe.schedules import two_bw
-from lightning_pipe.schedules.w_placement import carry_split, split_backward
 from lightning_pipe.schedules.simulate import ScheduleError, StashModel, simulate
+from lightning_pipe.schedules.w_placement import carry_split, split_backward
 
-# Equal F, I and W times (seed 001, Table 1); an unsplit B is I followed by W.
+# Equal F, I and W times (2BP, Table 1); an unsplit B is I followed by W.
 EQUAL = {Kind.FORWARD: 1.0, Kind.INPUT_GRAD: 1.0, Kind.WEIGHT_GRAD: 1.0, Kind.BACKWARD: 2.0}
 
-# Seed 001, Table 1: (schedule, microbatches as a function of N, bubble without 2BP, with 2BP).
+# 2BP, Table 1: (schedule, microbatches as a function of N, bubble without 2BP, with 2BP).
 TABLE_1 = {
     "Naive": ("gpipe", lambda n: 1, lambda n: (n - 1) / n, lambda n: 2 * (n - 1) / (2 * n + 1)),
     "GPipe": ("gpipe", lambda n: n, lambda n: (n - 1) / (2 * n - 1), lambda n: 2 * (n - 1) / (2 * (n - 1) + 3 * n)),
@@ -38,7 +37,7 @@ def test_simulator_reproduces_table_1(row: str) -> None:
         m = microbatches(n)
         assert simulate(build_schedule(name, n, m), EQUAL).total_bubble == pytest.approx(plain(n))
         assert simulate(build_schedule(name, n, m, split=True), EQUAL).total_bubble == pytest.approx(with_2bp(n))
-        if name == "gpipe":  # seed 001's own GPipe placement (every W after the last I), and one W per I, the same
+        if name == "gpipe":  # 2BP's own GPipe placement (every W after the last I), and one W per I, the same
             for placement in ("end", "cooldown"):
                 assert simulate(_placed(n, m, placement), EQUAL).total_bubble == pytest.approx(with_2bp(n))
 
@@ -47,12 +46,25 @@ def test_golden_split_and_placement() -> None:
     assert format_actions(split_backward(one_f_one_b(0, 2, 2), "cooldown")) == "0F0 0F1 0I0 0W0 0I1 0W1"
     assert format_actions(split_backward(one_f_one_b(1, 2, 3), "cooldown")) == "1F0 1I0 1F1 1I1 1F2 1I2 1W0 1W1 1W2"
     assert format_actions(split_backward(one_f_one_b(1, 2, 3), "zb-h1")) == "1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1W2"
-    gpipe_3 = [[a for a in actions if a.kind in (Kind.INPUT_GRAD, Kind.WEIGHT_GRAD)] for actions in build_schedule("gpipe", 3, 3, split=True)]
+    gpipe_3 = [
+        [a for a in actions if a.kind in (Kind.INPUT_GRAD, Kind.WEIGHT_GRAD)]
+        for actions in build_schedule("gpipe", 3, 3, split=True)
+    ]
     assert [format_actions(a) for a in gpipe_3] == [  # GPipe: stage s defers W's until s wait (ZB-H1's bound)
-        "0I0 0W0 0I1 0W1 0I2 0W2", "1I0 1I1 1W0 1I2 1W1 1W2", "2I0 2I1 2I2 2W0 2W1 2W2"]  # fmt: skip
-    assert format_actions(split_backward(gpipe(2, 3, 3), "bounded", max_pending=0)) == "2F0 2F1 2F2 2I0 2W0 2I1 2W1 2I2 2W2"
-    at_end = [a for a in split_backward(build_schedule("gpipe", 2, 2)[0], "end") if a.kind in (Kind.INPUT_GRAD, Kind.WEIGHT_GRAD)]
-    assert format_actions(at_end) == "0I0 0I1 0W0 0W1"  # seed 001, 3.2: all W after all I
+        "0I0 0W0 0I1 0W1 0I2 0W2",
+        "1I0 1I1 1W0 1I2 1W1 1W2",
+        "2I0 2I1 2I2 2W0 2W1 2W2",
+    ]
+    assert (
+        format_actions(split_backward(gpipe(2, 3, 3), "bounded", max_pending=0))
+        == "2F0 2F1 2F2 2I0 2W0 2I1 2W1 2I2 2W2"
+    )
+    at_end = [
+        a
+        for a in split_backward(build_schedule("gpipe", 2, 2)[0], "end")
+        if a.kind in (Kind.INPUT_GRAD, Kind.WEIGHT_GRAD)
+    ]
+    assert format_actions(at_end) == "0I0 0I1 0W0 0W1"  # 2BP, section 3.2: all W after all I
     assert format_actions(build_schedule("1f1b", 2, 1, split=True)[1]) == "1RF0 1F0 1I0 1SB0 1W0 1AR 1OPT"
     with pytest.raises(ValueError, match="unknown W placement"):
         split_backward([], "sometime")
@@ -64,15 +76,19 @@ def _stage_costs(i: float, w: float) -> Callable[[Action], float]:
 
     def cost(a: Action) -> float:
         first = a.stage == 0
-        return {Kind.FORWARD: 0.5, Kind.BACKWARD: 1.0, Kind.INPUT_GRAD: 0.0 if first else i,
-                Kind.WEIGHT_GRAD: 1.0 if first else w}.get(a.kind, 0.0)  # fmt: skip
+        return {
+            Kind.FORWARD: 0.5,
+            Kind.BACKWARD: 1.0,
+            Kind.INPUT_GRAD: 0.0 if first else i,
+            Kind.WEIGHT_GRAD: 1.0 if first else w,
+        }.get(a.kind, 0.0)
 
     return cost
 
 
 @pytest.mark.parametrize("i, w", [(0.55, 0.45), (0.596, 0.478)])  # I + W = B; and 1.07 B, as GPT blocks on a CPU
 def test_gpipe_split_is_faster_than_gpipe_when_the_first_stage_has_no_input_gradient(i: float, w: float) -> None:
-    # Deferring every W to the end (seed 001's GPipe placement) idles stage 0 while gradients
+    # Deferring every W to the end (2BP's GPipe placement) idles stage 0 while gradients
     # arrive, then runs them in a row: slower than no split. Running each W right after its I
     # ("cooldown") sends each gradient after a whole I + W, no faster than a full backward:
     # slower than no split where I + W costs more than B. ZB-H1's bound (GPipe's default) is
@@ -85,7 +101,9 @@ def test_gpipe_split_is_faster_than_gpipe_when_the_first_stage_has_no_input_grad
             cooldown, end = (simulate(_placed(d, m, placement), cost).makespan for placement in ("cooldown", "end"))
             assert split < plain < end and (split < cooldown if i + w > 1 else split == pytest.approx(cooldown)), (d, m)
     if i + w > 1:  # the GPT example's case, d = 2, m = 8: "cooldown" is slower than no split
-        assert simulate(_placed(2, 8, "cooldown"), cost).makespan > simulate(build_schedule("gpipe", 2, 8), cost).makespan
+        assert (
+            simulate(_placed(2, 8, "cooldown"), cost).makespan > simulate(build_schedule("gpipe", 2, 8), cost).makespan
+        )
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
@@ -101,7 +119,7 @@ def test_split_schedules_are_valid(name: str, max_pending: int) -> None:
 
 
 def test_memory_bounded_split_brings_1f1b_2_back_towards_1f1b_1() -> None:
-    # Seed 001, Figure 5: running W part-way through 1F1B-2 lowers its peak stash.
+    # 2BP, Figure 5: running W part-way through 1F1B-2 lowers its peak stash.
     stash = StashModel(activation=1.0, after_input_grad=0.5)
     n = 4
     unbounded = simulate(build_schedule("1f1b", n, 2 * n, split=True, max_pending=2 * n), EQUAL, stash)  # 2BP
@@ -158,9 +176,15 @@ def test_split_two_bw_windows_are_parts_of_one_carried_stream(depth: int) -> Non
             steps = 4
             program = two_bw_run(depth, m, steps, split=True, early=early)
             for s in range(depth):
-                parts = [two_bw.window(s, depth, m, t, early) for t in range(steps)] + [two_bw.drain(s, depth, m, steps - 1)]
+                parts = [two_bw.window(s, depth, m, t, early) for t in range(steps)] + [
+                    two_bw.drain(s, depth, m, steps - 1)
+                ]
                 whole = [a for part in carry_split(parts, m) for a in part]
-                compute = [a for a in program[s] if a.kind not in (Kind.SEND_ACT, Kind.SEND_GRAD, Kind.RECV_ACT, Kind.RECV_GRAD)]
+                compute = [
+                    a
+                    for a in program[s]
+                    if a.kind not in (Kind.SEND_ACT, Kind.SEND_GRAD, Kind.RECV_ACT, Kind.RECV_GRAD)
+                ]
                 assert compute == whole
 
 
@@ -180,12 +204,14 @@ def test_split_two_bw_posts_every_norm_before_the_first_stage_steps(depth: int) 
         steps = [i.start for i in result.timeline if i.rank == 0 and i.action.kind is Kind.OPTIMIZER_STEP]
         assert len(steps) == 4
         for rank in range(1, depth):
-            assert all(reduced[rank][b] <= start for b, start in enumerate(steps)), f"rank {rank}: {reduced[rank]} vs {steps}"
+            assert all(reduced[rank][b] <= start for b, start in enumerate(steps)), (
+                f"rank {rank}: {reduced[rank]} vs {steps}"
+            )
 
 
 @pytest.mark.parametrize("depth", [2, 3, 4, 8])
 def test_split_two_bw_hides_hops_shorter_than_half_a_weight_gradient(depth: int) -> None:
-    # 2BW has no bubble: in steady state a stage's microbatch takes F + B (seed 000, section
+    # 2BW has no bubble: in steady state a stage's microbatch takes F + B (PipeDream-2BW paper, section
     # 3.1). A message that travels h delays the gradient of a stage's next I by a round trip:
     # unsplit, every microbatch then takes at least h longer. Split with "carry", the stage runs
     # its held-back W meanwhile, so a hop up to W / 2 costs nothing but once per batch, where a
@@ -207,10 +233,15 @@ def test_drain_placement_splits_only_the_backwards_after_the_last_forward() -> N
     assert format_actions(split_backward(one_f_one_b(1, 2, 3), "drain")) == "1F0 1B0 1F1 1B1 1F2 1I2 1W2"
     assert format_actions(split_backward(one_f_one_b(0, 2, 3), "drain")) == "0F0 0F1 0B0 0F2 0I1 0W1 0I2 0W2"
     # the gradient goes upstream after I, before W
-    assert format_actions(build_schedule("1f1b", 2, 2, split=True, placement="drain")[1]) == "1RF0 1F0 1B0 1SB0 1RF1 1F1 1I1 1SB1 1W1 1AR 1OPT"
+    assert (
+        format_actions(build_schedule("1f1b", 2, 2, split=True, placement="drain")[1])
+        == "1RF0 1F0 1B0 1SB0 1RF1 1F1 1I1 1SB1 1W1 1AR 1OPT"
+    )
 
 
-@pytest.mark.parametrize("f, i, w", [(1.0, 1.0, 1.0), (2.0, 2.0, 1.0), (1.0, 2.0, 1.0), (3.0, 1.0, 2.0), (0.5, 0.6, 0.48)])
+@pytest.mark.parametrize(
+    "f, i, w", [(1.0, 1.0, 1.0), (2.0, 2.0, 1.0), (1.0, 2.0, 1.0), (3.0, 1.0, 2.0), (0.5, 0.6, 0.48)]
+)
 def test_drain_split_keeps_1f1b_memory_and_saves_a_weight_gradient_per_hop(f: float, i: float, w: float) -> None:
     # 1F1B takes (m + p - 1)(F + B). In its drain every stage waits for the gradient of each
     # microbatch; split there, the gradient leaves after I and the stage's W runs while the stage

@@ -15,8 +15,15 @@ from tests.shared import scenario_per_layout
 
 VOCAB, WIDTH, BATCH, M, STEPS = 11, 8, 16, 4, 5
 #: (schedule, split backward, gradient clip)
-VARIANTS = [("gpipe", False, None), ("gpipe", True, None), ("1f1b", False, None), ("1f1b", True, None),
-            ("2bw", False, None), ("2bw", True, None), ("1f1b", False, 0.05)]  # fmt: skip
+VARIANTS = [
+    ("gpipe", False, None),
+    ("gpipe", True, None),
+    ("1f1b", False, None),
+    ("1f1b", True, None),
+    ("2bw", False, None),
+    ("2bw", True, None),
+    ("1f1b", False, 0.05),
+]
 
 
 class Embed(nn.Module):
@@ -72,8 +79,12 @@ class SharedChain(TiedChain):
         super().__init__()
         self.blocks = nn.ModuleList(Mix() for _ in range(4))
         for user, owner in ((2, 0), (3, 1)):
-            self.blocks[user].fc.weight, self.blocks[user].fc.bias = self.blocks[owner].fc.weight, self.blocks[owner].fc.bias
-        self.lr = 0.1  # at TiedChain's 0.5 the shared layers' doubled gradients amplify rounding (5e-5 after 5 steps, any layout)
+            self.blocks[user].fc.weight, self.blocks[user].fc.bias = (
+                self.blocks[owner].fc.weight,
+                self.blocks[owner].fc.bias,
+            )
+        # at TiedChain's 0.5 the shared layers' doubled gradients amplify rounding (5e-5 after 5 steps, any layout)
+        self.lr = 0.1
 
 
 def _data(step: int, n: int = BATCH) -> tuple[Tensor, Tensor]:
@@ -95,9 +106,19 @@ def _worker(rank: int, world: int, depth: int) -> dict:
         copies = []
         for step in range(STEPS):
             engine.train_step(tuple(t.chunk(topo.width)[replica] for t in _data(step)), opt)
-            copies.append({k: v.clone() for k, v in engine.current_weights().items() if k in ("embed.table.weight", "head.out.weight")})
+            copies.append(
+                {
+                    k: v.clone()
+                    for k, v in engine.current_weights().items()
+                    if k in ("embed.table.weight", "head.out.weight")
+                }
+            )
         engine.drain()
-        results[(schedule, split, clip)] = {"copies": copies, "weights": dict(engine.current_weights()), "stage": engine.stage_index}
+        results[(schedule, split, clip)] = {
+            "copies": copies,
+            "weights": dict(engine.current_weights()),
+            "stage": engine.stage_index,
+        }
     if depth == 2:
         results["interleaved"] = _interleaved(rank, topo, groups)
     return results
@@ -150,7 +171,10 @@ def test_layers_shared_by_two_virtual_stages_of_one_rank_train_as_one_process(la
     for rank in ranks[:2]:
         merged.update({k: v for k, v in rank["interleaved"]["weights"].items() if k != "head.out.weight"})
     assert_close_dicts(merged, want, rtol=1e-5, atol=1e-6)
-    assert "blocks.0.fc.weight" in ranks[0]["interleaved"]["weights"] and "blocks.1.fc.weight" in ranks[1]["interleaved"]["weights"]
+    assert (
+        "blocks.0.fc.weight" in ranks[0]["interleaved"]["weights"]
+        and "blocks.1.fc.weight" in ranks[1]["interleaved"]["weights"]
+    )
     assert "blocks.2.fc.weight" not in ranks[0]["interleaved"]["weights"]  # kept once, under its first name
     for rank in ranks[2:]:
         twin = ranks[rank["interleaved"]["stage"]]["interleaved"]["weights"]
@@ -182,18 +206,29 @@ def _fit(world: int, depth: int, steps: int, out: Any, resume: Any = None) -> di
     import lightning as L
 
     from lightning_pipe import PipelineStrategy
-
     from tests.scripts.train_toy import Recorder
 
     torch.manual_seed(0)
     model, recorder = TiedModule(), Recorder()
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, max_steps=steps, max_epochs=-1, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        accelerator="cpu",
+        devices=world,
+        max_steps=steps,
+        max_epochs=-1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
         callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=out, save_last=True), recorder],
-        strategy=PipelineStrategy(schedule="1f1b", pipeline_depth=depth, microbatches=M, partition=[1, 3] if depth == 2 else [4],
-                                  global_batch_size=BATCH),
-    )  # fmt: skip
+        strategy=PipelineStrategy(
+            schedule="1f1b",
+            pipeline_depth=depth,
+            microbatches=M,
+            partition=[1, 3] if depth == 2 else [4],
+            global_batch_size=BATCH,
+        ),
+    )
     trainer.fit(model, torch.utils.data.DataLoader(Tokens(), batch_size=BATCH), ckpt_path=resume)
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "indices": recorder.indices}
 
@@ -224,14 +259,26 @@ def _fit_switching_worker(rank: int, world: int) -> dict:
     model, recorder = TiedModule(), Recorder()
     switch = SwitchAt(2, PipelinePlan(2, 2, M, "1f1b", partition=[1, 3]))
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, max_steps=STEPS, max_epochs=-1, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, enable_checkpointing=False,
+        accelerator="cpu",
+        devices=world,
+        max_steps=STEPS,
+        max_epochs=-1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        enable_checkpointing=False,
         callbacks=[recorder, switch],
         strategy=PipelineStrategy(plan=PipelinePlan(1, 4, M, "1f1b", partition=[1, 1, 1, 1]), global_batch_size=BATCH),
-    )  # fmt: skip
+    )
     trainer.fit(model, torch.utils.data.DataLoader(Tokens(), batch_size=BATCH))
-    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "indices": recorder.indices,
-            "groups": switch.groups, "stage": trainer.strategy.engine.stage_index}  # fmt: skip
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "indices": recorder.indices,
+        "groups": switch.groups,
+        "stage": trainer.strategy.engine.stage_index,
+    }
 
 
 scenario(4, "ties_reconfigure", _fit_switching_worker)
@@ -266,12 +313,16 @@ def test_tied_checkpoint_keeps_one_copy_and_resumes_under_another_layout(launche
     assert "embed.table.weight" in names and "head.out.weight" not in names, sorted(names)  # one copy, its first name
     data, run = Tokens(), ranks[0]
     # The global batches: (1,2) read whole ones; at (2,1) each replica read half of each (the union).
-    indices = run["first"]["indices"] + [a + b for a, b in zip(run["resumed"]["indices"], ranks[1]["resumed"]["indices"])]
+    indices = run["first"]["indices"] + [
+        a + b for a, b in zip(run["resumed"]["indices"], ranks[1]["resumed"]["indices"])
+    ]
     assert len(indices) == STEPS and all(sorted(i) == sorted(set(i)) and len(i) == BATCH for i in indices), indices
     # One epoch of STEPS batches, stopped at max_steps after 3 and resumed at another width: every sample once.
     assert sorted(sum(indices, [])) == list(range(len(data))), indices
     torch.manual_seed(0)
-    want = reference_train(TiedModule(), [(data.ids[i], data.targets[i]) for i in map(torch.tensor, indices)], optimizer="sgd")
+    want = reference_train(
+        TiedModule(), [(data.ids[i], data.targets[i]) for i in map(torch.tensor, indices)], optimizer="sgd"
+    )
     merged = {**ranks[1]["resumed"]["params"], **ranks[0]["resumed"]["params"]}
     assert_close_dicts({k: merged[k] for k in want}, want, rtol=1e-5, atol=1e-6)  # 3 steps at (1,2), 2 more at (2,1)
     plain = load_plain(TiedModule, path)  # a plain load_state_dict wants both names: the mixin gives them
@@ -291,15 +342,32 @@ def _fit_layout_worker(rank: int, world: int, depth: int) -> dict:
         torch.manual_seed(0)
         model, recorder = TiedModule(), Recorder()
         trainer = L.Trainer(
-            accelerator="cpu", devices=world, max_steps=STEPS, max_epochs=-1, logger=False, enable_progress_bar=False,
-            enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, enable_checkpointing=False,
+            accelerator="cpu",
+            devices=world,
+            max_steps=STEPS,
+            max_epochs=-1,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+            enable_checkpointing=False,
             callbacks=[recorder],
-            strategy=PipelineStrategy(schedule=schedule, pipeline_depth=depth, microbatches=M, split_backward=split,
-                                      partition=[1] * (depth - 1) + [5 - depth], global_batch_size=BATCH),
-        )  # fmt: skip
+            strategy=PipelineStrategy(
+                schedule=schedule,
+                pipeline_depth=depth,
+                microbatches=M,
+                split_backward=split,
+                partition=[1] * (depth - 1) + [5 - depth],
+                global_batch_size=BATCH,
+            ),
+        )
         trainer.fit(model, torch.utils.data.DataLoader(Tokens(), batch_size=BATCH))
-        results[(schedule, split)] = {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-                                      "indices": recorder.indices, "stage": trainer.strategy.engine.stage_index}  # fmt: skip
+        results[(schedule, split)] = {
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "indices": recorder.indices,
+            "stage": trainer.strategy.engine.stage_index,
+        }
     return results
 
 

@@ -25,7 +25,8 @@ def _load(out: Path, tag: str, world: int) -> list[dict]:
 
 
 def _tag(schedule: str, recompute: bool = False, split: bool = False, precision: str = "32-true") -> str:
-    return f"{schedule}_{'rc' if recompute else 'plain'}{'_split' if split else ''}{'_' + precision if precision != '32-true' else ''}"
+    suffix = f"{'_split' if split else ''}{'_' + precision if precision != '32-true' else ''}"
+    return f"{schedule}_{'rc' if recompute else 'plain'}{suffix}"
 
 
 def _configs(width: int, depth: int) -> list[dict]:
@@ -43,8 +44,9 @@ def _configs(width: int, depth: int) -> list[dict]:
 LAYOUTS = [(1, 2), (1, 4), (2, 2)]
 for _w, _d in LAYOUTS:
     for _run in _configs(_w, _d):
-        _name = f"toy_{_w}x{_d}_" + _tag(_run["schedule"], _run.get("recompute", False), _run.get("split", False),
-                                         _run.get("precision", "32-true"))  # fmt: skip
+        _name = f"toy_{_w}x{_d}_" + _tag(
+            _run["schedule"], _run.get("recompute", False), _run.get("split", False), _run.get("precision", "32-true")
+        )
         scenario(_w * _d, _name, fit_toy, _d, *[_run.get(k, v) for k, v in FIT_DEFAULTS.items()])
 
 
@@ -64,8 +66,15 @@ def _interleaved_tags(width: int, depth: int) -> list[tuple[str, bool, bool]]:
 
 for _w, _d in LAYOUTS:
     for _tag_name, _rc, _split in _interleaved_tags(_w, _d):
-        scenario(_w * _d, f"toy_{_w}x{_d}_{_tag_name}",
-                 partial(fit_toy, virtual=2, blocks=INTERLEAVED_BLOCKS), _d, "1f1b", _rc, _split)  # fmt: skip
+        scenario(
+            _w * _d,
+            f"toy_{_w}x{_d}_{_tag_name}",
+            partial(fit_toy, virtual=2, blocks=INTERLEAVED_BLOCKS),
+            _d,
+            "1f1b",
+            _rc,
+            _split,
+        )
 
 
 class Profiled(ToyChain):
@@ -85,9 +94,17 @@ def _fit_profiled(rank: int, world: int) -> dict:
 
     torch.manual_seed(0)
     model, recorder = Profiled(), Recorder()
-    trainer = L.Trainer(accelerator="cpu", devices=world, max_steps=STEPS, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder],
-                        strategy=PipelineStrategy(pipeline_depth=2, microbatches=M, partition="profile"))  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[recorder],
+        strategy=PipelineStrategy(pipeline_depth=2, microbatches=M, partition="profile"),
+    )
     trainer.fit(model, DataLoader(Indexed(BATCH * STEPS, 0), batch_size=BATCH))
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"partition": trainer.strategy.plan.partition, "params": params, "indices": recorder.indices}
@@ -130,8 +147,9 @@ def _merged(ranks: list[dict], key: str, depth: int) -> dict[str, torch.Tensor]:
     return merged
 
 
-def _check_run(ranks: list[dict], width: int, depth: int, step_lr: bool = False, delay: int = 0,
-               blocks: int = 4) -> dict[str, torch.Tensor]:  # fmt: skip
+def _check_run(
+    ranks: list[dict], width: int, depth: int, step_lr: bool = False, delay: int = 0, blocks: int = 4
+) -> dict[str, torch.Tensor]:
     batches = _global_batches(ranks, width, depth)
     if delay == 0:  # under 2BW the first batch's gradient is still being accumulated after step 1
         torch.manual_seed(0)
@@ -202,7 +220,18 @@ def test_fit_interleaved_matches_single_process(launched, width: int, depth: int
 
 
 def test_fit_through_lightning_launcher_with_scheduler_logs_loss(tmp_path: Path) -> None:
-    launch([SCRIPT, "--devices=2", "--depth=2", "--scheduler", "--schedules=1f1b", "--recompute=false", f"--out={tmp_path}"], timeout=300)
+    launch(
+        [
+            SCRIPT,
+            "--devices=2",
+            "--depth=2",
+            "--scheduler",
+            "--schedules=1f1b",
+            "--recompute=false",
+            f"--out={tmp_path}",
+        ],
+        timeout=300,
+    )
     ranks = _load(tmp_path, "1f1b_False", 2)
     _check_run(ranks, 1, 2, step_lr=True)
     assert ranks[0]["lrs"] == pytest.approx([1e-2 * 0.5 ** (k // 2) for k in range(1, STEPS + 1)])

@@ -11,8 +11,8 @@ import torch
 from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place
 from lightning_pipe.schedules import Kind, build_schedule, format_actions, two_bw, two_bw_run, verify
 from lightning_pipe.schedules.simulate import simulate, unit_costs
-from tests.shared import scenario, scenario_per_layout
 from tests.models import ToyChain, assert_close_dicts, make_data, make_optimizer, reference_train
+from tests.shared import scenario, scenario_per_layout
 
 # -- pure ----------------------------------------------------------------------------------
 
@@ -27,7 +27,10 @@ def test_golden_two_stage_windows() -> None:
     ]
     # With weights tied across stages every stage steps at the window's end (the step waits for all).
     late = two_bw_run(2, 2, 2, early=False)
-    assert format_actions([a for a in late[0] if a.kind in shown]) == "0V0 0F0 0F1 0B0 0V2 0F2 0B1 0AR 0F3 0B2 0OPT 0B3 0AR 0OPT"
+    assert (
+        format_actions([a for a in late[0] if a.kind in shown])
+        == "0V0 0F0 0F1 0B0 0V2 0F2 0B1 0AR 0F3 0B2 0OPT 0B3 0AR 0OPT"
+    )
 
 
 def _replay_versions(actions: list, m: int) -> int:
@@ -81,8 +84,11 @@ def test_steady_state_bubble_tends_to_zero() -> None:
 
 @pytest.mark.parametrize("depth", range(2, 9))
 def test_step_time_against_pipedream_flush(depth: int) -> None:
-    m, n = depth, 40  # m = d, as in seed 000's comparison
-    per_step = (simulate(two_bw_run(depth, m, 2 * n), unit_costs()).makespan - simulate(two_bw_run(depth, m, n), unit_costs()).makespan) / n
+    m, n = depth, 40  # m = d, as in the PipeDream-2BW paper's comparison
+    per_step = (
+        simulate(two_bw_run(depth, m, 2 * n), unit_costs()).makespan
+        - simulate(two_bw_run(depth, m, n), unit_costs()).makespan
+    ) / n
     flush = simulate(build_schedule("1f1b", depth, m), unit_costs()).makespan
     assert flush / per_step == pytest.approx((m + depth - 1) / m, rel=0.05)
 
@@ -114,12 +120,20 @@ def _two_bw_worker(rank: int, world: int, depth: int) -> dict:
     for name, (schedule, kind, clip, nan_step) in CASES.items():
         torch.manual_seed(0)
         model = ToyChain()
-        engine = place(model, PipelinePlan(topo.width, depth, M, schedule, partition="uniform"), rank, groups=groups, gradient_clip_val=clip)
+        engine = place(
+            model,
+            PipelinePlan(topo.width, depth, M, schedule, partition="uniform"),
+            rank,
+            groups=groups,
+            gradient_clip_val=clip,
+        )
         opt = make_optimizer(model.parameters(), kind, model.lr)
         history, losses, in_flight, grad_sets = [], [], [], []
         step = engine.update.optimizer_step
 
-        def counting(optimizer: Any, on_step: Any, step: Any = step, grad_sets: list = grad_sets, engine: Any = engine) -> Any:
+        def counting(
+            optimizer: Any, on_step: Any, step: Any = step, grad_sets: list = grad_sets, engine: Any = engine
+        ) -> Any:
             # Batches whose gradients the stage holds when a step starts (slots with a .grad).
             grad_sets.append(sum(any(p.grad is not None for p in slot) for slot in engine.versions.slots if slot))
             return step(optimizer, on_step)

@@ -67,13 +67,17 @@ def fit_case(case: str, devices: int = 1) -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
-        strategy=PipelineStrategy(pipeline_depth=2 if case == "indivisible" else None, microbatches=4,
-                                  partition="uniform", timeout=timedelta(seconds=30)),
+        strategy=PipelineStrategy(
+            pipeline_depth=2 if case == "indivisible" else None,
+            microbatches=4,
+            partition="uniform",
+            timeout=timedelta(seconds=30),
+        ),
         max_steps=2,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
-    )  # fmt: skip
+    )
     trainer.fit(CASES[case](), DataLoader(TensorDataset(x, y), batch_size=8))
 
 

@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_pipe import PipelineMixin, PipelineMonitor, PipelineStrategy  # noqa: E402
 from benchmarks.sleep_chain import SleepChain  # noqa: E402
+from lightning_pipe import PipelineMixin, PipelineMonitor, PipelineStrategy  # noqa: E402
 
 
 class SleepModule(PipelineMixin, L.LightningModule):
@@ -48,21 +48,38 @@ class SleepModule(PipelineMixin, L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-def fit_monitored(out: Path, schedule: str = "1f1b", split: bool = False, microbatches: int = 8, steps: int = 4,
-                  cost: float = 0.01) -> None:
+def fit_monitored(
+    out: Path, schedule: str = "1f1b", split: bool = False, microbatches: int = 8, steps: int = 4, cost: float = 0.01
+) -> None:
     """Fit the chain on 4 ranks (this process is one of them); rank 0 writes ``out/monitor.pkl``."""
     depth = 4
     data = TensorDataset(torch.randn(2 * microbatches * steps, 16))
     monitor = PipelineMonitor(log_every_n_steps=1, timeline_every_n_steps=steps)  # PNGs under the log dir
     strategy = PipelineStrategy(schedule, depth, microbatches, partition="uniform", split_backward=split)
     loggers = [TensorBoardLogger(out, name="tb"), CSVLogger(out, name="csv")]
-    trainer = L.Trainer(accelerator="cpu", devices=depth, strategy=strategy, max_steps=steps, logger=loggers,
-                        callbacks=[monitor], enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=depth,
+        strategy=strategy,
+        max_steps=steps,
+        logger=loggers,
+        callbacks=[monitor],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(SleepModule(depth, cost), DataLoader(data, batch_size=2 * microbatches))
     if trainer.is_global_zero:
-        (out / "monitor.pkl").write_bytes(pickle.dumps({"records": monitor.last_records, "saved": monitor.saved,
-                                                        "csv": loggers[1].log_dir, "tb": loggers[0].log_dir}))  # fmt: skip
+        (out / "monitor.pkl").write_bytes(
+            pickle.dumps(
+                {
+                    "records": monitor.last_records,
+                    "saved": monitor.saved,
+                    "csv": loggers[1].log_dir,
+                    "tb": loggers[0].log_dir,
+                }
+            )
+        )
 
 
 def main() -> None:

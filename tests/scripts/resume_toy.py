@@ -40,7 +40,11 @@ class Record(L.Callback):
         self.kill = kill
 
     def _due(self, trainer: L.Trainer, when: str) -> bool:
-        return self.kill is not None and self.kill[0] == when and self.kill[1:] == (trainer.global_rank, trainer.global_step)
+        return (
+            self.kill is not None
+            and self.kill[0] == when
+            and self.kill[1:] == (trainer.global_rank, trainer.global_step)
+        )
 
     def on_train_batch_start(self, trainer: L.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
         if self._due(trainer, "train"):
@@ -66,9 +70,19 @@ def _kill_inside_next_write() -> None:
     FileSystemWriter.write_data = write_then_die  # type: ignore[method-assign]
 
 
-def fit_resumable(rank: int, world: int, depth: int, schedule: str, microbatches: int, partition: Union[str, Sequence[int]],
-                  steps: int, folder: Path, ckpt: Optional[str] = None, sharded: bool = True,
-                  kill: Optional[tuple[str, int, int]] = None) -> dict[str, Any]:  # fmt: skip
+def fit_resumable(
+    rank: int,
+    world: int,
+    depth: int,
+    schedule: str,
+    microbatches: int,
+    partition: Union[str, Sequence[int]],
+    steps: int,
+    folder: Path,
+    ckpt: Optional[str] = None,
+    sharded: bool = True,
+    kill: Optional[tuple[str, int, int]] = None,
+) -> dict[str, Any]:
     """Fit to ``steps`` (resuming from ``ckpt`` if given), checkpointing every 2 steps under ``folder/ckpt``.
 
     Returns:
@@ -76,15 +90,33 @@ def fit_resumable(rank: int, world: int, depth: int, schedule: str, microbatches
     """
     torch.manual_seed(0)
     model, record = ToyChain(), Record(kill)
-    strategy = PipelineStrategy(schedule=schedule, pipeline_depth=depth, microbatches=microbatches, partition=partition,
-                                save_distributed_checkpoint=sharded, global_batch_size=GLOBAL_BATCH,
-                                timeout=timedelta(seconds=30))  # fmt: skip
+    strategy = PipelineStrategy(
+        schedule=schedule,
+        pipeline_depth=depth,
+        microbatches=microbatches,
+        partition=partition,
+        save_distributed_checkpoint=sharded,
+        global_batch_size=GLOBAL_BATCH,
+        timeout=timedelta(seconds=30),
+    )
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, max_epochs=-1, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        callbacks=[record, L.pytorch.callbacks.ModelCheckpoint(dirpath=folder / "ckpt", every_n_train_steps=2,
-                                                               save_top_k=-1, save_last=True)],
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=steps,
+        max_epochs=-1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[
+            record,
+            L.pytorch.callbacks.ModelCheckpoint(
+                dirpath=folder / "ckpt", every_n_train_steps=2, save_top_k=-1, save_last=True
+            ),
+        ],
+    )
     loader = DataLoader(Indexed(SAMPLES, 0), batch_size=4, shuffle=True)  # the strategy sets 16 / w
     trainer.fit(model, loader, ckpt_path=ckpt)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -106,8 +138,18 @@ def main() -> None:
         when, rank, step = args.kill.split(":")
         kill = (when, int(rank), int(step))
     world = int(os.environ["WORLD_SIZE"])
-    out = fit_resumable(int(os.environ["RANK"]), world, args.depth, args.schedule, args.microbatches, "uniform",
-                        args.steps, args.folder, args.ckpt, kill=kill)  # fmt: skip
+    out = fit_resumable(
+        int(os.environ["RANK"]),
+        world,
+        args.depth,
+        args.schedule,
+        args.microbatches,
+        "uniform",
+        args.steps,
+        args.folder,
+        args.ckpt,
+        kill=kill,
+    )
     torch.save(out, args.folder / f"result_rank{os.environ['RANK']}.pt")
 
 

@@ -47,8 +47,11 @@ def main() -> None:
         (folder / f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
         print(f"[rank {rank}] {name}: {result[0]} in {time.monotonic() - start:.1f}s", flush=True)
         dist.barrier()  # a scenario that failed on one rank only times out here and ends the launch
-        destroy_groups(shared.live_groups())  # each holds threads and sockets: the next scenario starts as a fresh launch would
-        gc.collect()  # a group a reference cycle keeps (a failed step's engine) closes its sockets now, not at some later collection
+        destroy_groups(
+            shared.live_groups()
+        )  # each holds threads and sockets: the next scenario starts as a fresh launch would
+        # a group a reference cycle keeps (a failed step's engine) closes its sockets now, not at a later collection
+        gc.collect()
     dist.destroy_process_group()
 
 

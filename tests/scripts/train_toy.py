@@ -65,14 +65,29 @@ class WithScheduler(ToyChain):
 
 
 #: fit_toy's keyword arguments after ``depth``, in order, with their defaults.
-FIT_DEFAULTS: dict[str, Any] = dict(schedule="1f1b", recompute=False, split=False, scheduler=False,
-                                    precision="32-true", out=None, sharded=True)  # fmt: skip
+FIT_DEFAULTS: dict[str, Any] = dict(
+    schedule="1f1b", recompute=False, split=False, scheduler=False, precision="32-true", out=None, sharded=True
+)
 
 
-def fit_toy(rank: int, world: int, depth: int, schedule: str, recompute: bool = False, split: bool = False,
-            scheduler: bool = False, precision: str = "32-true", out: Optional[Path] = None,
-            sharded: bool = True, microbatches: int = 4, batch: int = 8, steps: int = 5, virtual: int = 1,
-            blocks: int = 4, placement: Optional[str] = None) -> dict[str, Any]:  # fmt: skip
+def fit_toy(
+    rank: int,
+    world: int,
+    depth: int,
+    schedule: str,
+    recompute: bool = False,
+    split: bool = False,
+    scheduler: bool = False,
+    precision: str = "32-true",
+    out: Optional[Path] = None,
+    sharded: bool = True,
+    microbatches: int = 4,
+    batch: int = 8,
+    steps: int = 5,
+    virtual: int = 1,
+    blocks: int = 4,
+    placement: Optional[str] = None,
+) -> dict[str, Any]:
     """Fit, validate, predict and test ToyChain (``blocks`` residual blocks) through the Trainer,
     ``virtual`` stages per rank, W's placed by ``placement`` under split; return what this rank saw.
 
@@ -85,10 +100,18 @@ def fit_toy(rank: int, world: int, depth: int, schedule: str, recompute: bool = 
     trainer = L.Trainer(
         accelerator="cpu",
         devices=world,
-        strategy=PipelineStrategy(schedule=schedule, pipeline_depth=depth, microbatches=microbatches,
-                                  partition="uniform", recompute=recompute, split_backward=split, virtual_stages=virtual,
-                                  split_placement=placement,
-                                  save_distributed_checkpoint=sharded, timeout=timedelta(seconds=60)),
+        strategy=PipelineStrategy(
+            schedule=schedule,
+            pipeline_depth=depth,
+            microbatches=microbatches,
+            partition="uniform",
+            recompute=recompute,
+            split_backward=split,
+            virtual_stages=virtual,
+            split_placement=placement,
+            save_distributed_checkpoint=sharded,
+            timeout=timedelta(seconds=60),
+        ),
         precision=precision,
         max_steps=steps,
         max_epochs=-1,
@@ -101,7 +124,7 @@ def fit_toy(rank: int, world: int, depth: int, schedule: str, recompute: bool = 
         enable_model_summary=False,
         enable_progress_bar=False,
         use_distributed_sampler=True,
-    )  # fmt: skip
+    )
     width = world // depth
     train = DataLoader(Indexed(batch * width * steps, 0), batch_size=batch)
     val = DataLoader(Indexed(batch * width * 2, 99), batch_size=batch)
@@ -130,8 +153,20 @@ def run(args: argparse.Namespace, schedule: str, recompute: bool, split: bool = 
     """Fit one configuration and save this rank's record as ``<tag>_rank<r>.pt`` under ``--out``."""
     out = Path(args.out)
     tag = f"{schedule}_{recompute}" + ("_split" if split else "")
-    record = fit_toy(-1, args.devices, args.depth, schedule, recompute, split, args.scheduler, args.precision,
-                     out / tag, microbatches=args.microbatches, batch=args.batch, steps=args.steps)  # fmt: skip
+    record = fit_toy(
+        -1,
+        args.devices,
+        args.depth,
+        schedule,
+        recompute,
+        split,
+        args.scheduler,
+        args.precision,
+        out / tag,
+        microbatches=args.microbatches,
+        batch=args.batch,
+        steps=args.steps,
+    )
     torch.save(record, out / f"{tag}_rank{torch.distributed.get_rank()}.pt")
 
 

@@ -36,20 +36,37 @@ def main() -> None:
     # Every rank profiles the same chain in one process; the orientation only compares byte
     # counts (no timings), so every rank chooses the same.
     profile = profile_blocks(ToyChain(), make_data(8), [2, 4], repeats=1)
-    plan = predict.orient(profile, PipelinePlan(width=2, depth=2, microbatches=2, partition=[3, 3]), 2, ranks_per_node=2)
+    plan = predict.orient(
+        profile, PipelinePlan(width=2, depth=2, microbatches=2, partition=[3, 3]), 2, ranks_per_node=2
+    )
     recorder = Recorder()
     trainer = L.Trainer(
-        accelerator="cpu", num_nodes=2, devices=2, max_steps=STEPS, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=[recorder],
+        accelerator="cpu",
+        num_nodes=2,
+        devices=2,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[recorder],
         strategy=PipelineStrategy(plan=plan, timeout=timedelta(seconds=60)),
-    )  # fmt: skip
+    )
     trainer.fit(model, DataLoader(Indexed(BATCH * 2 * STEPS, 0), batch_size=BATCH))
     strategy = trainer.strategy
-    torch.save({
-        "node": int(os.environ["GROUP_RANK"]), "rank": trainer.global_rank, "inner": strategy.plan.inner,
-        "stage": strategy.engine.stage_index, "replica": strategy.topology.replica_of(trainer.global_rank),
-        "params": {n: p.detach().clone() for n, p in model.named_parameters()}, "indices": recorder.indices,
-    }, out / f"rank{trainer.global_rank}.pt")  # fmt: skip
+    torch.save(
+        {
+            "node": int(os.environ["GROUP_RANK"]),
+            "rank": trainer.global_rank,
+            "inner": strategy.plan.inner,
+            "stage": strategy.engine.stage_index,
+            "replica": strategy.topology.replica_of(trainer.global_rank),
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "indices": recorder.indices,
+        },
+        out / f"rank{trainer.global_rank}.pt",
+    )
     torch.distributed.destroy_process_group()  # the teardown too, inside the stack-dump window
 
 
