@@ -282,7 +282,7 @@ class Wider(ToyChain):
         self.head.out = nn.Linear(self.head.out.in_features, self.head.out.out_features + 1)
 
 
-def _refused(rank: int, world: int) -> dict[str, str]:
+def _refused(rank: int, world: int) -> dict[str, dict[str, Any]]:
     saved = launch_root() / "world2" / "reshard_save_1x2_file" / "ckpt" / "epoch=0-step=2.ckpt"
     sharded = launch_root() / "world4" / "reshard_save_1x4_1f1b" / "ckpt" / "epoch=0-step=2.ckpt"
     incomplete = scenario_dir() / "incomplete.ckpt"
@@ -292,7 +292,7 @@ def _refused(rank: int, world: int) -> dict[str, str]:
         shutil.copytree(sharded, incomplete, dirs_exist_ok=True)
         (incomplete / "meta.pt").unlink()
     torch.distributed.barrier()
-    messages = {}
+    messages, raised = {}, {}
     for case, model, path in (("fewer", ToyChain(depth=2), saved), ("shape", Wider(), saved), ("incomplete", ToyChain(), incomplete),
                               ("more", ToyChain(depth=6), sharded)):  # fmt: skip
         trainer = L.Trainer(accelerator="cpu", devices=world, max_steps=4, logger=False, enable_checkpointing=False,
@@ -303,19 +303,26 @@ def _refused(rank: int, world: int) -> dict[str, str]:
             messages[case] = "loaded"
         except Exception as err:  # noqa: BLE001 - the test reads the message
             messages[case] = f"{type(err).__name__}: {err}"
-    return messages
+            # What ``except IncompleteCheckpointError`` and ``except RuntimeError`` would each catch.
+            raised[case] = (isinstance(err, IncompleteCheckpointError), isinstance(err, RuntimeError))
+    return {"messages": messages, "raised": raised}
 
 
 scenario(4, "checkpoint_refused", _refused)
 
 
 def test_wrong_or_incomplete_checkpoints_are_refused_naming_the_weights(launched) -> None:
-    for messages in launched(4).ok("checkpoint_refused"):
+    for rank in launched(4).ok("checkpoint_refused"):
+        messages = rank["messages"]
         assert "holds 8 weights this model does not have, first: ['blocks.2.fc.bias'" in messages["fewer"], messages["fewer"]
         assert "another shape, first: ['head.out.weight: (5, 16) here (6, 16)'" in messages["shape"], messages["shape"]
         assert "IncompleteCheckpointError" in messages["incomplete"] and "no meta.pt" in messages["incomplete"]
         assert "lacks" in messages["more"] and "blocks.4." in messages["more"], messages["more"]
-    assert issubclass(IncompleteCheckpointError, RuntimeError)
+        # Only the incomplete checkpoint's refusal is the package's IncompleteCheckpointError (so
+        # ``except IncompleteCheckpointError`` catches it and not the others), and an ``except
+        # RuntimeError`` written before that class existed still catches it.
+        assert rank["raised"]["incomplete"] == (True, True), rank["raised"]
+        assert not any(rank["raised"][case][0] for case in ("fewer", "shape", "more")), rank["raised"]
 
 
 def test_plan_validates_once_and_the_strategy_takes_it() -> None:
