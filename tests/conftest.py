@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import subprocess
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -24,9 +25,12 @@ class Launch:
         files = [self.folder / name / f"rank{r}.pkl" for r in range(self.world)]
         if not all(f.exists() for f in files):
             tail = (self.proc.stdout or "")[-3000:] + "\n" + (self.proc.stderr or "")[-6000:]
-            raise AssertionError(
-                f"scenario {name!r} has no result from every rank (launch exit {self.proc.returncode}):\n{tail}"
+            ended = (
+                f"exit {self.proc.returncode}"
+                if self.proc.returncode is not None
+                else f"killed after {LAUNCH_TIMEOUT} s: a hang"
             )
+            raise AssertionError(f"scenario {name!r} has no result from every rank (launch {ended}):\n{tail}")
         return [pickle.loads(f.read_bytes()) for f in files]
 
     def ok(self, name: str) -> list[Any]:
@@ -51,9 +55,13 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Launch
             get(2)  # world 4 resumes checkpoints that world 2 saved
         if world not in cache:
             start = time.monotonic()
-            proc = launch(
-                [str(SCRIPTS / "scenarios.py"), str(root)], timeout=LAUNCH_TIMEOUT, torchrun=world, check=False
-            )
+            args = [str(SCRIPTS / "scenarios.py"), str(root)]
+            try:
+                proc = launch(args, timeout=LAUNCH_TIMEOUT, torchrun=world, check=False)
+            except (
+                subprocess.TimeoutExpired
+            ) as err:  # kept as the launch's outcome: each test then fails at once, none launches again
+                proc = subprocess.CompletedProcess(err.cmd, None, err.stdout or "", err.stderr or "")  # type: ignore[arg-type]
             cache[world] = Launch(world, root, proc, time.monotonic() - start)
         return cache[world]
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,9 +21,36 @@ def launch(args: list[str], timeout: float, torchrun: int = 0, check: bool = Tru
     if torchrun:
         prefix += ["-m", "torch.distributed.run", f"--nproc_per_node={torchrun}", f"--master_port={free_port()}"]
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-    proc = subprocess.run(prefix + args, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    with subprocess.Popen(prefix + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                          start_new_session=True) as running:  # fmt: skip
+        try:
+            out, err = running.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            out, err = _stop(running)
+            raise subprocess.TimeoutExpired(running.args, timeout, out, err) from None
+    proc = subprocess.CompletedProcess(running.args, running.returncode, out, err)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}"
         )
     return proc
+
+
+def _stop(running: subprocess.Popen) -> tuple[str, str]:
+    """End a launch that ran past its timeout, and every process it started; return its output so far.
+
+    SIGTERM goes to the launch's process group: torchrun (which then stops its workers, each in a
+    session of its own, within 30 s) and Lightning's launcher with the ranks it started. Whatever
+    of the group is left a minute later is killed."""
+    out: tuple[str, str] = ("", "")
+    for sig, grace in ((signal.SIGTERM, 60), (signal.SIGKILL, 10)):
+        with contextlib.suppress(ProcessLookupError):  # the whole group is gone already
+            os.killpg(running.pid, sig)
+        try:
+            return running.communicate(timeout=grace)
+        except subprocess.TimeoutExpired as partial:  # a process outside the group still holds the pipes
+            out = tuple(
+                o.decode(errors="replace") if isinstance(o, bytes) else (o or "")
+                for o in (partial.stdout, partial.stderr)
+            )  # type: ignore[assignment]
+    return out

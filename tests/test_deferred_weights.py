@@ -1,4 +1,4 @@
-"""Split backward with deferred linear and convolution weight gradients: I computes input gradients and frees the graph, W the weights'."""
+"""Split backward with deferred linear and convolution weight gradients: I frees the graph, W computes the weights'."""
 
 from __future__ import annotations
 
@@ -110,12 +110,22 @@ def test_input_gradients_free_the_graph_and_w_runs_no_autograd(monkeypatch) -> N
 
 
 def test_the_autograd_split_keeps_the_graph_for_w() -> None:
-    # The check above can fail: without deferral the graph stays for W.
+    # The check above can fail: without deferral I keeps the graph, and W runs on it.
     block, x, tokens, grad = _setup()
+    want_x, want = _full(block, x, tokens, grad)
     x = x.detach().requires_grad_()
     out = block(x, tokens)
-    input_grads([out], [grad], [x])
-    out.backward(grad)
+    (gx,), work = input_grads([out], [grad], [x])
+    torch.testing.assert_close(gx, want_x, rtol=1e-6, atol=1e-7)
+    # The graph is still there after I: differentiating through it again gives the same input gradient.
+    (again,) = torch.autograd.grad(out, x, grad, retain_graph=True)
+    torch.testing.assert_close(again, want_x, rtol=1e-6, atol=1e-7)
+    assert work.edges and work.captured(), "I left W no frontier to run from"
+    weight_grads(work)  # autograd from the gradients I captured, on the graph I kept
+    got = {n: p.grad for n, p in block.named_parameters() if p.grad is not None}
+    assert got.keys() == want.keys()  # the frozen weight has none
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-7, msg=name)
 
 
 class _Products(TorchDispatchMode):
