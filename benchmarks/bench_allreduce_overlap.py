@@ -1,6 +1,7 @@
 """Benchmark the replica all-reduce: one blocking all-reduce after the backward vs buckets posted during it.
 
-    python benchmarks/bench_allreduce_overlap.py [--rounds 5] [--steps 4]
+    python benchmarks/bench_allreduce_overlap.py [--rounds 5] [--steps 4]   # writes its docs/results page
+    python benchmarks/bench_allreduce_overlap.py --rounds 2 --no-page      # a quick check
 
 w = 2 replicas of a d = 2 pipeline on 4 gloo processes, 1F1B, a cost-model chain whose blocks
 sleep in forward, input-gradient and weight-gradient (so 4 processes share 2 cores without the
@@ -23,6 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]  # lightning_pipe, benchmarks, gpt
 
+from benchmarks.results_page import add_page_flag, command_line, markdown_table, write_page
 from benchmarks.sleep_chain import SleepChain
 from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place
 from lightning_pipe.runtime.spawn import run_gloo
@@ -64,7 +66,7 @@ def _worker(rank: int, world: int, blocks: int, dim: int, costs: tuple, m: int, 
                     ]
         if rank == 0:
             print(f"round {r + 1}/{rounds} done", flush=True)
-    return {"stage": topo.position_of(rank), "ar": seconds, "step": steps_s}
+    return {"stage": topo.stage_of(rank), "ar": seconds, "step": steps_s}
 
 
 def main() -> None:
@@ -75,6 +77,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=2**18, help="floats per block's weight (1 MiB)")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--cost-ms", type=float, default=5.0, help="sleep of F, I and W per block")
+    add_page_flag(parser)
     args = parser.parse_args()
     costs = (args.cost_ms / 1e3,) * 3
     results = run_gloo(
@@ -93,22 +96,55 @@ def main() -> None:
     if bad:
         raise SystemExit(f"a worker failed:\n{bad[0]}")
     grads_mib = args.blocks * args.dim * 4 / 2**20
-    print(
-        f"\nw={WIDTH} x d={DEPTH}, 1F1B m={args.microbatches}, {args.blocks} blocks a stage, {grads_mib:.0f} MiB of "
-        f"gradients a stage, F = I = W = {args.cost_ms:g} ms a block; {args.rounds} rounds x {args.steps} steps\n"
+    setup = (
+        f"w={WIDTH} x d={DEPTH}, 1F1B m={args.microbatches}, {args.blocks} blocks a stage, {grads_mib:.0f} MiB of "
+        f"gradients a stage, F = I = W = {args.cost_ms:g} ms a block; {args.rounds} rounds x {args.steps} steps"
     )
-    print(
-        "| stage | blocking AR (ms, median) | bucketed AR (ms, median) | hidden | step blocking (s) | step bucketed (s) |"
-    )
-    print("|---|---|---|---|---|---|")
+    rows = []
     for stage in range(DEPTH):
         mine = [value for _, value in results if value["stage"] == stage]
         ar = {k: statistics.median(x for v in mine for x in v["ar"][k]) for k in ("blocking", "buckets")}
         step = {k: statistics.median(x for v in mine for x in v["step"][k]) for k in ("blocking", "buckets")}
-        print(
-            f"| {stage} | {ar['blocking'] * 1e3:.2f} | {ar['buckets'] * 1e3:.2f} | {1 - ar['buckets'] / ar['blocking']:.1%} "
-            f"| {step['blocking']:.4f} | {step['buckets']:.4f} |"
+        rows.append(
+            [
+                stage,
+                f"{ar['blocking'] * 1e3:.2f}",
+                f"{ar['buckets'] * 1e3:.2f}",
+                f"{1 - ar['buckets'] / ar['blocking']:.1%}",
+                f"{step['blocking']:.4f}",
+                f"{step['buckets']:.4f}",
+            ]
         )
+    table = markdown_table(
+        [
+            "stage",
+            "blocking AR (ms, median)",
+            "bucketed AR (ms, median)",
+            "hidden",
+            "step blocking (s)",
+            "step bucketed (s)",
+        ],
+        rows,
+    )
+    print(f"\n{setup}\n\n{table}")
+    if not args.no_page:
+        intro = (
+            "Two replicas of a two-stage 1F1B pipeline (4 gloo processes) of sleeping blocks holding real gradients. "
+            "Blocking: one all-reduce of the stage's gradients after the backward. Buckets: one bucket per block, "
+            "posted as its weight gradient is done, so the all-reduce runs during the rest of the backward. The AR "
+            "columns are the seconds of each step's all-reduce action in the executor's trace (with buckets, the wait "
+            "for those not finished yet), median over every timed step of both replicas; hidden = 1 - bucketed / "
+            "blocking."
+        )
+        sections = [("Exposed all-reduce time per stage", f"{setup}.\n\n{table}")]
+        path = write_page(
+            "bench_allreduce_overlap",
+            "Replica all-reduce: blocking vs buckets overlapped with the backward",
+            command_line(),
+            sections,
+            intro,
+        )
+        print(f"page: {path}")
 
 
 if __name__ == "__main__":

@@ -1,19 +1,21 @@
-"""AutoPlanner on the GPT example over 4 processes: throughput after its switch against a measured sweep, and the switch's cost.
+"""AutoPlanner on the GPT example over 4 processes: throughput after its switch against a measured sweep, its cost.
 
-    python benchmarks/bench_autoplan.py   # about 3 minutes on 2 cores
+    python benchmarks/bench_autoplan.py                          # writes docs/results/bench_autoplan.md
+    python benchmarks/bench_autoplan.py --measured 6 --no-page   # a quick check
 
 One ``torchrun`` launch of 4 gloo processes runs, through ``Trainer.fit`` (the same harness for
 every row): a sweep of fixed 4-process plans of the GPT example (configs/gpt_auto.yaml's model
 and global batch of 32), then the AutoPlanner started from the poor plan ``(1,4)``, uniform
 partition, ``m = 2``. Step time is the median wall time between consecutive training steps
-(data loading, Lightning and the step), after a warm-up.
+(data loading, Lightning and the step), after a warm-up. The AutoPlanner profiles for 5 steps,
+predicts every plan and switches to its choice; its throughput after the switch is compared with
+the best plan of the sweep, and the switch (drain, state move, rebuild) is counted in steps.
 """
 
 from __future__ import annotations
 
-import datetime
+import argparse
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -30,9 +32,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "examples")]  # lightning_pipe, benchmarks
 
 from gpt import GPT, StdlibText  # noqa: E402
 
+from benchmarks.results_page import add_page_flag, command_line, markdown_table, write_page
 from lightning_pipe import AutoPlanner, PipelinePlan, PipelineStrategy  # noqa: E402
 
-GLOBAL, WARMUP, MEASURED = 32, 3, 15
+GLOBAL, WARMUP = 32, 3
 POOR = PipelinePlan(1, 4, 2, "1f1b", partition="uniform")
 #: The sweep: the poor start, and plans across every (w, d) with w * d = 4.
 SWEEP = [
@@ -86,48 +89,91 @@ def _fit(plan: PipelinePlan, steps: int, auto: Optional[AutoPlanner] = None) -> 
     return clock, trainer
 
 
+def _arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--measured", type=int, default=15, help="measured steps of each plan, after 3 warm-up steps")
+    add_page_flag(parser)
+    return parser.parse_args()
+
+
 def worker() -> None:
-    """Runs on every rank under torchrun; rank 0 prints."""
+    """Runs on every rank under torchrun; rank 0 prints and writes the page."""
     import torch.distributed as dist
 
+    args = _arguments()
+    measured_steps = args.measured
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank0 = dist.get_rank() == 0
     say = (lambda text: print(text, flush=True)) if rank0 else (lambda text: None)
     measured = {}
     for i, plan in enumerate(SWEEP):
-        clock, _ = _fit(plan, WARMUP + MEASURED + 1)
+        clock, _ = _fit(plan, WARMUP + measured_steps + 1)
         measured[plan.describe()] = statistics.median(clock.steps(WARMUP))
         say(f"[sweep {i + 1}/{len(SWEEP)}] {plan.describe()}: {measured[plan.describe()]:.4f} s per step")
     auto = AutoPlanner(profile_steps=5, min_gain=0.05)
-    clock, trainer = _fit(POOR, 5 + 1 + WARMUP + MEASURED, auto)
+    clock, trainer = _fit(POOR, 5 + 1 + WARMUP + measured_steps, auto)
     decision = auto.decisions[0]
     after = statistics.median(clock.steps(5 + WARMUP))
     before = statistics.median(clock.steps(1)[:4])  # steps 2-5, on the poor plan
     best_name = min(measured, key=measured.get)
     chosen = decision["chosen"].plan.describe()
-    say(f"\nAutoPlanner from {POOR.describe()}: chose {chosen} ({decision['reason']})")
-    say(
-        f"  predicted step {decision['chosen'].step_time:.4f} s, measured after the switch {after:.4f} s "
-        f"(poor plan before it: {before:.4f} s)"
-    )
-    say(
-        f"  best measured in the sweep: {best_name} at {measured[best_name]:.4f} s; throughput after the switch / best: "
-        f"{measured[best_name] / after:.3f}"
-    )
+    lines = [
+        f"AutoPlanner from {POOR.describe()}: chose {chosen} ({decision['reason']})",
+        (
+            f"predicted step {decision['chosen'].step_time:.4f} s, measured after the switch {after:.4f} s "
+            f"(poor plan before it: {before:.4f} s)"
+        ),
+        (
+            f"best measured in the sweep: {best_name} at {measured[best_name]:.4f} s; "
+            "throughput after the switch / best: "
+            f"{measured[best_name] / after:.3f}"
+        ),
+    ]
     if chosen in measured:
-        say(f"  the chosen plan in the sweep: {measured[chosen]:.4f} s")
-    say(
-        f"  switch (drain, state move, rebuild): {decision['switch_seconds']:.3f} s = "
-        f"{decision['switch_seconds'] / after:.2f} steps of the new plan, {decision['switch_seconds'] / before:.2f} of the poor one"
+        lines.append(f"the chosen plan in the sweep: {measured[chosen]:.4f} s")
+    lines.append(
+        f"switch (drain, state move, rebuild): {decision['switch_seconds']:.3f} s = "
+        f"{decision['switch_seconds'] / after:.2f} steps of the new plan, {decision['switch_seconds'] / before:.2f} "
+        "of the poor one"
     )
+    say("\n" + "\n  ".join(lines))
+    if rank0 and not args.no_page:
+        sweep = markdown_table(
+            ["plan", "step (s)", "throughput / best"],
+            [[f"`{name}`", f"{s:.4f}", f"{measured[best_name] / s:.3f}"] for name, s in measured.items()],
+        )
+        intro = (
+            f"4 gloo processes, one thread each, through `Trainer.fit` (the same harness for every row): the GPT "
+            f"example (4 layers, width 128, context 64), global batch {GLOBAL}. Step time is the median wall time "
+            f"between consecutive training steps over {measured_steps} steps after {WARMUP} warm-up steps."
+        )
+        sections = [("AutoPlanner", "\n".join(f"- {line}" for line in lines)), ("Sweep of fixed plans", sweep)]
+        path = write_page(
+            "bench_autoplan",
+            "AutoPlanner: throughput after its switch against a sweep",
+            command_line(),
+            sections,
+            intro,
+        )
+        say(f"page: {path}")
     dist.destroy_process_group()
 
 
 def main() -> None:
-    print(f"{datetime.date.today()} on {platform.node()}, torch {torch.__version__}, 4 gloo processes", flush=True)
+    _arguments()  # --help, and unknown flags fail here, before the launch
+    print(f"torch {torch.__version__}, 4 gloo processes", flush=True)
     env = {**os.environ, "BENCH_AUTOPLAN_WORKER": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", __file__]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "4",
+        __file__,
+        *sys.argv[1:],
+    ]
     subprocess.run(cmd, env=env, check=True)
 
 

@@ -1,19 +1,20 @@
-"""Checkpoint save and load per rank: peak memory and seconds, gathered on every rank (before) vs sharded vs one file.
+"""Checkpoint save and load per rank: peak memory and seconds, gathered on every rank vs sharded vs one file.
 
-    python benchmarks/bench_checkpoint.py          # re-launches itself with torchrun on 4 CPU processes
+    python benchmarks/bench_checkpoint.py             # re-launches itself with torchrun on 4 CPU processes
+    python benchmarks/bench_checkpoint.py --no-page   # print the table only
 
 A chain of eight 1024 x 1024 linear blocks with Adam on a (1 x 4) pipeline: the whole model's
 state is 4 times one stage's. Each save path runs through ``trainer.save_checkpoint`` (one
 warm-up save, then the measured one); loads run through ``strategy.load_checkpoint``. The peak
 is the rise of the process's resident set (VmHWM, reset before each call) over its size just
-before the call.
+before the call. The baseline, every rank gathering the whole model with ``all_gather_object``,
+shows what sharding saves: its peak grows with the whole model, a sharded save's with one stage.
 """
 
 from __future__ import annotations
 
-import datetime
+import argparse
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]  # lightning_pipe, benchmarks, gpt
 
+from benchmarks.results_page import add_page_flag, command_line, markdown_table, write_page
 from lightning_pipe import PipelineMixin, PipelineStrategy  # noqa: E402
 from lightning_pipe.lightning.checkpoint import save_file  # noqa: E402
 
@@ -59,7 +61,7 @@ class LinearChain(PipelineMixin, L.LightningModule):
 
 
 class GatherEverywhere(PipelineStrategy):
-    """The path before sharding: every rank gathered the whole model with all_gather_object, rank 0 wrote it."""
+    """The unsharded baseline: every rank gathers the whole model with all_gather_object, rank 0 writes it."""
 
     def _gather(self, obj: Any) -> list[Any]:
         parts: list[Any] = [None] * self.plan.depth
@@ -121,9 +123,9 @@ def run(folder: Path) -> dict[str, Any]:
     """Every save and load path on this rank: {row: (MiB, seconds)}, plus the stage's state size."""
     rows: dict[str, Any] = {}
     paths = {
-        "save: all_gather_object on every rank (before)": (
+        "save: all_gather_object on every rank (baseline)": (
             GatherEverywhere(pipeline_depth=DEPTH, partition="uniform"),
-            "before.ckpt",
+            "gathered.ckpt",
         ),
         "save: sharded DCP directory (default)": (
             PipelineStrategy(pipeline_depth=DEPTH, partition="uniform"),
@@ -151,21 +153,19 @@ def run(folder: Path) -> dict[str, Any]:
 def table(results: list[dict[str, Any]]) -> str:
     """Markdown: one row per path, peak increase per rank, the largest as a multiple of one stage, seconds."""
     stage = results[0]["stage"]
-    header = (
-        "| path | "
-        + " | ".join(f"rank {r} peak (MiB)" for r in range(len(results)))
-        + " | largest / one stage | seconds |"
-    )
-    lines = [header, "|" + "---|" * (len(results) + 3)]
+    header = ["path", *(f"rank {r} peak (MiB)" for r in range(len(results))), "largest / one stage", "seconds"]
+    rows = []
     for label in [k for k in results[0] if k != "stage"]:
         peaks = [r[label][0] for r in results]
         seconds = max(r[label][1] for r in results)
-        cells = " | ".join(f"{p:.1f}" for p in peaks)
-        lines.append(f"| {label} | {cells} | {max(peaks) * MiB / stage:.2f} | {seconds:.3f} |")
-    return "\n".join(lines)
+        rows.append([label, *(f"{p:.1f}" for p in peaks), f"{max(peaks) * MiB / stage:.2f}", f"{seconds:.3f}"])
+    return markdown_table(header, rows)
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_page_flag(parser)
+    args = parser.parse_args()
     if "LOCAL_RANK" not in os.environ:
         cmd = [
             sys.executable,
@@ -174,16 +174,12 @@ def main() -> None:
             f"--nproc_per_node={DEPTH}",
             "--master_port=29561",
             __file__,
+            *sys.argv[1:],
         ]
         raise SystemExit(subprocess.call(cmd))
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    if rank == 0:
-        print(
-            f"{datetime.date.today()} on {platform.node()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
-            flush=True,
-        )
     with tempfile.TemporaryDirectory() as tmp:
         shared = [tmp]  # every rank writes under rank 0's folder
         dist.broadcast_object_list(shared, src=0)
@@ -192,10 +188,24 @@ def main() -> None:
     dist.all_gather_object(results, rows)
     if rank == 0:
         stage = results[0]["stage"]
-        print(
-            f"\nOne stage's state (weights + Adam): {stage / MiB:.1f} MiB; the whole model's: {DEPTH * stage / MiB:.1f} MiB\n"
+        sizes = (
+            f"One stage's state (weights + Adam): {stage / MiB:.1f} MiB; "
+            f"the whole model's: {DEPTH * stage / MiB:.1f} MiB."
         )
-        print(table(results), flush=True)
+        print(f"\n{sizes}\n\n{table(results)}", flush=True)
+        if not args.no_page:
+            intro = (
+                f"{DEPTH} gloo processes, one thread each, a (1 x {DEPTH}) pipeline of {BLOCKS} linear blocks "
+                f"{WIDTH} x {WIDTH} with Adam. Saves run through `trainer.save_checkpoint` (one warm-up save, then "
+                "the measured one), loads through `strategy.load_checkpoint`. A rank's peak is the rise of its "
+                "resident set (VmHWM, reset before each call) over its size just before the call; seconds are the "
+                "slowest rank's."
+            )
+            sections = [("Save and load, per rank", f"{sizes}\n\n{table(results)}")]
+            path = write_page(
+                "bench_checkpoint", "Checkpoint save and load: memory and time", command_line(), sections, intro
+            )
+            print(f"page: {path}")
     dist.destroy_process_group()
 
 

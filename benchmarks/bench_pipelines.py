@@ -1,15 +1,20 @@
 """Benchmark lightning_pipe against torch.distributed.pipelining, side by side in one run.
 
-    python benchmarks/bench_pipelines.py                      # both workloads, table + chart
+    python benchmarks/bench_pipelines.py                      # both workloads: tables, chart, results page
     python benchmarks/bench_pipelines.py --workload costmodel --depths 4
+    python benchmarks/bench_pipelines.py --depths 4 --rounds 1 --steps 3 --pairs 3   # a shorter run
+    python benchmarks/bench_pipelines.py --workload gpt --rounds 1 --pairs 0 --no-page   # a quick check
+
+The tables, the chart and the page docs/results/bench_pipelines.md (chart beside it) are
+written at the end; ``--no-page`` leaves docs/results/ alone.
 
 Contenders, interleaved round by round so that machine drift hits them all alike: one process
 with no pipeline; torch.distributed.pipelining ScheduleGPipe, Schedule1F1B,
 ScheduleInterleavedZeroBubble (one stage per rank, and two) and ScheduleInterleaved1F1B (two
 stages per rank); lightning_pipe gpipe, 1f1b and 2bw (with loss="previous": no wait at window
 ends), each with and without split backward, and interleaved 1F1B (two stages per rank) with
-and without split backward. Same model, global
-batch and microbatches; the same partition for every contender with as many stages per rank. Rank 0 shows progress (one tick per timed contender).
+and without split backward. Same model, global batch and microbatches; the same partition for
+every contender with as many stages per rank. Rank 0 shows progress (one tick per timed contender).
 
 Workloads:
   (a) costmodel: blocks sleep a set time in F, I and W, so d = 4 and d = 8 fit on 2 cores and
@@ -53,6 +58,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "examples")]  # lightning_pipe, benchmarks
 
 from gpt import GPT  # noqa: E402
 
+from benchmarks.results_page import RESULTS, add_page_flag, command_line, write_page
 from benchmarks.sleep_chain import SleepChain  # noqa: E402
 from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place  # noqa: E402
 from lightning_pipe.core.partition import block_cost, partition_sizes, stage_ranges  # noqa: E402
@@ -62,7 +68,7 @@ from lightning_pipe.planning.profile import Profile  # noqa: E402
 from lightning_pipe.planning.profiler import profile_blocks  # noqa: E402
 from lightning_pipe.runtime.microbatch import split_batch  # noqa: E402
 from lightning_pipe.runtime.spawn import run_gloo  # noqa: E402
-from lightning_pipe.schedules import Kind, build_schedule, two_bw_window  # noqa: E402
+from lightning_pipe.schedules import Kind, build_schedule, get, two_bw_window  # noqa: E402
 from lightning_pipe.schedules.simulate import simulate  # noqa: E402
 
 #: Our contenders: (schedule, split backward, stages per rank, W placement or None for the schedule's own).
@@ -153,7 +159,7 @@ class Workload:
             else self.profiled_cost(profile, schedule, split, virtual, placement)
         )
         d, m = self.depth, self.microbatches
-        if schedule == "2bw":
+        if get(schedule).streams:
             return max(running_rate(d, m, split, steps, cost))
         return simulate(
             build_schedule(schedule, d, m, split=split, virtual=virtual, placement=placement), cost
@@ -260,7 +266,7 @@ def _ours(
         virtual_stages=virtual,
         split_placement=placement,
     )
-    engine = place(model, plan, rank, groups=groups, loss="previous" if schedule == "2bw" else "current")
+    engine = place(model, plan, rank, groups=groups, loss="previous" if get(schedule).streams else "current")
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     versions = lambda: [p for slot in engine.versions.slots for p in slot or ()]  # noqa: E731 - both 2BW versions
     return Contender(lambda batch: engine.train_step(batch, opt), lambda: held_tensors(versions(), [opt]), engine.drain)
@@ -319,7 +325,7 @@ def selected(names: Iterable[str], only: Sequence[str]) -> set[str]:
 
 
 def _name(schedule: str, split: bool, virtual: int = 1, placement: Optional[str] = None) -> str:
-    loss = " (loss=previous)" if schedule == "2bw" else ""
+    loss = " (loss=previous)" if get(schedule).streams else ""
     interleaved = f" interleaved (v={virtual})" if virtual > 1 else ""
     split_name = (f" + split ({placement})" if placement else " + split") if split else ""
     return f"lightning_pipe {schedule}" + interleaved + split_name + loss
@@ -338,8 +344,8 @@ def _time(step: Contender, batch: Any, steps: int) -> float:
 
     A barrier between two 2BW windows holds stage 0's next forwards until the last stage has
     finished its window, an idle stretch a running job never has; here the untimed step fills
-    the stream (the warm-up drained it) and no barrier follows. A flush schedule's rate is the
-    same either way (measured: docs/benchmarks.md, "Timed as a running job")."""
+    the stream (the warm-up drained it) and no barrier follows. A flush schedule (GPipe, 1F1B,
+    interleaved 1F1B) ends every step drained, so its rate is the same either way."""
     dist.barrier()
     step(batch)
     start = time.perf_counter()
@@ -378,9 +384,9 @@ def _paired(ours: Contender, theirs: Contender, batch: Any, pairs: int, steps: i
     one goes first swapping every pair, so both see the same machine: (our wall, our CPU, their
     wall, their CPU) per step, per pair.
 
-    On this host the speed of a core drifts by 10% and more over seconds (rounds of the same
-    contender differ by up to 50% in a busy hour), which decides ratios of a few percent between
-    contenders timed minutes apart; a pair's two steps are seconds apart."""
+    On a shared host the speed of a core drifts by 10% and more over seconds, which decides
+    ratios of a few percent between contenders timed minutes apart; a pair's two steps are
+    seconds apart."""
     out = []
     for i in range(pairs):
         if i % 2:
@@ -445,8 +451,8 @@ def _worker(
     """Each round builds every contender afresh, in a rotated order, then times each in that order;
     after the last round, ``pairs`` paired steps of each of ours with its torch counterpart.
 
-    Rebuilding matters: on this machine whichever model is allocated first ran up to 8% faster
-    (the allocator's state differs), so every contender takes each place in turn.
+    Rebuilding matters: whichever model is allocated first can run several percent faster (the
+    allocator's state differs), so every contender takes each place in turn.
     """
 
     torch.set_num_threads(threads)
@@ -553,16 +559,22 @@ def _row(rows: list[dict], name: str) -> dict:
 
 
 # -- report ----------------------------------------------------------------------------------
-def table(rows: list[dict]) -> str:
-    """Markdown table of one workload's rows."""
-    work: Workload = rows[0]["workload"]
-    single = _row(rows, "one process")["samples_s"]
+def heading(work: Workload) -> str:
+    """One workload's heading: its shape and the ideal pipeline speedup."""
     ideal = work.depth * work.microbatches / (work.microbatches + work.depth - 1)
+    return (
+        f"{work.name}, d={work.depth}, m={work.microbatches}, batch {work.batch_size} "
+        f"(ideal speedup d*m/(m+d-1) = {ideal:.2f})"
+    )
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown table of one workload's rows, then each contender's step time round by round."""
+    single = _row(rows, "one process")["samples_s"]
     lines = [
-        f"### {work.name}, d={work.depth}, m={work.microbatches}, batch {work.batch_size} "
-        f"(ideal speedup d*m/(m+d-1) = {ideal:.2f})\n",
         "| contender | step (s) | samples/s | speedup over one process | vs torch (same schedule) | "
-        "measured / simulated step (nominal costs) | measured / simulated step (profiled costs) | peak tensor memory per stage |",
+        "measured / simulated step (nominal costs) | measured / simulated step (profiled costs) "
+        "| peak tensor memory per stage |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -680,15 +692,48 @@ def main() -> None:
         help="run only the contenders whose name contains one of these (with one process "
         "and the torch schedules they are compared with)",
     )
-    parser.add_argument("--chart", type=Path, default=Path("docs/bench_pipelines.png"))
+    parser.add_argument(
+        "--chart",
+        type=Path,
+        default=None,
+        help="where to save the chart (default: docs/results/bench_pipelines.png, beside the page; "
+        "with --no-page, no chart unless given)",
+    )
+    add_page_flag(parser)
     args = parser.parse_args()
-    results = []
+    results, sections = [], []
     for work in workloads(args):
         rows = run(work, args.rounds, args.steps, args.threads, args.only, args.pairs)
         results.append(rows)
-        print(table(rows) + "\n\n" + paired_table(rows) + "\n", flush=True)
-    chart(results, args.chart)
-    print(f"chart: {args.chart}")
+        body = (table(rows) + "\n\n" + paired_table(rows)).strip()
+        sections.append((heading(work), body))
+        print(f"### {heading(work)}\n\n{body}\n", flush=True)
+    chart_path = args.chart or (None if args.no_page else RESULTS / "bench_pipelines.png")
+    if chart_path is not None:
+        chart(results, chart_path)
+        print(f"chart: {chart_path}")
+    if not args.no_page:
+        if chart_path is not None and chart_path.resolve().parent == RESULTS:
+            alt = "throughput of every contender relative to one process, per workload"
+            sections.insert(0, ("Throughput relative to one process", f"![{alt}]({chart_path.name})"))
+        intro = (
+            f"Every contender runs the same model, global batch and microbatches on gloo processes of "
+            f"{args.threads} torch thread(s) each, rebuilt every round in a rotated order; {args.rounds} round(s) of "
+            f"{args.steps} timed steps after one untimed step, the slowest rank's seconds per step (median over "
+            f'rounds). "vs torch" is our samples/s over the same schedule\'s in `torch.distributed.pipelining`; '
+            "\"measured / simulated\" divides the step by the simulator's for the same program, with each block's "
+            "nominal sleep (cost model) or its time profiled in one process. Paired steps alternate each of ours "
+            f"with its torch counterpart, {args.pairs} pair(s), so that both see the same machine. Peak tensor "
+            "memory counts every CPU tensor storage alive during one step."
+        )
+        path = write_page(
+            "bench_pipelines",
+            "Pipeline schedules against torch.distributed.pipelining",
+            command_line(),
+            sections,
+            intro,
+        )
+        print(f"page: {path}")
 
 
 if __name__ == "__main__":

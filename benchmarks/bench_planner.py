@@ -1,9 +1,12 @@
 """Planner fidelity: predicted step time and peak tensor memory per stage against measured runs, one table.
 
-    python benchmarks/bench_planner.py                  # about 10 minutes on 2 cores (3 rounds)
+    python benchmarks/bench_planner.py                  # 3 rounds, then the planning time; writes the page
     python benchmarks/bench_planner.py --rounds 1       # one round of each workload
     python benchmarks/bench_planner.py --planning-time  # the planning-time part only
+    python benchmarks/bench_planner.py --memory-only    # the memory model only
     python benchmarks/bench_planner.py --workload gpt   # one workload's configurations only
+
+Every mode prints its tables and writes docs/results/bench_planner.md (``--no-page``: print only).
 
 Workloads:
 
@@ -20,10 +23,10 @@ group then runs side by side in one launch (gloo processes, ``place`` engines): 
 every rank profiles the workload again (all at once, one timed run per block and size) and
 times one step of every configuration. A configuration's error in a round is the median over
 its passes of the step that pass's profile predicts over the step that pass measured (its
-slowest rank), less 1: this 2-core VM's speed drifts by up to 40% for seconds at a time (both
-processes at once; a fixed GPT forward and backward loop, measured), so that a profile and a run
-even seconds apart disagree by that much whatever the model, while a pass's profile and steps
-see the same drift. The table gives the medians over the rounds. Each engine then runs one step
+slowest rank), less 1: a small shared VM's speed drifts by tens of percent for seconds at a
+time (every process at once), so that a profile and a run even seconds apart disagree by that
+much whatever the model, while a pass's profile and steps see the same drift. The table gives the medians
+over the rounds. Each engine then runs one step
 under a tracker of every tensor storage created (independent of the planner's own accounting):
 the peak tensor bytes of each stage.
 
@@ -39,9 +42,7 @@ what the simulator misses given the step's own action times (replayed / traced s
 
 from __future__ import annotations
 
-import datetime
 import functools
-import platform
 import statistics
 import sys
 import time
@@ -57,6 +58,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "examples")]  # lightning_pipe, benchmarks
 
 from bench_pipelines import PeakTensorBytes  # noqa: E402
 
+from benchmarks.results_page import add_page_flag, command_line, markdown_table, write_page
 from lightning_pipe import PipelineGroups, PipelinePlan, place  # noqa: E402
 from lightning_pipe.lightning.monitor import held_tensors  # noqa: E402
 from lightning_pipe.planning import costs, predict, programs, search  # noqa: E402
@@ -234,7 +236,7 @@ def _measure(
 def _engine(
     name: str, plan: PipelinePlan, b: int, rank: int, heavy_first: bool = False
 ) -> tuple[Any, torch.optim.Optimizer, Any]:
-    """This rank's engine for ``plan``, its optimizer, and the batch of its replica (the stages of a pipeline see the same one)."""
+    """This rank's engine for ``plan``, its optimizer, and its replica's batch (one per pipeline)."""
     work = WORKLOADS[name]
     engine = place(work.model(heavy_first), plan, rank, groups=PipelineGroups.build(plan.topology, rank))
     opt = work.optimizer(engine.parameters())
@@ -255,7 +257,7 @@ def _run_group(
     Every plan's engine is built, then each of ``passes`` passes (after one that warms up)
     profiles the workload (:func:`profile_blocks`, every rank at once behind barriers, one timed
     run per block and size) and times one step of every plan, the order rotating from pass to
-    pass. The host's drift (up to 40% for seconds at a time, both processes at once) then
+    pass. The host's drift (tens of percent for seconds at a time, every process at once) then
     slows a pass's profile and its steps alike, which a profile and a run in separate launches
     cannot promise. Afterwards each engine runs its traced steps and one step under the tensor
     tracker (its peak bytes).
@@ -387,20 +389,22 @@ def _round(links: dict[str, float], workloads: Sequence[str]) -> dict[tuple, dic
             }
             x = out[config]
             print(
-                f"  {name} ({config.w},{config.d}) b={b} {_schedule(config)}{' recompute' if config.recompute else ''}: "
-                f"predicted {x['predicted_step']:.3f} s, measured {x['measured']:.3f} s (median over {len(steps)} passes), "
-                f"error {x['error']:+.1%}; replayed with the traced actions {x['replayed']:.3f} s, traced step {x['traced']:.3f} s",
+                f"  {name} ({config.w},{config.d}) b={b} {_schedule(config)}"
+                f"{' recompute' if config.recompute else ''}: "
+                f"predicted {x['predicted_step']:.3f} s, measured {x['measured']:.3f} s "
+                f"(median over {len(steps)} passes), "
+                f"error {x['error']:+.1%}; replayed with the traced actions {x['replayed']:.3f} s, "
+                f"traced step {x['traced']:.3f} s",
                 flush=True,
             )
     return out
 
 
-def main(rounds: int, workloads: Sequence[str]) -> None:
-    print(
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on {platform.node()}, torch {torch.__version__}; "
-        f"{rounds} rounds; workloads {', '.join(workloads)}",
-        flush=True,
-    )
+def main(rounds: int, workloads: Sequence[str]) -> list[tuple[str, str]]:
+    """``rounds`` rounds of every configuration of ``workloads``; prints each part and returns
+    the page's sections: the fidelity table, the time error's decomposition, each workload's
+    ranking and memory verdicts, the MadPipe case (chain)."""
+    print(f"torch {torch.__version__}; {rounds} rounds; workloads {', '.join(workloads)}", flush=True)
     torch.set_num_threads(1)
     runs = []
     for r in range(rounds):
@@ -435,48 +439,96 @@ def main(rounds: int, workloads: Sequence[str]) -> None:
         )
         each = ", ".join(f"{x['error']:+.0%}" for x in mine)
         rows.append(
-            f"| {name} | ({w},{d}) | {b} | {plan_m(config)} | {_schedule(config)} | {'yes' if recompute else 'no'} | "
-            f"{predicted_step:.3f} | {step:.3f} | {t_err:+.1%} ({each}) | "
-            f"{', '.join(f'{p / 2**20:.2f}' for p in predicted.stage_memory)} | "
-            f"{', '.join(f'{q / 2**20:.2f}' for q in peaks)} | {m_err:.1%} |"
+            [
+                name,
+                f"({w},{d})",
+                b,
+                plan_m(config),
+                _schedule(config),
+                "yes" if recompute else "no",
+                f"{predicted_step:.3f}",
+                f"{step:.3f}",
+                f"{t_err:+.1%} ({each})",
+                ", ".join(f"{p / 2**20:.2f}" for p in predicted.stage_memory),
+                ", ".join(f"{q / 2**20:.2f}" for q in peaks),
+                f"{m_err:.1%}",
+            ]
         )
-    print(
-        "\n| workload | (w,d) | b | m | schedule | recompute | predicted step (s) | measured step (s) | "
-        "time error: median (each round) | predicted peak per stage (MiB) | measured peak per stage (MiB) | worst memory error |"
+    fidelity = markdown_table(
+        [
+            "workload",
+            "(w,d)",
+            "b",
+            "m",
+            "schedule",
+            "recompute",
+            "predicted step (s)",
+            "measured step (s)",
+            "time error: median (each round)",
+            "predicted peak per stage (MiB)",
+            "measured peak per stage (MiB)",
+            "worst memory error",
+        ],
+        rows,
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    print("\n".join(rows))
-    print(
-        f"\nstep time error (each configuration's median over rounds): median {statistics.median(time_errors):.1%}, worst {max(time_errors):.1%}; "
-        f"peak memory error (every round): median {statistics.median(memory_errors):.1%}, worst {max(memory_errors):.1%}"
+    fidelity += (
+        f"\n\nStep time error (each configuration's median over rounds): median {statistics.median(time_errors):.1%}, "
+        f"worst {max(time_errors):.1%}; peak memory error (every round): median "
+        f"{statistics.median(memory_errors):.1%}, worst {max(memory_errors):.1%}."
     )
-    _decomposition(runs, workloads)
+    sections = [
+        ("Predicted against measured", fidelity),
+        ("Where the time error comes from", _decomposition(runs, workloads)),
+    ]
     for name in workloads:
-        _ranking([r for r in results if r["workload"] == name], name)
-        _verdicts([r for r in results if r["workload"] == name], name)
+        mine = [r for r in results if r["workload"] == name]
+        sections.append((f"{name}: the planner's ranking", _ranking(mine, name)))
+        verdicts = _verdicts(mine, name)
+        if verdicts:
+            sections.append((f"{name}: memory verdicts", verdicts))
     if "chain" in workloads:
-        _madpipe_order(runs[-1][("profile", "chain", 4)])
+        sections.append(("MadPipe case", _madpipe_order(runs[-1][("profile", "chain", 4)])))
+    for heading, body in sections:
+        print(f"\n{heading}\n\n{body}", flush=True)
+    return sections
 
 
-def _decomposition(runs: list[dict], workloads: Sequence[str]) -> None:
+def _decomposition(runs: list[dict], workloads: Sequence[str]) -> str:
     """Where each configuration's time error comes from, medians over the rounds: the profile's
     action costs against the ones the step traced (predicted / replayed), and the simulator
-    against the traced step with those same action times (replayed / traced)."""
-    print(
-        "\n| workload | (w,d) | b | schedule | recompute | predicted / replayed - 1 (action costs) | "
-        "replayed / traced step - 1 (simulator) | predicted / traced step - 1 |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
+    against the traced step with those same action times (replayed / traced). A Markdown table."""
+    rows = []
     for config in (c for c in CONFIGS if c.workload in workloads):
         mine = [run[config] for run in runs]
         part = lambda f: statistics.median(f(x) for x in mine)  # noqa: E731
         costs = part(lambda x: x["predicted"].step_time / x["replayed"] - 1)
         simulator = part(lambda x: x["replayed"] / x["traced"] - 1)
         total = part(lambda x: x["predicted"].step_time / x["traced"] - 1)
-        print(
-            f"| {config.workload} | ({config.w},{config.d}) | {config.b} | {_schedule(config)} | "
-            f"{'yes' if config.recompute else 'no'} | {costs:+.1%} | {simulator:+.1%} | {total:+.1%} |"
+        rows.append(
+            [
+                config.workload,
+                f"({config.w},{config.d})",
+                config.b,
+                _schedule(config),
+                "yes" if config.recompute else "no",
+                f"{costs:+.1%}",
+                f"{simulator:+.1%}",
+                f"{total:+.1%}",
+            ]
         )
+    return markdown_table(
+        [
+            "workload",
+            "(w,d)",
+            "b",
+            "schedule",
+            "recompute",
+            "predicted / replayed - 1 (action costs)",
+            "replayed / traced step - 1 (simulator)",
+            "predicted / traced step - 1",
+        ],
+        rows,
+    )
 
 
 def plan_m(config: Config) -> int:
@@ -489,33 +541,44 @@ def _schedule(config: Config) -> str:
     return f"{config.schedule} v={config.virtual}" if config.virtual > 1 else config.schedule
 
 
-def _ranking(results: list[dict[str, Any]], name: str) -> None:
+def _ranking(results: list[dict[str, Any]], name: str) -> str:
     """The planner's first choice among the configurations with the most processes against the
-    best measured one. The choice: the shortest step its one profile per round predicts (the
-    median over rounds; same global batch, so the shortest step is the fastest). The measurement:
-    the configurations ran side by side (:func:`_run_group`), so the ratio is the median over
-    every pass of every round of the chosen plan's step over the best plan's in the same pass."""
+    best measured one, as Markdown. The choice: the shortest step its one profile per round
+    predicts (the median over rounds; same global batch, so the shortest step is the fastest).
+    The measurement: the configurations ran side by side (:func:`_run_group`), so the ratio is
+    the median over every pass of every round of the chosen plan's step over the best plan's in
+    the same pass."""
     most = max(r["config"][0] * r["config"][1] for r in results)
     same = [r for r in results if r["config"][0] * r["config"][1] == most]
     steps, passes = [r["steps"] for r in same], len(same[0]["steps"])
     chosen = min(range(len(same)), key=lambda i: same[i]["planned_step"])
     best = min(range(len(same)), key=lambda i: statistics.median(steps[i]))
     ratio = statistics.median(c / b for c, b in zip(steps[chosen], steps[best]))
-    print(f"\n{name} ranking ({most} processes, {len(same)} configurations measured side by side, {passes} passes):")
-    for i in sorted(range(len(same)), key=lambda i: same[i]["planned_step"]):
-        r = same[i]
-        print(
-            f"  {r['config']} {r['schedule']} b={r['b']}{' recompute' if r['recompute'] else ''}: planned "
-            f"{r['planned_step']:.3f} s, measured side by side {statistics.median(steps[i]):.3f} s"
-        )
-    print(
-        f"  planner's first choice {same[chosen]['config']} {same[chosen]['schedule']} b={same[chosen]['b']}; best measured "
-        f"{same[best]['config']} {same[best]['schedule']} b={same[best]['b']}; ratio {ratio:.3f}"
+    rows = [
+        [
+            f"{same[i]['config']}",
+            same[i]["schedule"],
+            same[i]["b"],
+            "yes" if same[i]["recompute"] else "no",
+            f"{same[i]['planned_step']:.3f}",
+            f"{statistics.median(steps[i]):.3f}",
+        ]
+        for i in sorted(range(len(same)), key=lambda i: same[i]["planned_step"])
+    ]
+    table = markdown_table(
+        ["(w,d)", "schedule", "b", "recompute", "planned step (s)", "measured side by side (s)"], rows
+    )
+    return (
+        f"{most} processes, {len(same)} configurations measured side by side, {passes} passes; in the planner's "
+        f"order:\n\n{table}\n\nThe planner's first choice: {same[chosen]['config']} {same[chosen]['schedule']} "
+        f"b={same[chosen]['b']}; the best measured: {same[best]['config']} {same[best]['schedule']} "
+        f"b={same[best]['b']}; "
+        f"step of the choice / step of the best, pass by pass: {ratio:.3f}."
     )
 
 
-def _verdicts(results: list[dict[str, Any]], name: str) -> None:
-    """Does 'feasible' agree with the measured peak, at budgets between the measured peaks?
+def _verdicts(results: list[dict[str, Any]], name: str) -> str:
+    """Does 'feasible' agree with the measured peak, at budgets between the measured peaks? Markdown ("" with one peak).
 
     Headline: the budget midway between the measured peaks on either side of the median, so
     that half of the configurations fit. A budget equal to a measured peak would leave that
@@ -524,28 +587,32 @@ def _verdicts(results: list[dict[str, Any]], name: str) -> None:
     peaks = sorted({max(r["peaks"]) for r in results})
     gaps = [(low + high) / 2 for low, high in zip(peaks, peaks[1:])]
     if not gaps:
-        return
+        return ""
     headline = gaps[(len(gaps) - 1) // 2]
     swept = [(budget, r) for budget in gaps for r in _disagreements(results, budget)]
     wrong = [r for budget, r in swept if budget == headline]
-    print(
-        f"{name} memory verdicts at a budget of {headline / 2**20:.3f} MiB (midway between the measured peaks around "
-        f"the median): {len(results) - len(wrong)} of {len(results)} agree"
-    )
-    print(
-        f"  at each of the {len(gaps)} budgets midway between neighbouring measured peaks: "
-        f"{len(gaps) * len(results) - len(swept)} of {len(gaps) * len(results)} verdicts agree"
-    )
+    lines = [
+        (
+            f"- At a budget of {headline / 2**20:.3f} MiB (midway between the measured peaks around the median): "
+            f"{len(results) - len(wrong)} of {len(results)} verdicts agree."
+        ),
+        (
+            f"- At each of the {len(gaps)} budgets midway between neighbouring measured peaks: "
+            f"{len(gaps) * len(results) - len(swept)} of {len(gaps) * len(results)} verdicts agree."
+        ),
+    ]
     for budget, r in swept:  # "called feasible, measured over" is the one that lets a job run out of memory
         verdict = (
             "called feasible, measured over"
             if max(r["predicted"].stage_memory) <= budget
             else "called infeasible, measured within"
         )
-        print(
-            f"  budget {budget / 2**20:.3f} MiB, {r['config']} {r['schedule']} b={r['predicted'].microbatch_size}: {verdict} "
-            f"(predicted {max(r['predicted'].stage_memory) / 2**20:.3f} MiB, measured {max(r['peaks']) / 2**20:.3f} MiB)"
+        lines.append(
+            f"    - budget {budget / 2**20:.3f} MiB, {r['config']} {r['schedule']} b={r['predicted'].microbatch_size}: "
+            f"{verdict} (predicted {max(r['predicted'].stage_memory) / 2**20:.3f} MiB, measured "
+            f"{max(r['peaks']) / 2**20:.3f} MiB)"
         )
+    return "\n".join(lines)
 
 
 def _disagreements(results: list[dict[str, Any]], budget: float) -> list[dict[str, Any]]:
@@ -553,8 +620,8 @@ def _disagreements(results: list[dict[str, Any]], budget: float) -> list[dict[st
     return [r for r in results if (max(r["predicted"].stage_memory) <= budget) != (max(r["peaks"]) <= budget)]
 
 
-def _madpipe_order(profile: Any) -> None:
-    """A chain whose first block keeps 8x the activations: time-balanced vs memory-aware partition, measured."""
+def _madpipe_order(profile: Any) -> str:
+    """A chain whose first block keeps 8x the activations: time-balanced vs memory-aware partition (Markdown)."""
     from lightning_pipe.planning.madpipe import madpipe_partition
 
     heavy = profile_concurrently(
@@ -575,15 +642,35 @@ def _madpipe_order(profile: Any) -> None:
         assert all(s == "ok" for s, _ in out), [v for s, v in out if s != "ok"]
         peaks = _stage_peaks([v for _, v in out], 4)
         rows.append((name, predicted, max(v["step"] for _, v in out), max(peaks)))
-    print(f"\nMadPipe case (block 0 keeps 8x the activations; budget {limit / 2**20:.3f} MiB):")
-    for name, predicted, step, peak in rows:
-        print(
-            f"  {name} {list(predicted.plan.partition)}: predicted {predicted.step_time:.3f} s, peak "
-            f"{max(predicted.stage_memory) / 2**20:.3f} MiB; measured {step:.3f} s, peak {peak / 2**20:.3f} MiB, "
-            f"fits: {peak <= limit}"
-        )
+    table = markdown_table(
+        [
+            "partition",
+            "stages",
+            "predicted step (s)",
+            "predicted peak (MiB)",
+            "measured step (s)",
+            "measured peak (MiB)",
+            "fits",
+        ],
+        [
+            [
+                name,
+                list(predicted.plan.partition),
+                f"{predicted.step_time:.3f}",
+                f"{max(predicted.stage_memory) / 2**20:.3f}",
+                f"{step:.3f}",
+                f"{peak / 2**20:.3f}",
+                "yes" if peak <= limit else "no",
+            ]
+            for name, predicted, step, peak in rows
+        ],
+    )
     same = (rows[0][1].step_time < rows[1][1].step_time) == (rows[0][2] < rows[1][2])
-    print(f"  measured order of step times matches the predicted one: {same}")
+    return (
+        f"Block 0 keeps 8x the activations; budget {limit / 2**20:.3f} MiB (0.9 of the time-balanced split's "
+        f"predicted peak), d=4, m=8, b=2.\n\n{table}\n\nThe measured order of the step times matches the "
+        f"predicted one: {'yes' if same else 'no'}."
+    )
 
 
 def synthetic_profile(blocks: int, seed: int = 0) -> Any:
@@ -610,9 +697,11 @@ def synthetic_profile(blocks: int, seed: int = 0) -> Any:
     )
 
 
-def planning_time() -> None:
+def planning_time() -> str:
     """Seconds of a whole search (every candidate simulated), with and without a memory limit
-    (MadPipe too), each as the first search of a process (no program cached)."""
+    (MadPipe too), each as the first search of a process (no program cached). Prints each row;
+    returns the Markdown table."""
+    rows = []
     for blocks, devices, batch in ((8, 8, 64), (64, 64, 512)):
         profile = synthetic_profile(blocks)
         for limit in (None, 2**30):
@@ -620,20 +709,24 @@ def planning_time() -> None:
             start = time.perf_counter()
             found = search.search(profile, devices, batch, memory_limit=limit, allow_stale=True)
             seconds = time.perf_counter() - start
+            rows.append([blocks, devices, batch, "none" if limit is None else "1 GiB", len(found), f"{seconds:.2f}"])
             print(
                 f"planning time: {blocks} blocks on {devices} devices, global batch {batch}, "
-                f"memory limit {'none' if limit is None else '1 GiB'}: {len(found)} candidates in {seconds:.2f} s "
-                "(every program built and compiled)",
+                f"memory limit {rows[-1][3]}: "
+                f"{len(found)} candidates in {seconds:.2f} s",
                 flush=True,
             )
+    return markdown_table(["blocks", "devices", "global batch", "memory limit", "candidates", "seconds"], rows)
 
 
-def memory_check(workloads: Sequence[str]) -> None:
+def memory_check(workloads: Sequence[str]) -> list[tuple[str, str]]:
     """Only the memory model: every configuration's predicted and measured peak per stage, in bytes,
     and the verdicts. Tensor bytes do not depend on the machine's speed, so one profile in one
-    process and one measured step per configuration give the same numbers run after run."""
+    process and one measured step per configuration give the same numbers run after run.
+    Prints each row; returns the page's sections."""
+    sections = []
     for name in workloads:
-        profile, results, errors = _profile(name, 1), [], []
+        profile, results, errors, rows = _profile(name, 1), [], [], []
         for config in (c for c in CONFIGS if c.workload == name):
             plan = _plan(config, costs.time_balanced(profile, config.d * config.virtual, config.b))
             predicted = predict.predict(profile, plan, config.b)
@@ -641,10 +734,19 @@ def memory_check(workloads: Sequence[str]) -> None:
             assert all(s == "ok" for s, _ in ran), [v for s, v in ran if s != "ok"]
             peaks = _stage_peaks([v for _, v in ran], config.d)
             errors.append(max(abs(p / q - 1) for p, q in zip(predicted.stage_memory, peaks)))
+            rows.append(
+                [
+                    f"({config.w},{config.d})",
+                    config.b,
+                    _schedule(config),
+                    "yes" if config.recompute else "no",
+                    ", ".join(str(p - q) for p, q in zip(predicted.stage_memory, peaks)),
+                    f"{errors[-1]:.2%}",
+                ]
+            )
             print(
-                f"  {name} ({config.w},{config.d}) b={config.b} {_schedule(config)}{' recompute' if config.recompute else ''}: "
-                f"predicted - measured peak per stage {[p - q for p, q in zip(predicted.stage_memory, peaks)]} bytes "
-                f"(worst {errors[-1]:.2%})",
+                f"  {name} {rows[-1][0]} b={config.b} {rows[-1][2]}{' recompute' if config.recompute else ''}: "
+                f"predicted - measured peak per stage [{rows[-1][4]}] bytes (worst {errors[-1]:.2%})",
                 flush=True,
             )
             results.append(
@@ -656,8 +758,27 @@ def memory_check(workloads: Sequence[str]) -> None:
                     "peaks": peaks,
                 }
             )
-        print(f"{name} peak memory error: median {statistics.median(errors):.2%}, worst {max(errors):.2%}")
-        _verdicts(results, name)
+        body = (
+            markdown_table(
+                ["(w,d)", "b", "schedule", "recompute", "predicted - measured peak per stage (bytes)", "worst error"],
+                rows,
+            )
+            + f"\n\nPeak memory error: median {statistics.median(errors):.2%}, worst {max(errors):.2%}.\n\n"
+            + _verdicts(results, name)
+        )
+        print(body, flush=True)
+        sections.append((f"{name}: predicted against measured peak memory", body))
+    return sections
+
+
+INTRO = """Each configuration is planned from a profile taken in as many concurrent processes as it runs
+on (the planner's view), then run side by side with the configurations of the same process count
+in one launch: in each pass every rank profiles the workload again and times one step of every
+configuration. A configuration's time error is the median over passes of the step that pass's
+profile predicts over the step that pass measured (its slowest rank), less 1; medians over the
+rounds. Peak memory: one step per engine under a tracker of every tensor storage created.
+Workloads: `chain`, 8 sleeping blocks that keep a real activation tensor for their backward;
+`gpt`, the GPT example's model (4 layers, width 128, context 64, AdamW) with real compute."""
 
 
 if __name__ == "__main__":
@@ -678,12 +799,21 @@ if __name__ == "__main__":
         default=sorted(WORKLOADS),
         help="only these workloads (and no planning-time part)",
     )
+    add_page_flag(parser)
     args = parser.parse_args()
+    intro = INTRO
     if args.planning_time:
-        planning_time()
+        sections = [("Planning time", planning_time())]
+        intro = "Seconds of a whole search on synthetic profiles, each as the first search of a process."
     elif args.memory_only:
-        memory_check(args.workload)
+        sections = memory_check(args.workload)
+        intro = (
+            "The memory model alone: one profile in one process, one measured step per configuration under a "
+            "tracker of every tensor storage created."
+        )
     else:
-        main(args.rounds, args.workload)
+        sections = main(args.rounds, args.workload)
         if set(args.workload) == set(WORKLOADS):
-            planning_time()
+            sections.append(("Planning time", planning_time()))
+    if not args.no_page:
+        print(f"page: {write_page('bench_planner', 'Planner fidelity', command_line(), sections, intro)}")

@@ -1,11 +1,12 @@
 """Benchmark split backward (2BP): its overhead on a transformer block, and its gain on a pipeline.
 
-    python benchmarks/bench_split_backward.py
+    python benchmarks/bench_split_backward.py                       # writes docs/results/bench_split_backward.md
+    python benchmarks/bench_split_backward.py --reps 10 --rounds 1 --no-page   # a quick check
 
 1. Overhead: a GPT block's and a convolutional residual block's backward done whole vs as I
    then W, interleaved; W from the deferred linear and convolution calls (the runtime's split on
-   such blocks) and from autograd (its split elsewhere). Seed 001's split must not compute
-   anything twice, so I + W should cost about one backward.
+   such blocks) and from autograd (its split elsewhere). The split must not compute anything
+   twice, so I + W should cost about one backward.
 2. Gain: a 4-stage pipeline of blocks that sleep a set time in F, I and W (so 4 processes fit
    on 2 cores and the schedule, not the cores, sets the time), for GPipe and 1F1B with and
    without split, against the simulator's prediction for the same cost model.
@@ -30,6 +31,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "examples")]  # lightning_pipe, benchmarks
 import gpt  # noqa: E402
 from gpt import Block  # noqa: E402
 
+from benchmarks.results_page import add_page_flag, command_line, markdown_table, write_page
 from benchmarks.sleep_chain import SleepChain
 from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place
 from lightning_pipe.runtime.autograd.backward_split import input_grads, weight_grads
@@ -136,50 +138,104 @@ def pipeline_gain(costs: tuple[float, float, float], steps: int, rounds: int) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--reps", type=int, default=30, help="interleaved repetitions per block, after 5 warm-up")
     parser.add_argument("--cost-ms", type=float, default=20.0, help="sleep of each F, I and W per block")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--overhead-only", action="store_true", help="measure the overhead, not the pipeline gain")
+    add_page_flag(parser)
     args = parser.parse_args()
-    print(
-        f"## Split backward overhead: a GPT block ({Path(gpt.__file__).name}, 8 x 128 tokens) and a "
-        "convolutional residual block (8 x 64 channels x 32 x 32), CPU\n"
+    sections = []
+    heading = (
+        f"Split backward overhead: a GPT block ({Path(gpt.__file__).name}, 8 x 128 tokens) and a "
+        "convolutional residual block (8 x 64 channels x 32 x 32)"
     )
-    print(
-        "| block | split | median (I + W) / full backward | min | max | minor page faults per split backward | pairs |"
-    )
-    print("|---|---|---|---|---|---|---|")
     torch.manual_seed(0)
     blocks = [(f"GPT, d_model {dim}", Block(dim, 8), torch.randn(8, 128, dim)) for dim in (256, 512)]
     blocks.append(("ResNet basic, 64 channels", ConvBlock(64), torch.randn(8, 64, 32, 32)))
+    rows = []
     for name, block, x in blocks:
-        for mode, rows in backward_overhead(block, x, args.reps + 5).items():
-            ratios = [r for r, _ in rows]
-            print(
-                f"| {name} | {mode} | {statistics.median(ratios):.3f} | {min(ratios):.3f} | {max(ratios):.3f} | "
-                f"{statistics.median(f for _, f in rows):.0f} | {len(ratios)} interleaved, after 5 warm-up |",
-                flush=True,
+        for mode, reps in backward_overhead(block, x, args.reps + 5).items():
+            ratios = [r for r, _ in reps]
+            rows.append(
+                [
+                    name,
+                    mode,
+                    f"{statistics.median(ratios):.3f}",
+                    f"{min(ratios):.3f}",
+                    f"{max(ratios):.3f}",
+                    f"{statistics.median(f for _, f in reps):.0f}",
+                    f"{len(ratios)} interleaved, after 5 warm-up",
+                ]
             )
-    print()
-    if args.overhead_only:
-        return
-    costs = (args.cost_ms / 1000,) * 3
-    print(
-        f"## Split backward gain, cost-model chain: d={DEPTH}, {BLOCKS_PER_STAGE} blocks/stage, "
-        f"F = I = W = {args.cost_ms:g} ms per block\n"
-    )
-    print(
-        "| schedule | m | step without split (s) | step with split (s) | measured gain | simulated gain | gain ratio | measured / simulated step (no split, split) |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    for row in pipeline_gain(costs, args.steps, args.rounds):
-        meas, sim = row["measured"], row["simulated"]
-        gain, pred = meas[False] / meas[True], sim[False] / sim[True]
-        print(
-            f"| {row['schedule']} | {row['m']} | {meas[False]:.3f} | {meas[True]:.3f} | {gain:.3f} | {pred:.3f} | "
-            f"{gain / pred:.3f} | {meas[False] / sim[False]:.3f}, {meas[True] / sim[True]:.3f} |"
+    sections.append(
+        (
+            heading,
+            markdown_table(
+                [
+                    "block",
+                    "split",
+                    "median (I + W) / full backward",
+                    "min",
+                    "max",
+                    "minor page faults per split backward",
+                    "pairs",
+                ],
+                rows,
+            ),
         )
+    )
+    print(f"## {sections[-1][0]}\n\n{sections[-1][1]}\n", flush=True)
+    if not args.overhead_only:
+        costs = (args.cost_ms / 1000,) * 3
+        heading = (
+            f"Split backward gain, cost-model chain: d={DEPTH}, {BLOCKS_PER_STAGE} blocks/stage, "
+            f"F = I = W = {args.cost_ms:g} ms per block"
+        )
+        rows = []
+        for row in pipeline_gain(costs, args.steps, args.rounds):
+            meas, sim = row["measured"], row["simulated"]
+            gain, pred = meas[False] / meas[True], sim[False] / sim[True]
+            rows.append(
+                [
+                    row["schedule"],
+                    row["m"],
+                    f"{meas[False]:.3f}",
+                    f"{meas[True]:.3f}",
+                    f"{gain:.3f}",
+                    f"{pred:.3f}",
+                    f"{gain / pred:.3f}",
+                    f"{meas[False] / sim[False]:.3f}, {meas[True] / sim[True]:.3f}",
+                ]
+            )
+        sections.append(
+            (
+                heading,
+                markdown_table(
+                    [
+                        "schedule",
+                        "m",
+                        "step without split (s)",
+                        "step with split (s)",
+                        "measured gain",
+                        "simulated gain",
+                        "gain ratio",
+                        "measured / simulated step (no split, split)",
+                    ],
+                    rows,
+                ),
+            )
+        )
+        print(f"## {sections[-1][0]}\n\n{sections[-1][1]}\n", flush=True)
+    if not args.no_page:
+        intro = (
+            "Overhead: each block's backward done whole, then split into I and W (from the deferred linear and "
+            "convolution calls, and from autograd), interleaved repetition by repetition; a ratio near 1 means the "
+            "split computes nothing twice. Gain: a 4-stage pipeline of sleeping blocks (the schedule, not the "
+            f"cores, sets the time), median step over {args.rounds} interleaved rounds of {args.steps} steps, "
+            "against the simulator's step for the same costs."
+        )
+        print(f"page: {write_page('bench_split_backward', 'Split backward', command_line(), sections, intro)}")
 
 
 if __name__ == "__main__":

@@ -21,8 +21,15 @@ def launch(args: list[str], timeout: float, torchrun: int = 0, check: bool = Tru
     if torchrun:
         prefix += ["-m", "torch.distributed.run", f"--nproc_per_node={torchrun}", f"--master_port={free_port()}"]
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-    with subprocess.Popen(prefix + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
-                          start_new_session=True) as running:  # fmt: skip
+    with subprocess.Popen(
+        prefix + args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,
+    ) as running:
         try:
             out, err = running.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
