@@ -441,3 +441,36 @@ def test_checkpoint_evaluated_in_one_process_matches_the_pipelines_validation(la
         val = float(F.cross_entropy(plain.eval()(xv), yv))
     for rank in ranks:  # each replica validated its half of the set; the logged loss is their mean
         assert rank["val_loss"] == pytest.approx(val, rel=1e-6)
+
+
+class _Mixed(nn.Module):
+    """Buffers of several dtypes, one of them registered in two modules."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(3)
+        self.inner = nn.Module()
+        self.register_buffer("mask", torch.tensor([True, False, True]))
+        self.register_buffer("wide", torch.arange(5, dtype=torch.float64) * scale)
+        self.inner.register_buffer("wide_again", self.wide)
+        with torch.no_grad():
+            self.norm.running_mean.fill_(scale)
+            self.norm.num_batches_tracked.fill_(int(scale))
+
+
+def test_a_receiving_replica_takes_fresh_tensors_with_the_sources_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    # One process: the collective replaced by a copy of the source replica's message.
+    from lightning_pipe.runtime import replica_buffers
+    from lightning_pipe.runtime.replica_buffers import BufferBroadcast
+
+    source, receiver = _Mixed(2.0), _Mixed(5.0)
+    sent, _ = replica_buffers._pack(list({id(b): b for b in source.buffers()}.values()))
+    monkeypatch.setattr(replica_buffers.dist, "broadcast", lambda flat, src, group: flat.copy_(sent))
+    old = dict(receiver.named_buffers(remove_duplicate=False))
+    versions = {k: v._version for k, v in old.items()}
+    BufferBroadcast(list(receiver.modules()), None, source=0, rank=1).broadcast()
+    got = dict(receiver.named_buffers(remove_duplicate=False))
+    for name, value in source.named_buffers(remove_duplicate=False):
+        assert got[name].dtype == value.dtype and torch.equal(got[name], value), name
+        assert got[name] is not old[name] and old[name]._version == versions[name], name  # saved graphs keep theirs
+    assert receiver.inner.wide_again is receiver.wide  # still one buffer

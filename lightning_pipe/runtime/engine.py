@@ -112,7 +112,7 @@ class PipelineEngine:
             local = [names[id(p)] for p in params.values()]
             self.update.ties = TiedGradients(ties, local, self.topology, rank)
             self.tie_checksums = TieChecksums(ties, local, self.topology, rank)
-        self.buffers = self._buffer_broadcast() if broadcast_buffers else None
+        self.buffer_broadcast = self._buffer_broadcast() if broadcast_buffers else None
         self._buffers_stale = True  # replicas may hold other buffers (each ran a step, or the engine is new)
         self._ties_unchecked = False  # a step ran since the tied copies were last compared
         self.last_peak_stash = 0
@@ -404,8 +404,8 @@ class PipelineEngine:
 
     def _sync_buffers(self) -> None:
         """Broadcast replica 0's buffers if a step (or the engine's creation) may have made the replicas' differ."""
-        if self.buffers is not None and self._buffers_stale:
-            self.buffers.broadcast()
+        if self.buffer_broadcast is not None and self._buffers_stale:
+            self.buffer_broadcast.broadcast()
         self._buffers_stale = False
 
     def _drain_stream(self) -> None:
