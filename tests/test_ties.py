@@ -470,3 +470,49 @@ def test_a_tied_copy_edited_in_place_is_caught_on_every_rank(launched, width: in
             assert "'embed.table.weight' on pipeline stages 0, 1 (replica 0) differ" in message, message
             assert "replica 1" not in message  # its copies were not edited
             assert "only through the optimizer" in message and "untie them" in message, message
+
+
+def _fit_edited_worker(rank: int, world: int) -> Any:
+    """Trainer.fit at (1, 2) with a callback that scales the head's copy of the tied table in
+    place after step 2, just before ModelCheckpoint saves: the save raises on every rank."""
+    import lightning as L
+
+    from lightning_pipe import PipelineStrategy
+    from tests.shared import scenario_dir
+
+    class Edit(L.Callback):
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx == 1 and trainer.strategy.engine.stage_index == 1:
+                _edit_head_copy(module, trainer.strategy.engine, 0)
+
+    torch.manual_seed(0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        max_steps=STEPS,
+        max_epochs=-1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[Edit(), L.pytorch.callbacks.ModelCheckpoint(dirpath=scenario_dir() / "ckpt", every_n_train_steps=2)],
+        strategy=PipelineStrategy(schedule="1f1b", pipeline_depth=2, microbatches=M, partition=[1, 3]),
+    )
+    try:
+        trainer.fit(TiedModule(), torch.utils.data.DataLoader(Tokens(), batch_size=BATCH))
+    except Exception as err:  # noqa: BLE001 - the test reads what each rank raised
+        return type(err).__name__, str(err), trainer.global_step
+    return None
+
+
+scenario(2, "ties_fit_edited", _fit_edited_worker)
+
+
+def test_fit_refuses_to_save_a_checkpoint_of_diverged_tied_copies(launched) -> None:
+    ranks = launched(2).ok("ties_fit_edited")
+    assert all(r is not None and r[0] == "TiedCopiesDivergedError" for r in ranks), ranks
+    assert all(r[2] == 2 for r in ranks), ranks  # at the save after step 2, on both ranks
+    assert "'embed.table.weight' on pipeline stages 0, 1" in ranks[0][1]
+    saved = [p.name for p in (launched(2).dir("ties_fit_edited") / "ckpt").glob("*.ckpt")]
+    assert not saved, saved  # no checkpoint of the diverged model was written
