@@ -465,7 +465,8 @@ def test_a_receiving_replica_takes_fresh_tensors_with_the_sources_values(monkeyp
 
     source, receiver = _Mixed(2.0), _Mixed(5.0)
     sent, _ = replica_buffers._pack(list({id(b): b for b in source.buffers()}.values()))
-    monkeypatch.setattr(replica_buffers.dist, "broadcast", lambda flat, src, group: flat.copy_(sent))
+    calls = []
+    monkeypatch.setattr(replica_buffers.dist, "broadcast", lambda flat, src, group: calls.append(flat.copy_(sent)))
     old = dict(receiver.named_buffers(remove_duplicate=False))
     versions = {k: v._version for k, v in old.items()}
     BufferBroadcast(list(receiver.modules()), None, source=0, rank=1).broadcast()
@@ -474,3 +475,4 @@ def test_a_receiving_replica_takes_fresh_tensors_with_the_sources_values(monkeyp
         assert got[name].dtype == value.dtype and torch.equal(got[name], value), name
         assert got[name] is not old[name] and old[name]._version == versions[name], name  # saved graphs keep theirs
     assert receiver.inner.wide_again is receiver.wide  # still one buffer
+    assert len(calls) == 1  # four dtypes, one message

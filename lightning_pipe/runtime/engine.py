@@ -316,7 +316,7 @@ class PipelineEngine:
         """
         microbatches, shares = split_batch(batch, self.microbatches)
         self._optimizer, self._on_step = optimizer, on_step or (lambda: None)
-        self._sync_buffers()  # before the step's first forward, as DDP's broadcast_buffers; 2BW: the window's
+        self._sync_buffers(always=True)  # before the step's first forward, as DDP's; 2BW: the window's
         if not self.streaming:
             self.versions.clear_grads()
         self._state.add_batch(self._batches * self.microbatches, microbatches, shares)
@@ -402,9 +402,10 @@ class PipelineEngine:
         if self.tie_checksums is not None:
             self.tie_checksums.check(self._parameters, self.device)
 
-    def _sync_buffers(self) -> None:
-        """Broadcast replica 0's buffers if a step (or the engine's creation) may have made the replicas' differ."""
-        if self.buffer_broadcast is not None and self._buffers_stale:
+    def _sync_buffers(self, always: bool = False) -> None:
+        """Broadcast replica 0's buffers: ``always`` (a training step starts), or if a step (or the
+        engine's creation) may have made the replicas' differ since the last broadcast (a drain)."""
+        if self.buffer_broadcast is not None and (always or self._buffers_stale):
             self.buffer_broadcast.broadcast()
         self._buffers_stale = False
 
