@@ -27,6 +27,8 @@ class BufferBroadcast:
     tensors rather than copying into the old ones: under 2BW the previous batch's backwards
     are still to run, and their graphs saved the old running statistics (an in-place write
     would fail autograd's version check). A buffer that two modules share stays shared.
+    Deferred batch norm's per-batch sums are buffers too; a step's start is a batch boundary
+    (under 2BW a window holds one batch's forwards), where they are zero.
 
     Args:
         modules: every module of the rank's stages (their own buffers, not their children's, are sent).
