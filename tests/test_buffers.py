@@ -476,3 +476,43 @@ def test_a_receiving_replica_takes_fresh_tensors_with_the_sources_values(monkeyp
         assert got[name] is not old[name] and old[name]._version == versions[name], name  # saved graphs keep theirs
     assert receiver.inner.wide_again is receiver.wide  # still one buffer
     assert len(calls) == 1  # four dtypes, one message
+
+
+def _interleaved_replica_worker(rank: int, world: int) -> dict:
+    """(2, 2), two stages per rank (interleaved 1F1B): both stages' buffers travel in the rank's one message."""
+    topo = Topology(world, 2)
+    groups = PipelineGroups.build(topo, rank)
+    torch.manual_seed(0)
+    model = NormChain()
+    plan = PipelinePlan(topo.width, 2, M, "1f1b", partition=[2, 1, 1, 2], virtual_stages=2)
+    engine = place(model, plan, rank, groups=groups)
+    starts: list[dict[str, Tensor]] = []
+    hooks = [st.register_input_hook(lambda _: starts.append(_buffers(model))) for st in engine.stages]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(STEPS):
+        engine.train_step(_shards(step, topo.width)[topo.replica_of(rank)], opt)
+        starts[:] = starts[: step + 1]  # the buffers the step's first forward on this rank started from
+    for hook in hooks:
+        hook.remove()
+    engine.drain()
+    out = {"starts": starts, "end": _buffers(model), "stage": engine.stage_index}
+    engine.close()
+    return out
+
+
+scenario(4, "buffers_replicas_interleaved", _interleaved_replica_worker)
+
+
+def test_interleaved_replicas_start_every_step_from_replica_zeros_buffers(launched) -> None:
+    ranks = launched(4).ok("buffers_replicas_interleaved")
+    after, _ = _replicated_reference([_shards(s, 2) for s in range(STEPS)], 0, deferred=False)
+    merged: dict[str, Tensor] = {}
+    for r, rank in enumerate(ranks):
+        twin = ranks[rank["stage"]]
+        assert len(rank["starts"]) == STEPS
+        for step, start in enumerate(rank["starts"][1:], 1):
+            assert all(torch.equal(v, twin["starts"][step][k]) for k, v in start.items()), (r, step)
+            _assert_close(_running(start), {k: after[step - 1][k] for k in _running(start)}, f"rank {r}, step {step}")
+        assert all(torch.equal(v, twin["end"][k]) for k, v in rank["end"].items()), r
+        merged.update(_running(rank["end"]))
+    _assert_close(merged, after[-1], "after the drain")
