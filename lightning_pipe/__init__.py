@@ -11,6 +11,7 @@ from lightning_pipe.runtime.comm.groups import PipelineGroups
 from lightning_pipe.runtime.comm.p2p import PipelineAbortedError
 from lightning_pipe.runtime.engine import PipelineEngine
 from lightning_pipe.runtime.placement import Placement, place
+from lightning_pipe.runtime.ties import TiedCopiesDivergedError
 from lightning_pipe.schedules.simulate import SimResult, simulate, unit_costs
 
 _deprecated.install()
@@ -26,6 +27,7 @@ __all__ = [
     "PipelineStrategy",
     "Placement",
     "SimResult",
+    "TiedCopiesDivergedError",
     "Topology",
     "place",
     "simulate",

@@ -404,3 +404,115 @@ def test_placement_records_which_blocks_share_weights_before_untying_them() -> N
     placement.apply(PipelinePlan(1, 2, 2, "1f1b", partition=[2, 2]), 0)
     assert placement.shared_blocks == [[0, 3]]
     assert Placement(ToyChain()).shared_blocks == []
+
+
+# -- tied copies edited in place: caught at the next drain or checkpoint save, on every rank --------------------
+
+DIVERGED_LAYOUTS = [(1, 2), (2, 2)]
+
+
+def _edit_head_copy(model: TiedChain, engine: Any, replica: int) -> None:
+    """What a manual clamp or weight normalisation on one stage does: change one copy in place
+    (the last stage's, under the head's name), on replica 0 only."""
+    if engine.stage_index == engine.topology.depth - 1 and replica == 0:
+        with torch.no_grad():
+            model.head.out.weight.mul_(1.1)
+
+
+def _outcome(call: Any) -> Any:
+    """``None`` if ``call()`` returns, else the error's type name and message."""
+    from lightning_pipe import TiedCopiesDivergedError
+
+    try:
+        call()
+    except TiedCopiesDivergedError as err:
+        return type(err).__name__, str(err)
+    return None
+
+
+def _diverged_worker(rank: int, world: int, depth: int) -> dict:
+    topo = Topology(world, depth)
+    groups = PipelineGroups.build(topo, rank)
+    replica, results = topo.replica_of(rank), {}
+    for schedule in ("1f1b", "2bw"):
+        torch.manual_seed(0)
+        model = TiedChain()
+        plan = PipelinePlan(topo.width, depth, M, schedule, partition=[1, 3])
+        engine = place(model, plan, rank, groups=groups)
+        opt = torch.optim.SGD(engine.parameters(), lr=model.lr)
+        batch = lambda step: tuple(t.chunk(topo.width)[replica] for t in _data(step))  # noqa: E731
+        engine.train_step(batch(0), opt)
+        clean = _outcome(engine.drain)  # the unedited copies pass
+        _edit_head_copy(model, engine, replica)
+        no_step = _outcome(engine.drain)  # no training step since the last comparison: not compared again
+        save = _outcome(lambda: engine.drain(check_ties=True))  # before a checkpoint save: compared
+        engine.train_step(batch(1), opt)
+        after_step = _outcome(engine.drain)
+        results[schedule] = {"clean": clean, "no_step": no_step, "save": save, "after_step": after_step}
+        engine.close()
+    return results
+
+
+scenario_per_layout("ties_diverged", _diverged_worker, DIVERGED_LAYOUTS)
+
+
+@pytest.mark.parametrize("width,depth", DIVERGED_LAYOUTS)
+def test_a_tied_copy_edited_in_place_is_caught_on_every_rank(launched, width: int, depth: int) -> None:
+    ranks = launched(width * depth).ok(f"ties_diverged_{width}x{depth}")
+    for schedule in ("1f1b", "2bw"):
+        runs = [rank[schedule] for rank in ranks]
+        assert all(run["clean"] is None and run["no_step"] is None for run in runs), runs
+        for when in ("save", "after_step"):
+            errors = [run[when] for run in runs]
+            assert all(e is not None and e == errors[0] for e in errors), (schedule, when, errors)  # every rank
+            kind, message = errors[0]
+            assert kind == "TiedCopiesDivergedError"
+            assert "'embed.table.weight' on pipeline stages 0, 1 (replica 0) differ" in message, message
+            assert "replica 1" not in message  # its copies were not edited
+            assert "only through the optimizer" in message and "untie them" in message, message
+
+
+def _fit_edited_worker(rank: int, world: int) -> Any:
+    """Trainer.fit at (1, 2) with a callback that scales the head's copy of the tied table in
+    place after step 2, just before ModelCheckpoint saves: the save raises on every rank."""
+    import lightning as L
+
+    from lightning_pipe import PipelineStrategy
+    from tests.shared import scenario_dir
+
+    class Edit(L.Callback):
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx == 1 and trainer.strategy.engine.stage_index == 1:
+                _edit_head_copy(module, trainer.strategy.engine, 0)
+
+    torch.manual_seed(0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        max_steps=STEPS,
+        max_epochs=-1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[Edit(), L.pytorch.callbacks.ModelCheckpoint(dirpath=scenario_dir() / "ckpt", every_n_train_steps=2)],
+        strategy=PipelineStrategy(schedule="1f1b", pipeline_depth=2, microbatches=M, partition=[1, 3]),
+    )
+    try:
+        trainer.fit(TiedModule(), torch.utils.data.DataLoader(Tokens(), batch_size=BATCH))
+    except Exception as err:  # noqa: BLE001 - the test reads what each rank raised
+        return type(err).__name__, str(err), trainer.global_step
+    return None
+
+
+scenario(2, "ties_fit_edited", _fit_edited_worker)
+
+
+def test_fit_refuses_to_save_a_checkpoint_of_diverged_tied_copies(launched) -> None:
+    ranks = launched(2).ok("ties_fit_edited")
+    assert all(r is not None and r[0] == "TiedCopiesDivergedError" for r in ranks), ranks
+    assert all(r[2] == 2 for r in ranks), ranks  # at the save after step 2, on both ranks
+    assert "'embed.table.weight' on pipeline stages 0, 1" in ranks[0][1]
+    saved = [p.name for p in (launched(2).dir("ties_fit_edited") / "ckpt").glob("*.ckpt")]
+    assert not saved, saved  # no checkpoint of the diverged model was written

@@ -60,6 +60,13 @@ class PipelineStrategy(DDPStrategy):
     The layout is a :class:`~lightning_pipe.PipelinePlan`: pass one as ``plan=``, or the
     separate layout arguments below (the plan is then built once the world size is known).
 
+    A parameter shared by blocks on different stages (tied weights) has a copy on each; their
+    gradients are summed so every copy takes the same step. The copies are compared by checksum
+    before validation, testing and the end of fit (after training steps) and before every
+    checkpoint save, never per step; if they differ, every rank raises
+    :class:`~lightning_pipe.runtime.ties.TiedCopiesDivergedError` naming the parameter and its
+    stages. Edit tied weights only through the optimizer, or identically in every copy.
+
     Args:
         schedule: "gpipe", "1f1b" (PipeDream-Flush) or "2bw" (PipeDream-2BW: two weight
             versions, 1-stale updates, no flush between steps; needs ``microbatches >= d``).
@@ -115,6 +122,12 @@ class PipelineStrategy(DDPStrategy):
             microbatch is still normalised with its own statistics, but the running statistics
             are updated once per batch, from the whole batch. Default: they are updated once per
             microbatch, in order, as gradient accumulation over the microbatches would.
+        broadcast_buffers: with ``w > 1``, replica 0's buffers (BatchNorm's running statistics)
+            overwrite every other replica's before each training step and before evaluation and
+            checkpoints, in one coalesced broadcast per stage, as
+            ``DistributedDataParallel(broadcast_buffers=True)`` does (default), so every replica
+            evaluates and saves the same model. ``False``: each replica updates its statistics
+            from its own shard only, the replicas drift apart, and a checkpoint keeps one of them.
         timeout: timeout of every collective and transfer; a stuck rank fails after it.
         process_group_backend: "gloo" or "nccl"; default from the device.
         start_method: Lightning launcher start method; "popen" (default) re-runs the script.
@@ -141,6 +154,7 @@ class PipelineStrategy(DDPStrategy):
         global_batch_size: Optional[int] = None,
         bucket_cap_mb: float = 25,
         deferred_batch_norm: bool = False,
+        broadcast_buffers: bool = True,
         timeout: Optional[timedelta] = default_pg_timeout,
         process_group_backend: Optional[str] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -181,7 +195,7 @@ class PipelineStrategy(DDPStrategy):
         if bucket_cap_mb < 0:
             raise ValueError(f"bucket_cap_mb must be >= 0, got {bucket_cap_mb}")
         self.bucket_bytes = int(bucket_cap_mb * 2**20)
-        self.deferred_batch_norm = deferred_batch_norm
+        self.deferred_batch_norm, self.broadcast_buffers = deferred_batch_norm, broadcast_buffers
         self.save_distributed_checkpoint, self.global_batch_size = save_distributed_checkpoint, global_batch_size
         self._requested_plan = plan
         self._plan: Optional[PipelinePlan] = None
@@ -348,6 +362,7 @@ class PipelineStrategy(DDPStrategy):
             self.gradient_clip_val,
             self.loss,
             self.bucket_bytes,
+            self.broadcast_buffers,
         )
 
     def _adopt_groups(self, groups: Optional[PipelineGroups]) -> None:
@@ -439,10 +454,10 @@ class PipelineStrategy(DDPStrategy):
         """Finish every in-flight microbatch and apply the outstanding update (2BW; no-op otherwise)."""
         self._drain()
 
-    def _drain(self) -> None:
+    def _drain(self, check_ties: bool = False) -> None:
         module = self.lightning_module
         if module is not None and getattr(module, "_pipeline_engine", None) is not None:
-            module._pipeline_engine.drain()
+            module._pipeline_engine.drain(check_ties)
 
     def _check_weights(self) -> None:
         """Raise on every rank (a collective) if blocks moved to any rank without their weights."""
@@ -490,7 +505,7 @@ class PipelineStrategy(DDPStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """This stage's weights by name (sharded), or the whole model's on rank 0 (one file)."""
-        self._drain()
+        self._drain(check_ties=True)  # a checkpoint must not keep one of two diverged tied copies
         return self._shard_or_gathered(self.placement.export_state()["model"])
 
     @override

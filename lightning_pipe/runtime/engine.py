@@ -16,8 +16,9 @@ from lightning_pipe.runtime.comm import p2p
 from lightning_pipe.runtime.comm.groups import PipelineGroups
 from lightning_pipe.runtime.executor import Executor, Hooks, Position, StepState
 from lightning_pipe.runtime.microbatch import split_batch
+from lightning_pipe.runtime.replica_buffers import BufferBroadcast
 from lightning_pipe.runtime.stage import Stage
-from lightning_pipe.runtime.ties import TiedGradients
+from lightning_pipe.runtime.ties import TieChecksums, TiedGradients
 from lightning_pipe.runtime.update import UpdatePath
 from lightning_pipe.runtime.versions import WeightVersions
 from lightning_pipe.schedules import (
@@ -56,6 +57,15 @@ class PipelineEngine:
         bucket_bytes: with replicas, gradients are averaged in buckets of at most this many
             bytes, each posted during the backward once final (0: one blocking all-reduce at
             the AR action); see :class:`~lightning_pipe.runtime.update.UpdatePath`.
+        broadcast_buffers: with replicas, replica 0's buffers (BatchNorm's running statistics)
+            overwrite the other replicas' before each training step and at a drain that follows
+            one, in one coalesced broadcast (``DistributedDataParallel(broadcast_buffers=True)``'s
+            rule; :class:`~lightning_pipe.runtime.replica_buffers.BufferBroadcast`). ``False``:
+            each replica keeps the statistics of its own shard, and the replicas drift apart.
+
+    With parameters tied across stages, a drain that follows a training step (and
+    :meth:`check_ties`) compares the copies by checksum and raises
+    :class:`~lightning_pipe.runtime.ties.TiedCopiesDivergedError` on every rank if they differ.
     """
 
     LOSS_MODES = ("current", "previous")
@@ -71,6 +81,7 @@ class PipelineEngine:
         gradient_clip_val: Optional[float] = None,
         loss: str = "current",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        broadcast_buffers: bool = True,
     ) -> None:
         if loss not in self.LOSS_MODES:
             raise ValueError(f"loss must be one of {self.LOSS_MODES}, got {loss!r}")
@@ -95,9 +106,15 @@ class PipelineEngine:
         self.update.watch(self.versions.slots[0])
         ties = self.stages[0].ties
         self.early_step = not ties  # 2BW: stage 0 steps right after its all-reduce (schedules/two_bw.py)
+        self.tie_checksums: Optional[TieChecksums] = None
         if ties and groups is not None:  # every rank builds every tie's groups
             names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
-            self.update.ties = TiedGradients(ties, [names[id(p)] for p in params.values()], self.topology, rank)
+            local = [names[id(p)] for p in params.values()]
+            self.update.ties = TiedGradients(ties, local, self.topology, rank)
+            self.tie_checksums = TieChecksums(ties, local, self.topology, rank)
+        self.buffer_broadcast = self._buffer_broadcast() if broadcast_buffers else None
+        self._buffers_stale = True  # replicas may hold other buffers (each ran a step, or the engine is new)
+        self._ties_unchecked = False  # a step ran since the tied copies were last compared
         self.last_peak_stash = 0
         self.last_peak_stash_bytes = 0
         self.trace = Trace(rank)
@@ -156,6 +173,14 @@ class PipelineEngine:
         self._on_step: Callable[[], None] = lambda: None
 
     # -- setup -----------------------------------------------------------------------------
+    def _buffer_broadcast(self) -> Optional[BufferBroadcast]:
+        """Replica 0's buffers for the other replicas of this rank's stages; ``None`` without replicas or buffers."""
+        if self.groups is None or self.topology.width == 1:
+            return None
+        modules = [m for st in self.stages for m in st.modules()]
+        source = self.topology.rank_of(0, self.stage_index)
+        return BufferBroadcast(modules, self.groups.dp, source, self.rank) or None
+
     def _position(self) -> Position:
         d, s = self.topology.depth, self.stage_index
         replica = self.topology.replica_of(self.rank)
@@ -291,6 +316,7 @@ class PipelineEngine:
         """
         microbatches, shares = split_batch(batch, self.microbatches)
         self._optimizer, self._on_step = optimizer, on_step or (lambda: None)
+        self._sync_buffers(always=True)  # before the step's first forward, as DDP's; 2BW: the window's
         if not self.streaming:
             self.versions.clear_grads()
         self._state.add_batch(self._batches * self.microbatches, microbatches, shares)
@@ -304,6 +330,7 @@ class PipelineEngine:
         actions, arrivals = self._window()
         self._train(actions, wait=not self.streaming, trace=self.trace, arrivals=arrivals)
         self._batches += 1
+        self._buffers_stale = self._ties_unchecked = True
         if self.position.is_last:
             loss = self._shared_loss
         loss = self._returned_loss(loss)
@@ -340,17 +367,50 @@ class PipelineEngine:
         """Microbatches forwarded but not yet backwarded on this stage (2BW keeps them across steps)."""
         return self._state.live
 
-    def drain(self) -> None:
-        """Finish every in-flight microbatch and apply the outstanding update (2BW); no-op otherwise.
+    def drain(self, check_ties: bool = False) -> None:
+        """Finish every in-flight microbatch and apply the outstanding update (2BW), then settle the
+        replicas: after a training step, replica 0's buffers are broadcast to the other replicas
+        and tied copies are compared (a collective: every rank drains at the same point).
 
-        Lightning calls this before validation, checkpoints and the end of fit, so weights are
-        consistent there. The next training step starts a fresh warm-up from the newest weights.
+        Lightning calls this before validation, checkpoints and the end of fit, so weights and
+        buffers are consistent there. The next training step starts a fresh warm-up from the newest weights.
+
+        Args:
+            check_ties: compare tied copies even if no training step ran since the last comparison
+                (before a checkpoint save).
+
+        Raises:
+            TiedCopiesDivergedError: on every rank, when the copies of a tied parameter differ.
         """
         if self._previous is not None and self._previous[1] is not None:  # loss="previous": settle the last broadcast
             self._previous[1].wait()
             self._previous = (self._previous[0], None)
-        if not self.streaming or self._batches == 0:
-            return
+        if self.streaming and self._batches:
+            self._drain_stream()
+        self._sync_buffers()
+        if self._ties_unchecked or check_ties:
+            self.check_ties()
+
+    def check_ties(self) -> None:
+        """Compare the copies of every parameter tied across stages by checksum (a collective over
+        the job; a no-op without ties). Under 2BW, drain first: the newest weights are then in place.
+
+        Raises:
+            TiedCopiesDivergedError: on every rank, naming each tied parameter whose copies differ.
+        """
+        self._ties_unchecked = False
+        if self.tie_checksums is not None:
+            self.tie_checksums.check(self._parameters, self.device)
+
+    def _sync_buffers(self, always: bool = False) -> None:
+        """Broadcast replica 0's buffers: ``always`` (a training step starts), or if a step (or the
+        engine's creation) may have made the replicas' differ since the last broadcast (a drain)."""
+        if self.buffer_broadcast is not None and (always or self._buffers_stale):
+            self.buffer_broadcast.broadcast()
+        self._buffers_stale = False
+
+    def _drain_stream(self) -> None:
+        """2BW: run the remaining backwards, the last all-reduce and step; collapse the weight versions."""
         last = self._batches - 1
         d, m, split = self.topology.depth, self.microbatches, self.split_backward
         program = two_bw_stage_drain(self.stage_index, d, m, last, split, self.early_step)

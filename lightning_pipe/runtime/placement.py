@@ -283,6 +283,7 @@ def place(
     gradient_clip_val: Optional[float] = None,
     loss: str = "current",
     bucket_bytes: Optional[int] = None,
+    broadcast_buffers: bool = True,
 ) -> "PipelineEngine":
     """Place ``plan`` on ``rank`` and return the engine that runs its steps (scripts, tests, benchmarks).
 
@@ -296,9 +297,22 @@ def place(
         gradient_clip_val: clip to this global norm before each step.
         loss: what ``train_step`` returns, ``"current"`` or ``"previous"`` (see :class:`PipelineEngine`).
         bucket_bytes: replica all-reduce bucket size (0: one blocking all-reduce); ``None``: the engine's default.
+        broadcast_buffers: with replicas, replica 0's buffers overwrite the other replicas' before
+            each training step (DDP's rule; see :class:`PipelineEngine`); ``False``: replicas drift.
     """
     from lightning_pipe.runtime.engine import PipelineEngine
 
     stages = Placement(module).apply(plan, rank, device)
-    options = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
-    return PipelineEngine(module, stages, plan, rank, groups, device, gradient_clip_val, loss, **options)
+    options: dict[str, Any] = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+    return PipelineEngine(
+        module,
+        stages,
+        plan,
+        rank,
+        groups,
+        device,
+        gradient_clip_val,
+        loss,
+        broadcast_buffers=broadcast_buffers,
+        **options,
+    )

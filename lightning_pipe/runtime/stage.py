@@ -73,6 +73,10 @@ class Stage:
         self._input_hooks[handle.id] = hook
         return handle
 
+    def modules(self) -> list[nn.Module]:
+        """Every module of the stage's blocks (the blocks and their submodules), as the stage was built."""
+        return list(self._all_modules)
+
     def parameters(self) -> list[nn.Parameter]:
         """Trainable parameters of this stage, without duplicates."""
         return self._params

@@ -136,6 +136,101 @@ class TiedGradients:
         self._batches.clear()
 
 
+class TiedCopiesDivergedError(RuntimeError):
+    """The copies of a parameter tied across stages no longer hold the same values."""
+
+
+class TieChecksums:
+    """Compares the copies of every tied parameter by checksum: the sum, the sum of squares and
+    the element count of each copy, in float64, gathered by one all-reduce over the job.
+
+    Gradient summing keeps the copies equal only while every change goes through the
+    optimizer; an in-place edit of one copy (weight normalisation, a manual clamp) splits them
+    for good. The check reads every copy, so it runs at drains and checkpoint saves, never per step.
+    Every rank gets every checksum and raises the same error, so none is left waiting.
+
+    Args:
+        ties: every tie of the layout (:func:`find_ties`; the same list on every rank).
+        names: the name of each of this rank's parameters (aligned with the engine's parameters).
+        topology: the layout.
+        rank: this process's global rank.
+    """
+
+    #: Copies differ when a checksum differs by more than this, relative to its scale (the sums' rounding).
+    RTOL = 1e-9
+    _FIELDS = 3  # sum, sum of squares, count
+
+    def __init__(self, ties: Sequence[Tie], names: Sequence[str], topology: Topology, rank: int) -> None:
+        stage, replica = topology.position_of(rank), topology.replica_of(rank)
+        index = {name: i for i, name in enumerate(names)}
+        self._copies: list[tuple[Tie, int, int]] = []  # (tie, replica, offset of its first stage's checksum)
+        self._mine: list[tuple[int, int]] = []  # (offset, local parameter index) of this rank's copies
+        offset = 0
+        for tie in ties:
+            for r in range(topology.width):
+                self._copies.append((tie, r, offset))
+                if r == replica and stage in tie.stages:
+                    self._mine.append((offset + self._FIELDS * tie.stages.index(stage), _local_index(tie, index)))
+                offset += self._FIELDS * len(tie.stages)
+        self._size = offset
+
+    @torch.no_grad()
+    def check(self, params: Sequence[Tensor], device: torch.device) -> None:
+        """Raise :class:`TiedCopiesDivergedError` on every rank if any tie's copies differ (a
+        collective over the job: every rank calls it at the same point).
+
+        Args:
+            params: this rank's parameters (aligned with ``names``), holding the newest weights.
+            device: where the collective's tensor lives.
+        """
+        sums = torch.zeros(self._size, dtype=torch.float64, device=device)
+        for at, i in self._mine:
+            sums[at : at + self._FIELDS] = _checksum(params[i])
+        dist.all_reduce(sums)
+        values = sums.tolist()
+        diverged = [
+            self._describe(tie, r, values[at:]) for tie, r, at in self._copies if self._differ(tie, values[at:])
+        ]
+        if diverged:
+            raise TiedCopiesDivergedError(
+                "; ".join(diverged) + ". Their gradients are summed so that every copy takes the same step, but "
+                "an in-place edit of one copy (weight normalisation, a manual clamp) splits them for good: edit "
+                "tied weights only through the optimizer, or identically in every copy (on every stage that "
+                "holds one), or untie them (give each block its own Parameter)"
+            )
+
+    def _differ(self, tie: Tie, values: Sequence[float]) -> bool:
+        first = values[: self._FIELDS]
+        for j in range(1, len(tie.stages)):
+            other = values[self._FIELDS * j : self._FIELDS * (j + 1)]
+            scale = max(first[1], other[1], 1e-30)  # the sum of squares bounds both sums' rounding
+            sum_scale = (scale * max(first[2], 1.0)) ** 0.5
+            if abs(first[0] - other[0]) > self.RTOL * sum_scale or abs(first[1] - other[1]) > self.RTOL * scale:
+                return True
+        return False
+
+    def _describe(self, tie: Tie, replica: int, values: Sequence[float]) -> str:
+        stages = ", ".join(str(s) for s in tie.stages)
+        sums = " vs ".join(f"{values[self._FIELDS * j]:.6g}" for j in range(len(tie.stages)))
+        squares = " vs ".join(f"{values[self._FIELDS * j + 1]:.6g}" for j in range(len(tie.stages)))
+        return (
+            f"the copies of tied parameter {tie.name!r} on pipeline stages {stages} (replica {replica}) differ: "
+            f"sum {sums}, sum of squares {squares}"
+        )
+
+
+def _checksum(param: Tensor, chunk: int = 1 << 22) -> Tensor:
+    """Sum, sum of squares and count of ``param`` in float64, a chunk at a time (bounded temporaries)."""
+    flat = param.detach().reshape(-1)
+    total = torch.zeros(3, dtype=torch.float64, device=param.device)
+    for part in flat.split(chunk):
+        wide = part.to(torch.float64)
+        total[0] += wide.sum()
+        total[1] += wide.square().sum()
+    total[2] = flat.numel()
+    return total
+
+
 def _local_index(tie: Tie, index: dict[str, int]) -> int:
     for name in (tie.name, *tie.aliases):
         if name in index:
