@@ -783,9 +783,9 @@ def test_profiling_calls_sync_before_every_timed_pass() -> None:
 
 def test_the_action_overhead_is_what_the_executor_adds_to_the_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     # Every forward of the executor made 10 ms slower: 5 ms per F or B action on average, beyond
-    # the blocks' profiled times. The 10 ms are spent spinning, not asleep: on this VM the work
-    # right after a 10 ms sleep ran up to 3 ms slower some hours (2026-11-25: 6.2-7.3 ms read
-    # here with a sleep, on the code before and after that day's changes alike).
+    # the same work run plainly. The 10 ms are spent spinning, not asleep (the work right after
+    # a sleep can run slower), and they take 10 ms of wall time however busy the host is, while
+    # a busy host slows both runs of each pair alike.
     from lightning_pipe.runtime.executor import Executor
 
     original = Executor._forward

@@ -355,9 +355,7 @@ def profile_blocks(
     batch_per_sample = _tensor_bytes(leaves) / batch_size(batch)
     if with_loss and sync is not None:
         sync()
-    per_action = (
-        _action_overhead(module, blocks, batch, profiles, min(microbatch_sizes), repeats, device) if with_loss else 0.0
-    )
+    per_action = _action_overhead(module, blocks, batch, min(microbatch_sizes), repeats, device) if with_loss else 0.0
     # One tensor at a time (torch's default on CPU) a step's temporaries are about its largest block's; with
     # whole-list (foreach) kernels they add up: the step over every block tells which it is nearer.
     sizes = [b.optimizer_step_bytes for b in profiles]
@@ -585,16 +583,18 @@ def _action_overhead(
     module: nn.Module,
     blocks: list[nn.Module],
     batch: Any,
-    profiles: list[BlockProfile],
     size: int,
     repeats: int,
     device: torch.device,
 ) -> float:
-    """Seconds per F or B action that a one-stage executor run takes beyond the blocks' profiled time.
+    """Seconds per F or B action that a one-stage executor run takes beyond the same work run plainly.
 
-    The run and the block times are taken seconds apart, so the machine's drift lands in the
-    difference: on a busy host the estimate is noisy and biased upward. The upward bias covers
-    part of what a multi-process step costs per action beyond a one-stage run.
+    Each repetition runs the microbatches through the executor (1F1B on one stage: F and B
+    alternating) and then the same microbatches block by block in a plain loop, back to back.
+    Load on the host only ever adds time to a run, so the fastest run of each kind is the
+    nearest to the work itself, and their difference per action is the estimate: a busy host
+    cannot inflate it as it inflates a mean or a median (the blocks' own time, measured apart
+    from the run by the profile, would also let the host's drift in).
     """
     from lightning_pipe.runtime.executor import Executor, Hooks, Position, StepState
     from lightning_pipe.runtime.stage import Stage
@@ -606,16 +606,30 @@ def _action_overhead(
     executor = Executor(
         Stage(blocks, 0), Position(0, 1, None, None), device, Hooks(module.pipeline_inputs, module.pipeline_loss)
     )
-    times = []
-    for _ in range(repeats + 1):
+
+    def through_executor() -> None:
         state = StepState({}, {})
         state.add_batch(0, microbatches, shares)
-        seconds, _ = _timed(lambda: executor.run(actions, state), device)
-        times.append(seconds)
+        executor.run(actions, state)
+
+    executed, plain = [], []
+    for repeat in range(repeats + 1):  # the first pair warms up
+        seconds, _ = _timed(through_executor, device)
+        executed += [seconds] if repeat else []
+        seconds, _ = _timed(lambda: _plain_run(module, blocks, microbatches, shares), device)
+        plain += [seconds] if repeat else []
     module.zero_grad(set_to_none=True)
-    sample = [p.at(batch_size(microbatches[0])) for p in profiles]
-    blocks_time = m * sum(s.forward + s.backward for s in sample)
-    return max(statistics.median(times[1:]) - blocks_time, 0.0) / (2 * m)
+    return max(min(executed) - min(plain), 0.0) / (2 * m)
+
+
+def _plain_run(module: nn.Module, blocks: list[nn.Module], microbatches: list[Any], shares: list[float]) -> None:
+    """The work of a one-stage executor run without the executor: each microbatch's blocks, its loss, its backward."""
+    for microbatch, share in zip(microbatches, shares):
+        x = as_tuple(module.pipeline_inputs(microbatch), "pipeline_inputs")
+        for block in blocks:
+            x = as_tuple(block(*x), type(block).__name__)
+        loss = module.pipeline_loss(x[0] if len(x) == 1 else x, microbatch) * share
+        loss.backward()
 
 
 def _make_optimizer(params: list[nn.Parameter], optimizer: Optional[Callable]) -> torch.optim.Optimizer:
