@@ -19,6 +19,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_leaves, tree_map
 
 from lightning_pipe.core.pipeline_plan import PipelinePlan
+from lightning_pipe.core.sizes import parse_size
 from lightning_pipe.lightning.monitor import held_tensors
 from lightning_pipe.planning import predict, search
 from lightning_pipe.planning.links import _link_worker
@@ -47,8 +48,9 @@ class AutoPlanner(Callback):
     start: recompute on every stage and one sample per microbatch.
 
     Args:
-        memory: bytes each device may hold (stage peak); ``None``: a CUDA device's total memory,
-            unlimited on CPU.
+        memory: bytes each device may hold (stage peak), as a number or a string with a unit
+            (``"40GiB"``, ``"512MB"``; :mod:`lightning_pipe.core.sizes`); ``None``: a CUDA
+            device's total memory, unlimited on CPU.
         profile_steps: training steps to measure before deciding (the first is a warm-up);
             they train as usual.
         allow_stale: let the planner choose PipeDream-2BW (its update is 1-stale).
@@ -67,7 +69,7 @@ class AutoPlanner(Callback):
 
     def __init__(
         self,
-        memory: Optional[float] = None,
+        memory: Union[int, float, str, None] = None,
         profile_steps: int = 5,
         allow_stale: bool = False,
         min_gain: float = 0.05,
@@ -84,7 +86,8 @@ class AutoPlanner(Callback):
         if not virtual_stages or min(virtual_stages) < 1:
             raise ValueError(f"virtual_stages must list stage counts >= 1, got {virtual_stages}")
         self.headroom, self.virtual_stages = headroom, tuple(virtual_stages)
-        self.memory, self.profile_steps, self.allow_stale = memory, profile_steps, allow_stale
+        self.memory = None if memory is None else parse_size(memory, "AutoPlanner(memory=...)")
+        self.profile_steps, self.allow_stale = profile_steps, allow_stale
         self.min_gain, self.recheck_every_n_steps = min_gain, recheck_every_n_steps
         self.decisions: list[dict[str, Any]] = []
         self._start_step, self._steps_seen = 0, 0
