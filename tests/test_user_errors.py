@@ -134,3 +134,82 @@ def test_plan_cli_imports_the_model_and_data_class_paths_of_the_config(tmp_path,
     assert main(args + ["--output", str(out), "--top", "2"]) == 0
     assert "profiling GPT at microbatch sizes" in capsys.readouterr().out
     assert yaml.safe_load(out.read_text())["trainer"]["devices"] == 2
+
+
+# -- layouts and losses --------------------------------------------------------------------------------
+def test_interleaved_layout_errors_name_depth_and_virtual_stages_as_given() -> None:
+    from lightning_pipe import PipelinePlan, PipelineStrategy, place
+    from tests.models import ToyChain
+
+    as_given = r"6 stages \(pipeline_depth=2 x virtual_stages=3\)"
+    with pytest.raises(ValueError, match=f"cannot split 4 pipeline blocks over {as_given}") as err:
+        place(ToyChain(depth=2), PipelinePlan(depth=2, microbatches=2, virtual_stages=3), rank=0)
+    assert "pipeline_depth=6" not in str(err.value)
+    with pytest.raises(ValueError, match=r"must list 6 positive block counts, one per stage \(pipeline_depth=2 x"):
+        PipelinePlan(depth=2, microbatches=2, virtual_stages=3, partition=[2, 2])
+    with pytest.raises(ValueError, match=r"one flag per stage \(6: pipeline_depth=2 x virtual_stages=3\), got 2"):
+        PipelinePlan(depth=2, microbatches=2, virtual_stages=3, recompute=[True, False])
+    with pytest.raises(ValueError, match="partition lists 4 stages, not a multiple of virtual_stages=3"):
+        PipelineStrategy(pipeline_depth=2, microbatches=2, virtual_stages=3, partition=[1, 1, 1, 1])
+
+
+class _PerSampleLoss:
+    """``pipeline_loss`` without the mean: one loss per sample."""
+
+    @staticmethod
+    def pipeline_loss(output: Any, batch: Any) -> Any:
+        import torch.nn.functional as F
+
+        return F.cross_entropy(output.float(), batch[1], reduction="none")
+
+
+def test_a_loss_that_is_not_a_scalar_names_its_shape() -> None:
+    from lightning_pipe import PipelinePlan, place
+    from tests.models import ToyChain, frozen, make_data
+
+    model = ToyChain()
+    model.pipeline_loss = _PerSampleLoss.pipeline_loss  # type: ignore[method-assign]
+    engine = place(model, PipelinePlan(microbatches=2), rank=0)
+    with pytest.raises(TypeError, match=r"mean-reduced scalar Tensor .*got a Tensor of shape \(3,\)"):
+        engine.train_step(make_data(6), frozen(engine))
+    model.pipeline_loss = lambda output, batch: 0.5  # type: ignore[method-assign]
+    with pytest.raises(TypeError, match="mean-reduced scalar Tensor .*got float"):
+        engine.train_step(make_data(6), frozen(engine))
+
+
+# -- Trainer options the pipeline does its own way ----------------------------------------------------
+@pytest.mark.parametrize(
+    ("option", "says"),
+    [
+        (
+            {"accumulate_grad_batches": 4},
+            r"Trainer\(accumulate_grad_batches=4\) does not apply to PipelineStrategy: the pipeline already "
+            r"accumulates .* PipelineStrategy\(microbatches=...\)",
+        ),
+        (
+            {"gradient_clip_val": 1.0},
+            r"Trainer\(gradient_clip_val=1.0\) does not apply .* pass PipelineStrategy\(gradient_clip_val=1.0\) "
+            r"instead, which clips to the global norm over all stages",
+        ),
+    ],
+)
+def test_trainer_accumulation_and_clipping_are_refused_with_the_pipeline_way(option: dict, says: str) -> None:
+    import lightning as L
+    import torch
+
+    from lightning_pipe import PipelineStrategy
+    from tests.models import ToyChain, make_data
+
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        strategy=PipelineStrategy(),
+        **option,
+    )
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*make_data(8)), batch_size=4)
+    with pytest.raises(ValueError, match=says):
+        trainer.fit(ToyChain(), loader)

@@ -358,6 +358,14 @@ class PipelineStrategy(DDPStrategy):
             self._groups = groups
 
     @override
+    def connect(self, model: LightningModule) -> None:
+        """Attach the module, first refusing the Trainer options the pipeline does its own way."""
+        trainer = getattr(model, "_trainer", None)
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            _refuse_trainer_options(trainer)
+        super().connect(model)
+
+    @override
     def setup(self, trainer: Trainer) -> None:
         """Place this rank's stage of the plan, then set up optimizers and precision."""
         module = self._module_checked(self.lightning_module)
@@ -542,6 +550,28 @@ class PipelineStrategy(DDPStrategy):
         """Nothing to do: :meth:`load_checkpoint` already loaded this stage's optimizer state by name."""
 
 
+def _refuse_trainer_options(trainer: Trainer) -> None:
+    """Refuse ``Trainer(accumulate_grad_batches=...)`` and ``Trainer(gradient_clip_val=...)``
+    before Lightning's own check, whose advice (automatic optimization) the pipeline cannot take.
+
+    Raises:
+        ValueError: naming the option and what does the same under a pipeline.
+    """
+    if trainer.accumulate_grad_batches != 1:
+        raise ValueError(
+            f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) does not apply to PipelineStrategy: "
+            "the pipeline already accumulates gradients over the microbatches of each batch. For the same memory "
+            "with a larger batch, raise the batch size (or PipelineStrategy(global_batch_size=...)) together with "
+            "PipelineStrategy(microbatches=...), and remove accumulate_grad_batches"
+        )
+    if trainer.gradient_clip_val:
+        raise ValueError(
+            f"Trainer(gradient_clip_val={trainer.gradient_clip_val}) does not apply to PipelineStrategy (Lightning "
+            f"clips only under automatic optimization): pass PipelineStrategy(gradient_clip_val="
+            f"{trainer.gradient_clip_val}) instead, which clips to the global norm over all stages"
+        )
+
+
 def _same_layout(placed: PipelinePlan, wanted: PipelinePlan) -> bool:
     """Whether ``placed`` is ``wanted`` (whose partition may still be "balanced" or "uniform")."""
     if wanted.is_resolved or wanted.stages != placed.stages:
@@ -559,10 +589,15 @@ def _check_layout(layout: dict[str, Any], plan: Optional[PipelinePlan]) -> dict[
     depth = layout["pipeline_depth"]
     if depth is not None and depth < 1:
         raise ValueError(f"pipeline_depth must be >= 1, got {depth}")
-    virtual = layout["virtual_stages"]
-    lists = [
-        len(v) // max(virtual, 1) for v in (layout["recompute"], layout["partition"]) if not isinstance(v, (bool, str))
-    ]
+    virtual = max(layout["virtual_stages"], 1)
+    given = {k: len(v) for k in ("recompute", "partition") if not isinstance(v := layout[k], (bool, str))}
+    for name, entries in given.items():
+        if entries % virtual:
+            raise ValueError(
+                f"{name} lists {entries} stages, not a multiple of virtual_stages={virtual}: "
+                f"it needs pipeline_depth x virtual_stages entries, one per stage"
+            )
+    lists = [entries // virtual for entries in given.values()]
     hint = depth or next(iter(lists), None)
     fields = {k: v for k, v in layout.items() if k != "pipeline_depth"}
     if hint is None:  # depth comes from the world size: what needs it is checked once that is known
