@@ -213,3 +213,85 @@ def test_trainer_accumulation_and_clipping_are_refused_with_the_pipeline_way(opt
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*make_data(8)), batch_size=4)
     with pytest.raises(ValueError, match=says):
         trainer.fit(ToyChain(), loader)
+
+
+# -- checkpoints cut short -------------------------------------------------------------------------------
+def _placed_with_state() -> tuple[Any, Any, dict[str, Any]]:
+    """A one-stage placement of ToyChain after one Adam step, and its shards as the strategy saves them."""
+    import torch
+
+    from lightning_pipe import PipelinePlan
+    from lightning_pipe.runtime.placement import Placement
+    from tests.models import ToyChain, make_data
+
+    model = ToyChain()
+    placement = Placement(model)
+    placement.apply(PipelinePlan(), 0, None)
+    optimizer = torch.optim.Adam(model.parameters())
+    x, y = make_data(4)
+    model.pipeline_loss(model(x), (x, y)).backward()
+    optimizer.step()
+    shards = {"model": placement.export_state()["model"], "optimizer_0": placement.export_state(optimizer)["optimizer"]}
+    return placement, optimizer, shards
+
+
+def _cut(path: Path, keep: float) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+@pytest.mark.parametrize("keep", [0.0, 0.5, 0.99])
+def test_a_sharded_checkpoint_cut_short_names_the_checkpoint_and_the_shard(tmp_path, keep: float) -> None:
+    from lightning_pipe.lightning import checkpoint
+
+    placement, optimizer, shards = _placed_with_state()
+    path = tmp_path / "epoch=0-step=1.ckpt"
+    checkpoint.save_sharded(path, shards, {"epoch": 0}, 0, lambda: None)
+    checkpoint.load_sharded(path, placement, [optimizer])  # complete: loads
+    (shard,) = path.glob("*.distcp")
+    _cut(shard, keep)
+    with pytest.raises(checkpoint.IncompleteCheckpointError) as err:
+        checkpoint.load_sharded(path, placement, [optimizer])
+    message = str(err.value)
+    assert f"checkpoint {path} is incomplete or corrupt: shard {shard} holds" in message, message
+    assert "resume from another checkpoint" in message
+
+
+def test_a_sharded_checkpoint_damaged_in_place_names_the_checkpoint_and_its_file(tmp_path) -> None:
+    import re
+
+    from lightning_pipe.lightning import checkpoint
+
+    placement, optimizer, shards = _placed_with_state()
+    damaged, short_meta = tmp_path / "damaged.ckpt", tmp_path / "short_meta.ckpt"
+    for path in (damaged, short_meta):
+        checkpoint.save_sharded(path, shards, {"epoch": 0}, 0, lambda: None)
+    (shard,) = damaged.glob("*.distcp")
+    shard.write_bytes(bytes(shard.stat().st_size))  # the right size, every byte zero
+    with pytest.raises(checkpoint.IncompleteCheckpointError, match=re.escape(f"checkpoint {damaged} is incomplete")):
+        checkpoint.load_sharded(damaged, placement, [optimizer])
+    shard.unlink()
+    with pytest.raises(checkpoint.IncompleteCheckpointError, match=r"is incomplete or corrupt: shard __0_0.distcp is"):
+        checkpoint.load_sharded(damaged, placement, [optimizer])
+    _cut(short_meta / "meta.pt", 0.5)
+    with pytest.raises(
+        checkpoint.IncompleteCheckpointError, match=re.escape(f"{short_meta / 'meta.pt'} cannot be read")
+    ):
+        checkpoint.load_sharded(short_meta, placement, [optimizer])
+
+
+@pytest.mark.parametrize("keep", [0.0, 0.01, 0.5, 0.99])
+def test_a_single_file_checkpoint_cut_short_names_the_file(tmp_path, keep: float) -> None:
+    from lightning_pipe.lightning import checkpoint
+
+    placement, optimizer, shards = _placed_with_state()
+    path = tmp_path / "epoch=0-step=1.ckpt"
+    saved = {"state_dict": shards["model"], "optimizer_states": [shards["optimizer_0"]], "epoch": 0}
+    checkpoint.save_file(saved, path)
+    checkpoint.load_file(path, placement, [optimizer])  # complete: loads
+    _cut(path, keep)
+    with pytest.raises(checkpoint.IncompleteCheckpointError) as err:
+        checkpoint.load_file(path, placement, [optimizer])
+    message = str(err.value)
+    assert message.startswith(f"checkpoint {path} is incomplete or corrupt: torch.load cannot read the file"), message
+    assert "resume from another checkpoint" in message
