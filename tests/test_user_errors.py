@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +10,7 @@ import pytest
 import yaml
 
 from lightning_pipe.core.sizes import parse_size
+from tests.shared import scenario
 
 GIB = 2**30
 
@@ -295,3 +297,139 @@ def test_a_single_file_checkpoint_cut_short_names_the_file(tmp_path, keep: float
     message = str(err.value)
     assert message.startswith(f"checkpoint {path} is incomplete or corrupt: torch.load cannot read the file"), message
     assert "resume from another checkpoint" in message
+
+
+# -- the AutoPlanner without global_batch_size ----------------------------------------------------------
+#: Replica batch size and steps per epoch of the AutoPlanner runs below (Indexed samples 0, 1, ...).
+REPLICA_BATCH, EPOCH_STEPS, FIT_STEPS = 4, 6, 8
+
+
+def _autoplanner(width: int) -> Any:
+    """An AutoPlanner that moves the job to another width at its first decision (after 2 steps)."""
+    from lightning_pipe import AutoPlanner
+
+    class OtherWidth(AutoPlanner):
+        def _search(self, trainer: Any, profile: Any) -> Any:
+            current, ranked = super()._search(trainer, profile)
+            return current, [p for p in ranked if p.plan.width != width]
+
+    auto = OtherWidth(profile_steps=2)
+    auto.min_gain = -1.0  # switch whatever the prediction
+    return auto
+
+
+def _fit_without_global_batch(rank: int, world: int, layout: dict[str, Any]) -> dict[str, Any]:
+    """Fit ToyChain under an AutoPlanner with no global_batch_size; record each step's replica rows."""
+    from datetime import timedelta
+
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader
+
+    from lightning_pipe import PipelineStrategy
+    from tests.models import ToyChain
+    from tests.scripts.train_toy import Indexed
+
+    class Rows(L.Callback):
+        def __init__(self) -> None:
+            self.rows: list[list[int]] = []
+            self.widths: list[int] = []
+            self.epochs: list[int] = []
+            self.first_plan: Any = None
+            self.validated_at: list[int] = []
+
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+            self.rows.append(trainer.strategy.replica_batch(batch)[2].tolist())
+            self.first_plan = self.first_plan or trainer.strategy.plan
+            self.widths.append(trainer.strategy.plan.width)
+            self.epochs.append(trainer.current_epoch)
+
+        def on_validation_end(self, trainer: Any, module: Any) -> None:
+            self.validated_at.append(trainer.global_step)
+
+    torch.manual_seed(0)
+    strategy = PipelineStrategy(timeout=timedelta(seconds=60), **layout)
+    start_width = world // (layout.get("pipeline_depth") or world)
+    rows, auto = Rows(), _autoplanner(start_width)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        max_steps=FIT_STEPS,
+        val_check_interval=3,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[rows, auto],
+        strategy=strategy,
+    )
+    samples = Indexed(REPLICA_BATCH * start_width * EPOCH_STEPS, 0)
+    loader = DataLoader(samples, batch_size=REPLICA_BATCH)
+    trainer.fit(ToyChain(), loader, DataLoader(Indexed(8, 1), batch_size=REPLICA_BATCH))
+    return {
+        "start_width": start_width,
+        "rows": rows.rows,
+        "widths": rows.widths,
+        "validated_at": rows.validated_at,
+        "epochs": rows.epochs,
+        "first_plan": rows.first_plan,
+        "batches_per_epoch": trainer.num_training_batches,
+        "global_batch": strategy.global_batch_size,
+        "origin": [d["global_batch_origin"] for d in auto.decisions],
+        "report_origin": strategy.global_batch_origin,
+        "seed": int(os.environ.get("PL_GLOBAL_SEED", 0)),  # of Lightning's shuffling sampler
+    }
+
+
+#: Layouts the AutoPlanner starts from on 2 processes: 2 replicas of one stage, and no layout at all
+#: (one pipeline of 2 stages, the safe start: recompute, one sample per microbatch).
+STARTS = {"2x1": {"pipeline_depth": 1, "microbatches": 2}, "no_layout": {}}
+for _name, _layout in STARTS.items():
+    scenario(2, f"autoplan_global_batch_{_name}", _fit_without_global_batch, _layout)
+
+
+def _start_width_batches(start_width: int, steps: int, seed: int) -> list[set[int]]:
+    """Each step's samples in a fit at ``start_width`` without reconfiguration: the union over
+    replicas of the batches Lightning's (shuffling) distributed sampler gives each replica."""
+    from torch.utils.data import DistributedSampler
+
+    from tests.scripts.train_toy import Indexed
+
+    samples = Indexed(REPLICA_BATCH * start_width * EPOCH_STEPS, 0)
+    batches = []
+    for step in range(steps):
+        epoch, i = divmod(step, EPOCH_STEPS)
+        orders = [DistributedSampler(samples, start_width, r, shuffle=True, seed=seed) for r in range(start_width)]
+        for order in orders:
+            order.set_epoch(epoch)
+        batches.append(set().union(*(list(o)[i * REPLICA_BATCH : (i + 1) * REPLICA_BATCH] for o in orders)))
+    return batches
+
+
+@pytest.mark.parametrize("start", sorted(STARTS))
+def test_autoplanner_takes_the_global_batch_from_the_starting_layout(launched, start: str) -> None:
+    ranks = launched(2).ok(f"autoplan_global_batch_{start}")
+    width = ranks[0]["start_width"]
+    said = f"global batch {REPLICA_BATCH * width} taken from the starting layout: batch size {REPLICA_BATCH} x width "
+    said += str(width)
+    for rank in ranks:
+        assert rank["global_batch"] == REPLICA_BATCH * width
+        assert rank["origin"] == [said] and rank["report_origin"] == said
+        assert rank["widths"][:2] == [width] * 2 and set(rank["widths"][2:]) == {2 // width}  # switched after 2
+        # An epoch keeps its batches and validation its place: every 3 steps of a 6-step epoch.
+        assert rank["batches_per_epoch"] == EPOCH_STEPS and rank["epochs"] == [0] * EPOCH_STEPS + [1] * 2
+        assert rank["validated_at"] == [3, 6]
+        first = rank["first_plan"]
+        if start == "no_layout":  # the safe start: recompute everywhere, one sample per microbatch
+            assert first.microbatches == REPLICA_BATCH and all(first.recompute), first
+        else:
+            assert first.microbatches == STARTS[start]["microbatches"] and not any(first.recompute), first
+    # Every step trains the samples the fit would have at its starting width, whatever the width now.
+    steps = len(ranks[0]["rows"])
+    got = [set().union(*(rank["rows"][s] for rank in ranks)) for s in range(steps)]
+    assert steps == FIT_STEPS and got == _start_width_batches(width, steps, ranks[0]["seed"])
+    for s in range(steps):  # and each replica its own share of them: no sample twice
+        replicas = {tuple(rank["rows"][s]) for rank in ranks}
+        assert sum(map(len, replicas)) == len(got[s])

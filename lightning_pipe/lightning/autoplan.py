@@ -40,9 +40,10 @@ class AutoPlanner(Callback):
     ``(w, d)`` with ``w * d`` = the job's processes, every microbatch size with the global batch
     fixed, every schedule (2BW only with ``allow_stale``), interleaving (``virtual_stages``), split
     backward, recompute per stage and the partition (time-balanced, and MadPipe's under a memory
-    budget). Needs
-    ``PipelineStrategy(global_batch_size=...)``: every rank then loads the global batch and trains
-    on its replica's rows, so a width change keeps the samples of every global batch.
+    budget). Every rank loads the global batch and trains on its replica's rows, so a width
+    change keeps the samples of every global batch and the batches of every epoch: the global
+    batch is ``PipelineStrategy(global_batch_size=...)``, or else the starting layout's (the
+    training DataLoader's batch size times the starting width; the decision report says so).
 
     The profiled steps run under the strategy's layout or, when the user gave none, under a safe
     start: recompute on every stage and one sample per microbatch.
@@ -64,7 +65,8 @@ class AutoPlanner(Callback):
 
     Attributes:
         decisions: one record per decision (step, table of candidates, chosen plan, reason,
-            the profile it was planned on, switch seconds, predicted and measured step time after it).
+            the profile it was planned on, switch seconds, predicted and measured step time after
+            it, and where the global batch came from when the user did not set it).
     """
 
     def __init__(
@@ -103,6 +105,7 @@ class AutoPlanner(Callback):
         self._step_start = 0.0
         self._prechecked = False
         self._resumed_plan: Optional[PipelinePlan] = None
+        self._safe_start_pending = False  # the safe start's microbatches, once the data gives the global batch
         self._trainer: Optional[Trainer] = None
 
     # -- Lightning hooks -------------------------------------------------------------------
@@ -120,6 +123,11 @@ class AutoPlanner(Callback):
         """After a resume, move to the plan the checkpoint was saved under (its weights already loaded by name)."""
         if self._resumed_plan is None and trainer.global_step == 0:
             _check_steps(self.profile_steps, trainer.estimated_stepping_batches, "the fit has")
+        if self._safe_start_pending and self._resumed_plan is None:
+            safe = _safe_start(trainer.strategy.plan, trainer.strategy.global_batch_size)
+            if safe != trainer.strategy.plan:
+                trainer.strategy.reconfigure(safe)  # before the first step: nothing trained yet moves
+        self._safe_start_pending = False
         if self._resumed_plan is not None:
             if self._resumed_plan != trainer.strategy.plan:
                 trainer.strategy.reconfigure(self._resumed_plan)
@@ -140,7 +148,15 @@ class AutoPlanner(Callback):
             _check_steps(self.profile_steps, trainer.max_steps)
             trainer.strategy.enable_reconfiguration()
             if not trainer.strategy.layout_given:
-                trainer.strategy.start_with(_safe_start(trainer.strategy.plan, trainer.strategy.global_batch_size))
+                self._start_safely(trainer.strategy)
+
+    def _start_safely(self, strategy: Any) -> None:
+        """Place the safe start; its microbatch count waits for the global batch if the data sets it."""
+        if strategy.global_batch_size is None:  # known once the data is set up: see on_train_start
+            strategy.start_with(strategy.plan.replace(recompute=True))
+            self._safe_start_pending = True
+        else:
+            strategy.start_with(_safe_start(strategy.plan, strategy.global_batch_size))
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         """Capture this stage's inputs in the last profiled step; start the step clock."""
@@ -388,6 +404,7 @@ class AutoPlanner(Callback):
             "table": _table(current, ranked),
             "switch_seconds": 0.0,
             "measured_step_s": None,
+            "global_batch_origin": getattr(trainer.strategy, "global_batch_origin", None),
         }
         if best is not current:
             start = time.perf_counter()
@@ -415,8 +432,9 @@ class AutoPlanner(Callback):
             self._after = None
 
     def _report(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        origin = f"{record['global_batch_origin']}\n" if record["global_batch_origin"] else ""
         text = (
-            f"AutoPlanner at step {record['step']}: {record['reason']}\n"
+            f"AutoPlanner at step {record['step']}: {record['reason']}\n{origin}"
             f"chosen: {record['chosen'].plan.describe()}, "
             f"switch took {record['switch_seconds']:.3f} s\n{record['table']}"
         )

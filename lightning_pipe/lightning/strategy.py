@@ -27,7 +27,7 @@ from typing_extensions import override
 from lightning_pipe.core.pipeline_plan import PartitionArg, PipelinePlan, RecomputeArg
 from lightning_pipe.core.topology import Topology
 from lightning_pipe.lightning import checkpoint as _checkpoint
-from lightning_pipe.lightning.data import ResumableLoader, per_replica_loader
+from lightning_pipe.lightning.data import ResumableLoader, per_replica_loader, starting_global_batch
 from lightning_pipe.lightning.profiled_partition import profiled_partition
 from lightning_pipe.lightning.reconfigure import reconfigure
 from lightning_pipe.runtime.autograd.deferred_norm import convert_deferred_batch_norm
@@ -105,7 +105,8 @@ class PipelineStrategy(DDPStrategy):
             gathered on rank 0 only.
         global_batch_size: samples per training step over all replicas; the training
             DataLoader's batch size is set to ``global_batch_size / w``, so any width trains on
-            the same global batches.
+            the same global batches. Without it, reconfiguring during fit (the AutoPlanner) keeps
+            the starting layout's: the DataLoader's batch size times the starting width.
         bucket_cap_mb: with ``w > 1``, each stage's gradients are averaged over its replicas in
             buckets of at most this many MiB, each all-reduce posted during the backward as soon
             as its gradients are final, as DDP does (default 25, DDP's); 0: one blocking
@@ -187,6 +188,8 @@ class PipelineStrategy(DDPStrategy):
         self._plan: Optional[PipelinePlan] = None
         self._groups: Optional[PipelineGroups] = None
         self._global_batches = False  # every rank loads the global batch and keeps its replica's rows
+        #: Where a global batch the user did not set came from (:meth:`enable_reconfiguration`), or ``None``.
+        self.global_batch_origin: Optional[str] = None
 
     @property
     def is_distributed(self) -> bool:
@@ -254,16 +257,11 @@ class PipelineStrategy(DDPStrategy):
         """Let :meth:`reconfigure` change the width during fit: call before the data is set up
         (a callback's ``setup``). Every rank then loads the whole global batch and trains on its
         replica's rows (``replica_batch``), so a global batch holds the same samples under any
-        width; evaluation runs the whole evaluation set on every replica.
-
-        Raises:
-            ValueError: without ``global_batch_size`` (the global batch must stay fixed).
+        width, and an epoch the same batches; evaluation runs the whole evaluation set on every
+        replica. Without ``global_batch_size``, the global batch is the starting layout's: the
+        training DataLoader's batch size times the width when the data is set up
+        (:attr:`global_batch_origin` says so).
         """
-        if self.global_batch_size is None:
-            raise ValueError(
-                "reconfiguring the layout during fit needs PipelineStrategy(global_batch_size=...), "
-                "so that every width trains on the same global batches"
-            )
         self._global_batches = True
 
     @property
@@ -436,6 +434,9 @@ class PipelineStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or trainer.state.stage != RunningStage.TRAINING or not hasattr(dataloader, "batch_sampler"):
             return dataloader
+        if self.global_batch_size is None and self._global_batches:  # before any width change
+            self.global_batch_size, self.global_batch_origin = starting_global_batch(dataloader, self.topology.width)
+            rank_zero_info(f"PipelineStrategy: {self.global_batch_origin}")
         if self.global_batch_size is not None:
             width = 1 if self._global_batches else self.topology.width
             dataloader = per_replica_loader(dataloader, self.global_batch_size, width)  # type: ignore[arg-type]
