@@ -111,6 +111,15 @@ def test_plan_cli_refuses_a_bad_number_before_profiling(tmp_path, capsys, flag: 
     assert says in capsys.readouterr().err
 
 
+def test_plan_cli_names_a_config_that_is_not_there(tmp_path, capsys) -> None:
+    from lightning_pipe.planning.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--config", str(tmp_path / "nowhere.yaml"), "--devices", "2"])
+    assert exit_.value.code == 2
+    assert f"argument --config: no such file: {tmp_path / 'nowhere.yaml'}" in capsys.readouterr().err
+
+
 def test_plan_cli_without_script_names_what_the_config_lacks(tmp_path) -> None:
     from lightning_pipe.planning.cli import main
 

@@ -200,6 +200,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--top", type=_at_least_one, default=10)
     parser.add_argument("--output", type=Path, default=Path("plan.yaml"))
     args = parser.parse_args(argv)
+    if not args.config.is_file():
+        parser.error(f"argument --config: no such file: {args.config}")
     if args.memory is None and torch.cuda.is_available():
         args.memory = torch.cuda.mem_get_info()[0]
     cfg = yaml.safe_load(args.config.read_text()) or {}
