@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from lightning_pipe.core.sizes import parse_size
-from tests.shared import scenario
+from tests.shared import scenario, scenario_dir
 
 GIB = 2**30
 
@@ -442,3 +442,64 @@ def test_autoplanner_takes_the_global_batch_from_the_starting_layout(launched, s
     for s in range(steps):  # and each replica its own share of them: no sample twice
         replicas = {tuple(rank["rows"][s]) for rank in ranks}
         assert sum(map(len, replicas)) == len(got[s])
+
+
+def _resume_from_cut_checkpoints(rank: int, world: int) -> dict[str, str]:
+    """Save a sharded and a single-file checkpoint, cut a file of each short, and resume from them:
+    every rank must raise the same error (none waits for the others)."""
+    from datetime import timedelta
+
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader
+
+    from lightning_pipe import PipelineStrategy
+    from tests.models import ToyChain
+    from tests.scripts.train_toy import Indexed
+
+    def fit(sharded: bool, steps: int, ckpt_path: Any = None) -> L.Trainer:
+        strategy = PipelineStrategy(
+            pipeline_depth=world, save_distributed_checkpoint=sharded, timeout=timedelta(seconds=60)
+        )
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=world,
+            max_steps=steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            strategy=strategy,
+        )
+        trainer.fit(ToyChain(), DataLoader(Indexed(32, 0), batch_size=8), ckpt_path=ckpt_path)
+        return trainer
+
+    messages = {}
+    for sharded, name in ((True, "sharded.ckpt"), (False, "single.ckpt")):
+        path = scenario_dir() / name
+        fit(sharded, 1).save_checkpoint(path)
+        if rank == 0:
+            _cut(next(path.glob("__1_*.distcp")) if sharded else path, 0.5)
+        torch.distributed.barrier()
+        try:
+            fit(sharded, 2, path)
+            messages[name] = "loaded"
+        except Exception as err:  # noqa: BLE001 - the test reads the message
+            messages[name] = f"{type(err).__name__}: {err}"
+    return messages
+
+
+scenario(2, "resume_from_cut_checkpoints", _resume_from_cut_checkpoints)
+
+
+def test_resuming_from_a_cut_checkpoint_fails_on_every_rank_naming_it(launched) -> None:
+    folder = launched(2).dir("resume_from_cut_checkpoints")
+    for messages in launched(2).ok("resume_from_cut_checkpoints"):
+        sharded, single = messages["sharded.ckpt"], messages["single.ckpt"]
+        assert sharded.startswith(
+            f"IncompleteCheckpointError: checkpoint {folder / 'sharded.ckpt'} is incomplete or corrupt: "
+            f"shard {folder / 'sharded.ckpt' / '__1_0.distcp'} holds"
+        ), sharded
+        assert single.startswith(
+            f"IncompleteCheckpointError: checkpoint {folder / 'single.ckpt'} is incomplete or corrupt"
+        ), single
