@@ -43,7 +43,8 @@ NOT_RUN = {
     "python examples/hf_llama.py fit --config configs/hf_llama.yaml": "trains 200 steps (test_example runs less)",
     "python train.py": "a placeholder for the user's own script",
     "torchrun --nproc_per_node=2 examples/gpt.py fit --config configs/gpt_1f1b.yaml": "trains 300 steps",
-    "python -m lightning_pipe.plan --config configs/gpt_1f1b.yaml --devices 4 --memory 256MiB": "profiles (tens of s)",
+    "python -m lightning_pipe.plan --config configs/gpt_1f1b.yaml --script examples/gpt.py --devices 4 "
+    "--memory 256MiB": "profiles (tens of s)",
     "python -m lightning_pipe.plan --config my_config.yaml --script path/to/your_model.py --devices 8": "placeholders",
     "python -m lightning_pipe.plan --config my_config.yaml --script path/to/your_model.py --devices 8 --memory 40GiB "
     "--allow-stale": "a placeholder for the user's own config and script",

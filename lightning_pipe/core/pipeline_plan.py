@@ -122,7 +122,8 @@ class PipelinePlan:
         flags = self.recompute
         flags = (bool(flags),) * self.stages if isinstance(flags, bool) else tuple(bool(f) for f in flags)
         if len(flags) != self.stages:
-            raise ValueError(f"recompute needs one flag per stage ({self.stages}), got {len(flags)}")
+            count = f"{self.stages}: {self._per_rank}" if self._per_rank else str(self.stages)
+            raise ValueError(f"recompute needs one flag per stage ({count}), got {len(flags)}")
         object.__setattr__(self, "recompute", flags)
 
     def _normalise_partition(self) -> None:
@@ -135,7 +136,10 @@ class PipelinePlan:
             return
         sizes = tuple(int(s) for s in spec)
         if len(sizes) != self.stages or min(sizes) < 1:
-            raise ValueError(f"partition {list(sizes)} must list {self.stages} positive block counts, one per stage")
+            why = f" ({self._per_rank})" if self._per_rank else ""
+            raise ValueError(
+                f"partition {list(sizes)} must list {self.stages} positive block counts, one per stage{why}"
+            )
         object.__setattr__(self, "partition", sizes)
 
     @classmethod
@@ -162,6 +166,11 @@ class PipelinePlan:
     def stages_of(self, pipeline_rank: int) -> list[int]:
         """The stages the ``pipeline_rank``-th rank of a pipeline runs, in chain order."""
         return list(range(pipeline_rank, self.stages, self.depth))
+
+    @property
+    def _per_rank(self) -> str:
+        """How the stage count comes about, as the user set it (empty with one stage per rank)."""
+        return f"pipeline_depth={self.depth} x virtual_stages={self.virtual_stages}" if self.virtual_stages > 1 else ""
 
     @property
     def world_size(self) -> int:
@@ -195,6 +204,13 @@ class PipelinePlan:
         """
         if self.partition == "profile":
             raise ValueError("partition='profile' is resolved from a profile (PipelineStrategy does it at setup)")
+        if len(costs) < self.stages:
+            over = (
+                f"{self.stages} stages ({self._per_rank})" if self._per_rank else f"pipeline_depth={self.depth} stages"
+            )
+            raise ValueError(
+                f"cannot split {len(costs)} pipeline blocks over {over}: need at least one block per stage"
+            )
         sizes = partition_sizes(
             self.partition if isinstance(self.partition, str) else list(self.partition), costs, self.stages
         )

@@ -19,6 +19,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_leaves, tree_map
 
 from lightning_pipe.core.pipeline_plan import PipelinePlan
+from lightning_pipe.core.sizes import parse_size
 from lightning_pipe.lightning.monitor import held_tensors
 from lightning_pipe.planning import predict, search
 from lightning_pipe.planning.links import _link_worker
@@ -39,16 +40,18 @@ class AutoPlanner(Callback):
     ``(w, d)`` with ``w * d`` = the job's processes, every microbatch size with the global batch
     fixed, every schedule (2BW only with ``allow_stale``), interleaving (``virtual_stages``), split
     backward, recompute per stage and the partition (time-balanced, and MadPipe's under a memory
-    budget). Needs
-    ``PipelineStrategy(global_batch_size=...)``: every rank then loads the global batch and trains
-    on its replica's rows, so a width change keeps the samples of every global batch.
+    budget). Every rank loads the global batch and trains on its replica's rows, so a width
+    change keeps the samples of every global batch and the batches of every epoch: the global
+    batch is ``PipelineStrategy(global_batch_size=...)``, or else the starting layout's (the
+    training DataLoader's batch size times the starting width; the decision report says so).
 
     The profiled steps run under the strategy's layout or, when the user gave none, under a safe
     start: recompute on every stage and one sample per microbatch.
 
     Args:
-        memory: bytes each device may hold (stage peak); ``None``: a CUDA device's total memory,
-            unlimited on CPU.
+        memory: bytes each device may hold (stage peak), as a number or a string with a unit
+            (``"40GiB"``, ``"512MB"``; :mod:`lightning_pipe.core.sizes`); ``None``: a CUDA
+            device's total memory, unlimited on CPU.
         profile_steps: training steps to measure before deciding (the first is a warm-up);
             they train as usual.
         allow_stale: let the planner choose PipeDream-2BW (its update is 1-stale).
@@ -62,12 +65,13 @@ class AutoPlanner(Callback):
 
     Attributes:
         decisions: one record per decision (step, table of candidates, chosen plan, reason,
-            the profile it was planned on, switch seconds, predicted and measured step time after it).
+            the profile it was planned on, switch seconds, predicted and measured step time after
+            it, and where the global batch came from when the user did not set it).
     """
 
     def __init__(
         self,
-        memory: Optional[float] = None,
+        memory: Union[int, float, str, None] = None,
         profile_steps: int = 5,
         allow_stale: bool = False,
         min_gain: float = 0.05,
@@ -84,7 +88,8 @@ class AutoPlanner(Callback):
         if not virtual_stages or min(virtual_stages) < 1:
             raise ValueError(f"virtual_stages must list stage counts >= 1, got {virtual_stages}")
         self.headroom, self.virtual_stages = headroom, tuple(virtual_stages)
-        self.memory, self.profile_steps, self.allow_stale = memory, profile_steps, allow_stale
+        self.memory = None if memory is None else parse_size(memory, "AutoPlanner(memory=...)")
+        self.profile_steps, self.allow_stale = profile_steps, allow_stale
         self.min_gain, self.recheck_every_n_steps = min_gain, recheck_every_n_steps
         self.decisions: list[dict[str, Any]] = []
         self._start_step, self._steps_seen = 0, 0
@@ -100,6 +105,7 @@ class AutoPlanner(Callback):
         self._step_start = 0.0
         self._prechecked = False
         self._resumed_plan: Optional[PipelinePlan] = None
+        self._safe_start_pending = False  # the safe start's microbatches, once the data gives the global batch
         self._trainer: Optional[Trainer] = None
 
     # -- Lightning hooks -------------------------------------------------------------------
@@ -117,6 +123,11 @@ class AutoPlanner(Callback):
         """After a resume, move to the plan the checkpoint was saved under (its weights already loaded by name)."""
         if self._resumed_plan is None and trainer.global_step == 0:
             _check_steps(self.profile_steps, trainer.estimated_stepping_batches, "the fit has")
+        if self._safe_start_pending and self._resumed_plan is None:
+            safe = _safe_start(trainer.strategy.plan, trainer.strategy.global_batch_size)
+            if safe != trainer.strategy.plan:
+                trainer.strategy.reconfigure(safe)  # before the first step: nothing trained yet moves
+        self._safe_start_pending = False
         if self._resumed_plan is not None:
             if self._resumed_plan != trainer.strategy.plan:
                 trainer.strategy.reconfigure(self._resumed_plan)
@@ -137,7 +148,15 @@ class AutoPlanner(Callback):
             _check_steps(self.profile_steps, trainer.max_steps)
             trainer.strategy.enable_reconfiguration()
             if not trainer.strategy.layout_given:
-                trainer.strategy.start_with(_safe_start(trainer.strategy.plan, trainer.strategy.global_batch_size))
+                self._start_safely(trainer.strategy)
+
+    def _start_safely(self, strategy: Any) -> None:
+        """Place the safe start; its microbatch count waits for the global batch if the data sets it."""
+        if strategy.global_batch_size is None:  # known once the data is set up: see on_train_start
+            strategy.start_with(strategy.plan.replace(recompute=True))
+            self._safe_start_pending = True
+        else:
+            strategy.start_with(_safe_start(strategy.plan, strategy.global_batch_size))
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         """Capture this stage's inputs in the last profiled step; start the step clock."""
@@ -385,6 +404,7 @@ class AutoPlanner(Callback):
             "table": _table(current, ranked),
             "switch_seconds": 0.0,
             "measured_step_s": None,
+            "global_batch_origin": getattr(trainer.strategy, "global_batch_origin", None),
         }
         if best is not current:
             start = time.perf_counter()
@@ -412,8 +432,9 @@ class AutoPlanner(Callback):
             self._after = None
 
     def _report(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        origin = f"{record['global_batch_origin']}\n" if record["global_batch_origin"] else ""
         text = (
-            f"AutoPlanner at step {record['step']}: {record['reason']}\n"
+            f"AutoPlanner at step {record['step']}: {record['reason']}\n{origin}"
             f"chosen: {record['chosen'].plan.describe()}, "
             f"switch took {record['switch_seconds']:.3f} s\n{record['table']}"
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.load import _METADATA_FILENAME as META
+from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_pipe.runtime.placement import Placement, check_shapes
 
@@ -67,7 +69,25 @@ def _receive(spec: Any, src: int, group: Any, device: torch.device) -> Any:
 
 
 class IncompleteCheckpointError(RuntimeError):
-    """A checkpoint directory whose save never finished."""
+    """A checkpoint whose save never finished, or whose files were cut short or damaged since."""
+
+
+#: What a checkpoint file fails to load with when it was cut short or damaged.
+_UNREADABLE = (EOFError, RuntimeError, OSError, ValueError, pickle.UnpicklingError, CheckpointException)
+_RESUME = "resume from another checkpoint (an earlier one, or a complete copy of this one)"
+
+
+def _corrupt(path: Path, what: str) -> IncompleteCheckpointError:
+    """The error for checkpoint ``path`` that ``what`` (a file, a reason) shows to be incomplete or corrupt."""
+    return IncompleteCheckpointError(f"checkpoint {path} is incomplete or corrupt: {what}; {_RESUME}")
+
+
+def _reason(err: BaseException) -> str:
+    """``err`` in one line; a DCP failure by the rank that hit it and its own error."""
+    if isinstance(err, CheckpointException):
+        rank, (first, _) = next(iter(err.failures.items()))
+        return f"reading it failed on rank {rank} with {_reason(first)}"
+    return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
 
 
 def _staging(path: Path, kind: str) -> Path:
@@ -136,6 +156,32 @@ def check_complete(path: Path) -> None:
             f"{path} is an incomplete checkpoint: it has no {' or '.join(missing)}, so its save never finished; "
             "resume from an earlier checkpoint"
         )
+    _check_shard_sizes(path)
+
+
+def _check_shard_sizes(path: Path) -> None:
+    """Refuse a checkpoint directory whose shard files are missing or shorter than its DCP metadata says.
+
+    Raises:
+        IncompleteCheckpointError: naming the checkpoint and the first short or missing shard.
+    """
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except _UNREADABLE as err:
+        raise _corrupt(path, f"its DCP metadata ({DCP_METADATA}) cannot be read ({_reason(err)})") from err
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        shard = path / name
+        if not shard.is_file():
+            raise _corrupt(path, f"shard {name} is missing")
+        if shard.stat().st_size < size:
+            raise _corrupt(
+                path,
+                f"shard {shard} holds {shard.stat().st_size} bytes where its metadata needs {size} "
+                "(cut short: a full disk, or a copy that did not finish)",
+            )
 
 
 def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
@@ -185,11 +231,17 @@ def load_sharded(path: Path, placement: Placement, optimizers: list[Any], strict
         check_names(placement, saved_shapes(path), f"checkpoint {path}")
     state: dict[str, Any] = {MODEL: placement.export_state()[MODEL]}
     state.update({f"optimizer_{i}": placement.optimizer_template(opt) for i, opt in enumerate(optimizers)})
-    dcp.load(state, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
+    try:
+        dcp.load(state, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
+    except _UNREADABLE as err:  # every rank raises: DCP gathers the ranks' failures
+        raise _corrupt(path, _reason(err)) from err
     placement.import_state({MODEL: state[MODEL]})
     for i, opt in enumerate(optimizers):
         placement.import_state({MODEL: state[MODEL], "optimizer": state[f"optimizer_{i}"]}, opt)
-    return torch.load(path / META, map_location="cpu", weights_only=False)
+    try:
+        return torch.load(path / META, map_location="cpu", weights_only=False)
+    except _UNREADABLE as err:
+        raise _corrupt(path, f"{path / META} cannot be read ({_reason(err)})") from err
 
 
 def load_file(path: Path, placement: Placement, optimizers: list[Any], strict: bool = True) -> dict[str, Any]:
@@ -198,7 +250,12 @@ def load_file(path: Path, placement: Placement, optimizers: list[Any], strict: b
     Returns:
         The rest of the checkpoint (loops, callbacks, schedulers).
     """
-    checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    try:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except FileNotFoundError:
+        raise
+    except _UNREADABLE as err:
+        raise _corrupt(path, f"torch.load cannot read the file ({_reason(err)}), as when it was cut short") from err
     model = checkpoint.pop("state_dict")
     if strict:
         check_names(placement, {k: tuple(v.shape) for k, v in model.items()}, f"checkpoint {path}")

@@ -112,3 +112,20 @@ def per_replica_loader(loader: DataLoader, global_batch_size: int, width: int) -
     if loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler:
         raise ValueError("global_batch_size needs a DataLoader built with batch_size (not its own batch_sampler)")
     return _rebuild(loader, loader.sampler, per_replica)
+
+
+def starting_global_batch(loader: DataLoader, width: int) -> tuple[int, str]:
+    """The global batch of a fit that did not set one: the training DataLoader's batch size (each
+    replica's) times the starting ``width``, and a line saying so.
+
+    Raises:
+        ValueError: if the loader has no ``batch_size`` (its own batch sampler).
+    """
+    if loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler:
+        raise ValueError(
+            "changing the layout during fit keeps the global batch fixed, and without "
+            "PipelineStrategy(global_batch_size=...) it is taken from the training DataLoader's batch_size, "
+            "which this one (with its own batch_sampler) does not have: pass global_batch_size"
+        )
+    size = loader.batch_size * width
+    return size, f"global batch {size} taken from the starting layout: batch size {loader.batch_size} x width {width}"

@@ -27,7 +27,7 @@ from typing_extensions import override
 from lightning_pipe.core.pipeline_plan import PartitionArg, PipelinePlan, RecomputeArg
 from lightning_pipe.core.topology import Topology
 from lightning_pipe.lightning import checkpoint as _checkpoint
-from lightning_pipe.lightning.data import ResumableLoader, per_replica_loader
+from lightning_pipe.lightning.data import ResumableLoader, per_replica_loader, starting_global_batch
 from lightning_pipe.lightning.profiled_partition import profiled_partition
 from lightning_pipe.lightning.reconfigure import reconfigure
 from lightning_pipe.runtime.autograd.deferred_norm import convert_deferred_batch_norm
@@ -112,7 +112,8 @@ class PipelineStrategy(DDPStrategy):
             gathered on rank 0 only.
         global_batch_size: samples per training step over all replicas; the training
             DataLoader's batch size is set to ``global_batch_size / w``, so any width trains on
-            the same global batches.
+            the same global batches. Without it, reconfiguring during fit (the AutoPlanner) keeps
+            the starting layout's: the DataLoader's batch size times the starting width.
         bucket_cap_mb: with ``w > 1``, each stage's gradients are averaged over its replicas in
             buckets of at most this many MiB, each all-reduce posted during the backward as soon
             as its gradients are final, as DDP does (default 25, DDP's); 0: one blocking
@@ -201,6 +202,8 @@ class PipelineStrategy(DDPStrategy):
         self._plan: Optional[PipelinePlan] = None
         self._groups: Optional[PipelineGroups] = None
         self._global_batches = False  # every rank loads the global batch and keeps its replica's rows
+        #: Where a global batch the user did not set came from (:meth:`enable_reconfiguration`), or ``None``.
+        self.global_batch_origin: Optional[str] = None
 
     @property
     def is_distributed(self) -> bool:
@@ -268,16 +271,11 @@ class PipelineStrategy(DDPStrategy):
         """Let :meth:`reconfigure` change the width during fit: call before the data is set up
         (a callback's ``setup``). Every rank then loads the whole global batch and trains on its
         replica's rows (``replica_batch``), so a global batch holds the same samples under any
-        width; evaluation runs the whole evaluation set on every replica.
-
-        Raises:
-            ValueError: without ``global_batch_size`` (the global batch must stay fixed).
+        width, and an epoch the same batches; evaluation runs the whole evaluation set on every
+        replica. Without ``global_batch_size``, the global batch is the starting layout's: the
+        training DataLoader's batch size times the width when the data is set up
+        (:attr:`global_batch_origin` says so).
         """
-        if self.global_batch_size is None:
-            raise ValueError(
-                "reconfiguring the layout during fit needs PipelineStrategy(global_batch_size=...), "
-                "so that every width trains on the same global batches"
-            )
         self._global_batches = True
 
     @property
@@ -373,6 +371,14 @@ class PipelineStrategy(DDPStrategy):
             self._groups = groups
 
     @override
+    def connect(self, model: LightningModule) -> None:
+        """Attach the module, first refusing the Trainer options the pipeline does its own way."""
+        trainer = getattr(model, "_trainer", None)
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            _refuse_trainer_options(trainer)
+        super().connect(model)
+
+    @override
     def setup(self, trainer: Trainer) -> None:
         """Place this rank's stage of the plan, then set up optimizers and precision."""
         module = self._module_checked(self.lightning_module)
@@ -443,6 +449,9 @@ class PipelineStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or trainer.state.stage != RunningStage.TRAINING or not hasattr(dataloader, "batch_sampler"):
             return dataloader
+        if self.global_batch_size is None and self._global_batches:  # before any width change
+            self.global_batch_size, self.global_batch_origin = starting_global_batch(dataloader, self.topology.width)
+            rank_zero_info(f"PipelineStrategy: {self.global_batch_origin}")
         if self.global_batch_size is not None:
             width = 1 if self._global_batches else self.topology.width
             dataloader = per_replica_loader(dataloader, self.global_batch_size, width)  # type: ignore[arg-type]
@@ -557,6 +566,28 @@ class PipelineStrategy(DDPStrategy):
         """Nothing to do: :meth:`load_checkpoint` already loaded this stage's optimizer state by name."""
 
 
+def _refuse_trainer_options(trainer: Trainer) -> None:
+    """Refuse ``Trainer(accumulate_grad_batches=...)`` and ``Trainer(gradient_clip_val=...)``
+    before Lightning's own check, whose advice (automatic optimization) the pipeline cannot take.
+
+    Raises:
+        ValueError: naming the option and what does the same under a pipeline.
+    """
+    if trainer.accumulate_grad_batches != 1:
+        raise ValueError(
+            f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) does not apply to PipelineStrategy: "
+            "the pipeline already accumulates gradients over the microbatches of each batch. For the same memory "
+            "with a larger batch, raise the batch size (or PipelineStrategy(global_batch_size=...)) together with "
+            "PipelineStrategy(microbatches=...), and remove accumulate_grad_batches"
+        )
+    if trainer.gradient_clip_val:
+        raise ValueError(
+            f"Trainer(gradient_clip_val={trainer.gradient_clip_val}) does not apply to PipelineStrategy (Lightning "
+            f"clips only under automatic optimization): pass PipelineStrategy(gradient_clip_val="
+            f"{trainer.gradient_clip_val}) instead, which clips to the global norm over all stages"
+        )
+
+
 def _same_layout(placed: PipelinePlan, wanted: PipelinePlan) -> bool:
     """Whether ``placed`` is ``wanted`` (whose partition may still be "balanced" or "uniform")."""
     if wanted.is_resolved or wanted.stages != placed.stages:
@@ -574,10 +605,15 @@ def _check_layout(layout: dict[str, Any], plan: Optional[PipelinePlan]) -> dict[
     depth = layout["pipeline_depth"]
     if depth is not None and depth < 1:
         raise ValueError(f"pipeline_depth must be >= 1, got {depth}")
-    virtual = layout["virtual_stages"]
-    lists = [
-        len(v) // max(virtual, 1) for v in (layout["recompute"], layout["partition"]) if not isinstance(v, (bool, str))
-    ]
+    virtual = max(layout["virtual_stages"], 1)
+    given = {k: len(v) for k in ("recompute", "partition") if not isinstance(v := layout[k], (bool, str))}
+    for name, entries in given.items():
+        if entries % virtual:
+            raise ValueError(
+                f"{name} lists {entries} stages, not a multiple of virtual_stages={virtual}: "
+                f"it needs pipeline_depth x virtual_stages entries, one per stage"
+            )
+    lists = [entries // virtual for entries in given.values()]
     hint = depth or next(iter(lists), None)
     fields = {k: v for k, v in layout.items() if k != "pipeline_depth"}
     if hint is None:  # depth comes from the world size: what needs it is checked once that is known

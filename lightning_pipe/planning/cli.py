@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 import importlib.util
 import inspect
-import re
 import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -17,27 +16,38 @@ import yaml
 from tqdm import tqdm
 
 from lightning_pipe.core.pipeline_plan import PipelinePlan
+from lightning_pipe.core.sizes import parse_size
 from lightning_pipe.planning import predict, search
 from lightning_pipe.planning.links import profile_links
 from lightning_pipe.planning.profile import Profile
 from lightning_pipe.planning.profiler import profile_blocks
 from lightning_pipe.runtime.microbatch import batch_size
 
-_UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
-
 
 def parse_bytes(text: str) -> int:
-    """``"256MiB"`` -> 268435456; plain numbers are bytes."""
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([KMG]i?B|B)?\s*", text, flags=re.IGNORECASE)
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512MiB, 2GiB or bytes)")
-    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
+    """``--memory`` in bytes: ``"256MiB"``, ``"2GB"`` or a number (:func:`~lightning_pipe.core.sizes.parse_size`)."""
+    try:
+        return parse_size(text, "--memory")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _at_least_one(text: str) -> int:
+    """A count flag (devices, ranks, batch, stages, rows): an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
 
 
 def _classes(script: Path) -> tuple[type, type]:
     """The PipelineMixin LightningModule and the LightningDataModule that ``script`` defines."""
     spec = importlib.util.spec_from_file_location(script.stem, script)
-    assert spec is not None and spec.loader is not None
+    if spec is None or spec.loader is None or not script.is_file():
+        raise SystemExit(f"--script {script}: no such Python file")
     module = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(script.parent))
     sys.modules[script.stem] = module
@@ -50,11 +60,44 @@ def _classes(script: Path) -> tuple[type, type]:
     return models[0], data[0]
 
 
-def _build(script: Path, config: Path) -> tuple[Any, Any]:
-    """The model and data module a LightningCLI config describes (built from its ``model``/``data`` sections)."""
-    model_cls, data_cls = _classes(script)
-    cfg = yaml.safe_load(config.read_text())
-    return model_cls(**(cfg.get("model") or {})), data_cls(**(cfg.get("data") or {}))
+def _imported(config: Path, section: str, class_path: str) -> type:
+    """The class ``class_path`` names (``package.module.Class``), imported as LightningCLI does."""
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise SystemExit(
+            f"{config}: {section}.class_path {class_path!r} cannot be imported ({type(err).__name__}: {err}); "
+            "make its package importable (pip install -e . or PYTHONPATH) or pass --script path/to/your_model.py"
+        ) from None
+
+
+def _section(cfg: dict[str, Any], section: str) -> tuple[Optional[str], dict[str, Any]]:
+    """A config section's ``class_path`` (``None`` if it names none) and its init arguments."""
+    body = cfg.get(section) or {}
+    if "class_path" in body:
+        return body["class_path"], dict(body.get("init_args") or {})
+    return None, dict(body)
+
+
+def _build(config: Path, script: Optional[Path]) -> tuple[Any, Any]:
+    """The model and data module a LightningCLI config describes.
+
+    Each class comes from its section's ``class_path`` when the config names one (LightningCLI's
+    subclass mode), otherwise from ``script`` (the file calling ``LightningCLI(Model, Data)``).
+    """
+    cfg = yaml.safe_load(config.read_text()) or {}
+    (model_path, model_args), (data_path, data_args) = _section(cfg, "model"), _section(cfg, "data")
+    if model_path is None or data_path is None:
+        if script is None:
+            missing = "model" if model_path is None else "data"
+            raise SystemExit(f"the config names no {missing} class_path, pass --script path/to/your_model.py")
+        model_cls, data_cls = _classes(script)
+    if model_path is not None:
+        model_cls = _imported(config, "model", model_path)
+    if data_path is not None:
+        data_cls = _imported(config, "data", data_path)
+    return model_cls(**model_args), data_cls(**data_args)
 
 
 def _global_batch(cfg: dict[str, Any], data: Any) -> int:
@@ -131,34 +174,38 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "--script",
         type=Path,
         default=None,
-        help="the script defining the model and data module (default: examples/<config name before its first '_'>.py)",
+        help="the script defining the model and data module, for a config whose model or data section names "
+        "no class_path",
     )
-    parser.add_argument("--devices", type=int, required=True)
-    parser.add_argument("--ranks-per-node", type=int, default=None, help="processes per node (default: all on one)")
+    parser.add_argument("--devices", type=_at_least_one, required=True, help="processes to plan for")
+    parser.add_argument(
+        "--ranks-per-node", type=_at_least_one, default=None, help="processes per node (default: all on one)"
+    )
     parser.add_argument(
         "--memory",
         type=parse_bytes,
         default=None,
         help="budget of tensor bytes per device, e.g. 256MiB (default on GPU: the device's free memory)",
     )
-    parser.add_argument("--global-batch", type=int, default=None, help="default: the config's")
+    parser.add_argument("--global-batch", type=_at_least_one, default=None, help="default: the config's")
     parser.add_argument("--allow-stale", action="store_true", help="also plan PipeDream-2BW (1-stale updates)")
     parser.add_argument(
         "--virtual-stages",
-        type=int,
+        type=_at_least_one,
         nargs="+",
         default=[1, 2],
         help="stages per rank to plan (above 1: interleaved 1F1B; default: 1 2)",
     )
     parser.add_argument("--no-links", action="store_true", help="skip measuring transfers (they are then free)")
-    parser.add_argument("--top", type=int, default=10)
+    parser.add_argument("--top", type=_at_least_one, default=10)
     parser.add_argument("--output", type=Path, default=Path("plan.yaml"))
     args = parser.parse_args(argv)
+    if not args.config.is_file():
+        parser.error(f"argument --config: no such file: {args.config}")
     if args.memory is None and torch.cuda.is_available():
         args.memory = torch.cuda.mem_get_info()[0]
-    script = args.script or Path("examples") / f"{args.config.stem.split('_')[0]}.py"
-    cfg = yaml.safe_load(args.config.read_text())
-    model, data = _build(script, args.config)
+    cfg = yaml.safe_load(args.config.read_text()) or {}
+    model, data = _build(args.config, args.script)
     global_batch = args.global_batch or _global_batch(cfg, data)
     sizes = sorted({1, max(global_batch // args.devices, 1)})
     print(f"profiling {type(model).__name__} at microbatch sizes {sizes} ...", flush=True)

@@ -317,7 +317,11 @@ class Executor:
     def _loss(self, outputs: Tensors, mb: Any) -> Tensor:
         loss = self.hooks.loss(_unwrap(outputs), mb)
         if not isinstance(loss, Tensor) or loss.numel() != 1:
-            raise TypeError(f"pipeline_loss must return a scalar Tensor, got {type(loss).__name__}")
+            got = f"a Tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss).__name__
+            raise TypeError(
+                f"pipeline_loss must return a mean-reduced scalar Tensor (e.g. F.cross_entropy(..., "
+                f"reduction='mean')), got {got}"
+            )
         return loss.reshape(())
 
     def _roots(self, a: Action, st: StepState) -> tuple[list[Tensor], list[Optional[Tensor]]]:
