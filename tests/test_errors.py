@@ -126,9 +126,7 @@ def test_autoplanner_without_pipeline_strategy_is_refused() -> None:
     )
     x, y = make_data(16)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
-    with pytest.raises(
-        TypeError, match=r"AutoPlanner needs Trainer\(strategy=PipelineStrategy\(global_batch_size=...\)\)"
-    ):
+    with pytest.raises(TypeError, match=r"AutoPlanner needs Trainer\(strategy=PipelineStrategy\(...\)\), got \w+"):
         trainer.fit(ToyChain(), loader)
 
 

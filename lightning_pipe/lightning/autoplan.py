@@ -144,7 +144,9 @@ class AutoPlanner(Callback):
         self._trainer = trainer
         if stage == "fit":
             if not callable(getattr(trainer.strategy, "reconfigure", None)):
-                raise TypeError("AutoPlanner needs Trainer(strategy=PipelineStrategy(global_batch_size=...))")
+                raise TypeError(
+                    f"AutoPlanner needs Trainer(strategy=PipelineStrategy(...)), got {type(trainer.strategy).__name__}"
+                )
             _check_steps(self.profile_steps, trainer.max_steps)
             trainer.strategy.enable_reconfiguration()
             if not trainer.strategy.layout_given:
