@@ -136,15 +136,34 @@ def test_plan_cli_without_script_names_what_the_config_lacks(tmp_path) -> None:
 
 
 def test_plan_cli_imports_the_model_and_data_class_paths_of_the_config(tmp_path, capsys) -> None:
-    from lightning_pipe.planning.cli import main
+    from lightning_pipe.planning.cli import job_conditions, main
 
     model = {"class_path": "examples.gpt.GPT", "init_args": TINY_GPT}
     data = {"class_path": "examples.gpt.StdlibText", "init_args": TINY_TEXT}
     config, out = _gpt_config(tmp_path, model, data), tmp_path / "plan.yaml"
     args = ["--config", str(config), "--devices", "2", "--memory", "1GiB", "--no-links", "--virtual-stages", "1"]
     assert main(args + ["--output", str(out), "--top", "2"]) == 0
-    assert "profiling GPT at microbatch sizes" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "profiling GPT at microbatch sizes" in printed
     assert yaml.safe_load(out.read_text())["trainer"]["devices"] == 2
+    # Profiled as the job's ranks run: 2 processes at once, each with the threads Lightning gives a rank.
+    processes, threads = job_conditions(2, None, "cpu")
+    said = f"measured in {processes} process(es) at once, {threads} torch thread(s) each"
+    assert processes == 2 and said in printed and said in out.read_text().splitlines()[0]
+
+
+def test_the_plan_cli_profiles_with_the_threads_and_processes_of_the_job(monkeypatch) -> None:
+    from lightning.fabric.utilities.distributed import _num_cpus_available
+
+    from lightning_pipe.planning.cli import job_conditions
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = _num_cpus_available()
+    assert job_conditions(4, None, "cpu") == (4, max(1, cores // 4))
+    assert job_conditions(8, 2, "cpu") == (2, max(1, cores // 2))  # two ranks of the job on this host
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert job_conditions(4, None, "cpu") == (4, 3)
+    assert job_conditions(4, None, "cuda")[0] == 1  # a device each: profiled alone
 
 
 # -- layouts and losses --------------------------------------------------------------------------------

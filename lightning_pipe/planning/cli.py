@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import inspect
+import os
 import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -13,6 +15,7 @@ from typing import Any, Optional, Sequence
 import lightning as L
 import torch
 import yaml
+from lightning.fabric.utilities.distributed import _suggested_max_num_threads
 from tqdm import tqdm
 
 from lightning_pipe.core.pipeline_plan import PipelinePlan
@@ -20,7 +23,7 @@ from lightning_pipe.core.sizes import parse_size
 from lightning_pipe.planning import predict, search
 from lightning_pipe.planning.links import profile_links
 from lightning_pipe.planning.profile import Profile
-from lightning_pipe.planning.profiler import profile_blocks
+from lightning_pipe.planning.profiler import profile_concurrently
 from lightning_pipe.runtime.microbatch import batch_size
 
 
@@ -109,13 +112,55 @@ def _global_batch(cfg: dict[str, Any], data: Any) -> int:
     return int(init.get("global_batch_size") or getattr(data, "batch_size") * (devices // depth))
 
 
-def profile_config(model: Any, data: Any, sizes: Sequence[int]) -> Profile:
-    """Take one training batch of ``data`` and profile every block of ``model`` at ``sizes``."""
+def job_conditions(devices: int, ranks_per_node: Optional[int], device_type: str) -> tuple[int, int]:
+    """``(processes, threads)``: the ranks that will share one host's cores and the torch threads each will use.
+
+    On CPU the ranks of a node share its cores, and Lightning gives each rank
+    ``max(1, cores // ranks)`` threads unless ``OMP_NUM_THREADS`` says otherwise; block times
+    measured in one process with the host's default threads would not hold for them. On an
+    accelerator each rank computes on a device of its own: one process, its current threads.
+    """
+    if device_type != "cpu":
+        return 1, torch.get_num_threads()
+    local = min(devices, ranks_per_node or devices)
+    threads = os.environ.get("OMP_NUM_THREADS")
+    return local, int(threads) if threads else _suggested_max_num_threads(local)
+
+
+def _model(config: Path, script: Optional[Path]) -> Any:
+    """The config's model, built afresh (in each profiling process)."""
+    return _build(config, script)[0]
+
+
+def profile_config(
+    config: Path, script: Optional[Path], data: Any, sizes: Sequence[int], processes: int, threads: int
+) -> Profile:
+    """Profile every block of the config's model at ``sizes`` on one training batch of ``data``, as the job will run.
+
+    ``processes`` profile at once, ``threads`` torch threads each (:func:`job_conditions`), so that
+    block times include the contention of ranks sharing the host's cores. The conditions are
+    recorded in ``profile.meta["conditions"]``.
+    """
     data.setup("fit")
     batch = next(iter(data.train_dataloader()))
     if batch_size(batch) < max(sizes):
         raise SystemExit(f"the data module's batches hold {batch_size(batch)} samples; profiling needs {max(sizes)}")
-    return profile_blocks(model, batch, sizes)
+    factory = functools.partial(_model, config, script)
+    profile = profile_concurrently(factory, batch, sizes, processes, threads)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    profile.meta["conditions"] = {"processes": processes, "threads": threads, "host_cores": cores}
+    return profile
+
+
+def conditions_note(profile: Profile) -> str:
+    """One line: the conditions the block times hold for."""
+    c = profile.meta.get("conditions")
+    if not c:
+        return "block times measured under unrecorded conditions"
+    return (
+        f"block times measured in {c['processes']} process(es) at once, {c['threads']} torch thread(s) each, on a "
+        f"host of {c['host_cores']} cores: they hold for a job whose ranks run so (set OMP_NUM_THREADS to match)"
+    )
 
 
 def table(ranked: Sequence[predict.Prediction], top: int) -> str:
@@ -208,8 +253,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     model, data = _build(args.config, args.script)
     global_batch = args.global_batch or _global_batch(cfg, data)
     sizes = sorted({1, max(global_batch // args.devices, 1)})
-    print(f"profiling {type(model).__name__} at microbatch sizes {sizes} ...", flush=True)
-    profile = profile_config(model, data, sizes)
+    processes, threads = job_conditions(
+        args.devices, args.ranks_per_node, "cuda" if torch.cuda.is_available() else "cpu"
+    )
+    print(
+        f"profiling {type(model).__name__} at microbatch sizes {sizes} in {processes} process(es) of "
+        f"{threads} thread(s), as the job's ranks will run ...",
+        flush=True,
+    )
+    profile = profile_config(args.config, args.script, data, sizes, processes, threads)
+    print(conditions_note(profile), flush=True)
     if not args.no_links:
         print("measuring transfers and all-reduce between 2 local processes ...", flush=True)
         profile = dataclasses.replace(profile, **profile_links())
@@ -232,7 +285,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.ranks_per_node:
         oriented = predict.orient(profile, best.plan, best.microbatch_size, args.ranks_per_node)
         best = dataclasses.replace(best, plan=oriented)
-    args.output.write_text(snippet(best, global_batch))
+    args.output.write_text(f"# {conditions_note(profile)}\n" + snippet(best, global_batch))
     print(f"\nbest plan written to {args.output}:\n{args.output.read_text()}")
     return 0
 
