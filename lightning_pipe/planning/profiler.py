@@ -613,7 +613,7 @@ def _action_overhead(
         executor.run(actions, state)
 
     executed, plain = [], []
-    for repeat in range(repeats + 1):  # the first pair warms up
+    for repeat in range(max(repeats, 5) + 1):  # the first pair warms up; the fastest of five or more
         seconds, _ = _timed(through_executor, device)
         executed += [seconds] if repeat else []
         seconds, _ = _timed(lambda: _plain_run(module, blocks, microbatches, shares), device)
