@@ -405,6 +405,12 @@ def _wait(work: dist.Work, deadline: Optional[float]) -> None:
         work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.01)))
 
 
+def timed_out(err: BaseException) -> bool:
+    """Whether ``err`` is gloo's timeout of a wait. A wait that times out closes its group's
+    links, and may itself raise as one closed so ("Application timeout caused pair closure")."""
+    return any(text in str(err) for text in ("Timed out waiting", "Application timeout caused pair closure"))
+
+
 def send_abort(
     message: str, dst: int, device: torch.device, posted: Optional[Specs] = None, channel: Channel = DIRECT
 ) -> list[dist.Work]:
