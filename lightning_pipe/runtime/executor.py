@@ -458,8 +458,7 @@ class Executor:
 
     # -- failure ---------------------------------------------------------------------------
     def _abort(self, err: BaseException) -> None:
-        source = getattr(err, "source_rank", None)
-        peers = {peer for _, p in self._chunks.values() for peer in (p.prev_rank, p.next_rank)} - {None, source}
+        peers = {peer for _, p in self._chunks.values() for peer in (p.prev_rank, p.next_rank)} - {None}
         notify_neighbours(
             failure_message(err, sorted(self._chunks)),
             peers,
@@ -469,6 +468,7 @@ class Executor:
             self.channel,
             self.mailbox.take_incoming,
             self.abort_timeout,
+            getattr(err, "source_rank", None),
         )
 
     def _next_send_kind(self, peer: int) -> Kind:

@@ -1,11 +1,18 @@
-"""Start a pipeline run that is set up wrongly (or fails mid-step) and let it raise.
+"""Start a pipeline run that is set up wrongly (or fails mid-step, or hangs) and let it raise.
 
-``python misuse.py CASE [DEVICES]``; tests/test_errors.py checks the error and that no rank hangs.
+``python misuse.py CASE [DEVICES]``; tests/test_errors.py checks the error and that no rank hangs,
+tests/test_exit_codes.py how each rank exits. With ``MISUSE_REPORT_EXIT=1`` every rank that
+Lightning's launcher starts runs under a parent that prints ``rank R exit code C`` once it ends:
+the launcher itself ends with rank 0's code and reports no other.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+import tempfile
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -58,20 +65,88 @@ class FailsMidStep(ToyChain):
         self.blocks.insert(2, Boom())
 
 
-CASES: dict[str, Any] = {"auto_opt": AutoOpt, "no_blocks": NoBlocks, "indivisible": ToyChain, "mid_step": FailsMidStep}
+class Returns(nn.Module):
+    """A block that returns ``value`` (not a Tensor or a tuple of Tensors) in place of its input."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__()
+        self.value = value
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> Any:
+        return self.value
+
+
+class StuckUntilRankZeroEnds(nn.Module):
+    """User code that hangs: sleeps until rank 0 (the launcher: ``MISUSE_LAUNCHER_PID``, else
+    this process's parent) has ended, at most five minutes, then passes its input on."""
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pid = int(os.environ.get("MISUSE_LAUNCHER_PID", os.getppid()))
+        deadline = time.monotonic() + 300
+        while _running(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return h, mask
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs (exists and is not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _with_block(block: nn.Module, at: int) -> ToyChain:
+    """A ToyChain with ``block`` inserted before residual block ``at`` (1: on stage 0 of 2; 4: on stage 1 of 2)."""
+    model = ToyChain()
+    model.blocks.insert(at, block)
+    return model
+
+
+CASES: dict[str, Any] = {
+    "auto_opt": AutoOpt,
+    "no_blocks": NoBlocks,
+    "indivisible": ToyChain,
+    "mid_step": FailsMidStep,
+    "clean": ToyChain,
+    "none_first": lambda: _with_block(Returns(None), 1),
+    "dict_last": lambda: _with_block(Returns({"h": 1}), 4),
+    "hang": lambda: _with_block(StuckUntilRankZeroEnds(), 4),
+}
+TIMEOUT = {"hang": 5}  # seconds of every collective and transfer; the rest: 30
+TOGETHER = {"clean", "none_first", "dict_last", "hang"}  # cases whose ranks connect together (ConnectsTogether)
+
+
+class ConnectsTogether(PipelineStrategy):
+    """Rank 0 connects the processes only once every other rank is about to (a file each, in
+    ``MISUSE_READY``): a short timeout then bounds the pipeline's waits, not how long a loaded
+    machine takes to start a process."""
+
+    def setup_environment(self) -> None:
+        folder = Path(os.environ["MISUSE_READY"])
+        if self.global_rank == 0:
+            deadline = time.monotonic() + 300
+            while len(list(folder.iterdir())) < self.world_size - 1 and time.monotonic() < deadline:
+                time.sleep(0.1)
+        else:
+            (folder / str(self.global_rank)).touch()
+        super().setup_environment()
 
 
 def fit_case(case: str, devices: int = 1) -> None:
     """Fit the model of ``case`` on ``devices`` processes (more than one start through Lightning's launcher)."""
     x, y = make_data(64)
+    if case in TOGETHER:
+        os.environ.setdefault("MISUSE_READY", tempfile.mkdtemp())  # before the launcher copies the environment
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
-        strategy=PipelineStrategy(
+        strategy=(ConnectsTogether if case in TOGETHER else PipelineStrategy)(
             pipeline_depth=2 if case == "indivisible" else None,
             microbatches=4,
             partition="uniform",
-            timeout=timedelta(seconds=30),
+            timeout=timedelta(seconds=TIMEOUT.get(case, 30)),
         ),
         max_steps=2,
         logger=False,
@@ -81,7 +156,20 @@ def fit_case(case: str, devices: int = 1) -> None:
     trainer.fit(CASES[case](), DataLoader(TensorDataset(x, y), batch_size=8))
 
 
+def run_reporting_exit(rank: str) -> int:
+    """Run this rank's script in a child process and print how it ended; return its exit code
+    (a signal as a shell reports it: 128 + its number)."""
+    env = dict(os.environ, MISUSE_REPORT_EXIT="0", MISUSE_LAUNCHER_PID=str(os.getppid()))
+    code = subprocess.call([sys.executable, *sys.argv], env=env)
+    code = 128 - code if code < 0 else code
+    print(f"rank {rank} exit code {code}", flush=True)
+    return code
+
+
 def main() -> None:
+    rank = os.environ.get("LOCAL_RANK", "0")
+    if os.environ.get("MISUSE_REPORT_EXIT") == "1" and rank != "0":
+        sys.exit(run_reporting_exit(rank))
     fit_case(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1)
 
 

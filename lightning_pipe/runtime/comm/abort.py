@@ -14,6 +14,8 @@ import torch.distributed as dist
 from lightning_pipe.runtime.comm import p2p
 from lightning_pipe.schedules.actions import Kind
 
+_REPLIES: list[dist.Work] = []  # sends of replies to a notice, never waited on: kept, as gloo drops a freed one
+
 
 def failure_message(err: BaseException, stages: list[int]) -> str:
     """What the neighbours are told: a notice received from another rank as it came, else which
@@ -34,18 +36,25 @@ def notify_neighbours(
     channel: p2p.Channel,
     incoming: Callable[[int], p2p.Incoming],
     timeout: float,
+    source: Optional[int] = None,
 ) -> None:
-    """Send ``message`` to every peer as an abort notice and wait (at most ``timeout`` seconds) until each has it.
+    """Send ``message`` to every peer as an abort notice and wait (at most ``timeout`` seconds)
+    until each has it, or has sent one itself.
+
+    The peer the failure came from (``source``) is told too, though it knows: its wait for a
+    notice from this rank then ends at once, not when this rank exits. That reply is never
+    waited on (the source may have taken a message in flight in its place and read no more).
 
     Args:
         message: the notice (:func:`failure_message`).
-        peers: the neighbours to tell (not the rank the failure came from).
+        peers: the neighbours to tell.
         next_kind: what a peer reads our next message as, so the notice fills the receive it posted.
         links: what each link last carried (the notice is sized to the receive posted for it).
         device: where the notice's tensors live.
         channel: where headers travel.
         incoming: the posted receive of a peer's next message (its own notice, if it aborts too).
         timeout: the most seconds to wait for the notices to arrive.
+        source: the rank whose notice this rank received (no other comes from it), if any.
     """
     posted = {}
     for peer in sorted(peers):
@@ -54,18 +63,22 @@ def notify_neighbours(
             posted[peer] = p2p.send_abort(message, peer, device, links.sent.pop((peer, kind), None), channel)
         except Exception:  # noqa: BLE001 - the peer may already be gone; the original error matters
             pass
-    _deliver(posted, incoming, timeout)
+    if source in posted:
+        _REPLIES.extend(posted.pop(source))
+    _deliver(posted, incoming, time.monotonic() + timeout)
 
 
-def _deliver(posted: dict[int, list[dist.Work]], incoming: Callable[[int], p2p.Incoming], timeout: float) -> None:
+def _deliver(posted: dict[int, list[dist.Work]], incoming: Callable[[int], p2p.Incoming], deadline: float) -> None:
     """Wait until every neighbour has received its abort notice, or has sent one itself (it is
-    aborting too and never reads ours: waiting for that would take ``timeout``).
+    aborting too and may never read ours: waiting for that would take until ``deadline``).
 
-    Gloo reports a transfer complete only once waited on, so each wait runs in a thread
-    (daemon: one still waiting when the process exits is simply dropped).
+    Gloo reports a transfer complete only once waited on, so each wait runs in a thread. Every
+    wait ends by ``deadline`` (``time.monotonic()``) and the threads are not daemons, so the
+    interpreter joins them before it finalizes: a thread still inside a gloo wait then is ended
+    inside C++ when that wait returns (the peer exits, closing the link), which aborts the
+    process ("terminate called without an active exception").
     """
     settled = {peer: threading.Event() for peer in posted}
-    deadline = time.monotonic() + timeout
 
     def delivered(peer: int) -> None:
         for work in posted[peer]:
@@ -73,17 +86,20 @@ def _deliver(posted: dict[int, list[dist.Work]], incoming: Callable[[int], p2p.I
                 work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.01)))
         settled[peer].set()
 
-    def aborting(peer: int, notice: Optional[p2p.Incoming]) -> None:
+    def aborting(peer: int, notice: p2p.Incoming) -> None:
         try:
-            if notice is not None:
-                notice.wait()
+            notice.wait(max(deadline - time.monotonic(), 0.01))
         except p2p.PipelineAbortedError:
             settled[peer].set()
         except Exception:  # noqa: BLE001 - a broken link: the notice's own wait decides
             pass
 
     for peer in posted:
-        threading.Thread(target=delivered, args=(peer,), daemon=True).start()
-        threading.Thread(target=aborting, args=(peer, incoming(peer)), daemon=True).start()
+        threading.Thread(target=delivered, args=(peer,), name=f"abort-notice-to-{peer}").start()
+        try:
+            notice = incoming(peer)
+        except Exception:  # noqa: BLE001 - a link closed by a timed-out wait: no notice comes on it
+            continue
+        threading.Thread(target=aborting, args=(peer, notice), name=f"abort-notice-from-{peer}").start()
     for event in settled.values():
         event.wait(max(deadline - time.monotonic(), 0.0))

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from typing import Callable, Mapping, Optional
 
 import torch
+import torch.distributed as dist
 
 from lightning_pipe.runtime.comm import p2p
 from lightning_pipe.runtime.stage import Tensors
@@ -14,6 +16,23 @@ from lightning_pipe.schedules.actions import Action, Kind
 from lightning_pipe.schedules.passes import DELIVERS
 
 Route = Callable[[Action], Optional[int]]
+
+
+def waited_message(key: Action, src: int, seconds: float) -> str:
+    """What a rank says when its wait for the message that receive ``key`` reads from rank ``src``
+    timed out: which stage waited how long for what, from which rank and stage.
+
+    Args:
+        key: the receive the message was for (its stage is the waiting one).
+        src: the global rank the message was to come from.
+        seconds: how long the wait lasted.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    what, sender = ("activations", key.stage - 1) if key.kind is Kind.RECV_ACT else ("gradients", key.stage + 1)
+    return (
+        f"stage {key.stage} (rank {rank}) waited {seconds:.0f} s for the {what} of microbatch {key.microbatch} "
+        f"from rank {src} (stage {sender}): that rank is stuck or slower than the timeout"
+    )
 
 
 class Outbox:
@@ -174,11 +193,16 @@ class Mailbox:
     def _next_message(self, src: int, at: int, delivered: Callable[[int, int], None]) -> Tensors:
         """Wait for the next message from ``src`` (its receive posted); post the one after it where that goes ahead."""
         incoming, kind = self._incoming.pop(src), self.next_kind(src)
+        start = time.monotonic()
         try:
             received = incoming.wait()
         except p2p.PipelineAbortedError:
             self.links.received.pop((src, kind), None)
             raise
+        except RuntimeError as err:
+            if not p2p.timed_out(err):
+                raise
+            raise TimeoutError(waited_message(self._expected[src][0], src, time.monotonic() - start)) from err
         self._expected[src].popleft()
         self.links.received[src, kind] = incoming.specs  # type: ignore[assignment] - set once a tuple is in
         delivered(src, incoming.ack)

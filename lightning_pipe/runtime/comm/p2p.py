@@ -7,7 +7,9 @@ go on a CPU side channel when tensors go over NCCL.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from functools import lru_cache
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -376,18 +378,37 @@ class Incoming:
         group = self.channel.payload_from(self.src, dist.get_rank())
         return [dist.irecv(_wire(b), self.src, group=group) for b in buffers]
 
-    def wait(self) -> tuple[Tensor, ...]:
-        """The received tuple; raise if ``src`` sent an abort notice instead."""
+    def wait(self, timeout: Optional[float] = None) -> tuple[Tensor, ...]:
+        """The received tuple; raise if ``src`` sent an abort notice instead.
+
+        Args:
+            timeout: the most seconds to wait in all; default: the group's timeout for each transfer.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
         if self.buffers is None:
-            self.header_work.wait()
+            _wait(self.header_work, deadline)
             self._post_payload()
         for work in self.works:
-            work.wait()
+            _wait(work, deadline)
         assert self.buffers is not None
         if self.aborted:
             message = bytes(self.buffers[0].cpu().tolist()).decode("utf-8", errors="replace")
             raise PipelineAbortedError(message, self.src)
         return tuple(self.buffers)
+
+
+def _wait(work: dist.Work, deadline: Optional[float]) -> None:
+    """Wait for ``work`` until ``deadline`` (``time.monotonic()``; ``None``: the group's timeout)."""
+    if deadline is None:
+        work.wait()
+    else:
+        work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.01)))
+
+
+def timed_out(err: BaseException) -> bool:
+    """Whether ``err`` is gloo's timeout of a wait. A wait that times out closes its group's
+    links, and may itself raise as one closed so ("Application timeout caused pair closure")."""
+    return any(text in str(err) for text in ("Timed out waiting", "Application timeout caused pair closure"))
 
 
 def send_abort(

@@ -1,0 +1,89 @@
+"""How each rank of a 2-process fit through Lightning's launcher ends: 1 with the error on every
+failure path (a stage's error, a neighbour stuck past the timeout), 0 after a clean fit; never
+SIGABRT (134, "terminate called without an active exception"), never a hang.
+
+A scheduler reads 134 as a crash (and may write a core file). A process aborts so when a thread
+is still inside a gloo wait as the interpreter finalizes: the wait returns once the peer exits,
+and the thread is ended inside C++. Lightning's launcher ends with rank 0's exit code only, so
+tests/scripts/misuse.py runs the other rank under a parent that prints its code.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.launch import ROOT, SCRIPTS
+
+HANG_GUARD = 240  # seconds: a launch still running then is a hang, and fails
+
+
+def _launch(case: str, folder: Path) -> tuple[dict[int, int], str]:
+    """Fit misuse.py's ``case`` on 2 processes; each rank's exit code (signals as 128 + number) and the output."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", MISUSE_REPORT_EXIT="1", MISUSE_READY=str(folder))
+    cmd = [sys.executable, str(SCRIPTS / "misuse.py"), case, "2"]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT, start_new_session=True
+    )
+    try:
+        output, _ = proc.communicate(timeout=HANG_GUARD)  # until every rank closed the pipe
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # every rank: they share the launcher's new session
+        output, _ = proc.communicate()
+        pytest.fail(f"case {case!r} still ran after {HANG_GUARD} s (a rank hangs):\n{output[-6000:]}")
+    codes = {0: 128 - proc.returncode if proc.returncode < 0 else proc.returncode}
+    codes.update({int(r): int(c) for r, c in re.findall(r"rank (\d+) exit code (\d+)\n", output)})
+    return codes, output
+
+
+def _check(case: str, folder: Path, code: int, messages: list[str]) -> None:
+    codes, output = _launch(case, folder)
+    tail = output[-6000:]
+    assert codes == {0: code, 1: code}, f"exit codes {codes}, expected {code} on every rank:\n{tail}"
+    assert "terminate called" not in output, tail
+    for message in messages:
+        assert message in output, f"{message!r} not in the output:\n{tail}"
+
+
+def test_an_error_on_stage_0_ends_every_rank_with_1(tmp_path: Path) -> None:
+    # The failing rank's notice reaches rank 1, which raises it; the user's report: 134 every time.
+    message = "pipeline block 2 (Returns) returned NoneType"
+    _check(
+        "none_first",
+        tmp_path,
+        1,
+        [f"TypeError: {message}", f"PipelineAbortedError: stage 0 (rank 0) failed: TypeError: {message}"],
+    )
+
+
+def test_an_error_on_the_last_stage_ends_every_rank_with_1(tmp_path: Path) -> None:
+    message = "pipeline block 5 (Returns) returned dict"
+    _check(
+        "dict_last",
+        tmp_path,
+        1,
+        [f"TypeError: {message}", f"PipelineAbortedError: stage 1 (rank 1) failed: TypeError: {message}"],
+    )
+
+
+def test_a_stuck_neighbour_ends_every_rank_with_1_and_says_who_waited_for_what(tmp_path: Path) -> None:
+    # Rank 1 is stuck in a block of its first forward until rank 0 ends; rank 0 waits for that
+    # microbatch's gradients, times out, says so, and ends; rank 1 then finds its link closed.
+    waited = re.compile(
+        r"TimeoutError: stage 0 \(rank 0\) waited \d+ s for the gradients of microbatch 0 from rank 1 \(stage 1\)"
+    )
+    codes, output = _launch("hang", tmp_path)
+    tail = output[-6000:]
+    assert codes == {0: 1, 1: 1}, f"exit codes {codes}, expected 1 on every rank:\n{tail}"
+    assert "terminate called" not in output, tail
+    assert waited.search(output), tail
+
+
+def test_a_clean_fit_ends_every_rank_with_0(tmp_path: Path) -> None:
+    _check("clean", tmp_path, 0, [])
