@@ -297,6 +297,8 @@ def test_plan_cli_profiles_a_config_and_writes_a_plan_the_strategy_accepts(tmp_p
                 "64MiB",
                 "--output",
                 str(out),
+                "--profile-rounds",  # one round is enough here: test_user_errors runs the rounds
+                "1",
             ]
         )
         == 0

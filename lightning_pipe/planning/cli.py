@@ -8,9 +8,10 @@ import functools
 import importlib.util
 import inspect
 import os
+import statistics
 import sys
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import lightning as L
 import torch
@@ -22,7 +23,7 @@ from lightning_pipe.core.pipeline_plan import PipelinePlan
 from lightning_pipe.core.sizes import parse_size
 from lightning_pipe.planning import predict, search
 from lightning_pipe.planning.links import profile_links
-from lightning_pipe.planning.profile import Profile
+from lightning_pipe.planning.profile import Profile, median_profile
 from lightning_pipe.planning.profiler import profile_concurrently
 from lightning_pipe.runtime.microbatch import batch_size
 
@@ -152,6 +153,43 @@ def profile_config(
     return profile
 
 
+def stable_profiles(
+    profiled: Callable[[], Profile], ranking: Callable[[Profile], list[predict.Prediction]], rounds: int
+) -> tuple[list[Profile], list[predict.Prediction]]:
+    """Profile until the top plans' predicted steps, under the median of the profiles so far, move
+    less than 2% from one round to the next (at least 2 rounds, at most ``rounds``); the profiles
+    and the ranking under their median."""
+    profiles = [profiled()]
+    ranked = ranking(profiles[0])
+    top = [search.Candidate(p.plan, p.microbatch_size) for p in ranked[:5] if p.feasible]
+    before = None
+    for _ in range(1, max(rounds, 1)):
+        profiles.append(profiled())
+        median = median_profile(profiles)
+        now = [search.evaluate(median, c).step_time for c in top]
+        if before is not None and all(abs(n / b - 1) < STABLE for n, b in zip(now, before)):
+            break
+        before = now
+    return profiles, ranking(median_profile(profiles)) if len(profiles) > 1 else ranked
+
+
+#: Rounds of profiling stop once the top plans' predictions move less than this between rounds.
+STABLE = 0.02
+
+
+def prediction_spread(
+    profiles: Sequence[Profile], shown: Sequence[predict.Prediction], memory: Optional[float]
+) -> dict[PipelinePlan, float]:
+    """Each shown plan's spread: (largest - smallest) / median of its predicted step under each round's profile."""
+    if len(profiles) < 2:
+        return {}
+    spread = {}
+    for p in shown:
+        steps = [search.evaluate(q, search.Candidate(p.plan, p.microbatch_size), memory).step_time for q in profiles]
+        spread[p.plan] = (max(steps) - min(steps)) / statistics.median(steps)
+    return spread
+
+
 def conditions_note(profile: Profile) -> str:
     """One line: the conditions the block times hold for."""
     c = profile.meta.get("conditions")
@@ -163,12 +201,14 @@ def conditions_note(profile: Profile) -> str:
     )
 
 
-def table(ranked: Sequence[predict.Prediction], top: int) -> str:
-    """The ranked plans as a markdown table (the best ``top`` feasible, then a few infeasible)."""
+def table(ranked: Sequence[predict.Prediction], top: int, spread: Optional[dict[PipelinePlan, float]] = None) -> str:
+    """The ranked plans as a markdown table (the best ``top`` feasible, then a few infeasible); ``spread``:
+    each plan's predicted step's spread over the rounds of profiling (:func:`prediction_spread`)."""
+    spread = spread or {}
     rows = [
-        "| w | d | v | b | m | schedule | split | recompute | partition | step (s) | samples/s | peak per rank "
-        "| infeasible because |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| w | d | v | b | m | schedule | split | recompute | partition | step (s) | spread | samples/s "
+        "| peak per rank | infeasible because |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     feasible = [p for p in ranked if p.feasible][:top]
     shown = feasible + [p for p in ranked if not p.feasible][: max(3, top - len(feasible))]
@@ -180,6 +220,7 @@ def table(ranked: Sequence[predict.Prediction], top: int) -> str:
             f"| {plan.width} | {plan.depth} | {plan.virtual_stages} | {p.microbatch_size} | {plan.microbatches} "
             f"| {plan.schedule} | "
             f"{_split(plan)} | {recompute} | {list(plan.partition)} | {p.step_time:.4f} | "
+            f"{f'±{spread[plan]:.1%}' if plan in spread else ''} | "
             f"{p.samples_per_second:.1f} | {peaks} | {p.why_infeasible()} |"
         )
     return "\n".join(rows)
@@ -243,6 +284,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     parser.add_argument("--no-links", action="store_true", help="skip measuring transfers (they are then free)")
     parser.add_argument("--top", type=_at_least_one, default=10)
+    parser.add_argument(
+        "--profile-rounds",
+        type=_at_least_one,
+        default=4,
+        help="most rounds of profiling; they stop once the top plans' predictions are stable (default 4)",
+    )
     parser.add_argument("--output", type=Path, default=Path("plan.yaml"))
     args = parser.parse_args(argv)
     if not args.config.is_file():
@@ -261,13 +308,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"{threads} thread(s), as the job's ranks will run ...",
         flush=True,
     )
-    profile = profile_config(args.config, args.script, data, sizes, processes, threads)
-    print(conditions_note(profile), flush=True)
+    links = {}
     if not args.no_links:
         print("measuring transfers and all-reduce between 2 local processes ...", flush=True)
-        profile = dataclasses.replace(profile, **profile_links())
-    candidates = list(
-        search.candidates(
+        links = profile_links()
+
+    def profiled() -> Profile:
+        return dataclasses.replace(profile_config(args.config, args.script, data, sizes, processes, threads), **links)
+
+    def ranking(profile: Profile) -> list[predict.Prediction]:
+        found = search.candidates(
             profile,
             args.devices,
             global_batch,
@@ -275,13 +325,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             memory_limit=args.memory,
             virtual_stages=args.virtual_stages,
         )
-    )
-    ranked = search.rank([search.evaluate(profile, c, args.memory) for c in tqdm(candidates, desc="simulating plans")])
-    print(table(ranked, args.top))
-    if not ranked or not ranked[0].feasible:
+        return search.rank([search.evaluate(profile, c, args.memory) for c in tqdm(list(found), desc="simulating")])
+
+    profiles, ranked = stable_profiles(profiled, ranking, args.profile_rounds)
+    profile = median_profile(profiles)
+    print(conditions_note(profile), flush=True)
+    noise = prediction_spread(profiles, ranked[: args.top], args.memory)
+    print(table(ranked, args.top, noise))
+    best = search.choose(ranked, max(noise.get(ranked[0].plan, 0.0), 0.0) if ranked else 0.0)
+    if best is None:
         print("no plan fits the memory budget", file=sys.stderr)
         return 1
-    best = ranked[0]
+    if best is not ranked[0]:
+        print(
+            f"\nthe best plans are within the profile's noise (±{noise.get(ranked[0].plan, 0.0):.1%}): "
+            f"choosing the one that needs the least memory, {best.plan.describe()}"
+        )
     if args.ranks_per_node:
         oriented = predict.orient(profile, best.plan, best.microbatch_size, args.ranks_per_node)
         best = dataclasses.replace(best, plan=oriented)

@@ -6,7 +6,7 @@ import dataclasses
 import json
 import statistics
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 
 @dataclass
@@ -214,8 +214,26 @@ def mean_profile(profiles: Sequence[Profile]) -> Profile:
     Raises:
         ValueError: if there is no profile, or they differ in blocks or microbatch sizes.
     """
+    return combined_profile(profiles, statistics.fmean)
+
+
+def median_profile(profiles: Sequence[Profile]) -> Profile:
+    """The profiles of one model taken one after another, each time their median (robust to a slow round).
+
+    Raises:
+        ValueError: if there is no profile, or they differ in blocks or microbatch sizes.
+    """
+    return combined_profile(profiles, statistics.median)
+
+
+def combined_profile(profiles: Sequence[Profile], statistic: Callable[[Sequence[float]], float]) -> Profile:
+    """Every time of ``profiles`` combined by ``statistic``; bytes and the rest from the first.
+
+    Raises:
+        ValueError: if there is no profile, or they differ in blocks or microbatch sizes.
+    """
     if not profiles:
-        raise ValueError("mean_profile needs at least one profile")
+        raise ValueError("combining profiles needs at least one profile")
     first = profiles[0]
     layout = [[s.microbatch_size for s in b.samples] for b in first.blocks]
     for p in profiles[1:]:
@@ -226,7 +244,7 @@ def mean_profile(profiles: Sequence[Profile]) -> Profile:
     def sample(b: int, k: int) -> BlockSample:
         return dataclasses.replace(
             first.blocks[b].samples[k],
-            **{f: statistics.fmean(getattr(p.blocks[b].samples[k], f) for p in profiles) for f in times},
+            **{f: statistic([getattr(p.blocks[b].samples[k], f) for p in profiles]) for f in times},
         )
 
     blocks = [
@@ -237,6 +255,6 @@ def mean_profile(profiles: Sequence[Profile]) -> Profile:
         first,
         blocks=blocks,
         meta=dict(first.meta),
-        optimizer_step=statistics.fmean(p.optimizer_step for p in profiles),
-        action_overhead=statistics.fmean(p.action_overhead for p in profiles),
+        optimizer_step=statistic([p.optimizer_step for p in profiles]),
+        action_overhead=statistic([p.action_overhead for p in profiles]),
     )

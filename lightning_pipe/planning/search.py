@@ -108,6 +108,22 @@ def rank(predictions: Iterable[Prediction]) -> list[Prediction]:
     return sorted(predictions, key=lambda p: (not p.feasible, -p.samples_per_second))
 
 
+def within_noise(ranked: Sequence[Prediction], noise: float) -> list[Prediction]:
+    """The feasible plans of ``ranked`` (best first) predicted within ``noise`` (a fraction) of the best's step."""
+    feasible = [p for p in ranked if p.feasible]
+    if not feasible:
+        return []
+    best = feasible[0].samples_per_second
+    return [p for p in feasible if p.samples_per_second >= best / (1 + noise)]
+
+
+def choose(ranked: Sequence[Prediction], noise: float = 0.0) -> Optional[Prediction]:
+    """The plan to run: the best feasible one, or among the plans within ``noise`` of it (which the
+    measurements cannot tell apart) the one with the least peak memory; ``None`` if none fits."""
+    close = within_noise(ranked, noise)
+    return min(close, key=lambda p: (max(p.stage_memory), -p.samples_per_second)) if close else None
+
+
 def search(
     profile: Profile,
     devices: int,
