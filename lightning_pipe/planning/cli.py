@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import importlib.util
 import inspect
+import json
 import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -166,6 +167,31 @@ def snippet(best: predict.Prediction, global_batch: int) -> str:
     return yaml.safe_dump({"trainer": {"devices": plan.world_size, "strategy": {"init_args": init}}}, sort_keys=False)
 
 
+def ranking_json(ranked: Sequence[predict.Prediction], devices: int, global_batch: int) -> str:
+    """Every ranked plan as JSON, in the table's order: its plan fields, microbatch size, predicted
+    step seconds and peak bytes per pipeline rank, and whether it fits the budget."""
+    rows = [
+        {
+            "width": p.plan.width,
+            "depth": p.plan.depth,
+            "microbatches": p.plan.microbatches,
+            "schedule": p.plan.schedule,
+            "split_backward": p.plan.split_backward,
+            "split_placement": p.plan.split_placement,
+            "virtual_stages": p.plan.virtual_stages,
+            "inner": p.plan.inner,
+            "partition": list(p.plan.partition),
+            "recompute": list(p.plan.recompute),
+            "microbatch_size": p.microbatch_size,
+            "step_seconds": p.step_time,
+            "peak_bytes_per_rank": list(p.stage_memory),
+            "feasible": p.feasible,
+        }
+        for p in ranked
+    ]
+    return json.dumps({"devices": devices, "global_batch": global_batch, "plans": rows}, indent=1)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Parse arguments, profile, search, print the table and write the best plan's YAML."""
     parser = argparse.ArgumentParser(prog="python -m lightning_pipe.plan", description=__doc__)
@@ -199,6 +225,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--no-links", action="store_true", help="skip measuring transfers (they are then free)")
     parser.add_argument("--top", type=_at_least_one, default=10)
     parser.add_argument("--output", type=Path, default=Path("plan.yaml"))
+    parser.add_argument(
+        "--ranking-json", type=Path, default=None, help="also write every ranked plan, with its predictions, as JSON"
+    )
     args = parser.parse_args(argv)
     if not args.config.is_file():
         parser.error(f"argument --config: no such file: {args.config}")
@@ -225,6 +254,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     ranked = search.rank([search.evaluate(profile, c, args.memory) for c in tqdm(candidates, desc="simulating plans")])
     print(table(ranked, args.top))
+    if args.ranking_json is not None:
+        args.ranking_json.write_text(ranking_json(ranked, args.devices, global_batch))
     if not ranked or not ranked[0].feasible:
         print("no plan fits the memory budget", file=sys.stderr)
         return 1
