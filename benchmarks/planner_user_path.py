@@ -242,6 +242,7 @@ def fit_config(work: Workload, row: dict[str, Any], ranking: dict[str, Any], opt
     trainer.pop("val_check_interval", None)
     trainer.update(
         devices=ranking["devices"],
+        default_root_dir=str(out),  # LightningCLI saves the resolved config there, not in the repository
         strategy=strategy,
         max_steps=opts.steps + 1,
         max_epochs=-1,

@@ -100,6 +100,7 @@ def test_fit_config_is_the_users_config_with_the_plans_strategy_arguments(tmp_pa
     assert cfg["model"] == user["model"] and cfg["data"] == user["data"]
     trainer = cfg["trainer"]
     assert trainer["devices"] == 2 and trainer["max_steps"] == 6 and trainer["logger"] is False
+    assert trainer["default_root_dir"] == str(tmp_path)
     assert [c["class_path"] for c in trainer["callbacks"]] == ["benchmarks.planner_user_path.StepRecorder"]
     assert trainer["callbacks"][0]["init_args"] == {"out_dir": str(tmp_path), "tracked_step": 5}
     init = trainer["strategy"]["init_args"]
