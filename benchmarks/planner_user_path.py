@@ -295,13 +295,18 @@ def train(work: Workload, row: dict[str, Any], ranking: dict[str, Any], opts: Op
 
 
 def to_train(rankings: Sequence[dict[str, Any]], count: int) -> list[dict[str, Any]]:
-    """The first ranking's top ``count`` feasible plans, then the other runs' first choices not among them."""
+    """The first ranking's top ``count`` feasible plans, then the other runs' first choices not among them.
+
+    Every plan carries the first ranking's predictions where that ranking lists it, so that the
+    layouts of a group are compared with one profile's predictions.
+    """
     feasible = [[p for p in r["plans"] if p["feasible"]] for r in rankings]
+    first = {plan_key(p): p for p in rankings[0]["plans"]}
     chosen = list(feasible[0][:count])
     keys = {plan_key(p) for p in chosen}
     for plans in feasible[1:]:
         if plans and plan_key(plans[0]) not in keys:
-            chosen.append(plans[0])
+            chosen.append(first.get(plan_key(plans[0]), plans[0]))
             keys.add(plan_key(plans[0]))
     return chosen
 

@@ -59,12 +59,13 @@ def test_measured_step_is_the_slowest_ranks_and_leaves_out_the_tracked_step() ->
 
 
 def test_to_train_takes_the_top_feasible_plans_then_other_runs_first_choices() -> None:
-    first = {"plans": [_row(m=m, step=0.1 * m) for m in (1, 2, 4, 8)] + [_row(m=16, feasible=False)]}
+    first = {"plans": [_row(m=m, step=0.1 * m) for m in (1, 2, 4, 8, 16)]}
     other = {"plans": [_row(m=16, step=0.05), _row(m=1)]}
     same = {"plans": [_row(m=1)]}
     trained = to_train([first, other, same], 2)
     assert [r["microbatches"] for r in trained] == [1, 2, 16]
     assert len({plan_key(r) for r in trained}) == 3
+    assert trained[2]["step_seconds"] == 1.6  # the first ranking's prediction for it, not the other run's
 
 
 def test_memory_ok_wants_every_rank_within_two_percent_above() -> None:
