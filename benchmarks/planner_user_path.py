@@ -324,9 +324,11 @@ def measure_group(work: Workload, devices: int, opts: Options) -> dict[str, Any]
             flush=True,
         )
     plans, layouts = to_train(rankings, opts.plans), []
+    order = [plan_key(p) for p in rankings[0]["plans"]]
     for i, row in enumerate(plans):
         ran = train(work, row, rankings[0], opts, base / f"fit{i}")
-        layouts.append({"row": row, **ran})
+        ranked = order.index(plan_key(row)) + 1 if plan_key(row) in order else "-"
+        layouts.append({"row": row, "ranked": ranked, **ran})
         print(
             f"[{work.name} {devices}p] layout {i + 1}/{len(plans)} ({ran['seconds']:.0f} s, {ran['threads']} threads "
             f"per rank): {describe(row)}: predicted {row['step_seconds']:.4f} s, measured {ran['step']:.4f} s "
@@ -395,7 +397,7 @@ def layout_table(group: dict[str, Any]) -> str:
     """Per layout: predicted and measured step and their ratio, predicted / measured peak per rank."""
     rows = [
         [
-            i + 1,
+            x["ranked"],
             describe(x["row"]),
             f"{x['row']['step_seconds']:.4f}",
             f"{x['step']:.4f}",
@@ -404,9 +406,9 @@ def layout_table(group: dict[str, Any]) -> str:
             ", ".join(f"{b / 2**20:.2f}" for b in x["peaks"]),
             _ratios(x["row"]["peak_bytes_per_rank"], x["peaks"]),
         ]
-        for i, x in enumerate(group["layouts"])
+        for x in group["layouts"]
     ]
-    header = ["rank", "plan", "predicted step (s)", "measured step (s)", "predicted / measured step"]
+    header = ["planner's rank", "plan", "predicted step (s)", "measured step (s)", "predicted / measured step"]
     header += ["predicted peak per rank (MiB)", "measured peak per rank (MiB)", "predicted / measured peak"]
     return markdown_table(header, rows)
 
