@@ -5,8 +5,17 @@
     python benchmarks/bench_planner.py --planning-time  # the planning-time part only
     python benchmarks/bench_planner.py --memory-only    # the memory model only
     python benchmarks/bench_planner.py --workload gpt   # one workload's configurations only
+    python benchmarks/bench_planner.py --user-path      # the plan command, then Trainer.fit of its top plans
 
-Every mode prints its tables and writes docs/results/bench_planner.md (``--no-page``: print only).
+Every mode but ``--user-path`` prints its tables and writes docs/results/bench_planner.md
+(``--no-page``: print only); ``--user-path`` writes docs/results/bench_planner_user_path.md.
+
+``--user-path`` measures the planner as users run it (:mod:`benchmarks.planner_user_path`):
+``python -m lightning_pipe.plan`` once per workload and process count, as a subprocess, then,
+after it has exited, each of its top plans trained through ``Trainer.fit`` in its own launch,
+with ``--busy`` (one core kept busy throughout) and ``--cli-runs N`` (does the first choice hold).
+The other modes profile and run side by side in the same processes, seconds apart: a diagnostic
+of the cost model that the host's drift cannot blur, not what a user sees.
 
 Workloads:
 
@@ -781,6 +790,53 @@ Workloads: `chain`, 8 sleeping blocks that keep a real activation tensor for the
 `gpt`, the GPT example's model (4 layers, width 128, context 64, AdamW) with real compute."""
 
 
+def _user_path_flags(parser: Any) -> None:
+    """The ``--user-path`` mode's flags (see :mod:`benchmarks.planner_user_path`)."""
+    from benchmarks.planner_user_path import WORKLOADS as USER_WORKLOADS
+    from benchmarks.planner_user_path import Options
+
+    defaults = Options()
+    group = parser.add_argument_group("user path (--user-path)")
+    group.add_argument(
+        "--user-path",
+        action="store_true",
+        help="run the plan command once per workload and process count, then train its top plans through "
+        "Trainer.fit, each in its own launch; writes docs/results/bench_planner_user_path.md",
+    )
+    group.add_argument("--user-workload", nargs="+", choices=sorted(USER_WORKLOADS), default=sorted(USER_WORKLOADS))
+    group.add_argument("--devices", type=int, nargs="+", default=[2, 4], help="process counts to plan and train")
+    group.add_argument("--plans", type=int, default=defaults.plans, help="top plans trained per process count")
+    group.add_argument("--steps", type=int, default=defaults.steps, help="timed training steps per launch")
+    group.add_argument(
+        "--measured", type=int, default=defaults.measured, help="the median is over the last MEASURED steps"
+    )
+    group.add_argument(
+        "--cli-runs", type=int, default=defaults.cli_runs, help="plan commands per process count (the first is trained)"
+    )
+    group.add_argument("--busy", action="store_true", help="keep one core busy through planning and training")
+    group.add_argument("--memory", default=None, help="the plan command's --memory (default: not passed)")
+    group.add_argument("--workdir", type=Path, default=defaults.workdir, help="rankings, configs and logs")
+
+
+def _run_user_path(args: Any) -> None:
+    """``--user-path``: measure, print, and write docs/results/bench_planner_user_path.md (not with ``--no-page``)."""
+    from benchmarks.planner_user_path import Options, intro, user_path
+
+    opts = Options(
+        plans=args.plans,
+        steps=args.steps,
+        measured=min(args.measured, args.steps - 1),
+        cli_runs=args.cli_runs,
+        busy=args.busy,
+        memory=args.memory,
+        workdir=args.workdir,
+    )
+    sections = user_path(args.user_workload, args.devices, opts)
+    if not args.no_page:
+        title = "Planner fidelity on the user's path"
+        print(f"page: {write_page('bench_planner_user_path', title, command_line(), sections, intro(opts))}")
+
+
 if __name__ == "__main__":
     import argparse
 
@@ -799,10 +855,13 @@ if __name__ == "__main__":
         default=sorted(WORKLOADS),
         help="only these workloads (and no planning-time part)",
     )
+    _user_path_flags(parser)
     add_page_flag(parser)
     args = parser.parse_args()
     intro = INTRO
-    if args.planning_time:
+    if args.user_path:
+        _run_user_path(args)
+    elif args.planning_time:
         sections = [("Planning time", planning_time())]
         intro = "Seconds of a whole search on synthetic profiles, each as the first search of a process."
     elif args.memory_only:
@@ -815,5 +874,5 @@ if __name__ == "__main__":
         sections = main(args.rounds, args.workload)
         if set(args.workload) == set(WORKLOADS):
             sections.append(("Planning time", planning_time()))
-    if not args.no_page:
+    if not args.no_page and not args.user_path:
         print(f"page: {write_page('bench_planner', 'Planner fidelity', command_line(), sections, intro)}")

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import importlib.util
 import inspect
+import json
 import os
 import statistics
 import sys
@@ -252,6 +253,41 @@ def snippet(best: predict.Prediction, global_batch: int) -> str:
     return yaml.safe_dump({"trainer": {"devices": plan.world_size, "strategy": {"init_args": init}}}, sort_keys=False)
 
 
+def ranking_json(
+    ranked: Sequence[predict.Prediction],
+    devices: int,
+    global_batch: int,
+    chosen: Optional[predict.Prediction] = None,
+    spread: Optional[dict[PipelinePlan, float]] = None,
+) -> str:
+    """Every ranked plan as JSON, in the table's order: its plan fields, microbatch size, predicted
+    step seconds (and their spread over the rounds of profiling, where measured) and peak bytes per
+    pipeline rank, and whether it fits the budget; ``chosen``: the index of the plan written as YAML."""
+    spread = spread or {}
+    rows = [
+        {
+            "width": p.plan.width,
+            "depth": p.plan.depth,
+            "microbatches": p.plan.microbatches,
+            "schedule": p.plan.schedule,
+            "split_backward": p.plan.split_backward,
+            "split_placement": p.plan.split_placement,
+            "virtual_stages": p.plan.virtual_stages,
+            "inner": p.plan.inner,
+            "partition": list(p.plan.partition),
+            "recompute": list(p.plan.recompute),
+            "microbatch_size": p.microbatch_size,
+            "step_seconds": p.step_time,
+            "peak_bytes_per_rank": list(p.stage_memory),
+            "feasible": p.feasible,
+            "spread": spread.get(p.plan),
+        }
+        for p in ranked
+    ]
+    index = next((i for i, p in enumerate(ranked) if p is chosen), None)
+    return json.dumps({"devices": devices, "global_batch": global_batch, "chosen": index, "plans": rows}, indent=1)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Parse arguments, profile, search, print the table and write the best plan's YAML."""
     parser = argparse.ArgumentParser(prog="python -m lightning_pipe.plan", description=__doc__)
@@ -291,6 +327,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="most rounds of profiling; they stop once the top plans' predictions are stable (default 4)",
     )
     parser.add_argument("--output", type=Path, default=Path("plan.yaml"))
+    parser.add_argument(
+        "--ranking-json", type=Path, default=None, help="also write every ranked plan, with its predictions, as JSON"
+    )
     args = parser.parse_args(argv)
     if not args.config.is_file():
         parser.error(f"argument --config: no such file: {args.config}")
@@ -333,6 +372,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     noise = prediction_spread(profiles, ranked[: args.top], args.memory)
     print(table(ranked, args.top, noise))
     best = search.choose(ranked, max(noise.get(ranked[0].plan, 0.0), 0.0) if ranked else 0.0)
+    if args.ranking_json is not None:
+        args.ranking_json.write_text(ranking_json(ranked, args.devices, global_batch, best, noise))
     if best is None:
         print("no plan fits the memory budget", file=sys.stderr)
         return 1

@@ -1,0 +1,516 @@
+"""The planner on the user's path: the plan command run once, then its top plans trained by ``Trainer.fit``.
+
+    python benchmarks/bench_planner.py --user-path                   # gpt and nonuniform, 2 and 4 processes
+    python benchmarks/bench_planner.py --user-path --busy --cli-runs 3
+
+For each workload and process count the plan command runs as a subprocess, as a user runs it
+(``--config``, ``--script``, ``--devices``, ``--top``, ``--output``), and writes its whole ranking
+with ``--ranking-json``. After it has exited, each of the top plans trains in its own launch:
+the workload's script under ``fit``, with the user's config and the plan's strategy arguments
+(what ``--output`` would hold for that plan), through Lightning's own launcher. A callback on
+every rank records the wall time between consecutive training-step ends; a layout's measured
+step is the median, over the steps after warm-up, of the slowest rank's. One more step runs
+under a tracker of every CPU tensor storage (``PeakTensorBytes``, independent of the planner's
+accounting): each rank's peak tensor bytes, the largest over replicas per pipeline rank.
+
+``--busy`` keeps one core busy with a spinning process through the plan commands and the
+training; ``--cli-runs N`` runs the plan command N times and reports whether its first choice
+held.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, NamedTuple, Optional, Sequence
+
+import lightning as L
+import yaml
+from torch import Tensor
+from torch.utils._pytree import tree_leaves
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.results_page import markdown_table  # noqa: E402
+
+#: The memory check: every predicted peak within this fraction above the measured one, never under.
+MEMORY_TOLERANCE = 0.02
+#: The time check of ``--cli-runs``: the top 5 predictions within this fraction of the measured steps.
+TOP5_TOLERANCE = 0.25
+
+
+class Workload(NamedTuple):
+    """A user's job: the LightningCLI config and the script that defines its model and data."""
+
+    name: str
+    config: Path
+    script: Path
+
+
+WORKLOADS = {
+    "gpt": Workload("gpt", ROOT / "configs" / "gpt_1f1b.yaml", ROOT / "examples" / "gpt.py"),
+    "nonuniform": Workload(
+        "nonuniform", ROOT / "benchmarks" / "nonuniform.yaml", ROOT / "benchmarks" / "nonuniform.py"
+    ),
+}
+
+
+@dataclass
+class Options:
+    """How much to measure.
+
+    Args:
+        plans: The top plans of the (first) ranking trained per workload and process count.
+        steps: Timed training steps per launch.
+        measured: The last ``measured`` step times give the median (the earlier ones warm up).
+        cli_runs: Plan commands per workload and process count (the first one's ranking is trained).
+        busy: Keep one core busy through the plan commands and the training.
+        memory: The plan command's ``--memory`` (``None``: not passed).
+        timeout: Seconds a plan command or a training launch may take.
+        workdir: Where rankings, configs and per-rank results go.
+    """
+
+    plans: int = 6
+    steps: int = 12
+    measured: int = 8
+    cli_runs: int = 1
+    busy: bool = False
+    memory: Optional[str] = None
+    timeout: float = 900.0
+    workdir: Path = Path("/tmp/bench_planner_user_path")
+
+
+class StepRecorder(L.Callback):
+    """On every rank: the wall time at each training-step end, and one tracked step's peak tensor bytes.
+
+    Steps ``0 .. tracked_step - 1`` are timed; step ``tracked_step`` runs under a tracker of every
+    CPU tensor storage (slower, so it is not timed). At the end of training each rank writes
+    ``rank<r>.json`` in ``out_dir``.
+
+    Args:
+        out_dir: Where the per-rank results go.
+        tracked_step: The step run under the tensor tracker.
+    """
+
+    def __init__(self, out_dir: str, tracked_step: int) -> None:
+        self.out_dir, self.tracked_step = Path(out_dir), tracked_step
+        self.ends: list[float] = []
+        self.tracker: Any = None
+        self.peak: Optional[int] = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if len(self.ends) != self.tracked_step:
+            return
+        from benchmarks.bench_pipelines import PeakTensorBytes
+        from lightning_pipe.lightning.monitor import held_tensors
+
+        held = held_tensors(trainer.strategy.engine.parameters(), trainer.optimizers)
+        self.tracker = PeakTensorBytes(held + [t for t in tree_leaves(batch) if isinstance(t, Tensor)])
+        self.tracker.__enter__()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.tracker is not None and self.peak is None:
+            self.tracker.__exit__(None, None, None)
+            self.peak = self.tracker.peak
+        self.ends.append(time.perf_counter())
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+        import torch
+
+        rank = trainer.global_rank
+        result = {
+            "rank": rank,
+            "position": trainer.strategy.topology.position_of(rank),
+            "ends": self.ends,
+            "peak": self.peak,
+            "threads": torch.get_num_threads(),
+        }
+        (self.out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+@contextlib.contextmanager
+def busy_core(busy: bool) -> Iterator[None]:
+    """While inside: with ``busy``, a process spinning on one core (a plain Python loop)."""
+    if not busy:
+        yield
+        return
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
+def _run(cmd: Sequence[str], timeout: float, log: Path) -> tuple[int, float]:
+    """Run ``cmd`` from the repository root in its own session, output to ``log``: exit code and seconds.
+
+    On timeout the whole session (the command and the processes it launched) is killed, and the
+    exit code is -9.
+    """
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    }
+    start = time.perf_counter()
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            code = -9
+    return code, time.perf_counter() - start
+
+
+def _tail(log: Path, lines: int = 25) -> str:
+    """The last ``lines`` lines of a log."""
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def run_cli(work: Workload, devices: int, opts: Options, out: Path) -> dict[str, Any]:
+    """One plan command, as a user runs it; its ranking (``--ranking-json``) with ``seconds`` added."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "lightning_pipe.plan", "--config", str(work.config), "--script", str(work.script)]
+    cmd += ["--devices", str(devices), "--top", str(opts.plans), "--output", str(out / "plan.yaml")]
+    cmd += ["--ranking-json", str(out / "ranking.json")] + (["--memory", opts.memory] if opts.memory else [])
+    code, seconds = _run(cmd, opts.timeout, out / "cli.log")
+    if code != 0:
+        raise RuntimeError(f"plan command failed ({code}): {' '.join(cmd)}\n{_tail(out / 'cli.log')}")
+    return {**json.loads((out / "ranking.json").read_text()), "seconds": seconds}
+
+
+def plan_key(row: dict[str, Any]) -> tuple:
+    """What identifies a plan in a ranking (its layout and microbatch size)."""
+    fields = ("width", "depth", "virtual_stages", "microbatches", "microbatch_size", "schedule", "split_backward")
+    rest = ("split_placement", "inner")
+    return tuple(row[k] for k in fields + rest) + (tuple(row["partition"]), tuple(row["recompute"]))
+
+
+def describe(row: dict[str, Any]) -> str:
+    """A plan in one short line: ``(w,d) v b m schedule split partition recompute``."""
+    split = (
+        "no" if not row["split_backward"] else f"yes ({row['split_placement']})" if row["split_placement"] else "yes"
+    )
+    recompute = "".join("y" if r else "n" for r in row["recompute"])
+    return (
+        f"({row['width']},{row['depth']}) v={row['virtual_stages']} b={row['microbatch_size']} "
+        f"m={row['microbatches']} {row['schedule']} split={split} {row['partition']} rc={recompute}"
+    )
+
+
+def strategy_args(row: dict[str, Any], global_batch: int) -> dict[str, Any]:
+    """The plan as ``trainer.strategy.init_args``, as the plan command's ``--output`` writes its best plan."""
+    args = {
+        "schedule": row["schedule"],
+        "pipeline_depth": row["depth"],
+        "microbatches": row["microbatches"],
+        "partition": list(row["partition"]),
+        "recompute": list(row["recompute"]),
+        "split_backward": row["split_backward"],
+        "inner": row["inner"],
+        "global_batch_size": global_batch,
+        "virtual_stages": row["virtual_stages"],
+    }
+    if row["split_placement"] is not None:
+        args["split_placement"] = row["split_placement"]
+    return args
+
+
+def fit_config(work: Workload, row: dict[str, Any], ranking: dict[str, Any], opts: Options, out: Path) -> Path:
+    """The user's config with the plan's strategy arguments, a short run and the recorder as its only callback."""
+    cfg = yaml.safe_load(work.config.read_text()) or {}
+    trainer = dict(cfg.get("trainer") or {})
+    strategy = trainer.get("strategy")
+    strategy = dict(strategy) if isinstance(strategy, dict) else {"class_path": "lightning_pipe.PipelineStrategy"}
+    strategy["init_args"] = {**(strategy.get("init_args") or {}), **strategy_args(row, ranking["global_batch"])}
+    recorder = {
+        "class_path": "benchmarks.planner_user_path.StepRecorder",
+        "init_args": {"out_dir": str(out), "tracked_step": opts.steps},
+    }
+    trainer.pop("val_check_interval", None)
+    trainer.update(
+        devices=ranking["devices"],
+        default_root_dir=str(out),  # LightningCLI saves the resolved config there, not in the repository
+        strategy=strategy,
+        max_steps=opts.steps + 1,
+        max_epochs=-1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[recorder],
+    )
+    path = out / "fit.yaml"
+    path.write_text(yaml.safe_dump({**cfg, "trainer": trainer}, sort_keys=False))
+    return path
+
+
+def measured_step(ranks: Sequence[dict[str, Any]], measured: int) -> float:
+    """The median over the last ``measured`` timed steps of the slowest rank's step (end to end)."""
+    timed = [r["ends"][:-1] for r in ranks]  # the last end closes the tracked step
+    per_rank = [[b - a for a, b in zip(ends, ends[1:])] for ends in timed]
+    slowest = [max(steps) for steps in zip(*per_rank)]
+    return statistics.median(slowest[-measured:])
+
+
+def peaks_per_position(ranks: Sequence[dict[str, Any]], depth: int) -> list[int]:
+    """Each pipeline rank's peak tensor bytes: the largest over its replicas."""
+    return [max(r["peak"] for r in ranks if r["position"] == p) for p in range(depth)]
+
+
+def train(work: Workload, row: dict[str, Any], ranking: dict[str, Any], opts: Options, out: Path) -> dict[str, Any]:
+    """One plan trained in its own launch (``<script> fit --config``): measured step, peaks and launch seconds."""
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("rank*.json"):
+        old.unlink()
+    config = fit_config(work, row, ranking, opts, out)
+    code, seconds = _run(
+        [sys.executable, str(work.script), "fit", "--config", str(config)], opts.timeout, out / "fit.log"
+    )
+    ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+    if code != 0 or len(ranks) != ranking["devices"]:
+        raise RuntimeError(
+            f"training {describe(row)} failed ({code}), see {out / 'fit.log'}:\n{_tail(out / 'fit.log')}"
+        )
+    return {
+        "step": measured_step(ranks, opts.measured),
+        "peaks": peaks_per_position(ranks, row["depth"]),
+        "seconds": seconds,
+        "threads": max(r["threads"] for r in ranks),
+    }
+
+
+def to_train(rankings: Sequence[dict[str, Any]], count: int) -> list[dict[str, Any]]:
+    """The first ranking's top ``count`` feasible plans, then every run's chosen plan not among them.
+
+    Every plan carries the first ranking's predictions where that ranking lists it, so that the
+    layouts of a group are compared with one profile's predictions.
+    """
+    feasible = [[p for p in r["plans"] if p["feasible"]] for r in rankings]
+    first = {plan_key(p): p for p in rankings[0]["plans"]}
+    chosen = list(feasible[0][:count])
+    keys = {plan_key(p) for p in chosen}
+    for ranking in rankings:  # every run's choice, the first's included
+        choice = ranking["plans"][ranking.get("chosen") or 0] if ranking["plans"] else None
+        if choice is not None and choice["feasible"] and plan_key(choice) not in keys:
+            chosen.append(first.get(plan_key(choice), choice))
+            keys.add(plan_key(choice))
+    return chosen
+
+
+def measure_group(work: Workload, devices: int, opts: Options) -> dict[str, Any]:
+    """The plan command ``opts.cli_runs`` times, then each plan to train in its own launch (a line per layout)."""
+    base = opts.workdir / f"{work.name}_{devices}"
+    rankings = []
+    for i in range(opts.cli_runs):
+        rankings.append(run_cli(work, devices, opts, base / f"cli{i}"))
+        first = rankings[-1]["plans"][0]
+        print(
+            f"[{work.name} {devices}p] plan command {i + 1}/{opts.cli_runs} ({rankings[-1]['seconds']:.0f} s): "
+            f"first choice {describe(first)}, predicted {first['step_seconds']:.4f} s",
+            flush=True,
+        )
+    plans, layouts = to_train(rankings, opts.plans), []
+    order = [plan_key(p) for p in rankings[0]["plans"]]
+    for i, row in enumerate(plans):
+        ran = train(work, row, rankings[0], opts, base / f"fit{i}")
+        ranked = order.index(plan_key(row)) + 1 if plan_key(row) in order else "-"
+        layouts.append({"row": row, "ranked": ranked, **ran})
+        print(
+            f"[{work.name} {devices}p] layout {i + 1}/{len(plans)} ({ran['seconds']:.0f} s, {ran['threads']} threads "
+            f"per rank): {describe(row)}: predicted {row['step_seconds']:.4f} s, measured {ran['step']:.4f} s "
+            f"(x{row['step_seconds'] / ran['step']:.2f}); peak per rank predicted / measured "
+            f"{_ratios(row['peak_bytes_per_rank'], ran['peaks'])}",
+            flush=True,
+        )
+    return {"workload": work.name, "devices": devices, "rankings": rankings, "layouts": layouts}
+
+
+def _ratios(predicted: Sequence[int], measured: Sequence[int]) -> str:
+    """Predicted over measured per rank, as ``1.003, 0.998``."""
+    return ", ".join(f"{p / m:.3f}" for p, m in zip(predicted, measured))
+
+
+def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Spearman's rank correlation (ties get their mean rank); ``nan`` with fewer than 2 values or no spread."""
+
+    def ranks(values: Sequence[float]) -> list[float]:
+        order = sorted(range(len(values)), key=lambda i: values[i])
+        out = [0.0] * len(values)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    if len(xs) < 2:
+        return float("nan")
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    spread = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / spread if spread else float("nan")
+
+
+def memory_ok(layout: dict[str, Any]) -> bool:
+    """Every rank's predicted peak at or above the measured one, by at most ``MEMORY_TOLERANCE``."""
+    pairs = zip(layout["row"]["peak_bytes_per_rank"], layout["peaks"])
+    return all(m <= p <= m * (1 + MEMORY_TOLERANCE) for p, m in pairs)
+
+
+def summary(group: dict[str, Any]) -> dict[str, Any]:
+    """A group's headline numbers: step errors, the first choice against the fastest, Spearman, memory."""
+    layouts = group["layouts"]
+    errors = [x["row"]["step_seconds"] / x["step"] - 1 for x in layouts]
+    ranking = group["rankings"][0]
+    first = plan_key(ranking["plans"][ranking.get("chosen") or 0])
+    chosen = next(x for x in layouts if plan_key(x["row"]) == first)
+    top5 = [abs(e) <= TOP5_TOLERANCE for e in errors[: min(5, len(errors))]]
+    return {
+        "median_error": statistics.median(abs(e) for e in errors),
+        "worst_error": max(errors, key=abs),
+        "choice_over_fastest": chosen["step"] / min(x["step"] for x in layouts),
+        "spearman": spearman([x["row"]["step_seconds"] for x in layouts], [x["step"] for x in layouts]),
+        "memory_ok": all(memory_ok(x) for x in layouts),
+        "top5_within": sum(top5),
+        "top5": len(top5),
+    }
+
+
+def layout_table(group: dict[str, Any]) -> str:
+    """Per layout: predicted and measured step and their ratio, predicted / measured peak per rank."""
+    rows = [
+        [
+            x["ranked"],
+            describe(x["row"]),
+            f"{x['row']['step_seconds']:.4f}",
+            f"{x['step']:.4f}",
+            f"{x['row']['step_seconds'] / x['step']:.3f}",
+            ", ".join(f"{b / 2**20:.2f}" for b in x["row"]["peak_bytes_per_rank"]),
+            ", ".join(f"{b / 2**20:.2f}" for b in x["peaks"]),
+            _ratios(x["row"]["peak_bytes_per_rank"], x["peaks"]),
+        ]
+        for x in group["layouts"]
+    ]
+    header = ["planner's rank", "plan", "predicted step (s)", "measured step (s)", "predicted / measured step"]
+    header += ["predicted peak per rank (MiB)", "measured peak per rank (MiB)", "predicted / measured peak"]
+    return markdown_table(header, rows)
+
+
+def stability(group: dict[str, Any]) -> str:
+    """Over the plan commands: did the first choice hold, and if not, do the choices' predictions overlap?"""
+    rankings = group["rankings"]
+    firsts = [r["plans"][r.get("chosen") or 0] for r in rankings]  # each run's chosen plan
+    keys = list(dict.fromkeys(plan_key(p) for p in firsts))
+    seconds = ", ".join(f"{r['seconds']:.0f}" for r in rankings)
+    head = f"{len(rankings)} plan commands ({seconds} s each)"
+    if len(keys) == 1:
+        return f"{head}: the same first choice every time, {describe(firsts[0])}."
+    spreads = []
+    for key in keys:
+        predicted = [p["step_seconds"] for r in rankings for p in r["plans"] if plan_key(p) == key]
+        spreads.append((min(predicted), max(predicted)))
+    overlap = max(low for low, _ in spreads) <= min(high for _, high in spreads)
+    lines = [f"{head}: {len(keys)} different first choices; their predicted steps over the runs:"]
+    lines += [
+        f"    - {describe(next(p for p in firsts if plan_key(p) == k))}: {lo:.4f} to {hi:.4f} s"
+        for k, (lo, hi) in zip(keys, spreads)
+    ]
+    lines.append(f"  The choices' predictions lie within each other's spread: {'yes' if overlap else 'no'}.")
+    return "\n".join(lines)
+
+
+def group_section(group: dict[str, Any]) -> tuple[str, str]:
+    """A group's page section: the layout table, its headline numbers and the plan commands' stability."""
+    s = summary(group)
+    lines = [
+        f"- Step error (predicted / measured - 1): median |error| {s['median_error']:.1%}, "
+        f"worst {s['worst_error']:+.1%}.",
+        f"- The first choice's measured step over the fastest measured layout's: {s['choice_over_fastest']:.3f}.",
+        f"- Spearman rank correlation of predicted and measured steps: {s['spearman']:.2f}.",
+        f"- Every memory prediction within {MEMORY_TOLERANCE:.0%} above the measured peak and never under: "
+        f"{'yes' if s['memory_ok'] else 'no'}.",
+        f"- Top {s['top5']} predictions within {TOP5_TOLERANCE:.0%} of measured: {s['top5_within']} of {s['top5']}.",
+        f"- {stability(group)}",
+    ]
+    body = layout_table(group) + "\n\n" + "\n".join(lines)
+    return f"{group['workload']} on {group['devices']} processes (user path)", body
+
+
+def overview(groups: Sequence[dict[str, Any]]) -> str:
+    """One row per workload and process count: the headline numbers side by side."""
+    rows = []
+    for g in groups:
+        s = summary(g)
+        same = len({plan_key(r["plans"][0]) for r in g["rankings"]}) == 1
+        rows.append(
+            [
+                g["workload"],
+                g["devices"],
+                len(g["layouts"]),
+                f"{s['median_error']:.1%}",
+                f"{s['worst_error']:+.1%}",
+                f"{s['choice_over_fastest']:.3f}",
+                f"{s['spearman']:.2f}",
+                "yes" if s["memory_ok"] else "no",
+                f"{s['top5_within']}/{s['top5']}",
+                f"{'yes' if same else 'no'} ({len(g['rankings'])} runs)",
+            ]
+        )
+    header = ["workload", "processes", "layouts", "median abs step error", "worst step error", "choice / fastest"]
+    header += [
+        "Spearman",
+        f"memory within {MEMORY_TOLERANCE:.0%}, never under",
+        "top 5 within 25%",
+        "same first choice",
+    ]
+    return markdown_table(header, rows)
+
+
+def user_path(workloads: Sequence[str], devices: Sequence[int], opts: Options) -> list[tuple[str, str]]:
+    """Every workload at every process count on the user's path; prints and returns the page's sections."""
+    groups = []
+    with busy_core(opts.busy):
+        for name in workloads:
+            for n in devices:
+                groups.append(measure_group(WORKLOADS[name], n, opts))
+                heading, body = group_section(groups[-1])
+                print(f"\n## {heading}\n\n{body}\n", flush=True)
+    table = overview(groups)
+    print(table, flush=True)
+    return [("User path: overview", table)] + [group_section(g) for g in groups]
+
+
+def intro(opts: Options) -> str:
+    """The page's introduction: what ran and how it was measured."""
+    busy = " A spinning process kept one core busy throughout." if opts.busy else ""
+    return (
+        "The planner as a user runs it: `python -m lightning_pipe.plan --config <config> --script <script> "
+        f"--devices N` once per workload and process count ({opts.cli_runs} time(s)), then, after it has "
+        f"exited, each of its top {opts.plans} plans trained through `Trainer.fit` in its own launch (the "
+        "workload's script under `fit`, Lightning's launcher, the user's config with the plan's strategy "
+        f"arguments). Measured step: the slowest rank's wall time between consecutive step ends, median of the "
+        f"last {opts.measured} of {opts.steps} steps. Measured peak: one more step under a tracker of every CPU "
+        "tensor storage on each rank, the largest over replicas per pipeline rank. Workloads: `gpt` "
+        "(configs/gpt_1f1b.yaml with examples/gpt.py: 4 layers, width 128, context 64, global batch 32, AdamW) "
+        "and `nonuniform` (benchmarks/nonuniform.yaml with benchmarks/nonuniform.py: about 1M parameters in "
+        f"blocks of very different widths and costs, AdamW, generated tokens).{busy}"
+    )

@@ -1,0 +1,111 @@
+"""The planner's user-path benchmark: what it trains, how it reads a launch's ranks, and its statistics."""
+
+from __future__ import annotations
+
+import math
+
+import yaml
+
+from benchmarks.planner_user_path import (
+    WORKLOADS,
+    Options,
+    fit_config,
+    measured_step,
+    memory_ok,
+    peaks_per_position,
+    plan_key,
+    spearman,
+    stability,
+    to_train,
+)
+from lightning_pipe import PipelineStrategy
+
+
+def _row(depth: int = 2, m: int = 4, step: float = 0.1, feasible: bool = True, **extra) -> dict:
+    row = {
+        "width": 1,
+        "depth": depth,
+        "microbatches": m,
+        "schedule": "1f1b",
+        "split_backward": False,
+        "split_placement": None,
+        "virtual_stages": 1,
+        "inner": "pp",
+        "partition": [3, 3][:depth] if depth <= 2 else [2] * depth,
+        "recompute": [False] * depth,
+        "microbatch_size": 32 // m,
+        "step_seconds": step,
+        "peak_bytes_per_rank": [1000] * depth,
+        "feasible": feasible,
+    }
+    return {**row, **extra}
+
+
+def test_spearman_matches_known_orders_and_ties() -> None:
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == -1.0
+    assert math.isclose(spearman([1, 2, 3], [1, 3, 2]), 0.5)
+    assert math.isclose(spearman([1, 1, 2], [1, 2, 3]), 3**0.5 / 2)  # tied ranks share their mean
+    assert math.isnan(spearman([1], [1])) and math.isnan(spearman([1, 1], [1, 2]))
+
+
+def test_measured_step_is_the_slowest_ranks_and_leaves_out_the_tracked_step() -> None:
+    fast = {"ends": [0, 1, 2, 3, 4, 100], "position": 0, "peak": 5}
+    slow = {"ends": [0, 1, 3, 4, 6, 100], "position": 1, "peak": 7}
+    # steps of the slowest rank per step: 1, 2, 1, 2; the last end (the tracked step) is not timed
+    assert measured_step([fast, slow], 4) == 1.5 and measured_step([fast, slow], 2) == 1.5
+    assert measured_step([fast, slow], 1) == 2
+    assert peaks_per_position([fast, slow, {**fast, "peak": 9}], 2) == [9, 7]
+
+
+def test_to_train_takes_the_top_feasible_plans_then_other_runs_first_choices() -> None:
+    first = {"plans": [_row(m=m, step=0.1 * m) for m in (1, 2, 4, 8, 16)]}
+    other = {"plans": [_row(m=16, step=0.05), _row(m=1)]}
+    same = {"plans": [_row(m=1)]}
+    trained = to_train([first, other, same], 2)
+    assert [r["microbatches"] for r in trained] == [1, 2, 16]
+    assert len({plan_key(r) for r in trained}) == 3
+    assert trained[2]["step_seconds"] == 1.6  # the first ranking's prediction for it, not the other run's
+
+
+def test_memory_ok_wants_every_rank_within_two_percent_above() -> None:
+    layout = {"row": _row(peak_bytes_per_rank=[1000, 1020]), "peaks": [1000, 1000]}
+    assert memory_ok(layout)
+    assert not memory_ok({**layout, "peaks": [1001, 1000]})  # under on rank 0
+    assert not memory_ok({**layout, "row": _row(peak_bytes_per_rank=[1000, 1021])})  # over by more than 2%
+
+
+def test_stability_reports_one_choice_or_whether_the_choices_overlap() -> None:
+    a, b = _row(m=2, step=0.10), _row(m=4, step=0.11)
+    held = stability({"rankings": [{"plans": [a, b], "seconds": 30}] * 3})
+    assert "the same first choice every time" in held
+    runs = [
+        {"plans": [a, b], "seconds": 30},
+        {"plans": [{**b, "step_seconds": 0.09}, {**a, "step_seconds": 0.095}], "seconds": 31},
+    ]
+    assert "2 different first choices" in stability({"rankings": runs}) and "spread: yes" in stability(
+        {"rankings": runs}
+    )
+    far = [
+        {"plans": [a, {**b, "step_seconds": 0.08}], "seconds": 30},
+        {"plans": [{**b, "step_seconds": 0.05}, {**a, "step_seconds": 0.2}], "seconds": 31},
+    ]
+    assert "spread: no" in stability({"rankings": far})  # a: 0.10 to 0.2, b: 0.05 to 0.08
+
+
+def test_fit_config_is_the_users_config_with_the_plans_strategy_arguments(tmp_path) -> None:
+    row = _row(depth=2, m=2, split_backward=True, split_placement="drain", partition=[2, 4], recompute=[True, False])
+    path = fit_config(WORKLOADS["gpt"], row, {"devices": 2, "global_batch": 32}, Options(steps=5), tmp_path)
+    cfg = yaml.safe_load(path.read_text())
+    user = yaml.safe_load(WORKLOADS["gpt"].config.read_text())
+    assert cfg["model"] == user["model"] and cfg["data"] == user["data"]
+    trainer = cfg["trainer"]
+    assert trainer["devices"] == 2 and trainer["max_steps"] == 6 and trainer["logger"] is False
+    assert trainer["default_root_dir"] == str(tmp_path)
+    assert [c["class_path"] for c in trainer["callbacks"]] == ["benchmarks.planner_user_path.StepRecorder"]
+    assert trainer["callbacks"][0]["init_args"] == {"out_dir": str(tmp_path), "tracked_step": 5}
+    init = trainer["strategy"]["init_args"]
+    assert trainer["strategy"]["class_path"] == "lightning_pipe.PipelineStrategy"
+    assert init["partition"] == [2, 4] and init["recompute"] == [True, False] and init["split_placement"] == "drain"
+    assert init["global_batch_size"] == 32 and init["microbatches"] == 2
+    PipelineStrategy(**init)

@@ -1,0 +1,52 @@
+"""``python -m lightning_pipe.plan --ranking-json``: every ranked plan with its predictions, as JSON."""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+
+from lightning_pipe import PipelinePlan, PipelineStrategy
+from lightning_pipe.planning.cli import main
+
+
+def test_ranking_json_lists_every_ranked_plan_best_first(tmp_path, capsys) -> None:
+    config = tmp_path / "gpt_tiny.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "trainer": {"devices": 2, "strategy": {"init_args": {"pipeline_depth": 2}}},
+                "model": {"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 16},
+                "data": {"block_size": 16, "batch_size": 8, "max_bytes": 20000},
+            }
+        )
+    )
+    out, ranking = tmp_path / "plan.yaml", tmp_path / "ranking.json"
+    argv = ["--config", str(config), "--script", "examples/gpt.py", "--devices", "2", "--memory", "64MiB"]
+    argv += ["--no-links", "--virtual-stages", "1", "--top", "3", "--output", str(out), "--ranking-json", str(ranking)]
+    assert main(argv) == 0
+    table_rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| ") and not r.startswith("| w ")]
+    written = json.loads(ranking.read_text())
+    plans = written["plans"]
+    assert written["devices"] == 2 and written["global_batch"] == 8
+    assert len(plans) >= len(table_rows) == 3  # the whole ranking, not only the table's top 3
+    feasible = [p for p in plans if p["feasible"]]
+    assert feasible == plans[: len(feasible)]  # feasible first, then by predicted step (same global batch)
+    steps = [p["step_seconds"] for p in feasible]
+    assert steps == sorted(steps)
+    for p in plans:
+        assert p["width"] * p["depth"] == 2 and p["width"] * p["microbatches"] * p["microbatch_size"] == 8
+        assert len(p["peak_bytes_per_rank"]) == p["depth"] and all(b > 0 for b in p["peak_bytes_per_rank"])
+        fields = {k: p[k] for k in ("width", "depth", "microbatches", "schedule", "split_backward")}
+        keep = ("split_placement", "virtual_stages", "inner", "partition", "recompute")
+        PipelinePlan(**fields, **{k: p[k] for k in keep})  # a valid plan, as written
+    # The chosen row (the best, or the least memory among those within the noise) is the plan written to --output.
+    init = yaml.safe_load(out.read_text())["trainer"]["strategy"]["init_args"]
+    best = plans[json.loads(ranking.read_text())["chosen"]]
+    assert (init["pipeline_depth"], init["microbatches"], init["schedule"]) == (
+        best["depth"],
+        best["microbatches"],
+        best["schedule"],
+    )
+    assert init["partition"] == best["partition"] and init["recompute"] == best["recompute"]
+    PipelineStrategy(**init)
