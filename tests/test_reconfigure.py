@@ -239,7 +239,19 @@ def _fit_auto(rank: int, world: int, memory: Any) -> dict[str, Any]:
         "plan": trainer.strategy.plan,
         "decided_at": [d["step"] for d in auto.decisions],
         "last_chosen": auto.decisions[-1]["chosen"].plan,
-        "decision": {k: decision[k] for k in ("step", "reason", "table", "switch_seconds", "measured_step_s")},
+        "decision": {
+            k: decision[k]
+            for k in (
+                "step",
+                "reason",
+                "table",
+                "switch_seconds",
+                "measured_step_s",
+                "current_measured_step_s",
+                "calibrated_step_s",
+            )
+        },
+        "predicted": (decision["current"].step_time, decision["chosen"].step_time),
         "shared_blocks": [d["profile"].shared_blocks for d in auto.decisions],
         "chosen": decision["chosen"].plan,
         "current": decision["current"].plan,
@@ -358,6 +370,13 @@ def test_autoplanner_profiles_plans_switches_and_matches_single_process(launched
     assert ranks[0]["chosen"] != ranks[0]["current"], ranks[0]["decision"]  # min_gain=0: a faster plan exists
     assert ranks[0]["shared_blocks"] == [[], []]  # known: no ties (unknown would count 2BW's stage 0 as tied)
     assert ranks[0]["decision"]["switch_seconds"] > 0 and ranks[0]["decision"]["measured_step_s"] > 0
+    # Both plans predicted and measured: the running plan's measured step calibrates the chosen one's prediction.
+    current_predicted, chosen_predicted = ranks[0]["predicted"]
+    measured_before = ranks[0]["decision"]["current_measured_step_s"]
+    assert measured_before > 0
+    assert ranks[0]["decision"]["calibrated_step_s"] == pytest.approx(
+        chosen_predicted * measured_before / current_predicted
+    )
     assert "current" in ranks[0]["decision"]["table"] and "candidates" in ranks[0]["decision"]["table"]
     # Whatever it chose (no stale schedule without allow_stale), training is exact.
     _assert_matches_one_process(ranks)

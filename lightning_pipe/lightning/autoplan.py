@@ -102,6 +102,7 @@ class AutoPlanner(Callback):
         self._hooks: list[Any] = []
         self._batch: Any = None
         self._after: Optional[list[float]] = None
+        self._before: list[float] = []  # the profiled steps' wall times (the running plan, measured)
         self._step_start = 0.0
         self._prechecked = False
         self._resumed_plan: Optional[PipelinePlan] = None
@@ -188,6 +189,7 @@ class AutoPlanner(Callback):
         self._steps_seen += 1
         if self._steps_seen > 1:  # the first is a warm-up
             self._collect(trainer.strategy.engine)
+            self._before.append(elapsed)
         trainer.strategy.engine.record_trace = False  # a PipelineMonitor turns it on again for its steps
         if self._steps_seen == self.profile_steps:
             self._remove_hooks()
@@ -406,6 +408,8 @@ class AutoPlanner(Callback):
             "table": _table(current, ranked),
             "switch_seconds": 0.0,
             "measured_step_s": None,
+            "current_measured_step_s": statistics.median(self._before) if self._before else None,
+            "calibrated_step_s": _calibrated_step(best, current, self._before),
             "global_batch_origin": getattr(trainer.strategy, "global_batch_origin", None),
         }
         if best is not current:
@@ -414,7 +418,7 @@ class AutoPlanner(Callback):
             record["switch_seconds"] = time.perf_counter() - start
         self.decisions.append(record)
         self._report(trainer, record)
-        self._after = []
+        self._after, self._before = [], []
 
     def _record_after(self, trainer: Trainer, elapsed: float) -> None:
         """Time the steps after a decision (the first is a warm-up); report the median of three."""
@@ -424,9 +428,11 @@ class AutoPlanner(Callback):
             measured = statistics.median(self._after[1:])
             record = self.decisions[-1]
             record["measured_step_s"] = measured
+            calibrated = record["calibrated_step_s"]
             rank_zero_info(
-                f"AutoPlanner: after the decision, measured step {measured:.4f} s "
-                f"(predicted {record['chosen'].step_time:.4f} s)"
+                f"AutoPlanner: after the decision, measured step {measured:.4f} s (predicted "
+                f"{record['chosen'].step_time:.4f} s"
+                + (f", {calibrated:.4f} s calibrated by the plan it replaced)" if calibrated else ")")
             )
             _log_scalars(
                 trainer, {"autoplan/measured_step_s": measured, "autoplan/predicted_step_s": record["chosen"].step_time}
@@ -435,8 +441,15 @@ class AutoPlanner(Callback):
 
     def _report(self, trainer: Trainer, record: dict[str, Any]) -> None:
         origin = f"{record['global_batch_origin']}\n" if record["global_batch_origin"] else ""
+        measured, calibrated = record["current_measured_step_s"], record["calibrated_step_s"]
+        steps = (
+            f"running plan: predicted {record['current'].step_time:.4f} s"
+            + (f", measured {measured:.4f} s" if measured else "")
+            + f"; chosen: predicted {record['chosen'].step_time:.4f} s"
+            + (f" ({calibrated:.4f} s calibrated by the running plan's measured step)\n" if calibrated else "\n")
+        )
         text = (
-            f"AutoPlanner at step {record['step']}: {record['reason']}\n{origin}"
+            f"AutoPlanner at step {record['step']}: {record['reason']}\n{origin}{steps}"
             f"chosen: {record['chosen'].plan.describe()}, "
             f"switch took {record['switch_seconds']:.3f} s\n{record['table']}"
         )
@@ -535,6 +548,15 @@ def _calibrated(
         )
 
     return [dataclasses.replace(p, samples=[scaled(s) for s in p.samples]) for p in profiles]
+
+
+def _calibrated_step(best: predict.Prediction, current: predict.Prediction, measured: list[float]) -> Optional[float]:
+    """``best``'s predicted step scaled by the running plan's measured over predicted step: what the
+    model misses on this host for the running plan (the executor's costs, contention) it is
+    taken to miss alike for the other; ``None`` without a measured step."""
+    if not measured or current.step_time <= 0:
+        return None
+    return best.step_time * statistics.median(measured) / current.step_time
 
 
 def _choose(current: predict.Prediction, best: predict.Prediction, min_gain: float) -> tuple[predict.Prediction, str]:
