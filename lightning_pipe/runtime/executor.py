@@ -390,7 +390,9 @@ class Executor:
 
     def _weight_grad(self, a: Action, st: StepState) -> None:
         key = (a.stage, a.microbatch)
-        self.hooks.weights_accumulated(split.weight_grads(st.weight_work.pop(key)))
+        # Each deferred weight reported as its gradient is complete: a bucket adopts it before the next exists.
+        report = self.hooks.weights_accumulated
+        report(split.weight_grads(st.weight_work.pop(key), report))
         st.stash(-1)
         st.release(key)
 
