@@ -27,6 +27,7 @@ MODULES = (
     "tests.test_planner",
     "tests.test_example",
     "tests.test_monitor",
+    "tests.test_memory_exact",
 )
 
 SCENARIOS: dict[int, dict[str, tuple[Callable[..., Any], tuple]]] = {}
