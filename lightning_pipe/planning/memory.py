@@ -265,10 +265,10 @@ class HeldCounts:
         forward_cold: after a forward, before gradients exist.
         forward_warm: after a forward, once gradients exist.
         backward_first: at the backward that creates the gradients.
-        backward_warm: at any later backward, input gradient or weight gradient, and at a W
-            that creates the gradients.
+        backward_warm: at any later backward, input gradient or weight gradient.
         input_cold: at an input gradient (split backward) before any W created gradients.
         optimizer_step: at the optimizer step.
+        weight_first: at the W (split backward) that creates the gradients.
     """
 
     forward_cold: tuple[Point, ...] = ()
@@ -277,6 +277,7 @@ class HeldCounts:
     backward_warm: tuple[Point, ...] = ()
     input_cold: tuple[Point, ...] = ()
     optimizer_step: tuple[Point, ...] = ()
+    weight_first: tuple[Point, ...] = ()
 
     def __hash__(self) -> int:
         return self._hash
@@ -305,6 +306,7 @@ class HeldCounts:
             + self.backward_warm
             + self.input_cold
             + self.optimizer_step
+            + self.weight_first
         )
         return max((point[0] for point in points), default=0)
 
@@ -314,7 +316,7 @@ _MOMENT_KINDS = {
     Kind.FORWARD: ("forward_cold", "forward_warm"),
     Kind.BACKWARD: ("backward_first", "backward_warm"),
     Kind.INPUT_GRAD: ("input_cold", "backward_warm"),
-    Kind.WEIGHT_GRAD: ("backward_warm", "backward_warm"),
+    Kind.WEIGHT_GRAD: ("weight_first", "backward_warm"),
     Kind.OPTIMIZER_STEP: ("optimizer_step", "optimizer_step"),
 }
 
@@ -467,7 +469,10 @@ def stage_memory_terms(
     per_held = received + (0 if recompute else st.stash_bytes) + st.loss_bytes + loss_graph
     out = _kept_output_bytes(st, recompute, last)
     one = st.stash_bytes - loss_graph if recompute else 0  # recomputed for the backward that runs
-    cap = _after_input_grad_bytes(st, per_held + one)
+    cap = _after_input_grad_bytes(st, per_held + one, first, last)
+    # What a pending microbatch (its I done, its W not) drops of a held one's: its output, once I
+    # has consumed it; on the first stage I is empty and the output is W's root (backward_split.py).
+    dropped = 0 if first else out
     # A forward's output goes out right after it, its temporaries gone, packed with a header into
     # a new message kept until acknowledged (its moment is the send's).
     fws = max(st.forward_workspace_bytes, 0 if last else HEADER_BYTES + st.output_bytes)
@@ -479,41 +484,53 @@ def stage_memory_terms(
     # ``backward_excess_bytes`` over them); I and W (pending >= 1) free nothing before W.
     excess = st.backward_workspace_bytes if st.backward_excess_bytes is None else st.backward_excess_bytes
     full_ws = bws - st.backward_workspace_bytes + excess  # a full backward's workspace beside its freeing blocks
-    # A deferring I keeps its output gradients for W as it frees the graph: on convolutions that
-    # peaks above a full backward's workspace, which on few linear blocks their new weight gradients dominate.
+    # A deferring I frees the graph block by block as it keeps their inputs and output gradients
+    # for W (``input_grad_workspace_bytes``: its peak over the whole graph, which can be below
+    # it); its W holds what the I kept, ``cap`` over a held microbatch, and adds it into the
+    # gradients in place (Zero Bubble's WeightGradStore).
     split_ws = (
-        max(bws, bws - st.backward_workspace_bytes + st.input_grad_workspace_bytes)
+        bws - st.backward_workspace_bytes + max(st.input_grad_workspace_bytes, cap)
         if st.frees_graph_at_input_grad
         else bws
     )
+    # The last number of each: whether one of the pending microbatches is the one running (its I
+    # or W; its captured gradients are in the workspace), else every pending one waits with them
+    # (a forward or the optimizer step between a microbatch's I and its W: Zero Bubble, 2BW).
     moments = [
-        (held.forward_cold, weights, fws, (0, per_held, 0, one, 0)),
-        (held.forward_warm, weights + grads, fws, (0, per_held, 0, one, 0)),
+        (held.forward_cold, weights, fws, (0, per_held, 0, one, 0), 0),
+        (held.forward_warm, weights + grads, fws, (0, per_held, 0, one, 0), 0),
         (
             held.backward_first,
             weights,
             bws - st.backward_workspace_bytes,
-            (received + st.first_backward_bytes + st.loss_bytes, 0, per_held, 0, 0),
+            (received + st.first_backward_bytes + st.loss_bytes, 0, per_held, one, 0),
+            0,
         ),
-        (held.full_backwards, weights + grads, full_ws, (-loss_graph, per_held, 0, 0, one)),
+        (held.full_backwards, weights + grads, full_ws, (-loss_graph, per_held, 0, 0, one), 0),
         # The first stage's W is a whole backward (no input gradient), freeing as it goes like one.
-        (held.split_backwards, weights + grads, full_ws if first else split_ws, (0, per_held, 0, 0, one)),
-        (held.input_cold, weights, split_ws, (0, per_held, 0, 0, one)),
-        # Every microbatch's I and W done or not begun (2BW: windows overlap); pending ones counted
-        # with the running one's terms, an upper bound.
-        # (Where I frees the graph, ``cap`` already counts p - 1 pending ones as they are, one as held.)
+        (held.split_backwards, weights + grads, full_ws if first else split_ws, (0, per_held, 0, 0, one), 1),
+        (held.input_cold, weights, split_ws, (0, per_held, 0, 0, one), 1),
+        # The W that creates the gradients: on the first stage the step's first backward (above),
+        # beside the pending microbatches (each a held one, its output and the gradient received
+        # for it, and with recompute its rebuilt graph); elsewhere a W whose products become the gradients.
         (
-            held.optimizer_step,
-            weights + grads,
-            st.optimizer_step_bytes,
-            (0, per_held, 0, 0 if st.frees_graph_at_input_grad else one + cap, 0),
+            held.weight_first,
+            weights if first else weights + grads,
+            bws - st.backward_workspace_bytes if first else split_ws,
+            (received + st.first_backward_bytes + st.loss_bytes - one, 0, per_held, one, 0)
+            if first
+            else (0, per_held, 0, 0, one),
+            1,
         ),
+        # 2BW's windows overlap: microbatches between their I and W wait through the step. Before
+        # 2026-11-27 the one of them was counted as held: 1.9% under on a recomputed last stage (issue 48).
+        (held.optimizer_step, weights + grads, st.optimizer_step_bytes, (0, per_held, 0, one, 0), 0),
     ]
     # Totals first, on plain numbers, parts only for the worst point: MadPipe asks millions of times.
     per_output, per_gradient = HEADER_BYTES + st.output_bytes, HEADER_BYTES + st.input_bytes
-    worst, most = (weights + grads, 0, (0, 0, NOTHING_SENT), (0,) * 5), -1
-    for points, state, workspace, (a0, ah, am, ap, a1) in moments:
-        base, per_h, per_p = state + workspace + a0, ah + out, ap - out
+    worst, most = (weights + grads, 0, (0, 0, NOTHING_SENT), (0,) * 5, 0), -1
+    for points, state, workspace, (a0, ah, am, ap, a1), runs in moments:
+        base, per_h, per_p = state + workspace + a0, ah + out, ap - dropped
         for point in points:
             h, p, (o, g) = point
             total = (
@@ -522,27 +539,34 @@ def stage_memory_terms(
                 + am * (h - 1 if h > 1 else 0)
                 + per_p * p
                 + a1 * (p if p > 1 else 1)
-                + cap * (p - 1 if p > 1 else 0)
+                + cap * (p - runs if p > runs else 0)
             )
             total += per_output * o + per_gradient * g
             if total > most:
-                worst, most = (state, workspace, point, (a0, ah, am, ap, a1)), total
-    state, workspace, (h, p, sent), (a0, ah, am, ap, a1) = worst
-    activations = a0 + ah * h + am * max(h - 1, 0) + ap * p + a1 * max(p, 1) + cap * max(p - 1, 0)
+                worst, most = (state, workspace, point, (a0, ah, am, ap, a1), runs), total
+    state, workspace, (h, p, sent), (a0, ah, am, ap, a1), runs = worst
+    activations = a0 + ah * h + am * max(h - 1, 0) + ap * p + a1 * max(p, 1) + cap * max(p - runs, 0)
     return {
         "state": state,
         "activations": activations,
-        "outputs": (h - p) * out,
+        "outputs": h * out - p * dropped,
         "workspace": workspace,
         "buffers": sent_bytes(st, sent),
         "batch": batch_bytes + st.loss_bytes,
     }
 
 
-def _after_input_grad_bytes(st: "StageCosts", held: int) -> int:
+def _after_input_grad_bytes(st: "StageCosts", held: int, first: bool = False, last: bool = False) -> int:
     """What a pending microbatch (its I done, its W not) holds beyond the ``held`` bytes of a held
     one: the gradients its I captured; on a stage whose I frees the graph (deferred linear and
-    convolution weight gradients), those calls' inputs and output gradients in place of everything it held."""
+    convolution weight gradients), those calls' inputs and output gradients in place of everything it held.
+    On the first stage no input needs a gradient: I does nothing and leaves W the whole backward
+    (runtime/autograd/backward_split.py), so a pending microbatch keeps its graph, its output
+    (counted as a held one's) and, unless the stage is also last, the gradient received for its
+    output, with its message's header (it did not wait in a gradient's place before its I: the
+    receive is read just before the I)."""
+    if first:
+        return 0 if last else HEADER_BYTES + st.output_bytes
     return st.captured_bytes - held if st.frees_graph_at_input_grad else st.captured_bytes
 
 
@@ -615,12 +639,18 @@ def resting_bytes(
         + st.loss_bytes
         + _loss_graph_bytes(st, recompute, last, split)
     )
-    activations = h * kept + p * (one + _after_input_grad_bytes(st, kept + one))
-    return state + activations + (h - p) * _kept_output_bytes(st, recompute, last)
+    activations = h * kept + p * (one + _after_input_grad_bytes(st, kept + one, first, last))
+    out = _kept_output_bytes(st, recompute, last)
+    return state + activations + h * out - (0 if first else p * out)
 
 
 #: The kind a moment of a stage takes once its gradients exist (the rank's shared buckets made them).
-_WARM = {"forward_cold": "forward_warm", "backward_first": "backward_warm", "input_cold": "backward_warm"}
+_WARM = {
+    "forward_cold": "forward_warm",
+    "backward_first": "backward_warm",
+    "input_cold": "backward_warm",
+    "weight_first": "backward_warm",
+}
 
 
 def _bucketed_moment(kind: str, grads: tuple[bool, ...]) -> tuple[str, tuple[bool, ...]]:
@@ -628,7 +658,7 @@ def _bucketed_moment(kind: str, grads: tuple[bool, ...]) -> tuple[str, tuple[boo
     stage has them, the running one's moment turning warm; a backward (or W) makes them all."""
     if any(grads):
         return _WARM.get(kind, kind), (True,) * len(grads)
-    return kind, (True,) * len(grads) if kind.startswith("backward") else grads
+    return kind, (True,) * len(grads) if kind.startswith("backward") or kind == "weight_first" else grads
 
 
 def rank_peak_bytes(
