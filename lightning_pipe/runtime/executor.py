@@ -52,6 +52,7 @@ class Hooks:
     weights: Callable[[int], Optional[list[Tensor]]] = lambda first_microbatch: None
     loss_done: Callable[[Tensor], None] = lambda loss_sum: None
     weights_accumulated: Callable[[list[Tensor]], None] = lambda weights: None
+    weights_to_accumulate: Callable[[list[Tensor]], None] = lambda weights: None
 
 
 Key = tuple[int, int]  # (stage, microbatch): a rank may run several stages (interleaved 1F1B)
@@ -392,7 +393,7 @@ class Executor:
         key = (a.stage, a.microbatch)
         # Each deferred weight reported as its gradient is complete: a bucket adopts it before the next exists.
         report = self.hooks.weights_accumulated
-        report(split.weight_grads(st.weight_work.pop(key), report))
+        report(split.weight_grads(st.weight_work.pop(key), report, self.hooks.weights_to_accumulate))
         st.stash(-1)
         st.release(key)
 
