@@ -76,8 +76,11 @@ def _tracked_steps(engine: Any, batch: Any, steps: int = 3) -> int:
     """Peak tensor bytes over steps 2 to ``steps`` of training (AdamW's state exists from the first
     on, 2BW's second weight version from its second): every storage the steps create, tracked from
     before the first, plus the weights and the batch."""
+    from lightning_pipe.runtime.comm import p2p
+
     params = list(engine.parameters())
     opt = adamw(params)
+    p2p.packing.cache_clear()  # its header templates are made (and counted) as in a fresh process
     with _TrackedBytes(params + list(batch)) as tracker:
         engine.train_step(batch, opt)
         tracker.peak = sum(tracker.alive.values())

@@ -267,8 +267,9 @@ def weight_versions(plan: PipelinePlan) -> int:
     return plan.spec.weight_versions
 
 
-#: The step's loss every rank holds during a training step (a float32 scalar, runtime/engine.py).
-STEP_LOSS_BYTES = 4
+#: The step's loss every rank holds during a training step, and the last step's, which the
+#: engine keeps for ``loss="previous"`` (float32 scalars, runtime/engine.py ``_previous``).
+STEP_LOSS_BYTES = 8
 
 
 def batch_bytes(profile: Profile, plan: PipelinePlan, microbatch_size: int) -> int:

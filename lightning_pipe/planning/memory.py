@@ -27,6 +27,10 @@ from lightning_pipe.schedules.flat import (
 
 OPTIMIZER_STEP = CODES[Kind.OPTIMIZER_STEP]
 
+#: The global gradient norm's square, a float32 scalar each rank keeps from its all-reduce to the
+#: optimizer step that reads it (runtime/update.py).
+GRADIENT_NORM_BYTES = 4
+
 if TYPE_CHECKING:
     from lightning_pipe.planning.costs import StageCosts
 
@@ -450,9 +454,10 @@ def stage_memory_terms(
       so all of it, and on the last stage nothing beyond what the loss saved (above).
     - ``buffers``: the receives posted and the sends not yet acknowledged at that moment (the
       point's :data:`Sent`, :func:`buffered`: outputs and input gradients sent, each packed with
-      its header; a gradient and an input posted for, each with its header).
-    - ``batch``: the replica's batch, which every rank of a pipeline holds during the step (and on
-      the last stage the step's running loss sum).
+      its header; a gradient and an input posted for, each with its header), and the header
+      templates of the stage's message layouts (:func:`message_templates`).
+    - ``batch``: the replica's batch, which every rank of a pipeline holds during the step, the
+      step's loss and the last step's (and on the last stage the step's running loss sum).
     - ``workspace``: the optimizer step's temporaries at the step; else the running block's
       temporaries (largest forward, or on a stage that is not
       last its output's send, header and a copy of the output, if larger; largest backward; a
@@ -476,7 +481,10 @@ def stage_memory_terms(
     # A forward's output goes out right after it, its temporaries gone, packed with a header into
     # a new message kept until acknowledged (its moment is the send's).
     fws = max(st.forward_workspace_bytes, 0 if last else HEADER_BYTES + st.output_bytes)
-    bws = st.backward_workspace_bytes + (0 if last else HEADER_BYTES + st.output_bytes)
+    # A backward's gradient it started from, kept to its end: received, with its message's header,
+    # or on the last stage the loss's (a scalar autograd makes; a block's own workspace has it
+    # only while that block runs: up to its bytes over).
+    bws = st.backward_workspace_bytes + (st.loss_bytes if last else HEADER_BYTES + st.output_bytes)
     # Per kind of moment: its points, state, workspace, and activations as
     # a0 + ah h + am max(h - 1, 0) + ap p + a1 max(p, 1) (recomputed graphs: the one a backward
     # runs on, and under split backward each pending microbatch's, rebuilt before its I, kept for its W).
@@ -524,7 +532,13 @@ def stage_memory_terms(
         ),
         # 2BW's windows overlap: microbatches between their I and W wait through the step. Before
         # 2026-11-27 the one of them was counted as held: 1.9% under on a recomputed last stage (issue 48).
-        (held.optimizer_step, weights + grads, st.optimizer_step_bytes, (0, per_held, 0, one, 0), 0),
+        (
+            held.optimizer_step,
+            weights + grads,
+            st.optimizer_step_bytes + GRADIENT_NORM_BYTES,
+            (0, per_held, 0, one, 0),
+            0,
+        ),
     ]
     # Totals first, on plain numbers, parts only for the worst point: MadPipe asks millions of times.
     per_output, per_gradient = HEADER_BYTES + st.output_bytes, HEADER_BYTES + st.input_bytes
@@ -551,7 +565,7 @@ def stage_memory_terms(
         "activations": activations,
         "outputs": h * out - p * dropped,
         "workspace": workspace,
-        "buffers": sent_bytes(st, sent),
+        "buffers": sent_bytes(st, sent) + message_templates([(st, first, last)]),
         "batch": batch_bytes + st.loss_bytes,
     }
 
@@ -574,6 +588,17 @@ def _loss_graph_bytes(st: "StageCosts", recompute: bool, last: bool, split: bool
     """What the loss saved, kept per held microbatch beside a recomputed last stage's inputs (the
     loss runs outside the recomputation; under split backward the first forward keeps no graph)."""
     return st.loss_saved_bytes if recompute and last and not split else 0
+
+
+def message_templates(stages: Iterable[tuple["StageCosts", bool, bool]]) -> int:
+    """Bytes of the packed-message header templates a rank's stages (each with whether it is
+    first and last) make: one header per distinct message layout (runtime/comm/p2p.py
+    ``packing``, cached for the process), a stage's input (received, its gradient sent) and its
+    output (sent, its gradient received). Layouts are told apart by size: two of one size but
+    different shapes share one here, and hold a header more."""
+    sizes = {st.input_bytes for st, first, _ in stages if not first}
+    sizes |= {st.output_bytes for st, _, last in stages if not last}
+    return HEADER_BYTES * len(sizes)
 
 
 def sent_bytes(st: "StageCosts", sent: Sent) -> int:
@@ -707,4 +732,5 @@ def rank_peak_bytes(
                     )
                 total += resting[o, point[:2], g]
         best = max(best, total)
-    return best + batch_bytes + sum(st.loss_bytes for st in stages)
+    templates = message_templates(zip(stages, first, last))
+    return best + batch_bytes + sum(st.loss_bytes for st in stages) + templates
