@@ -49,6 +49,10 @@ class StageCosts:
     # a deferring I's peak temporaries, the later blocks' kept tensors and its incoming gradient with
     # them (_input_grad_peak)
     input_grad_workspace_bytes: int = 0
+    # the stage's input and output hold a tensor that is not floating point: their gradients
+    # travel in a message layout of their own (memory.message_templates)
+    mixed_input: bool = False
+    mixed_output: bool = False
 
 
 def _backward_peaks(
@@ -198,6 +202,8 @@ def range_costs(
         loss_saved_bytes=mine[-1].loss_saved_bytes,
         optimizer_step_bytes=step_bytes(profile, states),
         input_grad_workspace_bytes=_input_grad_peak(mine),
+        mixed_input=first > 0 and profile.blocks[first - 1].mixed_output,
+        mixed_output=states[-1].mixed_output,
         # As the executor decides: a stage with an input gradient whose matrices are all linear,
         # convolution or embedding weights.
         frees_graph_at_input_grad=first > 0

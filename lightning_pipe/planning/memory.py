@@ -593,12 +593,23 @@ def _loss_graph_bytes(st: "StageCosts", recompute: bool, last: bool, split: bool
 def message_templates(stages: Iterable[tuple["StageCosts", bool, bool]]) -> int:
     """Bytes of the packed-message header templates a rank's stages (each with whether it is
     first and last) make: one header per distinct message layout (runtime/comm/p2p.py
-    ``packing``, cached for the process), a stage's input (received, its gradient sent) and its
-    output (sent, its gradient received). Layouts are told apart by size: two of one size but
-    different shapes share one here, and hold a header more."""
-    sizes = {st.input_bytes for st, first, _ in stages if not first}
-    sizes |= {st.output_bytes for st, _, last in stages if not last}
-    return HEADER_BYTES * len(sizes)
+    ``packing``, cached for the process): an activation's and its gradient's, which carries only
+    its floating tensors (the same layout unless others travel: ``StageCosts.mixed_input`` and
+    ``mixed_output``), told apart by size (two of one size but different shapes share one here,
+    and hold a header more)."""
+    layouts = set()
+    for st, first, last in stages:
+        if not first:  # the input received, its gradient sent
+            layouts |= {
+                ("activation", st.input_bytes),
+                ("gradient" if st.mixed_input else "activation", st.input_bytes),
+            }
+        if not last:  # the output sent, its gradient received
+            layouts |= {
+                ("activation", st.output_bytes),
+                ("gradient" if st.mixed_output else "activation", st.output_bytes),
+            }
+    return HEADER_BYTES * len(layouts)
 
 
 def sent_bytes(st: "StageCosts", sent: Sent) -> int:

@@ -66,6 +66,9 @@ class BlockProfile:
     other_matrices: bool = (
         False  # it holds a trainable matrix that is no linear, convolution or embedding weight (it cannot)
     )
+    # its output holds a tensor that is not floating point: the gradient sent back for it carries
+    # fewer tensors, a message layout of its own (unknown in profiles written before 2026-11-27: no)
+    mixed_output: bool = False
 
     def at(self, size: int) -> BlockSample:
         """Every field at microbatch ``size``: linear in ``size`` through the two nearest samples (PipeDream-2BW paper,
