@@ -269,10 +269,11 @@ class HeldCounts:
         forward_cold: after a forward, before gradients exist.
         forward_warm: after a forward, once gradients exist.
         backward_first: at the backward that creates the gradients.
-        backward_warm: at any later backward, input gradient or weight gradient.
+        backward_warm: at any later backward or input gradient.
         input_cold: at an input gradient (split backward) before any W created gradients.
         optimizer_step: at the optimizer step.
         weight_first: at the W (split backward) that creates the gradients.
+        weight_warm: at any later W.
     """
 
     forward_cold: tuple[Point, ...] = ()
@@ -282,6 +283,7 @@ class HeldCounts:
     input_cold: tuple[Point, ...] = ()
     optimizer_step: tuple[Point, ...] = ()
     weight_first: tuple[Point, ...] = ()
+    weight_warm: tuple[Point, ...] = ()
 
     def __hash__(self) -> int:
         return self._hash
@@ -292,12 +294,12 @@ class HeldCounts:
 
     @functools.cached_property
     def full_backwards(self) -> tuple[Point, ...]:
-        """The points of :attr:`backward_warm` at a full backward (none pending: I and W have some)."""
+        """The points of :attr:`backward_warm` at a full backward (none pending: an I has some)."""
         return tuple(point for point in self.backward_warm if point[1] == 0)
 
     @functools.cached_property
     def split_backwards(self) -> tuple[Point, ...]:
-        """The points of :attr:`backward_warm` at an I or a W."""
+        """The points of :attr:`backward_warm` at an I."""
         return tuple(point for point in self.backward_warm if point[1] > 0)
 
     @property
@@ -311,6 +313,7 @@ class HeldCounts:
             + self.input_cold
             + self.optimizer_step
             + self.weight_first
+            + self.weight_warm
         )
         return max((point[0] for point in points), default=0)
 
@@ -320,7 +323,7 @@ _MOMENT_KINDS = {
     Kind.FORWARD: ("forward_cold", "forward_warm"),
     Kind.BACKWARD: ("backward_first", "backward_warm"),
     Kind.INPUT_GRAD: ("input_cold", "backward_warm"),
-    Kind.WEIGHT_GRAD: ("weight_first", "backward_warm"),
+    Kind.WEIGHT_GRAD: ("weight_first", "weight_warm"),
     Kind.OPTIMIZER_STEP: ("optimizer_step", "optimizer_step"),
 }
 
@@ -494,13 +497,17 @@ def stage_memory_terms(
     full_ws = bws - st.backward_workspace_bytes + excess  # a full backward's workspace beside its freeing blocks
     # A deferring I frees the graph block by block as it keeps their inputs and output gradients
     # for W (``input_grad_workspace_bytes``: its peak over the whole graph, which can be below
-    # it); its W holds what the I kept, ``cap`` over a held microbatch, and adds it into the
-    # gradients in place (Zero Bubble's WeightGradStore).
+    # it); at its end it holds what it kept, ``cap`` over a held microbatch.
     split_ws = (
         bws - st.backward_workspace_bytes + max(st.input_grad_workspace_bytes, cap)
         if st.frees_graph_at_input_grad
         else bws
     )
+    # Its W adds the products into the gradients (in place where they exist or sit in a bucket;
+    # else they become the gradients, counted as state): the running microbatch holds what its I
+    # kept, ``cap`` over a held one, and nothing else of note (Zero Bubble's WeightGradStore).
+    # Measured on NonUniformChain, counting an I's workspace there was 2.2% over (issue 48).
+    weight_ws = cap if st.frees_graph_at_input_grad else bws
     # The last number of each: whether one of the pending microbatches is the one running (its I
     # or W; its captured gradients are in the workspace), else every pending one waits with them
     # (a forward or the optimizer step between a microbatch's I and its W: Zero Bubble, 2BW).
@@ -515,16 +522,19 @@ def stage_memory_terms(
             0,
         ),
         (held.full_backwards, weights + grads, full_ws, (-loss_graph, per_held, 0, 0, one), 0),
-        # The first stage's W is a whole backward (no input gradient), freeing as it goes like one.
+        # An I (on the first stage empty: the received gradient waits in the workspace).
         (held.split_backwards, weights + grads, full_ws if first else split_ws, (0, per_held, 0, 0, one), 1),
         (held.input_cold, weights, split_ws, (0, per_held, 0, 0, one), 1),
+        # A W: on the first stage a whole backward (no input gradient), freeing as it goes like one;
+        # where I froze the graph, the running microbatch's captured tensors in place of a held one's.
+        (held.weight_warm, weights + grads, full_ws if first else weight_ws, (0, per_held, 0, 0, one), 1),
         # The W that creates the gradients: on the first stage the step's first backward (above),
         # beside the pending microbatches (each a held one, its output and the gradient received
         # for it, and with recompute its rebuilt graph); elsewhere a W whose products become the gradients.
         (
             held.weight_first,
             weights if first else weights + grads,
-            bws - st.backward_workspace_bytes if first else split_ws,
+            bws - st.backward_workspace_bytes if first else weight_ws,
             (received + st.first_backward_bytes + st.loss_bytes - one, 0, per_held, one, 0)
             if first
             else (0, per_held, 0, 0, one),
@@ -685,7 +695,7 @@ _WARM = {
     "forward_cold": "forward_warm",
     "backward_first": "backward_warm",
     "input_cold": "backward_warm",
-    "weight_first": "backward_warm",
+    "weight_first": "weight_warm",
 }
 
 
@@ -694,7 +704,7 @@ def _bucketed_moment(kind: str, grads: tuple[bool, ...]) -> tuple[str, tuple[boo
     stage has them, the running one's moment turning warm; a backward (or W) makes them all."""
     if any(grads):
         return _WARM.get(kind, kind), (True,) * len(grads)
-    return kind, (True,) * len(grads) if kind.startswith("backward") or kind == "weight_first" else grads
+    return kind, (True,) * len(grads) if kind.startswith(("backward", "weight")) else grads
 
 
 def rank_peak_bytes(
@@ -721,6 +731,20 @@ def rank_peak_bytes(
     running: dict[tuple[int, str, tuple[int, int]], int] = {}
     resting: dict[tuple[int, tuple[int, int], bool], int] = {}
     best = 0
+    # Messages to one neighbour alternate between the stages' layouts where those differ: each
+    # receive is posted for the link's last message of its kind (runtime/comm/p2p.py, Incoming),
+    # so a message may meet a receive of the other layout and come as a header padded to that
+    # message's size and its tensors apart, or wait in such a receive. Counted at its own size
+    # plus the largest of the rank's layouts of its kind (an upper bound; issue 48: 0.2% under
+    # on NonUniformChain, whose interleaved stages send 6 KiB and 18 KiB activations).
+    outputs = {st.output_bytes for st, is_last in zip(stages, last) if not is_last}
+    inputs = {st.input_bytes for st, is_first in zip(stages, first) if not is_first}
+    other_output = max(outputs) if len(outputs) > 1 else 0
+    other_input = max(inputs) if len(inputs) > 1 else 0
+
+    def buffers(st: "StageCosts", sent: Sent) -> int:
+        return sent_bytes(st, sent) + sent[0] * other_output + sent[1] * other_input
+
     for c, kind, points, grads in moments:
         if buckets:
             kind, grads = _bucketed_moment(kind, grads)
@@ -731,7 +755,7 @@ def rank_peak_bytes(
                 stages[c], HeldCounts(**{kind: (point,)}), 1, recompute[c], first[c], last[c], split=split
             )
             running[key] = int(sum(terms.values())) - terms["buffers"] - terms["batch"]
-        total = running[key] + sum(sent_bytes(st, point[2]) for st, point in zip(stages, points))
+        total = running[key] + sum(buffers(st, point[2]) for st, point in zip(stages, points))
         if kind == "optimizer_step":  # one optimizer over all the rank's stages
             whole = sum(st.optimizer_step_bytes for st in stages) if step_bytes is None else step_bytes
             total += whole - stages[c].optimizer_step_bytes
