@@ -52,6 +52,8 @@ class StageCosts:
     # the stage's input and output hold a tensor that is not floating point: their gradients
     # travel in a message layout of their own (memory.message_templates)
     mixed_input: bool = False
+    # split backward: of ``captured_bytes``, the stage's input (its first block's deferred call keeps it for W)
+    captured_input_bytes: int = 0
     mixed_output: bool = False
 
 
@@ -203,6 +205,7 @@ def range_costs(
         optimizer_step_bytes=step_bytes(profile, states),
         input_grad_workspace_bytes=_input_grad_peak(mine),
         mixed_input=first > 0 and profile.blocks[first - 1].mixed_output,
+        captured_input_bytes=mine[0].captured_input_bytes,
         mixed_output=states[-1].mixed_output,
         # As the executor decides: a stage with an input gradient whose matrices are all linear,
         # convolution or embedding weights.

@@ -25,6 +25,7 @@ class BlockSample:
     forward_workspace_bytes: int = 0  # peak temporaries of its forward (see ``_workspace``)
     backward_workspace_bytes: int = 0  # peak temporaries of its backward
     captured_bytes: int = 0  # gradients split backward's I captures for the block's W (held until W)
+    captured_input_bytes: int = 0  # of those, the block's own input (a deferred call on it keeps it for W)
     input_grad_workspace_bytes: int = (
         0  # peak temporaries of its I where it defers its weight gradients (see ``_input_grad_workspace``)
     )
@@ -96,6 +97,7 @@ _FIELDS = (
     "forward_workspace_bytes",
     "backward_workspace_bytes",
     "captured_bytes",
+    "captured_input_bytes",
     "after_gradient_bytes",
     "cold_backward_bytes",
     "loss_saved_bytes",

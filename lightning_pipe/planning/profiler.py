@@ -149,6 +149,14 @@ def _block_sample(
     needing, deferred, out, (roots, grads) = _split_forward(block, x, first, loss)
     t_i, (found, work) = _timed(lambda: split.input_grads(roots, grads, needing, deferred), device)
     captured = _captured_bytes(work, found)
+    mine = {t.untyped_storage().data_ptr() for t in needing}
+    captured_input = sum(
+        {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in work.kept()
+            if t.untyped_storage().data_ptr() in mine
+        }.values()
+    )
     t_w, _ = _timed(lambda: split.weight_grads(work), device)
     block.zero_grad(set_to_none=True)
     sample = BlockSample(
@@ -162,6 +170,7 @@ def _block_sample(
         forwarded.saved_input_bytes,
         saved_output_bytes=forwarded.saved_output_bytes,
         captured_bytes=captured,
+        captured_input_bytes=captured_input,
     )
     return sample, tuple(o.detach() for o in out)
 
