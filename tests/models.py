@@ -202,3 +202,128 @@ def assert_close_dicts(got: dict[str, Tensor], want: dict[str, Tensor], rtol: fl
 def frozen(engine: Any) -> torch.optim.Optimizer:
     """An optimizer that leaves the stage's weights unchanged, for tests that read gradients."""
     return torch.optim.SGD(engine.parameters(), lr=0.0)
+
+
+#: :class:`NonUniformChain`'s vocabulary, sequence length and width.
+VOCAB, TOKENS, WIDTH = 256, 8, 96
+
+
+class TokenEmbed(nn.Module):
+    """First block of :class:`NonUniformChain`: token embedding and a layer norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.norm = nn.LayerNorm(WIDTH)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.norm(self.embed(tokens))
+
+
+class MLP(nn.Module):
+    """Pre-norm residual MLP of hidden width ``hidden`` over ``width`` features."""
+
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, hidden)
+        self.down = nn.Linear(hidden, width)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return h + self.down(F.gelu(self.up(self.norm(h))))
+
+
+class Attention(nn.Module):
+    """Pre-norm residual causal self-attention: linear projections, ``F.scaled_dot_product_attention``."""
+
+    def __init__(self, width: int = WIDTH, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, h: Tensor) -> Tensor:
+        b, t, c = h.shape
+        q, k, v = self.qkv(self.norm(h)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return h + self.out(y.transpose(1, 2).reshape(b, t, c))
+
+
+class Resize(nn.Module):
+    """A block that changes the width: a linear map and an activation (no residual)."""
+
+    def __init__(self, width: int, to: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, to)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return torch.tanh(self.fc(h))
+
+
+class TokenHead(nn.Module):
+    """Last block of :class:`NonUniformChain`: a layer norm and per-token logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.out = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.out(self.norm(h))
+
+
+class NonUniformChain(PipelineMixin, L.LightningModule):
+    """Ten blocks nobody tuned the memory model on, about 0.93M parameters: a token
+    embedding; residual MLPs of hidden widths 4x, 2x and 8x; causal self-attention; a block that
+    triples the width, an MLP at that width, one that narrows it back, a wide MLP; a per-token
+    head with a cross-entropy loss. AdamW. Batches are ``(tokens, targets)``, both ``[n, TOKENS]``."""
+
+    def __init__(self, lr: float = 1e-3) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.chain = nn.ModuleList(
+            [
+                TokenEmbed(),
+                MLP(WIDTH, 4 * WIDTH),
+                MLP(WIDTH, 2 * WIDTH),
+                Attention(),
+                MLP(WIDTH, 8 * WIDTH),
+                Resize(WIDTH, 3 * WIDTH),
+                MLP(3 * WIDTH, 6 * WIDTH),
+                Resize(3 * WIDTH, WIDTH),
+                MLP(WIDTH, 10 * WIDTH),
+                TokenHead(),
+            ]
+        )
+        self.lr = lr
+
+    def pipeline_blocks(self) -> list[nn.Module]:
+        return list(self.chain)
+
+    def pipeline_loss(self, output: Tensor, batch: Any) -> Tensor:
+        return F.cross_entropy(output.flatten(0, 1), batch[1].flatten())
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        h = tokens
+        for block in self.chain:
+            h = block(h)
+        return h
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("train_loss", self.pipeline_step(batch), prog_bar=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return adamw(self.parameters(), self.lr)
+
+
+def adamw(params: Any, lr: float = 1e-3) -> torch.optim.Optimizer:
+    """:class:`NonUniformChain`'s optimizer."""
+    return torch.optim.AdamW(params, lr=lr)
+
+
+def token_data(n: int, seed: int = 0) -> tuple[Tensor, Tensor]:
+    """Tokens and next-token-like targets for :class:`NonUniformChain`."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (n, TOKENS), generator=g)
+    return tokens, torch.randint(0, VOCAB, (n, TOKENS), generator=g)

@@ -28,6 +28,7 @@ MODULES = (
     "tests.test_example",
     "tests.test_monitor",
     "tests.test_user_errors",
+    "tests.test_memory_exact",
 )
 
 SCENARIOS: dict[int, dict[str, tuple[Callable[..., Any], tuple]]] = {}

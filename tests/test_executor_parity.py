@@ -273,8 +273,7 @@ def test_links_carrying_activations_and_gradients_post_receives_that_fit(launche
     # of its kind, every receive posted ahead fits (by the last message on the link alone, 12 of
     # each rank's messages in steps 2 and 3 did not, and each sent a placeholder first: now a
     # header padded to the size of the one message the receiver posted for).
-    # Once shapes are known every transfer is one message, header and tensors packed (issue 12):
-    # two per transfer before, header then payload.
+    # Once shapes are known every transfer is one message, header and tensors packed.
     out = launched(2)["executor_link_specs"]
     assert all(
         status == "ok" and mismatched == 0 and posted == sends > 0 for status, (mismatched, posted, sends) in out

@@ -27,6 +27,10 @@ from lightning_pipe.schedules.flat import (
 
 OPTIMIZER_STEP = CODES[Kind.OPTIMIZER_STEP]
 
+#: The global gradient norm's square, a float32 scalar each rank keeps from its all-reduce to the
+#: optimizer step that reads it (runtime/update.py).
+GRADIENT_NORM_BYTES = 4
+
 if TYPE_CHECKING:
     from lightning_pipe.planning.costs import StageCosts
 
@@ -265,10 +269,11 @@ class HeldCounts:
         forward_cold: after a forward, before gradients exist.
         forward_warm: after a forward, once gradients exist.
         backward_first: at the backward that creates the gradients.
-        backward_warm: at any later backward, input gradient or weight gradient, and at a W
-            that creates the gradients.
+        backward_warm: at any later backward or input gradient.
         input_cold: at an input gradient (split backward) before any W created gradients.
         optimizer_step: at the optimizer step.
+        weight_first: at the W (split backward) that creates the gradients.
+        weight_warm: at any later W.
     """
 
     forward_cold: tuple[Point, ...] = ()
@@ -277,6 +282,8 @@ class HeldCounts:
     backward_warm: tuple[Point, ...] = ()
     input_cold: tuple[Point, ...] = ()
     optimizer_step: tuple[Point, ...] = ()
+    weight_first: tuple[Point, ...] = ()
+    weight_warm: tuple[Point, ...] = ()
 
     def __hash__(self) -> int:
         return self._hash
@@ -287,12 +294,12 @@ class HeldCounts:
 
     @functools.cached_property
     def full_backwards(self) -> tuple[Point, ...]:
-        """The points of :attr:`backward_warm` at a full backward (none pending: I and W have some)."""
+        """The points of :attr:`backward_warm` at a full backward (none pending: an I has some)."""
         return tuple(point for point in self.backward_warm if point[1] == 0)
 
     @functools.cached_property
     def split_backwards(self) -> tuple[Point, ...]:
-        """The points of :attr:`backward_warm` at an I or a W."""
+        """The points of :attr:`backward_warm` at an I."""
         return tuple(point for point in self.backward_warm if point[1] > 0)
 
     @property
@@ -305,6 +312,8 @@ class HeldCounts:
             + self.backward_warm
             + self.input_cold
             + self.optimizer_step
+            + self.weight_first
+            + self.weight_warm
         )
         return max((point[0] for point in points), default=0)
 
@@ -314,7 +323,7 @@ _MOMENT_KINDS = {
     Kind.FORWARD: ("forward_cold", "forward_warm"),
     Kind.BACKWARD: ("backward_first", "backward_warm"),
     Kind.INPUT_GRAD: ("input_cold", "backward_warm"),
-    Kind.WEIGHT_GRAD: ("backward_warm", "backward_warm"),
+    Kind.WEIGHT_GRAD: ("weight_first", "weight_warm"),
     Kind.OPTIMIZER_STEP: ("optimizer_step", "optimizer_step"),
 }
 
@@ -448,9 +457,10 @@ def stage_memory_terms(
       so all of it, and on the last stage nothing beyond what the loss saved (above).
     - ``buffers``: the receives posted and the sends not yet acknowledged at that moment (the
       point's :data:`Sent`, :func:`buffered`: outputs and input gradients sent, each packed with
-      its header; a gradient and an input posted for, each with its header).
-    - ``batch``: the replica's batch, which every rank of a pipeline holds during the step (and on
-      the last stage the step's running loss sum).
+      its header; a gradient and an input posted for, each with its header), and the header
+      templates of the stage's message layouts (:func:`message_templates`).
+    - ``batch``: the replica's batch, which every rank of a pipeline holds during the step, the
+      step's loss and the last step's (and on the last stage the step's running loss sum).
     - ``workspace``: the optimizer step's temporaries at the step; else the running block's
       temporaries (largest forward, or on a stage that is not
       last its output's send, header and a copy of the output, if larger; largest backward; a
@@ -467,11 +477,17 @@ def stage_memory_terms(
     per_held = received + (0 if recompute else st.stash_bytes) + st.loss_bytes + loss_graph
     out = _kept_output_bytes(st, recompute, last)
     one = st.stash_bytes - loss_graph if recompute else 0  # recomputed for the backward that runs
-    cap = _after_input_grad_bytes(st, per_held + one)
+    cap = _after_input_grad_bytes(st, per_held + one, first, last)
+    # What a pending microbatch (its I done, its W not) drops of a held one's: its output, once I
+    # has consumed it; on the first stage I is empty and the output is W's root (backward_split.py).
+    dropped = 0 if first else out
     # A forward's output goes out right after it, its temporaries gone, packed with a header into
     # a new message kept until acknowledged (its moment is the send's).
     fws = max(st.forward_workspace_bytes, 0 if last else HEADER_BYTES + st.output_bytes)
-    bws = st.backward_workspace_bytes + (0 if last else HEADER_BYTES + st.output_bytes)
+    # A backward's gradient it started from, kept to its end: received, with its message's header,
+    # or on the last stage the loss's (a scalar autograd makes; a block's own workspace has it
+    # only while that block runs: up to its bytes over).
+    bws = st.backward_workspace_bytes + (st.loss_bytes if last else HEADER_BYTES + st.output_bytes)
     # Per kind of moment: its points, state, workspace, and activations as
     # a0 + ah h + am max(h - 1, 0) + ap p + a1 max(p, 1) (recomputed graphs: the one a backward
     # runs on, and under split backward each pending microbatch's, rebuilt before its I, kept for its W).
@@ -479,41 +495,66 @@ def stage_memory_terms(
     # ``backward_excess_bytes`` over them); I and W (pending >= 1) free nothing before W.
     excess = st.backward_workspace_bytes if st.backward_excess_bytes is None else st.backward_excess_bytes
     full_ws = bws - st.backward_workspace_bytes + excess  # a full backward's workspace beside its freeing blocks
-    # A deferring I keeps its output gradients for W as it frees the graph: on convolutions that
-    # peaks above a full backward's workspace, which on few linear blocks their new weight gradients dominate.
+    # A deferring I frees the graph block by block as it keeps their inputs and output gradients
+    # for W (``input_grad_workspace_bytes``: its peak beside the whole graph, an upper bound); at
+    # its end it holds what it kept, ``cap`` over a held microbatch.
     split_ws = (
-        max(bws, bws - st.backward_workspace_bytes + st.input_grad_workspace_bytes)
+        bws - st.backward_workspace_bytes + max(st.input_grad_workspace_bytes, cap)
         if st.frees_graph_at_input_grad
         else bws
     )
+    # Its W adds the products into the gradients (in place where they exist or sit in a bucket;
+    # else they become the gradients, counted as state): the running microbatch holds what its I
+    # kept, ``cap`` over a held one, and nothing else of note (Zero Bubble's WeightGradStore).
+    # Counting an I's workspace for W instead over-predicts (2% on tests/models.py's NonUniformChain).
+    weight_ws = cap if st.frees_graph_at_input_grad else bws
+    # The last number of each: whether one of the pending microbatches is the one running (its I
+    # or W; its captured gradients are in the workspace), else every pending one waits with them
+    # (a forward or the optimizer step between a microbatch's I and its W: Zero Bubble, 2BW).
     moments = [
-        (held.forward_cold, weights, fws, (0, per_held, 0, one, 0)),
-        (held.forward_warm, weights + grads, fws, (0, per_held, 0, one, 0)),
+        (held.forward_cold, weights, fws, (0, per_held, 0, one, 0), 0),
+        (held.forward_warm, weights + grads, fws, (0, per_held, 0, one, 0), 0),
         (
             held.backward_first,
             weights,
             bws - st.backward_workspace_bytes,
-            (received + st.first_backward_bytes + st.loss_bytes, 0, per_held, 0, 0),
+            (received + st.first_backward_bytes + st.loss_bytes, 0, per_held, one, 0),
+            0,
         ),
-        (held.full_backwards, weights + grads, full_ws, (-loss_graph, per_held, 0, 0, one)),
-        # The first stage's W is a whole backward (no input gradient), freeing as it goes like one.
-        (held.split_backwards, weights + grads, full_ws if first else split_ws, (0, per_held, 0, 0, one)),
-        (held.input_cold, weights, split_ws, (0, per_held, 0, 0, one)),
-        # Every microbatch's I and W done or not begun (2BW: windows overlap); pending ones counted
-        # with the running one's terms, an upper bound.
-        # (Where I frees the graph, ``cap`` already counts p - 1 pending ones as they are, one as held.)
+        (held.full_backwards, weights + grads, full_ws, (-loss_graph, per_held, 0, 0, one), 0),
+        # An I (on the first stage empty: the received gradient waits in the workspace).
+        (held.split_backwards, weights + grads, full_ws if first else split_ws, (0, per_held, 0, 0, one), 1),
+        (held.input_cold, weights, split_ws, (0, per_held, 0, 0, one), 1),
+        # A W: on the first stage a whole backward (no input gradient), freeing as it goes like one;
+        # where I froze the graph, the running microbatch's captured tensors in place of a held one's.
+        (held.weight_warm, weights + grads, full_ws if first else weight_ws, (0, per_held, 0, 0, one), 1),
+        # The W that creates the gradients: on the first stage the step's first backward (above),
+        # beside the pending microbatches (each a held one, its output and the gradient received
+        # for it, and with recompute its rebuilt graph); elsewhere a W whose products become the gradients.
+        (
+            held.weight_first,
+            weights if first else weights + grads,
+            bws - st.backward_workspace_bytes if first else weight_ws,
+            (received + st.first_backward_bytes + st.loss_bytes - one, 0, per_held, one, 0)
+            if first
+            else (0, per_held, 0, 0, one),
+            1,
+        ),
+        # 2BW's windows overlap: microbatches between their I and W wait through the step, each with
+        # its captured gradients (counting one of them as held under-predicts a recomputed last stage).
         (
             held.optimizer_step,
             weights + grads,
-            st.optimizer_step_bytes,
-            (0, per_held, 0, 0 if st.frees_graph_at_input_grad else one + cap, 0),
+            st.optimizer_step_bytes + GRADIENT_NORM_BYTES,
+            (0, per_held, 0, one, 0),
+            0,
         ),
     ]
     # Totals first, on plain numbers, parts only for the worst point: MadPipe asks millions of times.
     per_output, per_gradient = HEADER_BYTES + st.output_bytes, HEADER_BYTES + st.input_bytes
-    worst, most = (weights + grads, 0, (0, 0, NOTHING_SENT), (0,) * 5), -1
-    for points, state, workspace, (a0, ah, am, ap, a1) in moments:
-        base, per_h, per_p = state + workspace + a0, ah + out, ap - out
+    worst, most = (weights + grads, 0, (0, 0, NOTHING_SENT), (0,) * 5, 0), -1
+    for points, state, workspace, (a0, ah, am, ap, a1), runs in moments:
+        base, per_h, per_p = state + workspace + a0, ah + out, ap - dropped
         for point in points:
             h, p, (o, g) = point
             total = (
@@ -522,34 +563,72 @@ def stage_memory_terms(
                 + am * (h - 1 if h > 1 else 0)
                 + per_p * p
                 + a1 * (p if p > 1 else 1)
-                + cap * (p - 1 if p > 1 else 0)
+                + cap * (p - runs if p > runs else 0)
             )
             total += per_output * o + per_gradient * g
             if total > most:
-                worst, most = (state, workspace, point, (a0, ah, am, ap, a1)), total
-    state, workspace, (h, p, sent), (a0, ah, am, ap, a1) = worst
-    activations = a0 + ah * h + am * max(h - 1, 0) + ap * p + a1 * max(p, 1) + cap * max(p - 1, 0)
+                worst, most = (state, workspace, point, (a0, ah, am, ap, a1), runs), total
+    state, workspace, (h, p, sent), (a0, ah, am, ap, a1), runs = worst
+    activations = a0 + ah * h + am * max(h - 1, 0) + ap * p + a1 * max(p, 1) + cap * max(p - runs, 0)
     return {
         "state": state,
         "activations": activations,
-        "outputs": (h - p) * out,
+        "outputs": h * out - p * dropped,
         "workspace": workspace,
-        "buffers": sent_bytes(st, sent),
+        "buffers": sent_bytes(st, sent) + message_templates([(st, first, last)]),
         "batch": batch_bytes + st.loss_bytes,
     }
 
 
-def _after_input_grad_bytes(st: "StageCosts", held: int) -> int:
+def _after_input_grad_bytes(st: "StageCosts", held: int, first: bool = False, last: bool = False) -> int:
     """What a pending microbatch (its I done, its W not) holds beyond the ``held`` bytes of a held
     one: the gradients its I captured; on a stage whose I frees the graph (deferred linear and
-    convolution weight gradients), those calls' inputs and output gradients in place of everything it held."""
-    return st.captured_bytes - held if st.frees_graph_at_input_grad else st.captured_bytes
+    convolution weight gradients), those calls' inputs and output gradients in place of everything it held.
+    On the first stage no input needs a gradient: I does nothing and leaves W the whole backward
+    (runtime/autograd/backward_split.py), so a pending microbatch keeps its graph, its output
+    (counted as a held one's) and, unless the stage is also last, the gradient received for its
+    output, with its message's header (it did not wait in a gradient's place before its I: the
+    receive is read just before the I).
+
+    Where I frees the graph a pending microbatch keeps its input, as received, until its W: inside
+    its message (a header more than the profile's captured bytes count) where a deferred call of
+    the first block keeps it for W; else, with its input gradient, held by no Python object
+    (measured on NonUniformChain's attention and MLP stage at d=4: 13 to 17 KB under at every I and
+    W without them; what holds them is not pinned down, so the bytes are counted as measured)."""
+    if first:
+        return 0 if last else HEADER_BYTES + st.output_bytes
+    if st.frees_graph_at_input_grad:
+        kept_input = HEADER_BYTES if st.captured_input_bytes else HEADER_BYTES + 2 * st.input_bytes
+        return st.captured_bytes + kept_input - held
+    return st.captured_bytes
 
 
 def _loss_graph_bytes(st: "StageCosts", recompute: bool, last: bool, split: bool) -> int:
     """What the loss saved, kept per held microbatch beside a recomputed last stage's inputs (the
     loss runs outside the recomputation; under split backward the first forward keeps no graph)."""
     return st.loss_saved_bytes if recompute and last and not split else 0
+
+
+def message_templates(stages: Iterable[tuple["StageCosts", bool, bool]]) -> int:
+    """Bytes of the packed-message header templates a rank's stages (each with whether it is
+    first and last) make: one header per distinct message layout (runtime/comm/p2p.py
+    ``packing``, cached for the process): an activation's and its gradient's, which carries only
+    its floating tensors (the same layout unless others travel: ``StageCosts.mixed_input`` and
+    ``mixed_output``), told apart by size (two of one size but different shapes share one here,
+    and hold a header more)."""
+    layouts = set()
+    for st, first, last in stages:
+        if not first:  # the input received, its gradient sent
+            layouts |= {
+                ("activation", st.input_bytes),
+                ("gradient" if st.mixed_input else "activation", st.input_bytes),
+            }
+        if not last:  # the output sent, its gradient received
+            layouts |= {
+                ("activation", st.output_bytes),
+                ("gradient" if st.mixed_output else "activation", st.output_bytes),
+            }
+    return HEADER_BYTES * len(layouts)
 
 
 def sent_bytes(st: "StageCosts", sent: Sent) -> int:
@@ -615,12 +694,18 @@ def resting_bytes(
         + st.loss_bytes
         + _loss_graph_bytes(st, recompute, last, split)
     )
-    activations = h * kept + p * (one + _after_input_grad_bytes(st, kept + one))
-    return state + activations + (h - p) * _kept_output_bytes(st, recompute, last)
+    activations = h * kept + p * (one + _after_input_grad_bytes(st, kept + one, first, last))
+    out = _kept_output_bytes(st, recompute, last)
+    return state + activations + h * out - (0 if first else p * out)
 
 
 #: The kind a moment of a stage takes once its gradients exist (the rank's shared buckets made them).
-_WARM = {"forward_cold": "forward_warm", "backward_first": "backward_warm", "input_cold": "backward_warm"}
+_WARM = {
+    "forward_cold": "forward_warm",
+    "backward_first": "backward_warm",
+    "input_cold": "backward_warm",
+    "weight_first": "weight_warm",
+}
 
 
 def _bucketed_moment(kind: str, grads: tuple[bool, ...]) -> tuple[str, tuple[bool, ...]]:
@@ -628,7 +713,7 @@ def _bucketed_moment(kind: str, grads: tuple[bool, ...]) -> tuple[str, tuple[boo
     stage has them, the running one's moment turning warm; a backward (or W) makes them all."""
     if any(grads):
         return _WARM.get(kind, kind), (True,) * len(grads)
-    return kind, (True,) * len(grads) if kind.startswith("backward") else grads
+    return kind, (True,) * len(grads) if kind.startswith(("backward", "weight")) else grads
 
 
 def rank_peak_bytes(
@@ -655,6 +740,20 @@ def rank_peak_bytes(
     running: dict[tuple[int, str, tuple[int, int]], int] = {}
     resting: dict[tuple[int, tuple[int, int], bool], int] = {}
     best = 0
+    # Messages to one neighbour alternate between the stages' layouts where those differ: each
+    # receive is posted for the link's last message of its kind (runtime/comm/p2p.py, Incoming),
+    # so a message may meet a receive of the other layout and come as a header padded to that
+    # message's size and its tensors apart, or wait in such a receive. Counted at its own size
+    # plus the largest of the rank's layouts of its kind (an upper bound: at its own size alone it
+    # under-predicts NonUniformChain, whose interleaved stages send 6 KiB and 18 KiB activations).
+    outputs = {st.output_bytes for st, is_last in zip(stages, last) if not is_last}
+    inputs = {st.input_bytes for st, is_first in zip(stages, first) if not is_first}
+    other_output = max(outputs) if len(outputs) > 1 else 0
+    other_input = max(inputs) if len(inputs) > 1 else 0
+
+    def buffers(st: "StageCosts", sent: Sent) -> int:
+        return sent_bytes(st, sent) + sent[0] * other_output + sent[1] * other_input
+
     for c, kind, points, grads in moments:
         if buckets:
             kind, grads = _bucketed_moment(kind, grads)
@@ -665,7 +764,7 @@ def rank_peak_bytes(
                 stages[c], HeldCounts(**{kind: (point,)}), 1, recompute[c], first[c], last[c], split=split
             )
             running[key] = int(sum(terms.values())) - terms["buffers"] - terms["batch"]
-        total = running[key] + sum(sent_bytes(st, point[2]) for st, point in zip(stages, points))
+        total = running[key] + sum(buffers(st, point[2]) for st, point in zip(stages, points))
         if kind == "optimizer_step":  # one optimizer over all the rank's stages
             whole = sum(st.optimizer_step_bytes for st in stages) if step_bytes is None else step_bytes
             total += whole - stages[c].optimizer_step_bytes
@@ -677,4 +776,5 @@ def rank_peak_bytes(
                     )
                 total += resting[o, point[:2], g]
         best = max(best, total)
-    return best + batch_bytes + sum(st.loss_bytes for st in stages)
+    templates = message_templates(zip(stages, first, last))
+    return best + batch_bytes + sum(st.loss_bytes for st in stages) + templates

@@ -25,6 +25,7 @@ class BlockSample:
     forward_workspace_bytes: int = 0  # peak temporaries of its forward (see ``_workspace``)
     backward_workspace_bytes: int = 0  # peak temporaries of its backward
     captured_bytes: int = 0  # gradients split backward's I captures for the block's W (held until W)
+    captured_input_bytes: int = 0  # of those, the block's own input (a deferred call on it keeps it for W)
     input_grad_workspace_bytes: int = (
         0  # peak temporaries of its I where it defers its weight gradients (see ``_input_grad_workspace``)
     )
@@ -66,6 +67,9 @@ class BlockProfile:
     other_matrices: bool = (
         False  # it holds a trainable matrix that is no linear, convolution or embedding weight (it cannot)
     )
+    # its output holds a tensor that is not floating point: the gradient sent back for it carries
+    # fewer tensors, a message layout of its own (profiles that do not record it read False)
+    mixed_output: bool = False
 
     def at(self, size: int) -> BlockSample:
         """Every field at microbatch ``size``: linear in ``size`` through the two nearest samples (PipeDream-2BW paper,
@@ -93,6 +97,7 @@ _FIELDS = (
     "forward_workspace_bytes",
     "backward_workspace_bytes",
     "captured_bytes",
+    "captured_input_bytes",
     "after_gradient_bytes",
     "cold_backward_bytes",
     "loss_saved_bytes",

@@ -149,6 +149,14 @@ def _block_sample(
     needing, deferred, out, (roots, grads) = _split_forward(block, x, first, loss)
     t_i, (found, work) = _timed(lambda: split.input_grads(roots, grads, needing, deferred), device)
     captured = _captured_bytes(work, found)
+    mine = {t.untyped_storage().data_ptr() for t in needing}
+    captured_input = sum(
+        {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in work.kept()
+            if t.untyped_storage().data_ptr() in mine
+        }.values()
+    )
     t_w, _ = _timed(lambda: split.weight_grads(work), device)
     block.zero_grad(set_to_none=True)
     sample = BlockSample(
@@ -162,6 +170,7 @@ def _block_sample(
         forwarded.saved_input_bytes,
         saved_output_bytes=forwarded.saved_output_bytes,
         captured_bytes=captured,
+        captured_input_bytes=captured_input,
     )
     return sample, tuple(o.detach() for o in out)
 
@@ -344,7 +353,11 @@ def profile_blocks(
         loss = functools.partial(_loss_of, module, mb) if with_loss else None
         for i, sample in enumerate(_profile_microbatch(module, blocks, mb, loss, repeats, device, sync)):
             by_size[i].append(sample)
-    profiles = [_block_profile(f"{i}:{type(b).__name__}", b, by_size[i], optimizer) for i, b in enumerate(blocks)]
+    mixed = _mixed_outputs(blocks, as_tuple(module.pipeline_inputs(batch), "pipeline_inputs"))
+    profiles = [
+        _block_profile(f"{i}:{type(b).__name__}", b, by_size[i], optimizer, mixed_output=mixed[i])
+        for i, b in enumerate(blocks)
+    ]
     step, step_bytes = _optimizer_step_seconds(module, optimizer, device, sync=sync)
     leaves = [t for t in tree_leaves(batch) if isinstance(t, Tensor)]
     batch_storages = {t.untyped_storage().data_ptr() for t in leaves}
@@ -501,9 +514,15 @@ def profile_stage(
         )
         for i, sample in enumerate(samples):
             by_size[i].append(sample)
+    mixed = _mixed_outputs(list(blocks), tuple(t.detach() for t in inputs[0]))
     return [
         _block_profile(
-            f"{first_block + i}:{type(b).__name__}", b, by_size[i], optimizer, state_bytes[i] if state_bytes else None
+            f"{first_block + i}:{type(b).__name__}",
+            b,
+            by_size[i],
+            optimizer,
+            state_bytes[i] if state_bytes else None,
+            mixed[i],
         )
         for i, b in enumerate(blocks)
     ]
@@ -515,12 +534,30 @@ def _block_profile(
     samples: list[BlockSample],
     optimizer: Any,
     state: Optional[tuple[int, int, int, int]] = None,
+    mixed_output: bool = False,
 ) -> BlockProfile:
-    """A block's profile: its samples, the bytes of its state (``state`` if known), and the kinds of its weights."""
+    """A block's profile: its samples, the bytes of its state (``state`` if known), the kinds of its
+    weights, and whether its output holds a tensor that is not floating point."""
     deferred, other = weight_kinds(block.modules())
     return BlockProfile(
-        name, samples, *(state or _state_bytes(block, optimizer)), deferred_weights=deferred, other_matrices=other
+        name,
+        samples,
+        *(state or _state_bytes(block, optimizer)),
+        deferred_weights=deferred,
+        other_matrices=other,
+        mixed_output=mixed_output,
     )
+
+
+def _mixed_outputs(blocks: Sequence[nn.Module], x: tuple[Tensor, ...]) -> list[bool]:
+    """Whether each block's output, run on the previous one's from ``x``, holds a tensor that is
+    not floating point (the gradient message for it then has a layout of its own)."""
+    mixed = []
+    with torch.no_grad():
+        for block in blocks:
+            x = as_tuple(block(*x), type(block).__name__)
+            mixed.append(any(isinstance(t, Tensor) and not t.is_floating_point() for t in x))
+    return mixed
 
 
 def _profile_worker(

@@ -74,6 +74,16 @@ class GradientBuckets:
         while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next]):
             self._post(self._next)
 
+    def place(self, params: Sequence[Tensor]) -> None:
+        """Make each of ``params`` without a gradient a view of its bucket now, before an accumulation
+        writes it (split backward's W adds its products into it in place: no product beside the
+        bucket); counts no accumulation."""
+        if not self.expected:
+            return
+        for p in params:
+            if p.grad is None and id(p) in self._place:
+                self._adopt(self._place[id(p)][0], p)
+
     def _adopt(self, i: int, p: Tensor) -> None:
         """Make ``p.grad`` a view of bucket ``i``'s flat buffer (allocated, zeroed, at its first gradient)."""
         flat = self._flats[i]

@@ -246,6 +246,7 @@ class PipelineEngine:
             self._weights_of,
             lambda loss_sum: self._share_loss(loss_sum.to(self.device, torch.float32)),
             self.update.gradients_accumulated,
+            self.update.gradients_to_accumulate,
         )
 
     def _weights_of(self, first_microbatch: int) -> Optional[list[Tensor]]:

@@ -52,6 +52,7 @@ class Hooks:
     weights: Callable[[int], Optional[list[Tensor]]] = lambda first_microbatch: None
     loss_done: Callable[[Tensor], None] = lambda loss_sum: None
     weights_accumulated: Callable[[list[Tensor]], None] = lambda weights: None
+    weights_to_accumulate: Callable[[list[Tensor]], None] = lambda weights: None
 
 
 Key = tuple[int, int]  # (stage, microbatch): a rank may run several stages (interleaved 1F1B)
@@ -394,7 +395,9 @@ class Executor:
 
     def _weight_grad(self, a: Action, st: StepState) -> None:
         key = (a.stage, a.microbatch)
-        self.hooks.weights_accumulated(split.weight_grads(st.weight_work.pop(key)))
+        # Each deferred weight reported as its gradient is complete: a bucket adopts it before the next exists.
+        report = self.hooks.weights_accumulated
+        report(split.weight_grads(st.weight_work.pop(key), report, self.hooks.weights_to_accumulate))
         st.stash(-1)
         st.release(key)
 

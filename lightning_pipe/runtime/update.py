@@ -92,6 +92,11 @@ class UpdatePath:
         for buckets in self._buckets.values():
             buckets.accumulated(params)
 
+    def gradients_to_accumulate(self, params: list[Tensor]) -> None:
+        """Split backward's W is about to add into ``params``' gradients: those in a bucket become views of it first."""
+        for buckets in self._buckets.values():
+            buckets.place(params)
+
     def close(self) -> None:
         """Remove the buckets' gradient hooks and destroy the tied gradients' groups (the engine is being replaced)."""
         for buckets in self._buckets.values():

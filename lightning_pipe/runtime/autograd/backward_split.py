@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -271,7 +271,11 @@ def _accumulate(w: Tensor, g: Tensor, taken: set[int]) -> None:
         w.grad.add_(g)
 
 
-def weight_grads(work: WeightWork) -> list[Tensor]:
+def weight_grads(
+    work: WeightWork,
+    report: Optional[Callable[[list[Tensor]], None]] = None,
+    prepare: Optional[Callable[[list[Tensor]], None]] = None,
+) -> list[Tensor]:
     """W: run the weight parts from the gradients captured by I, one autograd call per frontier
     node (one call for all would re-run the input path between them: autograd runs every node
     on a path from its roots to its inputs); accumulate into ``.grad``.
@@ -283,6 +287,12 @@ def weight_grads(work: WeightWork) -> list[Tensor]:
     Where I left the whole backward to W (no input gradient), W is a plain backward: each gradient
     is added as it goes, as in any full backward (so its new gradients never all exist beside the
     ones held), and the parameters' accumulation hooks report them, so none is returned.
+
+    ``report``: called with the deferred calls' weights as each one's gradient is complete (see
+    :meth:`DeferredGrads.accumulate`), so that an all-reduce bucket adopts it before the next
+    product exists; those are then not returned. ``prepare``: called with a deferred call's leaves
+    before its products are added (a bucket makes their gradients views of itself first, so the
+    products go into it in place).
 
     Returns:
         The weights whose gradient received this microbatch's contribution, each once.
@@ -310,5 +320,9 @@ def weight_grads(work: WeightWork) -> list[Tensor]:
         _accumulate(w, g, set())  # already unshared in I
         updated.append(w)
     if work.deferred is not None:  # each weight once, also where I's gradient and a product both went into it
-        updated = list({id(w): w for w in [*updated, *work.added, *work.deferred.accumulate()]}.values())
+        reported = {id(w) for c in work.deferred.calls for w in (c.weight, c.bias) if w is not None}
+        done = work.deferred.accumulate(report, prepare)
+        # Reported already: a weight several calls share only once its last call added into it.
+        rest = [w for w in [*updated, *work.added] if report is None or id(w) not in reported]
+        updated = list({id(w): w for w in [*rest, *done]}.values())
     return updated

@@ -96,20 +96,43 @@ class DeferredGrads:
         """The tensors held from I until W: each call's input and output gradient."""
         return [t for c in self.calls for t in (c.x, c.grad)]
 
-    def accumulate(self) -> list[Tensor]:
+    def accumulate(
+        self,
+        report: Optional[Callable[[list[Tensor]], None]] = None,
+        prepare: Optional[Callable[[list[Tensor]], None]] = None,
+    ) -> list[Tensor]:
         """W: add each call's weight and bias gradients into ``.grad``, then forget the calls.
 
-        Returns:
-            The leaves whose gradient received a contribution, each once.
-        """
-        self._flush()
-        done, self._done = list(self._done.values()), {}
-        return done
+        Args:
+            report: called with each leaf as soon as its last call of the microbatch has added
+                into it (a replica all-reduce bucket adopts the gradient then, runtime/buckets.py:
+                one new product alive beside the bucket at a time, not every weight's at once).
+            prepare: called with each call's leaves before its products are added (a bucket makes
+                a leaf without a gradient a view of itself: the products then go into it in place).
 
-    def _flush(self) -> None:
+        Returns:
+            The leaves whose gradient received a contribution, each once (none where ``report`` took them).
+        """
+        self._flush(report, prepare)
+        done, self._done = list(self._done.values()), {}
+        return [] if report is not None else done
+
+    def _flush(
+        self,
+        report: Optional[Callable[[list[Tensor]], None]] = None,
+        prepare: Optional[Callable[[list[Tensor]], None]] = None,
+    ) -> None:
+        last = {}  # each leaf's last call: its gradient is complete after it
+        for i, c in enumerate(self.calls):
+            last[id(c.weight)] = i
+            if c.bias is not None and c.bias.requires_grad:
+                last[id(c.bias)] = i
         with torch.no_grad():  # the inputs are activations that require grad; their products must not
-            for c in self.calls:
+            for i, c in enumerate(self.calls):
+                weight_grad: Optional[Tensor] = None
                 biased = c.bias is not None and c.bias.requires_grad
+                if prepare is not None:
+                    prepare([t for t in (c.weight, c.bias if biased else None) if t is not None and t.grad is None])
                 if c.conv is None:
                     x, g = c.x.reshape(-1, c.x.shape[-1]), c.grad.reshape(-1, c.grad.shape[-1])
                     _add_product(c.weight, g, x)
@@ -121,6 +144,11 @@ class DeferredGrads:
                 if biased:
                     _add(c.bias, bias_grad)  # type: ignore[arg-type]
                     self._done[id(c.bias)] = c.bias  # type: ignore[arg-type]
+                if report is not None:
+                    complete = [t for t in (c.weight, c.bias) if t is not None and last.get(id(t)) == i]
+                    if complete:
+                        weight_grad = bias_grad = None  # the products, adopted or added: freed before the next
+                        report(complete)
         self.calls.clear()
 
 

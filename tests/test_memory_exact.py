@@ -1,0 +1,136 @@
+"""Issue 48: the memory model on a chain nobody tuned it on, every schedule family, against an independent tracker.
+
+:class:`~tests.models.NonUniformChain` (an embedding, MLPs of different widths, attention, a block
+that triples the width and one that narrows it, a per-token head; AdamW) is profiled once per
+process, and each plan of the matrix below is placed on every rank of one shared launch per world
+size. Each rank's peak tensor bytes over a training step, tracked by ``_TrackedBytes`` (every CPU
+storage, test-side), is compared with ``predict.predict``'s prediction for that rank: within 2%
+above it and never under (an under-prediction is how a plan "that fits" runs out of memory).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_pipe import PipelinePlan, place
+from lightning_pipe.planning import predict
+from lightning_pipe.planning.profiler import profile_blocks
+from tests.models import NonUniformChain, adamw, token_data
+from tests.shared import scenario
+from tests.test_planner import _TrackedBytes
+
+#: Samples a microbatch: the profile is measured at this size (and twice it), so no interpolation.
+B = 2
+PARTITIONS = {2: (5, 5), 4: (3, 2, 2, 3)}
+
+
+def _matrix(width: int, depth: int) -> list[PipelinePlan]:
+    """GPipe, 1F1B and 2BW, split backward off, on and (1F1B) drained, recompute off and on."""
+    m = 2 * depth
+    plans = []
+    for schedule, recompute in itertools.product(("gpipe", "1f1b", "2bw"), (False, True)):
+        splits = [(False, None), (True, None)] + ([(True, "drain")] if schedule == "1f1b" else [])
+        for split, placement in splits:
+            plans.append(
+                PipelinePlan(
+                    width,
+                    depth,
+                    m,
+                    schedule,
+                    split,
+                    partition=PARTITIONS[depth],
+                    recompute=recompute,
+                    split_placement=placement,
+                )
+            )
+    return plans
+
+
+def _interleaved() -> list[PipelinePlan]:
+    """Interleaved 1F1B, 2 stages per rank on 2 ranks, recompute and split backward off and on."""
+    return [
+        PipelinePlan(1, 2, 4, "1f1b", split, partition=PARTITIONS[4], recompute=recompute, virtual_stages=2)
+        for split, recompute in itertools.product((False, True), (False, True))
+    ]
+
+
+PLANS = {2: _matrix(1, 2) + _interleaved(), 4: _matrix(1, 4) + _matrix(2, 2)}
+
+
+def family(plan: PipelinePlan) -> str:
+    """The schedule family a plan's test checks it under."""
+    name = "interleaved" if plan.virtual_stages > 1 else plan.schedule
+    if plan.split_backward:
+        name += "-drain" if plan.split_placement == "drain" else "-split"
+    return name
+
+
+FAMILIES = sorted({family(p) for plans in PLANS.values() for p in plans})
+
+
+def _tracked_steps(engine: Any, batch: Any, steps: int = 3) -> int:
+    """Peak tensor bytes over steps 2 to ``steps`` of training (AdamW's state exists from the first
+    on, 2BW's second weight version from its second): every storage the steps create, tracked from
+    before the first, plus the weights and the batch."""
+    from lightning_pipe.runtime.comm import p2p
+
+    params = list(engine.parameters())
+    opt = adamw(params)
+    p2p.packing.cache_clear()  # its header templates are made (and counted) as in a fresh process
+    with _TrackedBytes(params + list(batch)) as tracker:
+        engine.train_step(batch, opt)
+        tracker.peak = sum(tracker.alive.values())
+        for _ in range(steps - 1):
+            engine.train_step(batch, opt)
+        peak = tracker.peak
+    engine.drain()  # 2BW: nothing left in flight for the next plan's links
+    return peak
+
+
+def _nonuniform_memory(rank: int, world: int, plans: list[PipelinePlan]) -> list[tuple[int, int, int]]:
+    """Per plan: this rank's pipeline position, predicted and tracked peak tensor bytes."""
+    from lightning_pipe import PipelineGroups
+
+    torch.manual_seed(0)
+    profile = profile_blocks(NonUniformChain(), token_data(8), [B, 2 * B], repeats=1, optimizer=adamw)
+    rows = []
+    for plan in plans:
+        torch.manual_seed(0)
+        engine = place(NonUniformChain(), plan, rank, groups=PipelineGroups.build(plan.topology, rank))
+        batch = token_data(plan.microbatches * B, seed=plan.topology.replica_of(rank))
+        measured = _tracked_steps(engine, batch)
+        predicted = predict.predict(profile, plan, B).stage_memory[engine.stage_index]
+        rows.append((engine.stage_index, predicted, measured))
+    return rows
+
+
+for _world, _plans in PLANS.items():
+    scenario(_world, "memory_nonuniform", _nonuniform_memory, _plans)
+
+
+def ratios(launched: Any) -> list[tuple[PipelinePlan, int, int, int, int]]:
+    """Every (plan, rank, stage, predicted, measured) of both launches."""
+    out = []
+    for world, plans in PLANS.items():
+        for rank, rows in enumerate(launched(world).ok("memory_nonuniform")):
+            for plan, (stage, predicted, measured) in zip(plans, rows):
+                out.append((plan, rank, stage, predicted, measured))
+    return out
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_nonuniform_chain_memory_is_predicted_within_two_percent_and_never_under(launched, name: str) -> None:
+    # Issue 48's target: every rank of every layout, 1.00 <= predicted / tracked <= 1.02. Before
+    # it, this chain measured 1.04-1.08 on split backward's later stages, 0.89 on a replicated last
+    # stage (W's products beside its bucket), one microbatch activation under on split backward's
+    # first stage, 0.98 on 2BW + split + recompute, 0.998 on interleaved ranks (see the commits).
+    misses = [
+        (plan.describe(), rank, stage, predicted, measured, round(predicted / measured, 4))
+        for plan, rank, stage, predicted, measured in ratios(launched)
+        if family(plan) == name and not measured <= predicted <= 1.02 * measured
+    ]
+    assert not misses, misses
