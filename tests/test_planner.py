@@ -614,7 +614,8 @@ def test_walking_a_rank_of_one_stage_gives_the_stage_model(schedule: str, split:
     # stage per rank that walk must give what the (held, pending) points of each stage give.
     import random
 
-    from lightning_pipe.planning.memory import buffered, held_counts, rank_moments, rank_peak_bytes, stage_peak_bytes
+    from lightning_pipe.planning.held import buffered, held_counts, rank_moments
+    from lightning_pipe.planning.memory import rank_peak_bytes, stage_peak_bytes
     from lightning_pipe.schedules import build_schedule
     from lightning_pipe.schedules.flat import flatten
 
@@ -640,7 +641,7 @@ def test_covered_points_are_dropped_exactly() -> None:
     # headers and gradients: the quadratic definition written out.
     import random
 
-    from lightning_pipe.planning.memory import _uncovered
+    from lightning_pipe.planning.held import _uncovered
 
     rng = random.Random(0)
     for _ in range(2000):
@@ -674,7 +675,7 @@ def test_the_walk_on_arrays_is_the_walk_over_actions() -> None:
     # over Action objects (held_counts, with the rank's rows of unacknowledged sends and posted
     # receives) is the reference, at every depth and length the arrays' mixed-radix keys and
     # per-rank restarts touch.
-    from lightning_pipe.planning.memory import buffered, held_counts, program_held_counts
+    from lightning_pipe.planning.held import buffered, held_counts, program_held_counts
     from lightning_pipe.schedules.flat import flatten
 
     for schedule, depth, m, split, pending in itertools.product(
@@ -874,14 +875,8 @@ def test_a_rank_with_shared_buckets_counts_the_running_stages_gradients_once_any
     # holds its gradients too (the moment is a warm forward), written out from the one-stage terms.
     # Unacknowledged sends: stage 0 an output, stage 2 an input gradient, each packed with a header
     # (stage 2's held input is one such message too).
-    from lightning_pipe.planning.memory import (
-        HEADER_BYTES,
-        NOTHING_SENT,
-        HeldCounts,
-        rank_peak_bytes,
-        resting_bytes,
-        stage_memory_terms,
-    )
+    from lightning_pipe.planning.held import NOTHING_SENT, HeldCounts
+    from lightning_pipe.planning.memory import HEADER_BYTES, rank_peak_bytes, resting_bytes, stage_memory_terms
 
     profile = _uniform(4, grads=5000)
     plan = PipelinePlan(2, 2, 4, "1f1b", partition=(1, 1, 1, 1), virtual_stages=2)
@@ -1060,9 +1055,9 @@ scenario(2, "planner_posted_receives", _posted_receives, POSTED_PLANS)
 def test_a_stage_holds_a_receive_exactly_while_the_model_says_it_is_posted(launched) -> None:
     # The memory model counts a posted receive (header and payload) from a neighbour from the
     # rank's first send to it after the previous message was read, or else not at all, until
-    # the message is read (stage_memory.posted_receives); measured: the receive objects the
+    # the message is read (held.posted_receives); measured: the receive objects the
     # executor keeps alive, at every forward and backward. At depth 2 both neighbours are one rank.
-    from lightning_pipe.planning.memory import posted_receives
+    from lightning_pipe.planning.held import posted_receives
     from lightning_pipe.schedules.flat import flatten
 
     totals = []
@@ -1147,7 +1142,7 @@ def _emulated_posts(program: list[list[Any]]) -> list[list[list[int]]]:
 )
 def test_posted_receives_follow_the_executor_rule(schedule: str, depth: int, m: int, virtual: int, split: bool) -> None:
     # The array walk against the rule run literally, at every compute action of every rank.
-    from lightning_pipe.planning.memory import posted_receives
+    from lightning_pipe.planning.held import posted_receives
     from lightning_pipe.schedules.actions import Kind
     from lightning_pipe.schedules.flat import flatten
 
@@ -1236,7 +1231,7 @@ def test_unacknowledged_sends_follow_the_executor_protocol(
     # The walk's counts at every compute action against the protocol run literally. A rank
     # learns a send arrived only from a later message of its peer: in 1F1B's drain no more
     # activations come upstream, so the input gradients sent there stay until the step ends.
-    from lightning_pipe.planning.memory import _walk, unacknowledged
+    from lightning_pipe.planning.held import _walk, unacknowledged
     from lightning_pipe.schedules.flat import flatten
 
     plan = PipelinePlan(1, depth, m, schedule, split_backward=split, virtual_stages=virtual)

@@ -26,7 +26,8 @@ from lightning_pipe.planning.costs import (
     time_balanced,
     weight_versions,
 )
-from lightning_pipe.planning.memory import HeldCounts, stage_peak_bytes
+from lightning_pipe.planning.held import HeldCounts
+from lightning_pipe.planning.memory import stage_peak_bytes
 from lightning_pipe.planning.profile import BlockSample, Profile
 from lightning_pipe.planning.programs import held
 

@@ -16,7 +16,8 @@ from lightning_pipe.planning.costs import (
     traffic,
     weight_versions,
 )
-from lightning_pipe.planning.memory import HeldCounts, rank_peak_bytes, stage_peak_bytes
+from lightning_pipe.planning.held import HeldCounts
+from lightning_pipe.planning.memory import rank_peak_bytes, stage_peak_bytes
 from lightning_pipe.planning.profile import BlockSample, Profile
 from lightning_pipe.planning.programs import compiled_program, held, moments, program_key
 from lightning_pipe.schedules import Action, Kind

@@ -8,7 +8,7 @@ import weakref
 from typing import Any, Optional
 
 from lightning_pipe.core.pipeline_plan import PipelinePlan
-from lightning_pipe.planning.memory import HeldCounts, Moment, buffered, program_held_counts, rank_moments
+from lightning_pipe.planning.held import HeldCounts, Moment, buffered, program_held_counts, rank_moments
 from lightning_pipe.schedules import Action, build_schedule, two_bw_drain, two_bw_window
 from lightning_pipe.schedules.flat import FlatProgram, flatten
 from lightning_pipe.schedules.registry import get
@@ -101,5 +101,5 @@ def clear_caches() -> None:
 
 
 def moments(plan: PipelinePlan) -> list[tuple[Moment, ...]]:
-    """Every pipeline rank's distinct moments over all its stages (:func:`~.memory.rank_moments`; cached)."""
+    """Every pipeline rank's distinct moments over all its stages (:func:`~.held.rank_moments`; cached)."""
     return _moments(*program_key(plan, 1))

@@ -1,0 +1,431 @@
+"""What a stage's program holds at each kind of moment, walked from its actions: microbatches, W's, sends."""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Optional, Sequence
+
+import numpy as np
+
+from lightning_pipe.schedules.actions import Action, Kind
+from lightning_pipe.schedules.flat import (
+    BACKWARD,
+    CODES,
+    FORWARD,
+    INPUT_GRAD,
+    RECV_ACT,
+    SEND_ACT,
+    SEND_GRAD,
+    WEIGHT_GRAD,
+    FlatProgram,
+    flatten,
+)
+
+OPTIMIZER_STEP = CODES[Kind.OPTIMIZER_STEP]
+
+
+#: ``(outputs, gradients)``: a stage's sends not yet acknowledged by their peer (see
+#: :func:`unacknowledged`), outputs sent downstream and input gradients sent upstream. Once a
+#: link's shapes are known each is one message, its header (:data:`HEADER_BYTES`) and a copy of
+#: its tensors packed (runtime/comm/p2p.py), kept until acknowledged: the header and an output's
+#: bytes, or the header and an input's. (The stage keeps a sent output itself too, until its
+#: backward, which needs the peer's gradient for it, and that message acknowledges it.) Where
+#: headers take a CPU side channel (NCCL) nothing is packed: there these terms, the headers kept
+#: with received inputs and gradients, and a forward's packed copy, are an upper bound.
+Sent = tuple[int, int]
+
+
+NOTHING_SENT: Sent = (0, 0)
+
+
+#: ``(held, pending, sent)``: microbatches held for their backward, of those how many have run
+#: their input gradient (I) and wait for their weight gradient (W) with the gradients I
+#: captured, and the stage's unacknowledged sends (:data:`Sent`).
+Point = tuple[int, int, Sent]
+
+
+#: One moment of a rank that runs several stages (interleaved 1F1B): the running stage's index
+#: among the rank's stages, the kind of moment (a :class:`HeldCounts` field), and per stage of
+#: the rank its :data:`Point` and whether its gradients exist.
+Moment = tuple[int, str, tuple[Point, ...], tuple[bool, ...]]
+
+
+def unacknowledged(flat: FlatProgram) -> np.ndarray:
+    """After each action of a program, its rank's sends not yet acknowledged by their peer:
+    ``[action, position, (outputs, gradients)]``, by the stage that sent them (its position among
+    the rank's stages, ``stage // ranks``; see :data:`Sent`).
+
+    The executor keeps every message it posted, header and tensors, until it knows the peer has
+    it (runtime/executor.py, ``Outbox``): each message carries how many messages its sender had
+    taken in from the destination, and a rank reads that count when a receive action takes the
+    message in, together with every earlier message from that peer (messages between two ranks
+    arrive in send order). A flushing step's end waits for all of them. Since what a rank has
+    taken in from a peer only grows, so does the count its messages carry: after a receive, the
+    sends acknowledged are the first ones the newest message taken in so far counts.
+    """
+    ranks = flat.ranks
+    comm, channel, is_send = _channels(flat)
+    # What each send carries: how many messages its rank had taken in from the peer.
+    carries = np.zeros(len(flat.kind), np.int64)
+    carries[comm] = _grouped_cummax(np.where(is_send, 0, flat.message[comm] + 1), channel)
+    issued = _grouped_cumsum(is_send, channel)
+    acked = _grouped_cummax(np.where(is_send, 0, carries[flat.source[comm]]), channel)
+    # Each link's sends in send order, counted per sending stage's position: the unacknowledged
+    # ones after a message are those numbered from acked to issued.
+    link_sends = comm[is_send]
+    link_start = np.searchsorted(channel[is_send], channel)  # where each message's link begins among link_sends
+    sender_position = flat.stage[link_sends] // ranks
+    gradient = flat.kind[link_sends] == SEND_GRAD
+    state = np.zeros((len(comm), int(flat.stage.max(initial=0)) // ranks + 1, 2), np.int64)
+    for o in range(state.shape[1]):
+        for j, counted in enumerate(((sender_position == o) & ~gradient, (sender_position == o) & gradient)):
+            prefix = np.concatenate(([0], np.cumsum(counted)))
+            state[:, o, j] = prefix[link_start + issued] - prefix[link_start + acked]
+    # As changes after each action, summed along each rank's program.
+    change = np.zeros((len(flat.kind), *state.shape[1:]), np.int64)
+    first = np.concatenate(([True], channel[1:] != channel[:-1]))
+    change[comm] = state - np.where(first[:, None, None], 0, np.roll(state, 1, axis=0))
+    return _cumsum_per_rank(change, flat.starts)
+
+
+def posted_receives(flat: FlatProgram) -> np.ndarray:
+    """After each action of a program, the receives its rank has posted and not yet read:
+    ``[action, position, (outputs, inputs)]``, by the stage that will read each (its position
+    among the rank's stages, ``stage // ranks``): a gradient for a stage's output, an activation
+    for its input, each one message with its header (see :data:`Sent`).
+
+    The executor posts the receive of a neighbour's next message beside (just after on a rank of
+    one stage, just before on an interleaved rank; the same after the action) the rank's first
+    send to that neighbour after the previous message was read, where that send comes before
+    the rank's next receive action from the neighbour; else as soon as the previous message was
+    read (the first: when the program starts), and none beyond the program's last
+    (runtime/executor.py, ``Executor._post_ahead``). Messages from a neighbour are read in send
+    order, each by the first receive action that needs it or a later message. A receive is
+    sized for the link's last message of its kind; on a rank of several stages counting it at
+    the size of the stage that reads it is exact when those stages' sizes agree. Over 2BW's windows,
+    which the executor runs as separate programs,
+    a receive posted by a send in the window before its own is an upper bound."""
+    ranks = flat.ranks
+    change = np.zeros((len(flat.kind), int(flat.stage.max(initial=0)) // ranks + 1, 2), np.int64)
+    receive, send = flat.source >= 0, (flat.kind == SEND_ACT) | (flat.kind == SEND_GRAD)
+    for r in range(ranks):
+        lo, hi = int(flat.starts[r]), int(flat.starts[r + 1])
+        peers = flat.peer[lo:hi]
+        for peer in np.unique(peers[receive[lo:hi]]):
+            reads = lo + np.flatnonzero(receive[lo:hi] & (peers == peer))
+            numbers = flat.message[reads]
+            read_at = np.full(int(numbers.max()) + 1, hi, np.int64)
+            read_at[numbers] = reads
+            reader = read_at.copy()  # the action that needs each message
+            # Message k is read by the first action that needs it or a later one.
+            read_at = np.minimum.accumulate(read_at[::-1])[::-1]
+            after = np.concatenate(([lo - 1], read_at[:-1]))  # the previous message's read
+            sends = np.append(lo + np.flatnonzero(send[lo:hi] & (peers == peer)), hi)
+            next_send = sends[np.searchsorted(sends, after, side="right")]
+            next_read = np.append(reads, hi)[np.searchsorted(reads, after, side="right")]
+            posted_at = np.where(next_send < next_read, next_send, np.maximum(after, lo))
+            early = posted_at < read_at
+            readers = np.where(reader < hi, reader, read_at)[early]
+            index = (flat.stage[readers] // ranks, np.where(flat.kind[readers] == RECV_ACT, 1, 0))
+            np.add.at(change, (posted_at[early], *index), 1)
+            np.add.at(change, (read_at[early], *index), -1)
+    return _cumsum_per_rank(change, flat.starts)
+
+
+def buffered(flat: FlatProgram) -> np.ndarray:
+    """After each action of a program, what its rank's buffers keep, by stage position as
+    :data:`Sent` ``(output-sized, input-sized)`` messages, each with its header: the
+    unacknowledged sends (:func:`unacknowledged`) and the posted receives (:func:`posted_receives`)."""
+    return unacknowledged(flat) + posted_receives(flat)
+
+
+def _channels(flat: FlatProgram) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every send and receive of ``flat`` by channel (a rank and one peer, ``rank * ranks +
+    peer``), then program order: their indices, their channels, and which are sends."""
+    sent = (flat.kind == SEND_ACT) | (flat.kind == SEND_GRAD)
+    comm = np.flatnonzero(sent | (flat.source >= 0))
+    channel = flat.owner[comm] * flat.ranks + flat.peer[comm]
+    order = np.lexsort((comm, channel))
+    return comm[order], channel[order], sent[comm[order]]
+
+
+def _grouped_cummax(values: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """Running maximum of nonnegative ``values`` within each run of equal, sorted ``groups``."""
+    if not len(values):
+        return values
+    offset = groups * (int(values.max()) + 1)
+    return np.maximum.accumulate(values + offset) - offset
+
+
+def _grouped_cumsum(flags: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """Running count of ``flags`` within each run of equal, sorted ``groups``."""
+    total = np.cumsum(flags)
+    first = np.searchsorted(groups, groups)
+    return total - (total[first] - flags[first])
+
+
+def _cumsum_per_rank(change: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Running sums of ``change`` along its first axis, restarted at each rank's first action."""
+    total = np.cumsum(change, axis=0)
+    before = np.concatenate((np.zeros_like(total[:1]), total))[starts[:-1]]  # the sum before each rank
+    return total - np.repeat(before, np.diff(starts), axis=0)
+
+
+def _dominant(points: Iterable[Point]) -> tuple[Point, ...]:
+    """The points that can be a peak: among those with the same unacknowledged sends, those no
+    other point holding at least as many microbatches beats on pending in either direction (the
+    two Pareto frontiers). A moment's bytes are a nondecreasing function of held plus a convex
+    one of pending (pending microbatches add captured gradients but no longer keep their
+    outputs), so a point between two kept ones in pending, holding no more than either, is
+    never above both. Points that another of the same pending count covers
+    (:func:`_uncovered`), then points on a segment between two others
+    (:func:`_ends_of_segments`) go first."""
+    groups: dict[Sent, set[Point]] = {}
+    for point in _ends_of_segments(_uncovered(points)):
+        groups.setdefault(point[2], set()).add(point)
+    kept: list[Point] = []
+    for unique in groups.values():
+        most: list[Point] = []
+        for point in sorted(unique, reverse=True):  # held, then pending, most first
+            if not most or point[1] > most[-1][1]:
+                most.append(point)
+        fewest: list[Point] = []
+        for point in sorted(unique, key=lambda q: (-q[0], q[1])):  # held most first, pending fewest first
+            if not fewest or point[1] < fewest[-1][1]:
+                fewest.append(point)
+        kept += most + fewest
+    return tuple(sorted(set(kept)))
+
+
+def _uncovered(points: Iterable[Point]) -> list[Point]:
+    """``points`` without those another point of the same pending count covers: as many held
+    microbatches or more, and as many unacknowledged outputs and gradients or more. At one kind
+    of moment and pending count a stage's bytes never fall as those grow."""
+    by_pending: dict[int, list[tuple[int, int, int]]] = {}
+    for h, p, (o, g) in set(points):
+        by_pending.setdefault(p, []).append((h, o, g))
+    kept: list[Point] = []
+    for pending, triples in by_pending.items():
+        # Held most first: a point can only be covered by one before it, if one of those has as
+        # many outputs and gradients. Their (outputs, gradients) Pareto front answers that:
+        # outputs ascending, gradients descending.
+        front_outputs: list[int] = []
+        front_gradients: list[int] = []
+        for h, o, g in sorted(triples, reverse=True):
+            i = bisect.bisect_left(front_outputs, o)
+            if i < len(front_outputs) and front_gradients[i] >= g:
+                continue
+            kept.append((h, pending, (o, g)))
+            j = bisect.bisect_right(front_outputs, o)
+            k = i  # the front's points this one covers: outputs at most o, gradients at most g
+            while k > 0 and front_gradients[k - 1] <= g:
+                k -= 1
+            front_outputs[k:j], front_gradients[k:j] = [o], [g]
+    return kept
+
+
+def _ends_of_segments(points: Iterable[Point]) -> list[Point]:
+    """``points`` without those that lie between two others of the same pending count on a
+    straight line through (held, outputs, gradients): at one kind of moment and pending count a
+    stage's bytes are affine in those three (every held microbatch is at least at its backward,
+    see :func:`stage_memory_terms`), so such a point is never above both ends. A pipeline's
+    drain walks such lines (each backward frees a microbatch and sends its input gradient)."""
+    by_pending: dict[int, set[tuple[int, int, int]]] = {}
+    for h, p, (o, g) in points:
+        by_pending.setdefault(p, set()).add((h, o, g))
+    kept: list[Point] = []
+    for pending, triples in by_pending.items():
+        stack: list[tuple[int, int, int]] = []
+        for h, o, g in sorted(triples):
+            while len(stack) >= 2 and _between(stack[-2], stack[-1], (h, o, g)):
+                stack.pop()
+            stack.append((h, o, g))
+        kept += [(h, pending, (o, g)) for h, o, g in stack]
+    return kept
+
+
+def _between(a: tuple[int, ...], b: tuple[int, ...], c: tuple[int, ...]) -> bool:
+    """Whether ``b`` lies on the segment from ``a`` to ``c``, strictly inside (integer vectors)."""
+    u, v = [y - x for x, y in zip(a, b)], [y - x for x, y in zip(a, c)]
+    cross = (u[1] * v[2] - u[2] * v[1], u[2] * v[0] - u[0] * v[2], u[0] * v[1] - u[1] * v[0])
+    dot, length = sum(x * y for x, y in zip(u, v)), sum(y * y for y in v)
+    return cross == (0, 0, 0) and 0 < dot < length
+
+
+@dataclass(frozen=True)
+class HeldCounts:
+    """Microbatches a stage holds at each kind of moment of its program, as ``(held, pending)``
+    points (see :data:`Point`; empty: no such moment). Gradients exist from a step's first
+    backward (or, under split backward, its first W) on; always under 2BW, whose gradients live
+    across steps; a flushing step starts without them.
+
+    Attributes:
+        forward_cold: after a forward, before gradients exist.
+        forward_warm: after a forward, once gradients exist.
+        backward_first: at the backward that creates the gradients.
+        backward_warm: at any later backward or input gradient.
+        input_cold: at an input gradient (split backward) before any W created gradients.
+        optimizer_step: at the optimizer step.
+        weight_first: at the W (split backward) that creates the gradients.
+        weight_warm: at any later W.
+    """
+
+    forward_cold: tuple[Point, ...] = ()
+    forward_warm: tuple[Point, ...] = ()
+    backward_first: tuple[Point, ...] = ()
+    backward_warm: tuple[Point, ...] = ()
+    input_cold: tuple[Point, ...] = ()
+    optimizer_step: tuple[Point, ...] = ()
+    weight_first: tuple[Point, ...] = ()
+    weight_warm: tuple[Point, ...] = ()
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:  # computed once: the planner keys caches by counts
+        return hash(tuple(getattr(self, name) for name in self.__dataclass_fields__))
+
+    @functools.cached_property
+    def full_backwards(self) -> tuple[Point, ...]:
+        """The points of :attr:`backward_warm` at a full backward (none pending: an I has some)."""
+        return tuple(point for point in self.backward_warm if point[1] == 0)
+
+    @functools.cached_property
+    def split_backwards(self) -> tuple[Point, ...]:
+        """The points of :attr:`backward_warm` at an I."""
+        return tuple(point for point in self.backward_warm if point[1] > 0)
+
+    @property
+    def peak(self) -> int:
+        """Most microbatches held at any moment."""
+        points = (
+            self.forward_cold
+            + self.forward_warm
+            + self.backward_first
+            + self.backward_warm
+            + self.input_cold
+            + self.optimizer_step
+            + self.weight_first
+            + self.weight_warm
+        )
+        return max((point[0] for point in points), default=0)
+
+
+#: The kind of moment an action makes of its stage, before and after the stage's gradients exist.
+_MOMENT_KINDS = {
+    Kind.FORWARD: ("forward_cold", "forward_warm"),
+    Kind.BACKWARD: ("backward_first", "backward_warm"),
+    Kind.INPUT_GRAD: ("input_cold", "backward_warm"),
+    Kind.WEIGHT_GRAD: ("weight_first", "weight_warm"),
+    Kind.OPTIMIZER_STEP: ("optimizer_step", "optimizer_step"),
+}
+
+
+def _walk(
+    actions: Sequence[Action],
+    position: Callable[[int], int],
+    count: int,
+    warm: bool = False,
+    sent: Optional[np.ndarray] = None,
+) -> Iterator[Moment]:
+    """Every moment of a rank's program over ``count`` stages (``position``: a stage's index among
+    them): a forward takes a microbatch in, a backward (or, under split backward, its W) lets it
+    go; an input gradient moves it to pending until its W. Gradients exist from a stage's
+    first backward or W on (from the start if ``warm``). ``sent``: the rank's rows of
+    :func:`unacknowledged` (``None``: none counted)."""
+    held, pending, grads = [0] * count, [0] * count, [warm] * count
+    rows = sent.tolist() if sent is not None else None
+    f, b, ig, w, o = (
+        Kind.FORWARD,
+        Kind.BACKWARD,
+        Kind.INPUT_GRAD,
+        Kind.WEIGHT_GRAD,
+        Kind.OPTIMIZER_STEP,
+    )  # by identity: Enum hashing is slow
+    for i, a in enumerate(actions):
+        k = a.kind
+        if k is f or k is b or k is ig or k is w or k is o:
+            c = position(a.stage)
+            if k is f:
+                held[c] += 1
+            elif k is ig:
+                pending[c] += 1
+            now = tuple(map(tuple, rows[i])) if rows else (NOTHING_SENT,) * count
+            yield c, _MOMENT_KINDS[k][grads[c]], tuple(zip(held, pending, now)), tuple(grads)
+            if k is b or k is w:
+                grads[c], held[c], pending[c] = True, held[c] - 1, pending[c] - (k is w)
+
+
+def held_counts(actions: Sequence[Action], warm: bool = False, sent: Optional[np.ndarray] = None) -> HeldCounts:
+    """The points of each kind of moment of a one-stage rank's program (see :func:`_walk`)."""
+    seen: dict[str, set[Point]] = {name: set() for name in HeldCounts.__dataclass_fields__}
+    for _, kind, points, _ in _walk(actions, lambda stage: 0, 1, warm, sent):
+        seen[kind].add(points[0])
+    return HeldCounts(**{name: _dominant(points) for name, points in seen.items()})
+
+
+#: :class:`HeldCounts` fields by number, and the number of each compute kind's moment before and
+#: after its stage's gradients exist (:data:`_MOMENT_KINDS`).
+_FIELDS = tuple(HeldCounts.__dataclass_fields__)
+
+
+_MOMENT_CODES = np.full((len(CODES), 2), -1)
+for _kind, _names in _MOMENT_KINDS.items():
+    _MOMENT_CODES[CODES[_kind]] = [_FIELDS.index(name) for name in _names]
+
+
+def program_held_counts(
+    program: Sequence[Sequence[Action]], warm: bool = False, flat: Optional[FlatProgram] = None
+) -> list[HeldCounts]:
+    """:func:`held_counts` of every rank of a program of one stage per rank, with its
+    :func:`buffered` sends and receives: the same walk on arrays (the planner walks millions of actions)."""
+    flat = flat or flatten(program)
+    kind, starts = flat.kind, flat.starts
+    f, b, i, w, o = (kind == code for code in (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD, OPTIMIZER_STEP))
+    release = b | w  # after its moment, the microbatch lets go
+    released = _cumsum_per_rank(release, starts)
+    held = _cumsum_per_rank(f, starts) - released + release
+    pending = _cumsum_per_rank(i, starts) - _cumsum_per_rank(w, starts) + w
+    grads = (released - release > 0) | warm
+    sent = buffered(flat)[:, 0, :]
+    at = np.flatnonzero(f | b | i | w | o)
+    columns = [
+        flat.owner[at],
+        _MOMENT_CODES[kind[at], grads[at].astype(np.int64)],
+        held[at],
+        pending[at],
+        sent[at, 0],
+        sent[at, 1],
+    ]
+    seen: list[dict[str, set[Point]]] = [{name: set() for name in _FIELDS} for _ in range(flat.ranks)]
+    for r, moment, h, p, outputs, gradients in _unique_rows(columns):
+        seen[r][_FIELDS[moment]].add((h, p, (outputs, gradients)))
+    return [HeldCounts(**{name: _dominant(points) for name, points in mine.items()}) for mine in seen]
+
+
+def _unique_rows(columns: Sequence[np.ndarray]) -> list[tuple[int, ...]]:
+    """The distinct rows of nonnegative integer ``columns``, as tuples."""
+    bases = [int(c.max(initial=0)) + 1 for c in columns]
+    if math.prod(bases) >= 1 << 63:
+        return [tuple(row) for row in np.unique(np.stack(columns, axis=1), axis=0).tolist()]
+    key = np.zeros(len(columns[0]), np.int64)
+    for c, base in zip(columns, bases):  # one integer per row, mixed radix
+        key = key * base + c
+    key, digits = np.unique(key), []
+    for base in reversed(bases):
+        key, digit = np.divmod(key, base)
+        digits.append(digit.tolist())
+    return list(zip(*reversed(digits)))
+
+
+def rank_moments(
+    actions: Sequence[Action], stages: Sequence[int], sent: Optional[np.ndarray] = None
+) -> tuple[Moment, ...]:
+    """The distinct moments of one rank's program over its ``stages``, in program order (see
+    :func:`_walk`; every stage's counts at each, where :func:`held_counts` keeps one stage's)."""
+    index = {s: c for c, s in enumerate(stages)}
+    return tuple(dict.fromkeys(_walk(actions, index.__getitem__, len(stages), sent=sent)))
