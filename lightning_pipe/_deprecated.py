@@ -46,6 +46,7 @@ MOVED: dict[str, tuple[str, ...]] = {
     "lightning_pipe.checkpoint": ("lightning_pipe.lightning.checkpoint",),
     "lightning_pipe.autoplan": ("lightning_pipe.lightning.autoplan",),
     "lightning_pipe.monitor": ("lightning_pipe.lightning.monitor",),
+    "lightning_pipe.planning.cli": ("lightning_pipe.lightning.plan_cli",),
 }
 
 

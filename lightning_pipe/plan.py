@@ -1,6 +1,6 @@
-"""``python -m lightning_pipe.plan``: the planner's command line (:mod:`lightning_pipe.planning.cli`)."""
+"""``python -m lightning_pipe.plan``: the planner's command line (:mod:`lightning_pipe.lightning.plan_cli`)."""
 
-from lightning_pipe.planning.cli import main
+from lightning_pipe.lightning.plan_cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -7,7 +7,9 @@ import json
 import yaml
 
 from lightning_pipe import PipelinePlan, PipelineStrategy
-from lightning_pipe.planning.cli import main
+from lightning_pipe.lightning.plan_cli import main
+from lightning_pipe.planning.profile import Profile
+from lightning_pipe.planning.programs import program
 
 
 def test_ranking_json_lists_every_ranked_plan_best_first(tmp_path, capsys) -> None:
@@ -16,16 +18,24 @@ def test_ranking_json_lists_every_ranked_plan_best_first(tmp_path, capsys) -> No
         yaml.safe_dump(
             {
                 "trainer": {"devices": 2, "strategy": {"init_args": {"pipeline_depth": 2}}},
-                "model": {"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 16},
-                "data": {"block_size": 16, "batch_size": 8, "max_bytes": 20000},
+                "model": {
+                    "class_path": "examples.gpt.GPT",
+                    "init_args": {"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 16},
+                },
+                "data": {
+                    "class_path": "examples.gpt.StdlibText",
+                    "init_args": {"block_size": 16, "batch_size": 8, "max_bytes": 20000},
+                },
             }
         )
     )
-    out, ranking = tmp_path / "plan.yaml", tmp_path / "ranking.json"
-    argv = ["--config", str(config), "--script", "examples/gpt.py", "--devices", "2", "--memory", "64MiB"]
+    out, ranking, profile = tmp_path / "plan.yaml", tmp_path / "ranking.json", tmp_path / "profile.json"
+    # No --script: the config names its classes, and the trial runs through LightningCLI itself.
+    argv = ["--config", str(config), "--devices", "2", "--memory", "64MiB", "--trials", "1"]
     argv += ["--no-links", "--virtual-stages", "1", "--top", "3", "--output", str(out), "--ranking-json", str(ranking)]
-    assert main(argv) == 0
-    table_rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| ") and not r.startswith("| w ")]
+    assert main(argv + ["--profile-json", str(profile)]) == 0
+    printed = capsys.readouterr().out
+    table_rows = [r for r in printed.splitlines() if r.startswith("| ") and not r.startswith("| w ")]
     written = json.loads(ranking.read_text())
     plans = written["plans"]
     assert written["devices"] == 2 and written["global_batch"] == 8
@@ -50,3 +60,14 @@ def test_ranking_json_lists_every_ranked_plan_best_first(tmp_path, capsys) -> No
     )
     assert init["partition"] == best["partition"] and init["recompute"] == best["recompute"]
     PipelineStrategy(**init)
+    # The trial trained the plan the profile ranked first and traced every action of its program on every rank.
+    fitted = Profile.from_json(profile.read_text())
+    (trial,) = fitted.meta["calibration"]["trials"]
+    tried = [p for p in plans if p["trial"]]
+    assert "fitted to 1 trial run(s)" in printed and len(tried) == 1 and trial["step"] == tried[0]["step_seconds"] > 0
+    ran = PipelinePlan(**{k: tuple(v) if isinstance(v, list) else v for k, v in trial["plan"].items()})
+    programs = program(ran)
+    expected = [set(map(str, programs[ran.topology.position_of(r)])) for r in range(ran.world_size)]
+    assert [set(rank) for rank in trial["actions"]] == expected
+    assert all(seconds >= 0 for rank in trial["actions"] for seconds in rank.values())
+    assert fitted.compute_scale > 0 and fitted.compute_scale != 1.0

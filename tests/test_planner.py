@@ -267,7 +267,7 @@ def test_plan_cli_profiles_a_config_and_writes_a_plan_the_strategy_accepts(tmp_p
     import yaml
 
     from lightning_pipe import PipelineStrategy
-    from lightning_pipe.planning.cli import main, parse_bytes
+    from lightning_pipe.lightning.plan_cli import main, parse_bytes
 
     assert parse_bytes("256MiB") == 256 * 2**20 and parse_bytes("2GB") == 2 * 10**9 and parse_bytes("512") == 512
     config = tmp_path / "gpt_tiny.yaml"
@@ -299,6 +299,8 @@ def test_plan_cli_profiles_a_config_and_writes_a_plan_the_strategy_accepts(tmp_p
                 str(out),
                 "--profile-rounds",  # one round is enough here: test_user_errors runs the rounds
                 "1",
+                "--trials",  # test_plan_ranking_json and test_user_errors run trials
+                "0",
             ]
         )
         == 0
@@ -325,6 +327,8 @@ def test_plan_cli_profiles_a_config_and_writes_a_plan_the_strategy_accepts(tmp_p
                 "--no-links",
                 "--virtual-stages",
                 "1",
+                "--trials",
+                "0",
             ]
         )
         == 1
@@ -1287,7 +1291,7 @@ def test_planner_cli_table_and_yaml_keep_the_split_placement() -> None:
     import yaml
 
     from lightning_pipe import PipelineStrategy
-    from lightning_pipe.planning.cli import snippet, table
+    from lightning_pipe.lightning.plan_cli import snippet, table
 
     plan = PipelinePlan(1, 2, 4, "1f1b", True, partition=[2, 2], split_placement="drain")
     best = predict.predict(_uniform(4), plan, 2)

@@ -100,7 +100,7 @@ TINY_TEXT = {"block_size": 8, "batch_size": 4, "max_bytes": 4000}
     ],
 )
 def test_plan_cli_refuses_a_bad_number_before_profiling(tmp_path, capsys, flag: str, value: str, says: str) -> None:
-    from lightning_pipe.planning.cli import main
+    from lightning_pipe.lightning.plan_cli import main
 
     config = _gpt_config(tmp_path, TINY_GPT, TINY_TEXT)
     args = ["--config", str(config), "--devices", "2", "--memory", "64MiB"]
@@ -112,7 +112,7 @@ def test_plan_cli_refuses_a_bad_number_before_profiling(tmp_path, capsys, flag: 
 
 
 def test_plan_cli_names_a_config_that_is_not_there(tmp_path, capsys) -> None:
-    from lightning_pipe.planning.cli import main
+    from lightning_pipe.lightning.plan_cli import main
 
     with pytest.raises(SystemExit) as exit_:
         main(["--config", str(tmp_path / "nowhere.yaml"), "--devices", "2"])
@@ -121,7 +121,7 @@ def test_plan_cli_names_a_config_that_is_not_there(tmp_path, capsys) -> None:
 
 
 def test_plan_cli_without_script_names_what_the_config_lacks(tmp_path) -> None:
-    from lightning_pipe.planning.cli import main
+    from lightning_pipe.lightning.plan_cli import main
 
     config = _gpt_config(tmp_path, TINY_GPT, TINY_TEXT)
     with pytest.raises(SystemExit, match="the config names no model class_path, pass --script path/to/your_model.py"):
@@ -136,7 +136,7 @@ def test_plan_cli_without_script_names_what_the_config_lacks(tmp_path) -> None:
 
 
 def test_plan_cli_imports_the_model_and_data_class_paths_of_the_config(tmp_path, capsys) -> None:
-    from lightning_pipe.planning.cli import job_conditions, main
+    from lightning_pipe.lightning.plan_cli import job_conditions, main
 
     model = {"class_path": "examples.gpt.GPT", "init_args": TINY_GPT}
     data = {"class_path": "examples.gpt.StdlibText", "init_args": TINY_TEXT}
@@ -155,7 +155,7 @@ def test_plan_cli_imports_the_model_and_data_class_paths_of_the_config(tmp_path,
 def test_the_plan_cli_profiles_with_the_threads_and_processes_of_the_job(monkeypatch) -> None:
     from lightning.fabric.utilities.distributed import _num_cpus_available
 
-    from lightning_pipe.planning.cli import job_conditions
+    from lightning_pipe.lightning.plan_cli import job_conditions
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cores = _num_cpus_available()

@@ -171,11 +171,19 @@ def range_costs(
     # profiled since loss_bytes).
     backward, incoming = _recomputed(mine) if recompute and mine[-1].loss_bytes else (mine, 0)
     first_backward, excess = _backward_peaks(backward, [b.gradient_bytes for b in states], bucket_cap, incoming)
+    recomputing = sum(x.recompute for x in mine) if recompute else 0.0
+    # Split backward: stage 0's input needs no gradient, so its I only recomputes (if it does) and
+    # its W runs the whole backward (the executor's I finds no input to differentiate).
+    input_grad, weight_grad = (
+        (sum(x.input_grad for x in mine), sum(x.weight_grad for x in mine))
+        if first > 0
+        else (0.0, sum(x.backward for x in mine))
+    )
     return StageCosts(
         forward=sum(x.forward for x in mine),
-        backward=sum(x.backward + (x.recompute if recompute else 0.0) for x in mine),
-        input_grad=sum(x.input_grad for x in mine),
-        weight_grad=sum(x.weight_grad for x in mine),
+        backward=sum(x.backward for x in mine) + recomputing,
+        input_grad=input_grad + recomputing,
+        weight_grad=weight_grad,
         stash_bytes=sum(x.saved_bytes for x in mine) + _inner_inputs(mine),
         input_bytes=(
             (samples[first - 1] if samples is not None else profile.blocks[first - 1].at(microbatch_size)).output_bytes
@@ -234,7 +242,8 @@ def _transfer(profile: Profile, nbytes: int) -> float:
 def action_cost(profile: Profile, plan: PipelinePlan, stages: Sequence[StageCosts]) -> Callable[[Action], float]:
     """Seconds of each action of ``plan``'s program: compute from the profile (plus the executor's
     measured overhead per action), sends the time to post them, receives from the link
-    (latency + bytes / bandwidth), the all-reduce from the replicas' ring, the step by weight share."""
+    (latency + bytes / bandwidth), the all-reduce from the replicas' ring, the step by weight share;
+    compute, all-reduce and step scaled as the profile's trial runs fitted them."""
     total_weights = sum(s.weight_bytes for s in stages) or 1
 
     compute = {
@@ -247,7 +256,7 @@ def action_cost(profile: Profile, plan: PipelinePlan, stages: Sequence[StageCost
     def cost(a: Action) -> float:
         st = stages[a.stage]
         if a.kind in compute:
-            return getattr(st, compute[a.kind]) + profile.action_overhead
+            return getattr(st, compute[a.kind]) * profile.compute_scale + profile.action_overhead
         if a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
             return profile.send_overhead
         if a.kind is Kind.RECV_ACT:
@@ -255,9 +264,10 @@ def action_cost(profile: Profile, plan: PipelinePlan, stages: Sequence[StageCost
         if a.kind is Kind.RECV_GRAD:
             return _transfer(profile, st.output_bytes)
         if a.kind is Kind.ALL_REDUCE and plan.width > 1 and profile.allreduce_bandwidth:
-            return 2 * (plan.width - 1) / plan.width * st.gradient_bytes / profile.allreduce_bandwidth
+            ring = 2 * (plan.width - 1) / plan.width * st.gradient_bytes / profile.allreduce_bandwidth
+            return ring * profile.allreduce_scale
         if a.kind is Kind.OPTIMIZER_STEP:
-            return profile.optimizer_step * st.weight_bytes / total_weights
+            return profile.optimizer_step * profile.optimizer_scale * st.weight_bytes / total_weights
         return 0.0
 
     return cost

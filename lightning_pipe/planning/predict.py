@@ -63,11 +63,13 @@ def step_time(
 def predict_step(
     profile: Profile, plan: PipelinePlan, microbatch_size: int, costs: Optional[Sequence[StageCosts]] = None
 ) -> tuple[float, list[HeldCounts]]:
-    """Predicted seconds of one training step (:func:`step_time`), and the microbatches each stage
-    holds (:func:`held`; empty for an interleaved plan, whose ranks have :func:`moments`).
-    ``costs``: the plan's :func:`stage_costs`, if already summed."""
+    """Predicted seconds of one training step (:func:`step_time`, plus the profile's
+    ``step_overhead`` outside the program), and the microbatches each stage holds (:func:`held`;
+    empty for an interleaved plan, whose ranks have :func:`moments`). ``costs``: the plan's
+    :func:`stage_costs`, if already summed."""
     cost = action_cost(profile, plan, costs if costs is not None else stage_costs(profile, plan, microbatch_size))
-    return step_time(plan, cost, profile.cores, exchange(profile)), (held(plan) if plan.virtual_stages == 1 else [])
+    seconds = step_time(plan, cost, profile.cores, exchange(profile)) + profile.step_overhead
+    return seconds, (held(plan) if plan.virtual_stages == 1 else [])
 
 
 def predict_memory(

@@ -171,6 +171,14 @@ class Profile:
         step_bytes_add_up: an optimizer step over several blocks allocates the sum of their
             steps' temporaries (whole-list ``foreach`` kernels), not the largest block's (one
             tensor at a time); measured by :func:`profile_blocks`, else assumed (an upper bound).
+        compute_scale: a forward or backward action in the job takes this many times its
+            blocks' profiled seconds (fitted to trial runs of the job, see
+            :mod:`lightning_pipe.planning.calibration`; 1: not fitted).
+        optimizer_scale: the job's optimizer step over :attr:`optimizer_step` (fitted likewise).
+        allreduce_scale: the job's gradient all-reduce waits over the ring model's seconds at
+            :attr:`allreduce_bandwidth` (fitted likewise).
+        step_overhead: seconds a step of the job takes beyond its program's actions (the
+            training loop, its hooks and data loading; fitted likewise, 0: not fitted).
     """
 
     blocks: list[BlockProfile]
@@ -189,6 +197,10 @@ class Profile:
     device_bytes: int = 0
     shared_blocks: Optional[list[list[int]]] = None
     step_bytes_add_up: bool = True
+    compute_scale: float = 1.0
+    optimizer_scale: float = 1.0
+    allreduce_scale: float = 1.0
+    step_overhead: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:

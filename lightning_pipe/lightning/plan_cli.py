@@ -22,7 +22,9 @@ from tqdm import tqdm
 
 from lightning_pipe.core.pipeline_plan import PipelinePlan
 from lightning_pipe.core.sizes import parse_size
+from lightning_pipe.lightning.trial import run_trial, strategy_init_args
 from lightning_pipe.planning import predict, search
+from lightning_pipe.planning.calibration import Trial, calibrate
 from lightning_pipe.planning.links import profile_links
 from lightning_pipe.planning.profile import Profile, median_profile
 from lightning_pipe.planning.profiler import profile_concurrently
@@ -191,6 +193,76 @@ def prediction_spread(
     return spread
 
 
+def trial_ranking(
+    profile: Profile,
+    ranked: list[predict.Prediction],
+    ranking: Callable[[Profile], list[predict.Prediction]],
+    trained: Callable[[predict.Prediction], Trial],
+    budget: int,
+) -> tuple[Profile, list[predict.Prediction], dict[tuple[PipelinePlan, int], float]]:
+    """The profile fitted to trial runs (:func:`~lightning_pipe.planning.calibration.calibrate`),
+    the plans ranked again, each plan that ran charged its measured step, and the fitted model's
+    step of each plan that ran (by plan and microbatch size).
+
+    The first trials run the best plan and the best of another data-parallel width (programs
+    that differ in all-reduce and compute, for the fit); then, refitted after each trial, the
+    best plan that has not run, while it is predicted faster than every measured one, until
+    ``budget`` trials have run. A trial that fails is reported and left out.
+    """
+    ran: dict[tuple[PipelinePlan, int], Trial] = {}
+    tried: set[tuple[PipelinePlan, int]] = set()
+
+    def attempt(p: predict.Prediction) -> None:
+        tried.add((p.plan, p.microbatch_size))
+        try:
+            ran[(p.plan, p.microbatch_size)] = trained(p)
+        except RuntimeError as err:
+            print(f"trial run failed, left out of the fit: {err}", file=sys.stderr, flush=True)
+
+    feasible = [p for p in ranked if p.feasible]
+    first = feasible[:1] + [p for p in feasible if p.plan.width != feasible[0].plan.width][:1]
+    for p in first[:budget]:
+        attempt(p)
+    while True:
+        fitted = calibrate(profile, list(ran.values()))
+        modeled = ranking(fitted)
+        ranked = measured_first(modeled, ran)
+        measured = [t.step for t in ran.values()]
+        fresh = next((p for p in ranked if p.feasible and (p.plan, p.microbatch_size) not in tried), None)
+        if len(tried) >= budget or fresh is None or (measured and fresh.step_time >= min(measured)):
+            return (
+                fitted,
+                ranked,
+                {(p.plan, p.microbatch_size): p.step_time for p in modeled if (p.plan, p.microbatch_size) in ran},
+            )
+        attempt(fresh)
+
+
+def measured_first(
+    ranked: Sequence[predict.Prediction], ran: dict[tuple[PipelinePlan, int], Trial]
+) -> list[predict.Prediction]:
+    """``ranked`` with each plan that ran a trial charged its measured step, ranked again."""
+    charged = [
+        dataclasses.replace(p, step_time=ran[(p.plan, p.microbatch_size)].step)
+        if (p.plan, p.microbatch_size) in ran
+        else p
+        for p in ranked
+    ]
+    return search.rank(charged)
+
+
+def calibration_note(profile: Profile) -> str:
+    """One line: what the trial runs fitted."""
+    c = profile.meta.get("calibration")
+    if not c:
+        return "no trial run finished: the plans are predicted from the profile alone"
+    return (
+        f"fitted to {len(c['trials'])} trial run(s): compute x{c['compute_scale']:.2f}, optimizer step "
+        f"x{c['optimizer_scale']:.2f}, all-reduce x{c['allreduce_scale']:.2f}, "
+        f"{c['step_overhead'] * 1e3:.1f} ms a step outside the program"
+    )
+
+
 def conditions_note(profile: Profile) -> str:
     """One line: the conditions the block times hold for."""
     c = profile.meta.get("conditions")
@@ -202,14 +274,20 @@ def conditions_note(profile: Profile) -> str:
     )
 
 
-def table(ranked: Sequence[predict.Prediction], top: int, spread: Optional[dict[PipelinePlan, float]] = None) -> str:
+def table(
+    ranked: Sequence[predict.Prediction],
+    top: int,
+    spread: Optional[dict[PipelinePlan, float]] = None,
+    trials: Optional[dict[tuple[PipelinePlan, int], float]] = None,
+) -> str:
     """The ranked plans as a markdown table (the best ``top`` feasible, then a few infeasible); ``spread``:
-    each plan's predicted step's spread over the rounds of profiling (:func:`prediction_spread`)."""
-    spread = spread or {}
+    each plan's predicted step's spread over the rounds of profiling (:func:`prediction_spread`);
+    ``trials``: the plans that ran a trial (their step is the measured one), with the model's step."""
+    spread, trials = spread or {}, trials or {}
     rows = [
-        "| w | d | v | b | m | schedule | split | recompute | partition | step (s) | spread | samples/s "
+        "| w | d | v | b | m | schedule | split | recompute | partition | step (s) | spread | trial | samples/s "
         "| peak per rank | infeasible because |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     feasible = [p for p in ranked if p.feasible][:top]
     shown = feasible + [p for p in ranked if not p.feasible][: max(3, top - len(feasible))]
@@ -221,10 +299,16 @@ def table(ranked: Sequence[predict.Prediction], top: int, spread: Optional[dict[
             f"| {plan.width} | {plan.depth} | {plan.virtual_stages} | {p.microbatch_size} | {plan.microbatches} "
             f"| {plan.schedule} | "
             f"{_split(plan)} | {recompute} | {list(plan.partition)} | {p.step_time:.4f} | "
-            f"{f'±{spread[plan]:.1%}' if plan in spread else ''} | "
+            f"{f'±{spread[plan]:.1%}' if plan in spread else ''} | {_trial(p, trials)} | "
             f"{p.samples_per_second:.1f} | {peaks} | {p.why_infeasible()} |"
         )
     return "\n".join(rows)
+
+
+def _trial(p: predict.Prediction, trials: dict[tuple[PipelinePlan, int], float]) -> str:
+    """The table's trial column: for a plan that ran one, the fitted model's step beside the measured one."""
+    modeled = trials.get((p.plan, p.microbatch_size))
+    return "" if modeled is None else f"measured (model {modeled:.4f})"
 
 
 def _split(plan: PipelinePlan) -> str:
@@ -236,21 +320,10 @@ def _split(plan: PipelinePlan) -> str:
 
 def snippet(best: predict.Prediction, global_batch: int) -> str:
     """The best plan as YAML for ``trainer.strategy.init_args``."""
-    plan = best.plan
-    init = {
-        "schedule": plan.schedule,
-        "pipeline_depth": plan.depth,
-        "microbatches": plan.microbatches,
-        "partition": list(plan.partition),
-        "recompute": list(plan.recompute),
-        "split_backward": plan.split_backward,
-        "inner": plan.inner,
-        "global_batch_size": global_batch,
-        "virtual_stages": plan.virtual_stages,
-    }
-    if plan.split_placement is not None:
-        init["split_placement"] = plan.split_placement
-    return yaml.safe_dump({"trainer": {"devices": plan.world_size, "strategy": {"init_args": init}}}, sort_keys=False)
+    init = strategy_init_args(best.plan, global_batch)
+    return yaml.safe_dump(
+        {"trainer": {"devices": best.plan.world_size, "strategy": {"init_args": init}}}, sort_keys=False
+    )
 
 
 def ranking_json(
@@ -259,11 +332,13 @@ def ranking_json(
     global_batch: int,
     chosen: Optional[predict.Prediction] = None,
     spread: Optional[dict[PipelinePlan, float]] = None,
+    trials: Optional[dict[tuple[PipelinePlan, int], float]] = None,
 ) -> str:
     """Every ranked plan as JSON, in the table's order: its plan fields, microbatch size, predicted
     step seconds (and their spread over the rounds of profiling, where measured) and peak bytes per
-    pipeline rank, and whether it fits the budget; ``chosen``: the index of the plan written as YAML."""
-    spread = spread or {}
+    pipeline rank, and whether it fits the budget; ``chosen``: the index of the plan written as YAML;
+    ``trials``: the plans that ran a trial (``step_seconds`` measured, ``model_step_seconds`` the fitted model's)."""
+    spread, trials = spread or {}, trials or {}
     rows = [
         {
             "width": p.plan.width,
@@ -281,6 +356,8 @@ def ranking_json(
             "peak_bytes_per_rank": list(p.stage_memory),
             "feasible": p.feasible,
             "spread": spread.get(p.plan),
+            "trial": (p.plan, p.microbatch_size) in trials,
+            "model_step_seconds": trials.get((p.plan, p.microbatch_size), p.step_time),
         }
         for p in ranked
     ]
@@ -330,6 +407,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument(
         "--ranking-json", type=Path, default=None, help="also write every ranked plan, with its predictions, as JSON"
     )
+    parser.add_argument(
+        "--profile-json", type=Path, default=None, help="also write the profile the plans are predicted from, as JSON"
+    )
+    parser.add_argument(
+        "--trials",
+        type=int,
+        default=3,
+        help="plans trained for a few steps through the config's own script, as the job will run, to fit the "
+        "cost model and measure them (default 3; 0: the profile alone)",
+    )
     args = parser.parse_args(argv)
     if not args.config.is_file():
         parser.error(f"argument --config: no such file: {args.config}")
@@ -369,11 +456,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     profiles, ranked = stable_profiles(profiled, ranking, args.profile_rounds)
     profile = median_profile(profiles)
     print(conditions_note(profile), flush=True)
+    trials: dict[tuple[PipelinePlan, int], float] = {}
+    if args.trials > 0:
+
+        def trained(p: predict.Prediction) -> Trial:
+            print(f"trial run: {p.plan.describe()}, microbatch size {p.microbatch_size} ...", flush=True)
+            return run_trial(args.config, args.script, p.plan, p.microbatch_size, global_batch)
+
+        profile, ranked, trials = trial_ranking(profile, ranked, ranking, trained, args.trials)
+        print(calibration_note(profile), flush=True)
+    if args.profile_json is not None:
+        args.profile_json.write_text(profile.to_json())
     noise = prediction_spread(profiles, ranked[: args.top], args.memory)
-    print(table(ranked, args.top, noise))
+    print(table(ranked, args.top, noise, trials))
     best = search.choose(ranked, max(noise.get(ranked[0].plan, 0.0), 0.0) if ranked else 0.0)
     if args.ranking_json is not None:
-        args.ranking_json.write_text(ranking_json(ranked, args.devices, global_batch, best, noise))
+        args.ranking_json.write_text(ranking_json(ranked, args.devices, global_batch, best, noise, trials))
     if best is None:
         print("no plan fits the memory budget", file=sys.stderr)
         return 1

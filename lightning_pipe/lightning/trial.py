@@ -1,0 +1,167 @@
+"""Trial runs for the plan command: a plan trained for a few steps through the user's own script, traced.
+
+A trial runs the way the job will: the user's LightningCLI script (or LightningCLI itself when
+the config names its classes), Lightning's launcher, the same processes and threads, the
+user's config with the plan's strategy arguments. :class:`TrialRecorder` times each step and
+traces the last few; :func:`run_trial` reads what every rank wrote into a
+:class:`~lightning_pipe.planning.calibration.Trial` for
+:func:`~lightning_pipe.planning.calibration.calibrate`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import yaml
+
+from lightning_pipe.core.pipeline_plan import PipelinePlan
+from lightning_pipe.planning.calibration import Trial, median_actions, trial_step
+
+
+def strategy_init_args(plan: PipelinePlan, global_batch: int) -> dict[str, Any]:
+    """``plan`` as ``trainer.strategy.init_args`` of a LightningCLI config."""
+    init = {
+        "schedule": plan.schedule,
+        "pipeline_depth": plan.depth,
+        "microbatches": plan.microbatches,
+        "partition": list(plan.partition),
+        "recompute": list(plan.recompute),
+        "split_backward": plan.split_backward,
+        "inner": plan.inner,
+        "global_batch_size": global_batch,
+        "virtual_stages": plan.virtual_stages,
+    }
+    if plan.split_placement is not None:
+        init["split_placement"] = plan.split_placement
+    return init
+
+
+class TrialRecorder(L.Callback):
+    """On every rank: each step's end time, then ``traced`` more steps with the executor's trace on.
+
+    At the end of training each rank writes ``rank<r>.json`` in ``out_dir``: its step ends and
+    every traced action's seconds (by its text form, one entry per traced step).
+
+    Args:
+        out_dir: where the per-rank results go.
+        timed: steps timed without the trace (after one warm-up step).
+        traced: steps traced after them.
+    """
+
+    def __init__(self, out_dir: str, timed: int, traced: int) -> None:
+        self.out_dir, self.timed, self.traced = Path(out_dir), timed, traced
+        self.ends: list[float] = []
+        self.actions: dict[str, list[float]] = {}
+
+    def _tracing(self) -> bool:
+        return len(self.ends) > self.timed
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        trainer.strategy.engine.record_trace = self._tracing()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        engine = trainer.strategy.engine
+        if engine.record_trace and engine.trace is not None:
+            for interval in engine.trace.intervals:
+                self.actions.setdefault(str(interval.action), []).append(interval.end - interval.start)
+        if not self._tracing():
+            self.ends.append(time.perf_counter())
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+        trainer.strategy.engine.record_trace = False
+        result = {"rank": trainer.global_rank, "ends": self.ends, "actions": self.actions}
+        (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+#: Steps of a trial: one warm-up, the timed ones, the traced ones.
+TIMED_STEPS, TRACED_STEPS = 6, 3
+
+
+def trial_config(config: Path, plan: PipelinePlan, global_batch: int, out_dir: Path) -> Path:
+    """The user's config with ``plan``'s strategy arguments, a short run and :class:`TrialRecorder`
+    as its only callback (no logger, checkpoints, validation or progress bar); its path."""
+    cfg = yaml.safe_load(config.read_text()) or {}
+    trainer = dict(cfg.get("trainer") or {})
+    strategy = trainer.get("strategy")
+    strategy = dict(strategy) if isinstance(strategy, dict) else {}
+    strategy.setdefault("class_path", "lightning_pipe.PipelineStrategy")
+    strategy["init_args"] = {**(strategy.get("init_args") or {}), **strategy_init_args(plan, global_batch)}
+    recorder = {
+        "class_path": f"{TrialRecorder.__module__}.{TrialRecorder.__qualname__}",
+        "init_args": {"out_dir": str(out_dir), "timed": TIMED_STEPS, "traced": TRACED_STEPS},
+    }
+    for key in ("val_check_interval", "max_epochs", "max_time", "min_steps", "min_epochs", "check_val_every_n_epoch"):
+        trainer.pop(key, None)
+    trainer.update(
+        devices=plan.world_size,
+        default_root_dir=str(out_dir),
+        strategy=strategy,
+        max_steps=1 + TIMED_STEPS + TRACED_STEPS,
+        max_epochs=-1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[recorder],
+    )
+    path = out_dir / "trial.yaml"
+    path.write_text(yaml.safe_dump({**cfg, "trainer": trainer}, sort_keys=False))
+    return path
+
+
+def run_trial(
+    config: Path,
+    script: Optional[Path],
+    plan: PipelinePlan,
+    microbatch_size: int,
+    global_batch: int,
+    timeout: float = 600.0,
+) -> Trial:
+    """Train ``plan`` for a few steps through the user's script (``<script> fit --config``; without
+    a script LightningCLI itself, for a config that names its classes) and return its :class:`Trial`.
+
+    Raises:
+        RuntimeError: if the run fails, times out or a rank wrote no result (with its output's tail).
+    """
+    with tempfile.TemporaryDirectory(prefix="lightning_pipe_trial_") as tmp:
+        out = Path(tmp)
+        cfg = trial_config(config, plan, global_batch, out)
+        entry = [str(script)] if script is not None else ["-m", __name__]
+        cmd = [sys.executable, *entry, "fit", "--config", str(cfg)]
+        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"trial of {plan.describe()} ran past {timeout:.0f} s") from None
+        ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+        if done.returncode != 0 or len(ranks) != plan.world_size:
+            tail = "\n".join((done.stdout + done.stderr).splitlines()[-15:])
+            raise RuntimeError(f"trial of {plan.describe()} failed (exit {done.returncode}):\n{tail}")
+    ranks.sort(key=lambda r: r["rank"])
+    return Trial(
+        plan,
+        microbatch_size,
+        trial_step([r["ends"] for r in ranks], TIMED_STEPS - 1),
+        tuple(median_actions(r["actions"]) for r in ranks),
+    )
+
+
+def main() -> None:
+    """LightningCLI for a config that names its model and data classes (a trial without a script)."""
+    from lightning.pytorch.cli import LightningCLI
+
+    LightningCLI(save_config_kwargs={"overwrite": True})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Fitting the cost model to trial runs: scales and the per-step overhead recovered from synthetic traces."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from lightning_pipe import PipelinePlan
+from lightning_pipe.lightning.plan_cli import measured_first, trial_ranking
+from lightning_pipe.planning import costs, predict, programs, search
+from lightning_pipe.planning.calibration import Trial, calibrate, trial_step
+from tests.test_planner import _uniform
+
+#: The job as it really runs: what the profile misses, to be recovered by the fit.
+TRUE = {"compute_scale": 1.3, "optimizer_scale": 0.8, "allreduce_scale": 3.0, "step_overhead": 0.005}
+
+
+def _profile():
+    return dataclasses.replace(_uniform(4, f=0.01, b=0.02), optimizer_step=0.004, allreduce_bandwidth=1e6)
+
+
+def _traced(job, plan: PipelinePlan, b: int) -> Trial:
+    """What a trial of ``plan`` would record in ``job``: every action at its cost, the step simulated."""
+    cost = costs.action_cost(job, plan, costs.stage_costs(job, plan, b))
+    actions = tuple({str(a): cost(a) for a in rank} for rank in programs.program(plan))
+    return Trial(plan, b, predict.predict_step(job, plan, b)[0], actions)
+
+
+def test_calibration_recovers_the_scales_and_overhead_that_made_the_traces() -> None:
+    profile = _profile()
+    job = dataclasses.replace(profile, **TRUE)
+    ran = [
+        _traced(job, PipelinePlan(width=2, depth=2, microbatches=4, schedule="1f1b", partition=(2, 2)), 1),
+        _traced(job, PipelinePlan(width=1, depth=4, microbatches=4, schedule="gpipe", partition=(1, 1, 1, 1)), 1),
+    ]
+    fitted = calibrate(profile, ran)
+    for name, value in TRUE.items():
+        assert getattr(fitted, name) == pytest.approx(value, rel=1e-9), name
+    # A plan no trial ran is predicted as the job runs it.
+    other = PipelinePlan(width=4, depth=1, microbatches=2, schedule="1f1b", split_backward=True, partition=(4,))
+    assert predict.predict_step(fitted, other, 1)[0] == pytest.approx(predict.predict_step(job, other, 1)[0])
+    assert predict.predict_step(profile, other, 1)[0] < 0.9 * predict.predict_step(job, other, 1)[0]
+    # Refitting starts from the profile's own numbers, not an earlier fit's.
+    assert calibrate(fitted, ran).compute_scale == pytest.approx(TRUE["compute_scale"])
+    assert calibrate(profile, []) is profile
+
+
+def test_a_trial_step_is_the_slowest_rank_median_over_the_last_steps() -> None:
+    ends = [[0.0, 1.0, 3.0, 4.0, 9.0], [0.0, 2.0, 3.0, 5.0, 6.0]]  # steps (1, 2, 1, 5) and (2, 1, 2, 1)
+    assert trial_step(ends, 3) == 2.0  # slowest per step: 2, 2, 2, 5 -> last three 2, 2, 5
+    with pytest.raises(ValueError, match="at least two step ends"):
+        trial_step([[0.0]], 3)
+
+
+def test_trials_run_the_best_plan_and_another_width_then_the_fitted_best_until_one_ran() -> None:
+    profile = _profile()
+    job = dataclasses.replace(profile, **TRUE)
+
+    def ranking(p):
+        return search.search(p, 4, 8, virtual_stages=(1,))
+
+    ran: list[PipelinePlan] = []
+
+    def trained(p: predict.Prediction) -> Trial:
+        ran.append(p.plan)
+        return _traced(job, p.plan, p.microbatch_size)
+
+    first = ranking(profile)
+    fitted, ranked, modeled = trial_ranking(profile, first, ranking, trained, budget=4)
+    assert ran[0] == first[0].plan and ran[1].width != first[0].plan.width
+    assert fitted.compute_scale == pytest.approx(TRUE["compute_scale"])
+    # Every plan that ran is charged its measured step; the rest the fitted model's; ranked by them.
+    truth = {(p.plan, p.microbatch_size): p.step_time for p in ranking(job)}
+    for p in ranked:
+        assert p.step_time == pytest.approx(truth[(p.plan, p.microbatch_size)])
+    assert set(modeled) == {(p, b) for p, b in truth if p in ran}
+    # The loop stops once the fitted best has run (or the budget is spent).
+    assert ranked[0].plan in ran or len(ran) == 4
+    assert [p.plan for p in measured_first(ranked, {})] == [p.plan for p in ranked]
