@@ -295,14 +295,25 @@ def train(work: Workload, row: dict[str, Any], ranking: dict[str, Any], opts: Op
 
 
 def to_train(rankings: Sequence[dict[str, Any]], count: int) -> list[dict[str, Any]]:
-    """The first ranking's top ``count`` feasible plans, then every run's chosen plan not among them.
+    """The first ranking's top ``count // 2`` feasible plans and ``count - count // 2`` more spread
+    evenly over the rest of its feasible plans (a model is judged over its whole range, not only its
+    near-equal top), then every run's chosen plan not among them. Plans the ranking predicts the
+    same step for as a chosen one of the same layout (GPipe and 1F1B at one microbatch) are skipped.
 
     Every plan carries the first ranking's predictions where that ranking lists it, so that the
     layouts of a group are compared with one profile's predictions.
     """
-    feasible = [[p for p in r["plans"] if p["feasible"]] for r in rankings]
+    feasible = [p for p in rankings[0]["plans"] if p["feasible"]]
     first = {plan_key(p): p for p in rankings[0]["plans"]}
-    chosen = list(feasible[0][:count])
+    distinct: list[dict[str, Any]] = []
+    for p in feasible:
+        if not any(_same_program(p, q) for q in distinct):
+            distinct.append(p)
+    top = distinct[: count // 2]
+    rest = distinct[len(top) :]
+    more = count - len(top)
+    spread = [rest[round(i * (len(rest) - 1) / max(more - 1, 1))] for i in range(min(more, len(rest)))]
+    chosen = top + [p for i, p in enumerate(spread) if p not in spread[:i]]
     keys = {plan_key(p) for p in chosen}
     for ranking in rankings:  # every run's choice, the first's included
         choice = ranking["plans"][ranking.get("chosen") or 0] if ranking["plans"] else None
@@ -310,6 +321,13 @@ def to_train(rankings: Sequence[dict[str, Any]], count: int) -> list[dict[str, A
             chosen.append(first.get(plan_key(choice), choice))
             keys.add(plan_key(choice))
     return chosen
+
+
+def _same_program(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Two plans of one layout predicted the same step (e.g. GPipe and 1F1B at one microbatch)."""
+    layout = ("width", "depth", "virtual_stages", "microbatches", "microbatch_size", "partition", "recompute")
+    model = "model_step_seconds" if "model_step_seconds" in a and "model_step_seconds" in b else "step_seconds"
+    return all(a[k] == b[k] for k in layout) and abs(a[model] - b[model]) < 1e-12
 
 
 def measure_group(work: Workload, devices: int, opts: Options) -> dict[str, Any]:
@@ -384,8 +402,11 @@ def summary(group: dict[str, Any]) -> dict[str, Any]:
     first = plan_key(ranking["plans"][ranking.get("chosen") or 0])
     chosen = next(x for x in layouts if plan_key(x["row"]) == first)
     top5 = [abs(e) <= TOP5_TOLERANCE for e in errors[: min(5, len(errors))]]
+    modeled = [e for x, e in zip(layouts, errors) if not x["row"].get("trial")]
     return {
         "median_error": statistics.median(abs(e) for e in errors),
+        "model_median_error": statistics.median(abs(e) for e in modeled) if modeled else float("nan"),
+        "model_layouts": len(modeled),
         "worst_error": max(errors, key=abs),
         "choice_over_fastest": chosen["step"] / min(x["step"] for x in layouts),
         "spearman": spearman([x["row"]["step_seconds"] for x in layouts], [x["step"] for x in layouts]),
@@ -401,6 +422,7 @@ def layout_table(group: dict[str, Any]) -> str:
         [
             x["ranked"],
             describe(x["row"]),
+            "trial" if x["row"].get("trial") else "model",
             f"{x['row']['step_seconds']:.4f}",
             f"{x['step']:.4f}",
             f"{x['row']['step_seconds'] / x['step']:.3f}",
@@ -410,7 +432,8 @@ def layout_table(group: dict[str, Any]) -> str:
         ]
         for x in group["layouts"]
     ]
-    header = ["planner's rank", "plan", "predicted step (s)", "measured step (s)", "predicted / measured step"]
+    header = ["planner's rank", "plan", "step from", "predicted step (s)", "measured step (s)"]
+    header += ["predicted / measured step"]
     header += ["predicted peak per rank (MiB)", "measured peak per rank (MiB)", "predicted / measured peak"]
     return markdown_table(header, rows)
 
@@ -443,7 +466,8 @@ def group_section(group: dict[str, Any]) -> tuple[str, str]:
     s = summary(group)
     lines = [
         f"- Step error (predicted / measured - 1): median |error| {s['median_error']:.1%}, "
-        f"worst {s['worst_error']:+.1%}.",
+        f"worst {s['worst_error']:+.1%}; of the {s['model_layouts']} layouts no trial ran (the fitted model's "
+        f"prediction): median |error| {s['model_median_error']:.1%}.",
         f"- The first choice's measured step over the fastest measured layout's: {s['choice_over_fastest']:.3f}.",
         f"- Spearman rank correlation of predicted and measured steps: {s['spearman']:.2f}.",
         f"- Every memory prediction within {MEMORY_TOLERANCE:.0%} above the measured peak and never under: "
@@ -460,13 +484,14 @@ def overview(groups: Sequence[dict[str, Any]]) -> str:
     rows = []
     for g in groups:
         s = summary(g)
-        same = len({plan_key(r["plans"][0]) for r in g["rankings"]}) == 1
+        same = len({plan_key(r["plans"][r.get("chosen") or 0]) for r in g["rankings"]}) == 1
         rows.append(
             [
                 g["workload"],
                 g["devices"],
                 len(g["layouts"]),
                 f"{s['median_error']:.1%}",
+                f"{s['model_median_error']:.1%} ({s['model_layouts']})",
                 f"{s['worst_error']:+.1%}",
                 f"{s['choice_over_fastest']:.3f}",
                 f"{s['spearman']:.2f}",
@@ -475,7 +500,8 @@ def overview(groups: Sequence[dict[str, Any]]) -> str:
                 f"{'yes' if same else 'no'} ({len(g['rankings'])} runs)",
             ]
         )
-    header = ["workload", "processes", "layouts", "median abs step error", "worst step error", "choice / fastest"]
+    header = ["workload", "processes", "layouts", "median abs step error", "of layouts no trial ran"]
+    header += ["worst step error", "choice / fastest"]
     header += [
         "Spearman",
         f"memory within {MEMORY_TOLERANCE:.0%}, never under",
@@ -504,8 +530,9 @@ def intro(opts: Options) -> str:
     busy = " A spinning process kept one core busy throughout." if opts.busy else ""
     return (
         "The planner as a user runs it: `python -m lightning_pipe.plan --config <config> --script <script> "
-        f"--devices N` once per workload and process count ({opts.cli_runs} time(s)), then, after it has "
-        f"exited, each of its top {opts.plans} plans trained through `Trainer.fit` in its own launch (the "
+        f"--devices N` once per workload and process count ({opts.cli_runs} time(s)), with its default trial "
+        f"runs, then, after it has exited, {opts.plans} of its plans (the top {opts.plans // 2} and the rest "
+        "spread evenly over its ranking, plus its choice) trained through `Trainer.fit` in its own launch (the "
         "workload's script under `fit`, Lightning's launcher, the user's config with the plan's strategy "
         f"arguments). Measured step: the slowest rank's wall time between consecutive step ends, median of the "
         f"last {opts.measured} of {opts.steps} steps. Measured peak: one more step under a tracker of every CPU "

@@ -58,14 +58,18 @@ def test_measured_step_is_the_slowest_ranks_and_leaves_out_the_tracked_step() ->
     assert peaks_per_position([fast, slow, {**fast, "peak": 9}], 2) == [9, 7]
 
 
-def test_to_train_takes_the_top_feasible_plans_then_other_runs_first_choices() -> None:
-    first = {"plans": [_row(m=m, step=0.1 * m) for m in (1, 2, 4, 8, 16)]}
-    other = {"plans": [_row(m=16, step=0.05), _row(m=1)]}
-    same = {"plans": [_row(m=1)]}
-    trained = to_train([first, other, same], 2)
-    assert [r["microbatches"] for r in trained] == [1, 2, 16]
-    assert len({plan_key(r) for r in trained}) == 3
-    assert trained[2]["step_seconds"] == 1.6  # the first ranking's prediction for it, not the other run's
+def test_to_train_takes_the_top_plans_then_plans_spread_over_the_ranking_then_other_runs_choices() -> None:
+    plans = [_row(m=m, step=0.1 * m) for m in (1, 2, 4, 8, 16)]
+    twin = {**plans[0], "schedule": "gpipe"}  # the same program as the best (one microbatch): not trained twice
+    first = {"plans": [plans[0], twin] + plans[1:]}
+    other = {"plans": [_row(m=16, step=0.05), _row(m=1)], "chosen": 1}
+    trained = to_train([first, other], 4)
+    assert [r["microbatches"] for r in trained] == [1, 2, 4, 16]  # top 2; then the ends of the rest [4, 8, 16]
+    assert len({plan_key(r) for r in trained}) == 4
+    late = {"plans": [_row(m=8, step=0.01)]}
+    trained = to_train([first, late], 3)
+    assert [r["microbatches"] for r in trained] == [1, 2, 16, 8]  # another run's choice comes last
+    assert trained[3]["step_seconds"] == 0.8  # the first ranking's prediction for it, not the other run's
 
 
 def test_memory_ok_wants_every_rank_within_two_percent_above() -> None:
