@@ -22,6 +22,7 @@ from lightning_pipe.core.pipeline_plan import PipelinePlan
 from lightning_pipe.core.sizes import parse_size
 from lightning_pipe.lightning.monitor import held_tensors
 from lightning_pipe.planning import predict, search
+from lightning_pipe.planning.calibration import Trial, calibrate, median_actions, trial_step
 from lightning_pipe.planning.links import _link_worker
 from lightning_pipe.planning.profile import BlockProfile, BlockSample, Profile
 from lightning_pipe.planning.profiler import _loss_of, profile_stage
@@ -62,11 +63,15 @@ class AutoPlanner(Callback):
         headroom: fraction of ``memory`` kept free when planning: plans must fit
             ``memory * (1 - headroom)``. The default, 0.15, covers the memory model's misses,
             which are largest on chains whose activations dominate.
+        revert_factor: after a switch, go back to the replaced plan when the new one's measured
+            step (median of three, slowest rank) exceeds this many times the replaced plan's
+            measured step (``None``: never).
 
     Attributes:
         decisions: one record per decision (step, table of candidates, chosen plan, reason,
             the profile it was planned on, switch seconds, predicted and measured step time after
-            it, and where the global batch came from when the user did not set it).
+            it, whether it was reverted, and where the global batch came from when the user did
+            not set it).
     """
 
     def __init__(
@@ -78,6 +83,7 @@ class AutoPlanner(Callback):
         recheck_every_n_steps: Optional[int] = None,
         headroom: float = 0.15,
         virtual_stages: Sequence[int] = (1, 2),
+        revert_factor: Optional[float] = 2.0,
     ) -> None:
         if profile_steps < 2:
             raise ValueError(f"profile_steps must be >= 2 (the first step is a warm-up), got {profile_steps}")
@@ -85,6 +91,9 @@ class AutoPlanner(Callback):
             raise ValueError(f"min_gain must be >= 0, got {min_gain}")
         if not 0 <= headroom < 1:
             raise ValueError(f"headroom must be in [0, 1), got {headroom}")
+        if revert_factor is not None and revert_factor < 1:
+            raise ValueError(f"revert_factor must be >= 1 or None, got {revert_factor}")
+        self.revert_factor = revert_factor
         if not virtual_stages or min(virtual_stages) < 1:
             raise ValueError(f"virtual_stages must list stage counts >= 1, got {virtual_stages}")
         self.headroom, self.virtual_stages = headroom, tuple(virtual_stages)
@@ -94,6 +103,8 @@ class AutoPlanner(Callback):
         self.decisions: list[dict[str, Any]] = []
         self._start_step, self._steps_seen = 0, 0
         self._times: dict[tuple[int, str], list[float]] = defaultdict(list)  # (stage, action kind)
+        self._actions: dict[str, list[float]] = defaultdict(list)  # every traced action of this rank, by text
+        self._ends: list[float] = []  # the profiled steps' end times (the warm-up's included)
         self._captured: dict[int, list[tuple[Tensor, ...]]] = {}  # each of this rank's stages: its inputs
         self._rows_seen: dict[int, int] = {}  # each of this rank's stages: samples forwarded since capturing began
         self._state_bytes: list[
@@ -102,12 +113,12 @@ class AutoPlanner(Callback):
         self._hooks: list[Any] = []
         self._batch: Any = None
         self._after: Optional[list[float]] = None
-        self._before: list[float] = []  # the profiled steps' wall times (the running plan, measured)
         self._step_start = 0.0
         self._prechecked = False
         self._resumed_plan: Optional[PipelinePlan] = None
         self._safe_start_pending = False  # the safe start's microbatches, once the data gives the global batch
         self._trainer: Optional[Trainer] = None
+        self._running_step: Optional[float] = None  # the running plan's measured step, slowest rank
 
     # -- Lightning hooks -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -187,9 +198,9 @@ class AutoPlanner(Callback):
                 self._start_step, self._steps_seen = trainer.global_step, 0  # profile (and decide) again
             return
         self._steps_seen += 1
+        self._ends.append(time.perf_counter())
         if self._steps_seen > 1:  # the first is a warm-up
             self._collect(trainer.strategy.engine)
-            self._before.append(elapsed)
         trainer.strategy.engine.record_trace = False  # a PipelineMonitor turns it on again for its steps
         if self._steps_seen == self.profile_steps:
             self._remove_hooks()
@@ -234,6 +245,7 @@ class AutoPlanner(Callback):
         """Seconds of each F, B, I, W and optimizer step of each of this rank's stages in the step just run."""
         for interval in engine.trace.intervals:
             kind = interval.action.kind
+            self._actions[str(interval.action)].append(interval.end - interval.start)
             if kind in (Kind.FORWARD, Kind.BACKWARD, Kind.INPUT_GRAD, Kind.WEIGHT_GRAD, Kind.OPTIMIZER_STEP):
                 self._times[interval.action.stage, kind.value].append(interval.end - interval.start)
 
@@ -320,6 +332,27 @@ class AutoPlanner(Callback):
             **links,
         )
 
+    def _fitted(self, trainer: Trainer, profile: Profile) -> Profile:
+        """``profile`` fitted to the profiled steps as a trial of the running plan
+        (:func:`~lightning_pipe.planning.calibration.calibrate`): its all-reduce, optimizer step and
+        the time a step takes outside its program, from every rank's traced actions and step ends."""
+        strategy, self._running_step = trainer.strategy, None
+        mine = (median_actions(self._actions), self._ends)
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+        ends = [part[1] for part in parts]
+        if min(len(e) for e in ends) < 3:
+            return profile
+        plan = strategy.plan
+        trial = Trial(
+            plan,
+            max(strategy.global_batch_size // (plan.width * plan.microbatches), 1),
+            trial_step([e[:-1] for e in ends], len(ends[0]) - 2),  # after the warm-up, before the capturing step
+            tuple(part[0] for part in parts),
+        )
+        self._running_step = trial.step
+        return calibrate(profile, [trial])
+
     # -- deciding --------------------------------------------------------------------------
     def _budget(self, trainer: Trainer) -> Optional[float]:
         """Bytes a stage may be predicted to use: the memory budget less the headroom (``None``: unlimited)."""
@@ -378,7 +411,7 @@ class AutoPlanner(Callback):
         return current, ranked
 
     def _decide(self, trainer: Trainer, module: Any) -> None:
-        profile = self._gather_profile(trainer, module)
+        profile = self._fitted(trainer, self._gather_profile(trainer, module))
         current, ranked = self._search(trainer, profile)
         measured = _measured_peak(trainer)
         budget = self._budget(trainer)
@@ -387,6 +420,7 @@ class AutoPlanner(Callback):
         best, reason = _choose(current, ranked[0], self.min_gain)
         self._switch(trainer, current, best, reason, ranked, profile)
         self._start_step, self._times = trainer.global_step, defaultdict(list)
+        self._actions, self._ends = defaultdict(list), []
         self._captured, self._batch = {}, None
 
     def _switch(
@@ -408,8 +442,9 @@ class AutoPlanner(Callback):
             "table": _table(current, ranked),
             "switch_seconds": 0.0,
             "measured_step_s": None,
-            "current_measured_step_s": statistics.median(self._before) if self._before else None,
-            "calibrated_step_s": _calibrated_step(best, current, self._before),
+            "current_measured_step_s": self._running_step,
+            "calibrated_step_s": _calibrated_step(best, current, [self._running_step] if self._running_step else []),
+            "reverted": False,
             "global_batch_origin": getattr(trainer.strategy, "global_batch_origin", None),
         }
         if best is not current:
@@ -418,26 +453,47 @@ class AutoPlanner(Callback):
             record["switch_seconds"] = time.perf_counter() - start
         self.decisions.append(record)
         self._report(trainer, record)
-        self._after, self._before = [], []
+        self._after = []
 
     def _record_after(self, trainer: Trainer, elapsed: float) -> None:
-        """Time the steps after a decision (the first is a warm-up); report the median of three."""
+        """Time the steps after a decision (the first is a warm-up); report the median of three (the
+        slowest rank's), and go back to the replaced plan if the new one measures ``revert_factor``
+        times slower than it did."""
         assert self._after is not None
         self._after.append(elapsed)
-        if len(self._after) == 4:
-            measured = statistics.median(self._after[1:])
-            record = self.decisions[-1]
-            record["measured_step_s"] = measured
-            calibrated = record["calibrated_step_s"]
-            rank_zero_info(
-                f"AutoPlanner: after the decision, measured step {measured:.4f} s (predicted "
-                f"{record['chosen'].step_time:.4f} s"
-                + (f", {calibrated:.4f} s calibrated by the plan it replaced)" if calibrated else ")")
-            )
-            _log_scalars(
-                trainer, {"autoplan/measured_step_s": measured, "autoplan/predicted_step_s": record["chosen"].step_time}
-            )
-            self._after = None
+        if len(self._after) < 4:
+            return
+        medians: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(medians, statistics.median(self._after[1:]))
+        measured = max(medians)
+        record = self.decisions[-1]
+        record["measured_step_s"] = measured
+        calibrated = record["calibrated_step_s"]
+        rank_zero_info(
+            f"AutoPlanner: after the decision, measured step {measured:.4f} s (predicted "
+            f"{record['chosen'].step_time:.4f} s"
+            + (f", {calibrated:.4f} s calibrated by the plan it replaced)" if calibrated else ")")
+        )
+        _log_scalars(
+            trainer, {"autoplan/measured_step_s": measured, "autoplan/predicted_step_s": record["chosen"].step_time}
+        )
+        self._after = None
+        before = record["current_measured_step_s"]
+        switched = record["chosen"] is not record["current"]
+        if switched and before and self.revert_factor and measured > self.revert_factor * before:
+            self._revert(trainer, record, measured, before)
+
+    def _revert(self, trainer: Trainer, record: dict[str, Any], measured: float, before: float) -> None:
+        """Move back to the plan a switch replaced; profiling starts over from there when re-checking."""
+        rank_zero_info(
+            f"AutoPlanner: the new plan measures {measured:.4f} s a step, {measured / before:.2f}x the "
+            f"{before:.4f} s of the plan it replaced (revert_factor {self.revert_factor}): going back to "
+            f"{record['current'].plan.describe()}"
+        )
+        trainer.strategy.reconfigure(record["current"].plan)
+        record["reverted"] = True
+        self._start_step, self._steps_seen = trainer.global_step, self.profile_steps
+        self._times, self._actions, self._ends = defaultdict(list), defaultdict(list), []
 
     def _report(self, trainer: Trainer, record: dict[str, Any]) -> None:
         origin = f"{record['global_batch_origin']}\n" if record["global_batch_origin"] else ""
