@@ -5,11 +5,13 @@
 
 One ``torchrun`` launch of 4 gloo processes runs, through ``Trainer.fit`` (the same harness for
 every row): a sweep of fixed 4-process plans of the GPT example (configs/gpt_auto.yaml's model
-and global batch of 32), then the AutoPlanner started from the poor plan ``(1,4)``, uniform
-partition, ``m = 2``. Step time is the median wall time between consecutive training steps
+and global batch of 32), then the AutoPlanner started ``--repeats`` times from the poor plan
+``(1,4)`` GPipe, uniform partition, one microbatch. Step time is the median wall time between consecutive training steps
 (data loading, Lightning and the step), after a warm-up. The AutoPlanner profiles for 5 steps,
-predicts every plan and switches to its choice; its throughput after the switch is compared with
-the best plan of the sweep, and the switch (drain, state move, rebuild) is counted in steps.
+predicts every plan and switches to its choice; each run reports whether it switched and its
+measured over predicted step after the switch; the first run's throughput after the switch is
+compared with the best plan of the sweep, and the switch (drain, state move, rebuild) is counted
+in steps.
 """
 
 from __future__ import annotations
@@ -36,10 +38,11 @@ from benchmarks.results_page import add_page_flag, command_line, markdown_table,
 from lightning_pipe import AutoPlanner, PipelinePlan, PipelineStrategy  # noqa: E402
 
 GLOBAL, WARMUP = 32, 3
-POOR = PipelinePlan(1, 4, 2, "1f1b", partition="uniform")
+POOR = PipelinePlan(1, 4, 1, "gpipe", partition="uniform")
 #: The sweep: the poor start, and plans across every (w, d) with w * d = 4.
 SWEEP = [
     POOR,
+    PipelinePlan(1, 4, 2, "1f1b", partition="uniform"),
     PipelinePlan(1, 4, 2, "1f1b", partition=(2, 1, 1, 2)),
     PipelinePlan(1, 4, 4, "1f1b", partition=(2, 1, 1, 2)),
     PipelinePlan(1, 4, 2, "1f1b", True, partition=(2, 1, 1, 2)),
@@ -92,6 +95,8 @@ def _fit(plan: PipelinePlan, steps: int, auto: Optional[AutoPlanner] = None) -> 
 def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--measured", type=int, default=15, help="measured steps of each plan, after 3 warm-up steps")
+    parser.add_argument("--repeats", type=int, default=5, help="AutoPlanner runs from the poor start")
+    parser.add_argument("--no-sweep", action="store_true", help="only the AutoPlanner runs, no sweep of fixed plans")
     add_page_flag(parser)
     return parser.parse_args()
 
@@ -107,15 +112,41 @@ def worker() -> None:
     rank0 = dist.get_rank() == 0
     say = (lambda text: print(text, flush=True)) if rank0 else (lambda text: None)
     measured = {}
-    for i, plan in enumerate(SWEEP):
+    for i, plan in enumerate([] if args.no_sweep else SWEEP):
         clock, _ = _fit(plan, WARMUP + measured_steps + 1)
         measured[plan.describe()] = statistics.median(clock.steps(WARMUP))
         say(f"[sweep {i + 1}/{len(SWEEP)}] {plan.describe()}: {measured[plan.describe()]:.4f} s per step")
-    auto = AutoPlanner(profile_steps=5, min_gain=0.05)
-    clock, trainer = _fit(POOR, 5 + 1 + WARMUP + measured_steps, auto)
-    decision = auto.decisions[0]
-    after = statistics.median(clock.steps(5 + WARMUP))
+    runs = []
+    for r in range(max(args.repeats, 1)):
+        auto = AutoPlanner(profile_steps=5, min_gain=0.05)
+        clock, trainer = _fit(POOR, 5 + 1 + WARMUP + measured_steps, auto)
+        decision = auto.decisions[0]
+        after_run = statistics.median(clock.steps(5 + WARMUP))
+        switched = decision["chosen"] is not decision["current"] and not decision["reverted"]
+        runs.append((decision, after_run, switched, auto, clock))
+        say(
+            f"[autoplanner {r + 1}/{args.repeats}] {'switched to' if switched else 'kept'} "
+            f"{decision['chosen'].plan.describe()}: predicted {decision['chosen'].step_time:.4f} s, measured after "
+            f"{after_run:.4f} s (measured / predicted {after_run / decision['chosen'].step_time:.2f})"
+        )
+    decision, after, _, auto, clock = runs[0]
     before = statistics.median(clock.steps(1)[:4])  # steps 2-5, on the poor plan
+    ratios = [a / d["chosen"].step_time for d, a, *_ in runs]
+    repeated = [
+        f"from {POOR.describe()}, {len(runs)} runs: switched in {sum(r[2] for r in runs)} of {len(runs)}; "
+        f"measured / predicted step after the decision: {', '.join(f'{x:.2f}' for x in ratios)} "
+        f"({sum(abs(x - 1) <= 0.25 for x in ratios)} of {len(runs)} within 25%)"
+    ]
+    repeated += [
+        f"run {i + 1}: {d['reason']}; chose {d['chosen'].plan.describe()}, predicted {d['chosen'].step_time:.4f} s, "
+        f"measured {a:.4f} s; running plan predicted {d['current'].step_time:.4f} s, measured "
+        f"{d['current_measured_step_s'] or float('nan'):.4f} s"
+        for i, (d, a, *_) in enumerate(runs)
+    ]
+    say("\n" + "\n  ".join(repeated))
+    if not measured:
+        dist.destroy_process_group()
+        return
     best_name = min(measured, key=measured.get)
     chosen = decision["chosen"].plan.describe()
     lines = [
@@ -148,7 +179,11 @@ def worker() -> None:
             f"example (4 layers, width 128, context 64), global batch {GLOBAL}. Step time is the median wall time "
             f"between consecutive training steps over {measured_steps} steps after {WARMUP} warm-up steps."
         )
-        sections = [("AutoPlanner", "\n".join(f"- {line}" for line in lines)), ("Sweep of fixed plans", sweep)]
+        sections = [
+            ("AutoPlanner from a poor start, repeated", "\n".join(f"- {line}" for line in repeated)),
+            ("AutoPlanner against the sweep (first run)", "\n".join(f"- {line}" for line in lines)),
+            ("Sweep of fixed plans", sweep),
+        ]
         path = write_page(
             "bench_autoplan",
             "AutoPlanner: throughput after its switch against a sweep",
