@@ -1,4 +1,4 @@
-"""Fitting the cost model to trial runs: scales and the per-step overhead recovered from synthetic traces."""
+"""The time model: fitting it to trial runs (scales and the per-step overhead recovered from synthetic traces), 2BW's copies."""
 
 from __future__ import annotations
 
@@ -78,3 +78,15 @@ def test_trials_run_the_best_plan_and_another_width_then_the_fitted_best_until_o
     # The loop stops once the fitted best has run (or the budget is spent).
     assert ranked[0].plan in ran or len(ran) == 4
     assert [p.plan for p in measured_first(ranked, {})] == [p.plan for p in ranked]
+
+
+def test_a_two_bw_step_copies_the_newest_weights_before_stepping_and_a_flushed_one_does_not() -> None:
+    profile = dataclasses.replace(_profile(), version_copy=0.003)
+    stages = costs.stage_costs(profile, PipelinePlan(1, 2, 4, "2bw", partition=(3, 1)), 1)
+    for schedule, copies in (("2bw", True), ("1f1b", False)):
+        plan = PipelinePlan(1, 2, 4, schedule, partition=(3, 1))
+        cost = costs.action_cost(profile, plan, stages)
+        for s, share in enumerate((0.75, 0.25)):  # by weight share: equal blocks, 3 and 1 per stage
+            step = programs.program(plan)[s][-1]
+            assert step.kind.name == "OPTIMIZER_STEP"
+            assert cost(step) == pytest.approx((0.004 + (0.003 if copies else 0.0)) * share)

@@ -73,6 +73,7 @@ def test_profile_measures_bytes_and_round_trips_json() -> None:
     assert profile.batch_bytes_per_sample == 6 * 4 + 8  # six float32 features and an int64 label per sample
     assert Profile.from_json(profile.to_json()) == profile
     assert profile.shared_blocks == []  # no block shares a parameter with another
+    assert 0 < profile.version_copy < profile.optimizer_step  # one copy of the weights; Adam reads and writes more
 
 
 def test_two_bw_first_stage_holds_one_batch_of_gradients_unless_weights_are_tied_across_stages() -> None:

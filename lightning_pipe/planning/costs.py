@@ -245,6 +245,7 @@ def action_cost(profile: Profile, plan: PipelinePlan, stages: Sequence[StageCost
     (latency + bytes / bandwidth), the all-reduce from the replicas' ring, the step by weight share;
     compute, all-reduce and step scaled as the profile's trial runs fitted them."""
     total_weights = sum(s.weight_bytes for s in stages) or 1
+    versions = weight_versions(plan)
 
     compute = {
         Kind.FORWARD: "forward",
@@ -267,7 +268,8 @@ def action_cost(profile: Profile, plan: PipelinePlan, stages: Sequence[StageCost
             ring = 2 * (plan.width - 1) / plan.width * st.gradient_bytes / profile.allreduce_bandwidth
             return ring * profile.allreduce_scale
         if a.kind is Kind.OPTIMIZER_STEP:
-            return profile.optimizer_step * profile.optimizer_scale * st.weight_bytes / total_weights
+            copy = profile.version_copy if versions > 1 else 0.0  # 2BW copies the newest version first
+            return (profile.optimizer_step + copy) * profile.optimizer_scale * st.weight_bytes / total_weights
         return 0.0
 
     return cost

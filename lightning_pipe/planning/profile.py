@@ -171,6 +171,9 @@ class Profile:
         step_bytes_add_up: an optimizer step over several blocks allocates the sum of their
             steps' temporaries (whole-list ``foreach`` kernels), not the largest block's (one
             tensor at a time); measured by :func:`profile_blocks`, else assumed (an upper bound).
+        version_copy: seconds to copy every weight of the model once: PipeDream-2BW's deferred
+            step first copies the newest version into the slot it steps (``runtime/versions.py``),
+            charged to its optimizer step by weight share.
         compute_scale: a forward or backward action in the job takes this many times its
             blocks' profiled seconds (fitted to trial runs of the job, see
             :mod:`lightning_pipe.planning.calibration`; 1: not fitted).
@@ -197,6 +200,7 @@ class Profile:
     device_bytes: int = 0
     shared_blocks: Optional[list[list[int]]] = None
     step_bytes_add_up: bool = True
+    version_copy: float = 0.0
     compute_scale: float = 1.0
     optimizer_scale: float = 1.0
     allreduce_scale: float = 1.0
@@ -273,5 +277,6 @@ def combined_profile(profiles: Sequence[Profile], statistic: Callable[[Sequence[
         blocks=blocks,
         meta=dict(first.meta),
         optimizer_step=statistic([p.optimizer_step for p in profiles]),
+        version_copy=statistic([p.version_copy for p in profiles]),
         action_overhead=statistic([p.action_overhead for p in profiles]),
     )

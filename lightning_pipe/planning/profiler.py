@@ -359,6 +359,7 @@ def profile_blocks(
         for i, b in enumerate(blocks)
     ]
     step, step_bytes = _optimizer_step_seconds(module, optimizer, device, sync=sync)
+    copy = _version_copy_seconds(module, device)
     leaves = [t for t in tree_leaves(batch) if isinstance(t, Tensor)]
     batch_storages = {t.untyped_storage().data_ptr() for t in leaves}
     data = as_tuple(module.pipeline_inputs(batch), "pipeline_inputs")
@@ -376,6 +377,7 @@ def profile_blocks(
     return Profile(
         profiles,
         optimizer_step=step,
+        version_copy=copy,
         action_overhead=per_action,
         input_bytes_per_sample=per_sample,
         batch_bytes_per_sample=batch_per_sample,
@@ -707,6 +709,22 @@ def _state_bytes(block: nn.Module, optimizer: Optional[Callable]) -> tuple[int, 
     with _trial_steps(params, optimizer) as (opt, step_bytes):
         state = [t for s in opt.state.values() for t in s.values()]
         return _tensor_bytes(params), _tensor_bytes(params), _tensor_bytes(state), step_bytes
+
+
+def _version_copy_seconds(module: nn.Module, device: torch.device, repeats: int = 5) -> float:
+    """Median seconds of copying every trainable weight of the chain into a second copy, as
+    PipeDream-2BW's deferred step does before stepping (``WeightVersions.begin_step``)."""
+    params = [p for b in pipeline_blocks_of(module) for p in b.parameters() if p.requires_grad]
+    if not params:
+        return 0.0
+    slots = [torch.empty_like(p) for p in params]
+
+    def copy() -> None:
+        with torch.no_grad():
+            for t, p in zip(slots, params):
+                t.copy_(p)
+
+    return statistics.median(_timed(copy, device)[0] for _ in range(repeats))
 
 
 def _optimizer_step_seconds(
