@@ -1,4 +1,4 @@
-"""The time model: fitting it to trial runs (scales and the per-step overhead recovered from synthetic traces), 2BW's copies."""
+"""The time model: fitted to trial runs (scales and step overhead from synthetic traces), 2BW's weight copies."""
 
 from __future__ import annotations
 
