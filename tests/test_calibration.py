@@ -9,15 +9,28 @@ import pytest
 from lightning_pipe import PipelinePlan
 from lightning_pipe.lightning.plan_cli import measured_first, trial_ranking
 from lightning_pipe.planning import costs, predict, programs, search
-from lightning_pipe.planning.calibration import Trial, calibrate, trial_step
+from lightning_pipe.planning.calibration import Trial, calibrate, fitted_line, trial_step
 from tests.test_planner import _uniform
 
 #: The job as it really runs: what the profile misses, to be recovered by the fit.
-TRUE = {"compute_scale": 1.3, "optimizer_scale": 0.8, "allreduce_scale": 3.0, "step_overhead": 0.005}
+TRUE = {
+    "compute_scale": 1.3,
+    "action_overhead": 0.0007,
+    "send_overhead": 0.0002,
+    "optimizer_scale": 0.8,
+    "allreduce_scale": 3.0,
+    "step_overhead": 0.005,
+}
 
 
 def _profile():
-    return dataclasses.replace(_uniform(4, f=0.01, b=0.02), optimizer_step=0.004, allreduce_bandwidth=1e6)
+    return dataclasses.replace(
+        _uniform(4, f=0.01, b=0.02),
+        optimizer_step=0.004,
+        allreduce_bandwidth=1e6,
+        action_overhead=0.0001,
+        send_overhead=0.00005,
+    )
 
 
 def _traced(job, plan: PipelinePlan, b: int) -> Trial:
@@ -42,8 +55,16 @@ def test_calibration_recovers_the_scales_and_overhead_that_made_the_traces() -> 
     assert predict.predict_step(fitted, other, 1)[0] == pytest.approx(predict.predict_step(job, other, 1)[0])
     assert predict.predict_step(profile, other, 1)[0] < 0.9 * predict.predict_step(job, other, 1)[0]
     # Refitting starts from the profile's own numbers, not an earlier fit's.
-    assert calibrate(fitted, ran).compute_scale == pytest.approx(TRUE["compute_scale"])
+    again = calibrate(fitted, ran)
+    assert again.compute_scale == pytest.approx(TRUE["compute_scale"])
+    assert again.meta["calibration"]["profiled_action_overhead"] == profile.action_overhead
     assert calibrate(profile, []) is profile
+
+
+def test_a_line_through_the_traces_separates_the_scale_from_the_overhead_per_action() -> None:
+    assert fitted_line([(1.0, 2.5), (2.0, 4.5), (3.0, 6.5)]) == pytest.approx((2.0, 0.5))
+    assert fitted_line([(1.0, 1.0), (2.0, 3.0)]) == pytest.approx((4 / 3, 0.0))  # no negative overhead
+    assert fitted_line([(2.0, 3.0), (2.0, 5.0)]) == pytest.approx((2.0, 0.0))  # one abscissa: the ratio
 
 
 def test_a_trial_step_is_the_slowest_rank_median_over_the_last_steps() -> None:

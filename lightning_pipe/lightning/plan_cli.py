@@ -257,7 +257,8 @@ def calibration_note(profile: Profile) -> str:
     if not c:
         return "no trial run finished: the plans are predicted from the profile alone"
     return (
-        f"fitted to {len(c['trials'])} trial run(s): compute x{c['compute_scale']:.2f}, optimizer step "
+        f"fitted to {len(c['trials'])} trial run(s): compute x{c['compute_scale']:.2f} + "
+        f"{c['action_overhead'] * 1e3:.2f} ms an action, optimizer step "
         f"x{c['optimizer_scale']:.2f}, all-reduce x{c['allreduce_scale']:.2f}, "
         f"{c['step_overhead'] * 1e3:.1f} ms a step outside the program"
     )

@@ -2,10 +2,10 @@
 
 Block times come from profiling each block alone; a job runs them inside its executor, its
 processes, its training loop. A trial run measures what that adds: each traced action's
-seconds against the model's, and each step's seconds against the simulated program. Three
-scales (compute, optimizer step, all-reduce) are fitted as the ratio of traced to modeled
-seconds summed over every traced action of every trial, then one per-step overhead as the
-median residual of the trials' steps. The fitted profile predicts the plans no trial ran.
+seconds against the model's, and each step's seconds against the simulated program: compute
+as a line (a scale and the executor's overhead per action), the optimizer step and the
+all-reduce as scales, the cost of posting a send, then one per-step overhead as the median
+residual of the trials' steps. The fitted profile predicts the plans no trial ran.
 """
 
 from __future__ import annotations
@@ -48,34 +48,73 @@ def _fitted_scale(traced: float, modeled: float) -> float:
     return traced / modeled if modeled > 0 and traced > 0 else 1.0
 
 
-def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
-    """``profile`` with its compute, optimizer and all-reduce scales and its per-step overhead
-    fitted to ``trials`` (any earlier fit is replaced); ``profile`` itself without trials.
+def fitted_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """``(slope, intercept)`` of the least-squares line through ``(modeled, traced)`` points; through
+    the origin (the ratio of sums) where the intercept would be negative or the points cannot tell
+    one (all at one abscissa)."""
+    xs, ys = [x for x, _ in points], [y for _, y in points]
+    if len(points) >= 2:
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        if sxx > 0:
+            slope = sum((x - mx) * (y - my) for x, y in points) / sxx
+            intercept = my - slope * mx
+            if slope > 0 and intercept >= 0:
+                return slope, intercept
+    return _fitted_scale(sum(ys), sum(xs)), 0.0
 
-    Each scale is the traced seconds of its actions over the model's over all trials and ranks;
-    a compute action's executor overhead (``action_overhead``) is taken off both sides first.
-    The step overhead is the median over trials of measured minus predicted step, at least 0.
+
+def unfitted(profile: Profile) -> Profile:
+    """``profile`` as profiled: no scale, no step overhead, and the executor's per-action and
+    per-send overheads its profile measured (a fit replaces them with the trials')."""
+    profiled = profile.meta.get("calibration", {})
+    return dataclasses.replace(
+        profile,
+        compute_scale=1.0,
+        optimizer_scale=1.0,
+        allreduce_scale=1.0,
+        step_overhead=0.0,
+        action_overhead=profiled.get("profiled_action_overhead", profile.action_overhead),
+        send_overhead=profiled.get("profiled_send_overhead", profile.send_overhead),
+    )
+
+
+def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
+    """``profile`` fitted to ``trials`` (any earlier fit is replaced); ``profile`` itself without trials.
+
+    - Compute: a line through every traced forward, backward, I and W (the model's seconds
+      without the executor's overhead against the traced ones): its slope is the compute scale,
+      its intercept the executor's overhead per action in the job (:func:`fitted_line`).
+    - Optimizer step and all-reduce: the traced seconds of their actions over the model's.
+    - Sends: the median traced seconds of posting one (receives wait on their senders, so they
+      are not fitted).
+    - Then the step overhead: the median over trials of measured minus predicted step, at least 0.
     """
     if not trials:
         return profile
-    base = dataclasses.replace(profile, compute_scale=1.0, optimizer_scale=1.0, allreduce_scale=1.0, step_overhead=0.0)
-    sums = {"compute": [0.0, 0.0], "optimizer": [0.0, 0.0], "allreduce": [0.0, 0.0]}
+    base = unfitted(profile)
+    compute: list[tuple[float, float]] = []
+    sums = {"optimizer": [0.0, 0.0], "allreduce": [0.0, 0.0]}
+    sends: list[float] = []
     for trial in trials:
         cost = action_cost(base, trial.plan, stage_costs(base, trial.plan, trial.microbatch_size))
         for rank in trial.actions:
             for text, seconds in rank.items():
                 action = Action.parse(text)
                 key = _category(action)
-                if key is None:
-                    continue
-                overhead = base.action_overhead if key == "compute" else 0.0
-                modeled = cost(action) - overhead
-                if modeled > 0:
-                    sums[key][0] += max(seconds - overhead, 0.0)
-                    sums[key][1] += modeled
+                if key == "compute":
+                    compute.append((cost(action) - base.action_overhead, seconds))
+                elif key == "send":
+                    sends.append(seconds)
+                elif key is not None and cost(action) > 0:
+                    sums[key][0] += seconds
+                    sums[key][1] += cost(action)
+    scale, per_action = fitted_line(compute) if compute else (1.0, base.action_overhead)
     fitted = dataclasses.replace(
         base,
-        compute_scale=_fitted_scale(*sums["compute"]),
+        compute_scale=scale,
+        action_overhead=per_action,
+        send_overhead=statistics.median(sends) if sends else base.send_overhead,
         optimizer_scale=_fitted_scale(*sums["optimizer"]),
         allreduce_scale=_fitted_scale(*sums["allreduce"]),
     )
@@ -93,17 +132,23 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
             for t in trials
         ],
         "compute_scale": fitted.compute_scale,
+        "action_overhead": fitted.action_overhead,
+        "send_overhead": fitted.send_overhead,
         "optimizer_scale": fitted.optimizer_scale,
         "allreduce_scale": fitted.allreduce_scale,
         "step_overhead": overhead,
+        "profiled_action_overhead": base.action_overhead,
+        "profiled_send_overhead": base.send_overhead,
     }
     return dataclasses.replace(fitted, step_overhead=overhead, meta=meta)
 
 
 def _category(action: Action) -> str | None:
-    """Which scale an action's traced seconds fit: compute, optimizer, all-reduce, or none."""
+    """What an action's traced seconds fit: compute, send, optimizer, all-reduce, or nothing."""
     if action.kind in COMPUTE_KINDS:
         return "compute"
+    if action.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
+        return "send"
     if action.kind is Kind.OPTIMIZER_STEP:
         return "optimizer"
     if action.kind is Kind.ALL_REDUCE:
