@@ -8,7 +8,8 @@
     python benchmarks/bench_planner.py --user-path      # the plan command, then Trainer.fit of its top plans
 
 Every mode but ``--user-path`` prints its tables and writes docs/results/bench_planner.md
-(``--no-page``: print only); ``--user-path`` writes docs/results/bench_planner_user_path.md.
+(``--no-page``: print only); ``--user-path`` writes docs/results/bench_planner_user_path.md
+(``--busy``: bench_planner_user_path_busy.md).
 
 ``--user-path`` measures the planner as users run it (:mod:`benchmarks.planner_user_path`):
 ``python -m lightning_pipe.plan`` once per workload and process count, as a subprocess, then,
@@ -819,7 +820,8 @@ def _user_path_flags(parser: Any) -> None:
 
 
 def _run_user_path(args: Any) -> None:
-    """``--user-path``: measure, print, and write docs/results/bench_planner_user_path.md (not with ``--no-page``)."""
+    """``--user-path``: measure, print, and write docs/results/bench_planner_user_path.md (with ``--busy``:
+    bench_planner_user_path_busy.md; not with ``--no-page``)."""
     from benchmarks.planner_user_path import Options, intro, user_path
 
     opts = Options(
@@ -833,8 +835,9 @@ def _run_user_path(args: Any) -> None:
     )
     sections = user_path(args.user_workload, args.devices, opts)
     if not args.no_page:
-        title = "Planner fidelity on the user's path"
-        print(f"page: {write_page('bench_planner_user_path', title, command_line(), sections, intro(opts))}")
+        title = "Planner fidelity on the user's path" + (" on a busy host" if args.busy else "")
+        name = "bench_planner_user_path" + ("_busy" if args.busy else "")
+        print(f"page: {write_page(name, title, command_line(), sections, intro(opts))}")
 
 
 if __name__ == "__main__":
