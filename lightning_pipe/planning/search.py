@@ -169,6 +169,6 @@ def _with_recompute(
     if first.feasible or plan.split_backward:
         return first
     over = [mem > (memory_limit or 0) for mem in first.stage_memory]  # per pipeline rank: all its stages
-    flags = tuple(over[s % plan.depth] for s in range(plan.stages))
+    flags = tuple(over[plan.rank_of_stage(s)] for s in range(plan.stages))
     second = predict(profile, plan.replace(recompute=flags), b, memory_limit, samples)
     return second if second.feasible else first
