@@ -250,6 +250,8 @@ def snippet(best: predict.Prediction, global_batch: int) -> str:
     }
     if plan.split_placement is not None:
         init["split_placement"] = plan.split_placement
+    if plan.stage_placement != "loop":
+        init["placement"] = plan.stage_placement
     return yaml.safe_dump({"trainer": {"devices": plan.world_size, "strategy": {"init_args": init}}}, sort_keys=False)
 
 
