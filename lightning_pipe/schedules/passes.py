@@ -126,11 +126,12 @@ def build_schedule(
 
 def build_inference(depth: int, microbatches: int, virtual: int = 1, stage_placement: str = "loop") -> Schedule:
     """Forward-only program of every rank (validation, test, predict); with ``virtual`` stages
-    per rank, the forwards in interleaved 1F1B's order (loop placement) or each stage's in
-    turn (looped BFS's, any placement)."""
+    per rank, the forwards in interleaved 1F1B's order (loop placement, ``m`` a multiple of
+    ``d``) or each stage's in turn (looped BFS's, any placement and ``m``)."""
     if virtual > 1:
         ranks = stage_ranks(depth, virtual, stage_placement)
-        order = interleaved.forwards if stage_placement == "loop" else _bfs_forwards(stage_placement)
+        rounds = stage_placement == "loop" and microbatches % depth == 0  # interleaved 1F1B's rounds of d
+        order = interleaved.forwards if rounds else _bfs_forwards(stage_placement)
         return [add_communication(order(r, depth, microbatches, virtual), depth * virtual, ranks) for r in range(depth)]
     return [add_communication(forward_only(s, depth, microbatches), depth) for s in range(depth)]
 
