@@ -18,7 +18,7 @@ from lightning_pipe import PipelinePlan, place
 from lightning_pipe.planning import costs, memory, predict, programs, search
 from lightning_pipe.planning.profile import BlockProfile, BlockSample, Profile, mean_profile
 from lightning_pipe.planning.profiler import profile_blocks, shared_blocks
-from lightning_pipe.schedules import SCHEDULE_NAMES
+from lightning_pipe.schedules import SCHEDULE_NAMES, get
 from tests.models import HIDDEN, ToyChain, make_data
 from tests.shared import scenario
 
@@ -528,19 +528,15 @@ def test_compiled_program_makespan_equals_the_simulator(schedule: str) -> None:
     from lightning_pipe.schedules.simulate import Exchange, compile_program, simulate
 
     rng = random.Random(0)
-    for depth, m, split in itertools.product((1, 2, 3, 5), (1, 4, 7, 10), (False, True)):
-        if schedule == "2bw" and m < depth or schedule == "interleaved" and (depth == 1 or m % depth):
+    spec = get("1f1b" if schedule == "interleaved" else schedule)
+    virtual = 1 if schedule != "interleaved" and spec.runs(3, 12) else 2  # ZB-V, DualPipeV, looped BFS: 2 per rank
+    for depth, m, split, placement in itertools.product((1, 2, 3, 5), (1, 4, 7, 10), (False, True), spec.placements):
+        if not spec.runs(depth, m, virtual, placement) or schedule == "interleaved" and depth == 1:
             continue
         if schedule == "2bw":
             program = two_bw_run(depth, m, 2, split)
         else:
-            program = build_schedule(
-                "1f1b" if schedule == "interleaved" else schedule,
-                depth,
-                m,
-                split,
-                virtual=1 + (schedule == "interleaved"),
-            )
+            program = build_schedule(spec.name, depth, m, split, virtual=virtual, stage_placement=placement)
         compiled = compile_program(program)
         for _ in range(3):
             table: dict = {}
