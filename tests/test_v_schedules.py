@@ -144,6 +144,21 @@ def test_dualpipev_holds_dualpipes_activations(depth: int) -> None:
         assert sum(result.busy) == pytest.approx(2 * depth * m * 3.0)
 
 
+@pytest.mark.parametrize("f,i,w", [(1.0, 1.0, 1.0), (2.0, 1.0, 1.0), (1.0, 1.0, 0.5), (3.0, 2.0, 1.0), (1.0, 2.0, 1.0)])
+def test_dualpipev_bubble_is_within_dualpipes_formula(f: float, i: float, w: float) -> None:
+    # DualPipe's bubble (DeepSeek-V3 technical report, Table 2): (PP/2 - 1)(F&B + B - 3W), PP the
+    # stages of the V (2d), B a whole backward (I + W), F&B a forward and a backward of two
+    # microbatches run as a pair. This runtime runs the pair's actions one after the other, F&B =
+    # F + B, and no rank idles longer than that within the step (all ranks start together).
+    costs = {Kind.FORWARD: f, Kind.INPUT_GRAD: i, Kind.WEIGHT_GRAD: w, Kind.BACKWARD: i + w}
+    for depth in (2, 3, 4, 5):
+        for m in (2 * depth, 3 * depth + 1):
+            result = simulate(build_schedule("dualpipev", depth, m, True, virtual=2), lambda a: costs.get(a.kind, 0.0))
+            pair, backward = f + i + w, i + w
+            formula = (2 * depth / 2 - 1) * (pair + backward - 3 * w)
+            assert max(result.makespan - busy for busy in result.busy) <= formula + 1e-9
+
+
 def test_looped_bfs_is_gpipe_per_chunk() -> None:
     # torch.distributed.pipelining's ScheduleLoopedBFS: every forward of the rank's first stage,
     # then of the next; backwards in reverse. Each rank holds every microbatch of each stage.

@@ -36,10 +36,11 @@ It needs ``m >= 2d``. Rank ``r`` runs:
 
 DualPipe's table (DeepSeek's DualPipe repository) gives DualPipeV ``PP + 1`` microbatches of
 activations per rank, ``PP = 2d`` being the stages of the chain here: rank ``r`` holds at most
-``2d + 1`` chunk-microbatches, one more than ZB-V. Its bubble, ``(PP/2 - 1)(F&B + B - 3W)``,
-prices the overlapped pair ``F&B`` below ``F + B``; this runtime runs the pair's two actions one
-after the other, so that formula is not what it measures (the simulator's bubble of rank 0 is
-``(d - 1) F`` with ``F = I = W``).
+``2d + 1`` chunk-microbatches, one more than ZB-V. Its bubble (DeepSeek-V3 technical report,
+Table 2) is ``(PP/2 - 1)(F&B + B - 3W)``, ``F&B`` a forward and a backward run as one overlapped
+pair, ``B`` a whole backward. This runtime runs a pair's two actions one after the other
+(``F&B = F + B``); with that, no rank idles longer than the formula within a step (tested over
+several costs; with ``F = I = W`` it idles ``(d - 1) F``, half the formula's ``2 (d - 1) F``).
 """
 
 from __future__ import annotations
