@@ -45,10 +45,11 @@ class PipelinePlan:
         inner: which dimension's ranks are neighbours (and so share a node): "pp" (the stages
             of a pipeline, default) or "dp" (the replicas of a stage); see :class:`Topology`.
         virtual_stages: stages per rank ``v``. Above 1 the chain is cut into ``depth * v``
-            stages, rank ``r`` of a pipeline runs stages ``r, r + depth, ...`` and the schedule
-            is interleaved 1F1B (``schedule="1f1b"``, ``microbatches`` a multiple of ``depth``;
-            see ``schedules/interleaved.py``): the bubble shrinks ``v`` times for ``v`` times
-            the messages. With ``split_backward`` each rank places its W's as ZB-H1 does.
+            stages, rank ``r`` of a pipeline runs the stages ``placement`` gives it, and the
+            schedule is one of several stages per rank: interleaved 1F1B (``schedule="1f1b"``,
+            ``microbatches`` a multiple of ``depth``; see ``schedules/interleaved.py``: the
+            bubble shrinks ``v`` times for ``v`` times the messages; with ``split_backward``
+            each rank places its W's as ZB-H1 does), looped BFS, ZB-V or DualPipeV.
         split_placement: with ``split_backward``, where the W's go (``schedules/w_placement.py``):
             ``None`` for the schedule's own (ZB-H1 for 1F1B, "bounded" for GPipe, "carry" for 2BW; named,
             it becomes ``None``: the same plan), or one of "end", "cooldown", "zb-h1", "bounded",
