@@ -1173,6 +1173,9 @@ EXACT_PLANS = [
     ),  # the header of a forward's send outweighs its temporaries
     (PipelinePlan(2, 2, 4, "gpipe", partition=(4, 4)), 2),
     (PipelinePlan(1, 4, 8, "1f1b", partition=(1,) * 8, virtual_stages=2), 2),  # interleaved ranks
+    # The V (ZB-V's order, whole backwards): rank 3 hands stage 3's output to stage 4 and stage 4's
+    # input gradient back without a message (counted as messages, 4096 bytes over).
+    (PipelinePlan(1, 4, 8, "zbv", partition=(1,) * 8, virtual_stages=2), 2),
 ]
 
 
