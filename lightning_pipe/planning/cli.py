@@ -318,7 +318,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         type=_at_least_one,
         nargs="+",
         default=[1, 2],
-        help="stages per rank to plan (above 1: interleaved 1F1B; default: 1 2)",
+        help="stages per rank to plan (above 1: interleaved 1F1B, looped BFS, ZB-V, DualPipeV; default: 1 2)",
     )
     parser.add_argument("--no-links", action="store_true", help="skip measuring transfers (they are then free)")
     parser.add_argument("--top", type=_at_least_one, default=10)
