@@ -29,7 +29,8 @@ class ScheduleSpec:
         name: the name users give (``PipelineStrategy(schedule=...)``, YAML).
         summary: one line for tables and errors.
         generator: one stage's compute actions of one flushed step, or ``None`` for a stream
-            whose per-step windows are built by their own pass (2BW, ``schedules/two_bw.py``).
+            whose per-step windows are built by their own pass (2BW, ``schedules/two_bw.py``) and
+            for a schedule of several stages per rank only (``rank_generator``).
         streams: the microbatches stream on across steps: no flush between steps.
         weight_versions: weight versions kept alive (2 under PipeDream-2BW's double buffering).
         gradient_sets: batches' gradients a stage may hold at once (a streaming stage holds the
@@ -162,7 +163,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         ScheduleSpec(
             "looped_bfs",
             "Looped BFS: GPipe over each rank's stages in turn (every forward of one, then the next)",
-            gpipe,
+            None,
             w_placement="bounded",
             interleaves=True,
             aliases=("LoopedBFS", "BFS"),
@@ -241,9 +242,12 @@ def flushed_generator(name: str) -> Generator:
     """The generator of a schedule that flushes once per step.
 
     Raises:
-        ValueError: for an unknown name, or a streaming schedule (built window by window).
+        ValueError: for an unknown name, a streaming schedule (built window by window), or one of
+            several stages per rank only (its rank generator writes each rank's program).
     """
     spec = get(name)
+    if spec.generator is None and not spec.streams:
+        raise ValueError(f"schedule {name!r} runs several stages per rank: build it with build_schedule(virtual=...)")
     if spec.generator is None:
         raise ValueError(f"schedule {name!r} is not flushed per batch; build it with two_bw_window()")
     return spec.generator
