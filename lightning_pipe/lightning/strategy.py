@@ -101,12 +101,12 @@ class PipelineStrategy(DDPStrategy):
             all-reduce stays inside a node (multi-node jobs; ``python -m lightning_pipe.plan``
             says which carries more bytes).
         virtual_stages: stages per rank ``v`` (default 1). Above 1 the chain is cut into
-            ``d * v`` stages, each rank runs ``v`` of them (rank ``r``: stages ``r, r + d, ...``)
-            and the schedule is interleaved 1F1B (Megatron-LM's): the bubble is ``v`` times
-            smaller for ``v`` times the messages. Needs ``schedule="1f1b"`` and ``microbatches``
-            a multiple of ``d``; ``partition`` and ``recompute`` lists then give one entry per
-            stage (``d * v``). With ``split_backward`` each rank places its W's as ZB-H1 does.
-            ``schedule="looped_bfs"`` runs any ``v``; "zbv" and "dualpipev" need ``v = 2``.
+            ``d * v`` stages and each rank runs ``v`` of them (which ones: ``placement``);
+            ``partition`` and ``recompute`` lists then give one entry per stage (``d * v``).
+            With ``schedule="1f1b"`` the schedule is interleaved 1F1B (Megatron-LM's): the
+            bubble is ``v`` times smaller for ``v`` times the messages; it needs ``microbatches``
+            a multiple of ``d``, and with ``split_backward`` each rank places its W's as ZB-H1
+            does. ``schedule="looped_bfs"`` runs any ``v``; "zbv" and "dualpipev" need ``v = 2``.
         placement: which rank runs which stage with ``virtual_stages > 1``: "loop" (rank ``r``:
             stages ``r, r + d, ...``) or "v" (rank ``r``: stages ``r`` and ``2d - 1 - r``, the
             V of ZB-V and DualPipeV); ``None`` for the schedule's own (schedules/layout.py).
