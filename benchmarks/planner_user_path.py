@@ -194,8 +194,8 @@ def run_cli(work: Workload, devices: int, opts: Options, out: Path) -> dict[str,
 def plan_key(row: dict[str, Any]) -> tuple:
     """What identifies a plan in a ranking (its layout and microbatch size)."""
     fields = ("width", "depth", "virtual_stages", "microbatches", "microbatch_size", "schedule", "split_backward")
-    rest = ("split_placement", "inner")
-    return tuple(row[k] for k in fields + rest) + (tuple(row["partition"]), tuple(row["recompute"]))
+    rest = ("split_placement", "inner", "placement")
+    return tuple(row.get(k) for k in fields + rest) + (tuple(row["partition"]), tuple(row["recompute"]))
 
 
 def describe(row: dict[str, Any]) -> str:
@@ -204,8 +204,9 @@ def describe(row: dict[str, Any]) -> str:
         "no" if not row["split_backward"] else f"yes ({row['split_placement']})" if row["split_placement"] else "yes"
     )
     recompute = "".join("y" if r else "n" for r in row["recompute"])
+    shape = " (V)" if row.get("placement") == "v" else ""
     return (
-        f"({row['width']},{row['depth']}) v={row['virtual_stages']} b={row['microbatch_size']} "
+        f"({row['width']},{row['depth']}) v={row['virtual_stages']}{shape} b={row['microbatch_size']} "
         f"m={row['microbatches']} {row['schedule']} split={split} {row['partition']} rc={recompute}"
     )
 
@@ -225,6 +226,8 @@ def strategy_args(row: dict[str, Any], global_batch: int) -> dict[str, Any]:
     }
     if row["split_placement"] is not None:
         args["split_placement"] = row["split_placement"]
+    if row.get("placement", "loop") != "loop":
+        args["placement"] = row["placement"]
     return args
 
 

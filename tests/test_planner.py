@@ -18,7 +18,7 @@ from lightning_pipe import PipelinePlan, place
 from lightning_pipe.planning import costs, memory, predict, programs, search
 from lightning_pipe.planning.profile import BlockProfile, BlockSample, Profile, mean_profile
 from lightning_pipe.planning.profiler import profile_blocks, shared_blocks
-from lightning_pipe.schedules import SCHEDULE_NAMES
+from lightning_pipe.schedules import SCHEDULE_NAMES, get
 from tests.models import HIDDEN, ToyChain, make_data
 from tests.shared import scenario
 
@@ -175,14 +175,17 @@ def test_search_covers_every_layout_and_schedule_and_ranks_by_predicted_throughp
     ranked = search.search(profile, devices=4, global_batch=16, memory_limit=limit, allow_stale=True)
     seen = {(p.plan.width, p.plan.depth, p.plan.virtual_stages, p.plan.schedule, p.plan.split_backward) for p in ranked}
     plain = {(4 // d, d, 1) for d in (1, 2, 4)}
-    interleaved = {(2, 2, 2), (1, 4, 2)}  # 1F1B only, d >= 2 and d * v <= 8 blocks
+    interleaved = {(2, 2, 2), (1, 4, 2)}  # d >= 2 and d * v <= 8 blocks
+    several = ("1f1b", "looped_bfs", "zbv", "dualpipev")  # the schedules of several stages per rank
+    one = [name for name in SCHEDULE_NAMES if name not in several[1:]]
     assert seen == set(
-        (*layout, name, split) for layout, name, split in itertools.product(plain, SCHEDULE_NAMES, [False, True])
-    ) | set((*layout, "1f1b", split) for layout, split in itertools.product(interleaved, [False, True]))
+        (*layout, name, split) for layout, name, split in itertools.product(plain, one, [False, True])
+    ) | set((*layout, name, split) for layout, name, split in itertools.product(interleaved, several, [False, True]))
     drained = {(p.plan.schedule, p.plan.virtual_stages) for p in ranked if p.plan.split_placement == "drain"}
     assert drained == {("1f1b", 1)} and all(p.plan.split_backward for p in ranked if p.plan.split_placement)
     assert all(
-        p.plan.microbatches % p.plan.depth == 0 and len(p.plan.partition) == 2 * p.plan.depth
+        (p.plan.microbatches % p.plan.depth == 0 or not p.plan.spec.rounds)
+        and len(p.plan.partition) == 2 * p.plan.depth
         for p in ranked
         if p.plan.virtual_stages == 2
     )
@@ -530,19 +533,15 @@ def test_compiled_program_makespan_equals_the_simulator(schedule: str) -> None:
     from lightning_pipe.schedules.simulate import Exchange, compile_program, simulate
 
     rng = random.Random(0)
-    for depth, m, split in itertools.product((1, 2, 3, 5), (1, 4, 7, 10), (False, True)):
-        if schedule == "2bw" and m < depth or schedule == "interleaved" and (depth == 1 or m % depth):
+    spec = get("1f1b" if schedule == "interleaved" else schedule)
+    virtual = 1 if schedule != "interleaved" and spec.runs(3, 12) else 2  # ZB-V, DualPipeV, looped BFS: 2 per rank
+    for depth, m, split, placement in itertools.product((1, 2, 3, 5), (1, 4, 7, 10), (False, True), spec.placements):
+        if not spec.runs(depth, m, virtual, placement) or schedule == "interleaved" and depth == 1:
             continue
         if schedule == "2bw":
             program = two_bw_run(depth, m, 2, split)
         else:
-            program = build_schedule(
-                "1f1b" if schedule == "interleaved" else schedule,
-                depth,
-                m,
-                split,
-                virtual=1 + (schedule == "interleaved"),
-            )
+            program = build_schedule(spec.name, depth, m, split, virtual=virtual, stage_placement=placement)
         compiled = compile_program(program)
         for _ in range(3):
             table: dict = {}
@@ -1179,6 +1178,9 @@ EXACT_PLANS = [
     ),  # the header of a forward's send outweighs its temporaries
     (PipelinePlan(2, 2, 4, "gpipe", partition=(4, 4)), 2),
     (PipelinePlan(1, 4, 8, "1f1b", partition=(1,) * 8, virtual_stages=2), 2),  # interleaved ranks
+    # The V (ZB-V's order, whole backwards): rank 3 hands stage 3's output to stage 4 and stage 4's
+    # input gradient back without a message (counted as messages, 4096 bytes over).
+    (PipelinePlan(1, 4, 8, "zbv", partition=(1,) * 8, virtual_stages=2), 2),
 ]
 
 

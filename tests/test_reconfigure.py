@@ -30,9 +30,10 @@ TARGETS = {
     "1f1b": PipelinePlan(2, 2, 8, "1f1b", partition="uniform", recompute=(True, False)),
     "2bw": PipelinePlan(2, 2, 8, "2bw", partition="uniform"),
     "interleaved": PipelinePlan(2, 2, 8, "1f1b", partition="uniform", virtual_stages=2),
+    "zbv": PipelinePlan(2, 2, 8, "zbv", True, partition="uniform", virtual_stages=2),
 }
 #: Each target's partition of ToyChain's 6 blocks, resolved.
-RESOLVED = {"1f1b": (3, 3), "2bw": (3, 3), "interleaved": (2, 2, 1, 1)}
+RESOLVED = {"1f1b": (3, 3), "2bw": (3, 3), "interleaved": (2, 2, 1, 1), "zbv": (2, 2, 1, 1)}
 
 
 class SwitchAt(L.Callback):
@@ -192,6 +193,19 @@ def test_switch_to_interleaved_matches_single_process(launched) -> None:
     torch.manual_seed(0)
     assert_close_dicts(got, reference_train(ToyChain(), _batches(ranks[0]["indices"])), rtol=1e-5)
     restored = load_plain(ToyChain, launched(4).dir("reconfigure_interleaved") / "ckpt" / "last.ckpt")
+    assert_close_dicts(dict(restored.named_parameters()), got, rtol=1e-5)
+
+
+def test_switch_to_zbv_moves_blocks_to_the_v_and_matches_single_process(launched) -> None:
+    # Under the V placement stage s runs on rank s for s < d, else on rank 2d - 1 - s: the last
+    # stage's block (the head) moves to the first rank of each pipeline.
+    ranks = launched(4).ok("reconfigure_zbv")
+    got = _check_layout_and_steps(ranks, "zbv")
+    assert {n.split(".")[0] for n in ranks[0]["params"]} == {"embed", "blocks", "head"}
+    assert "head.out.weight" in ranks[2]["params"] and "head.out.weight" not in ranks[1]["params"]
+    torch.manual_seed(0)
+    assert_close_dicts(got, reference_train(ToyChain(), _batches(ranks[0]["indices"])), rtol=1e-5)
+    restored = load_plain(ToyChain, launched(4).dir("reconfigure_zbv") / "ckpt" / "last.ckpt")
     assert_close_dicts(dict(restored.named_parameters()), got, rtol=1e-5)
 
 

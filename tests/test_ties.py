@@ -121,6 +121,7 @@ def _worker(rank: int, world: int, depth: int) -> dict:
         }
     if depth == 2:
         results["interleaved"] = _interleaved(rank, topo, groups)
+        results["v"] = _v_placed(rank, topo, groups)
     return results
 
 
@@ -133,6 +134,18 @@ def _interleaved(rank: int, topo: Topology, groups: PipelineGroups) -> dict:
     for step in range(STEPS):
         engine.train_step(tuple(t.chunk(topo.width)[topo.replica_of(rank)] for t in _data(step)), opt)
     return {"weights": dict(engine.current_weights()), "stage": engine.stage_index}
+
+
+def _v_placed(rank: int, topo: Topology, groups: PipelineGroups) -> dict:
+    torch.manual_seed(0)
+    model = TiedChain()
+    plan = PipelinePlan(topo.width, 2, M, "zbv", True, partition=[1, 1, 1, 1], virtual_stages=2)
+    engine = place(model, plan, rank, groups=groups, bucket_bytes=1)
+    opt = torch.optim.SGD(engine.parameters(), lr=model.lr, momentum=0.9)
+    for step in range(STEPS):
+        engine.train_step(tuple(t.chunk(topo.width)[topo.replica_of(rank)] for t in _data(step)), opt)
+    engine.drain()
+    return {"weights": dict(engine.current_weights()), "stage": engine.stage_index, "ties": len(engine.stages[0].ties)}
 
 
 LAYOUTS = [(1, 2), (1, 4), (2, 2)]
@@ -179,6 +192,23 @@ def test_layers_shared_by_two_virtual_stages_of_one_rank_train_as_one_process(la
     for rank in ranks[2:]:
         twin = ranks[rank["interleaved"]["stage"]]["interleaved"]["weights"]
         assert all(torch.equal(v, twin[k]) for k, v in rank["interleaved"]["weights"].items())
+
+
+@pytest.mark.parametrize("width", [1, 2])
+def test_tied_embedding_in_a_v_is_one_parameter_of_the_first_rank(launched, width: int) -> None:
+    # ZB-V's placement puts the first stage (the embedding) and the last (the head) on rank 0:
+    # the tied table is one parameter there, used by two stages, with no copy to keep equal.
+    ranks = launched(width * 2).ok(f"ties_{width}x2")
+    torch.manual_seed(0)
+    want = reference_train(TiedChain(), [_data(s) for s in range(STEPS)], optimizer="sgd")
+    first, second = ranks[0]["v"], ranks[1]["v"]
+    assert first["ties"] == second["ties"] == 0
+    assert "embed.table.weight" in first["weights"] and "head.out.weight" not in first["weights"]
+    assert "embed.table.weight" not in second["weights"]
+    assert_close_dicts({**first["weights"], **second["weights"]}, want, rtol=1e-5, atol=1e-6)
+    for rank in ranks[2:]:
+        twin = ranks[rank["v"]["stage"]]["v"]["weights"]
+        assert all(torch.equal(v, twin[k]) for k, v in rank["v"]["weights"].items())
 
 
 # -- through Trainer.fit: a checkpoint keeps one copy, resumes under another layout, loads plainly --------

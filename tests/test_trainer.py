@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from functools import partial
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -73,6 +74,35 @@ for _w, _d in LAYOUTS:
             _d,
             "1f1b",
             _rc,
+            _split,
+        )
+
+
+def _v_runs(width: int, depth: int) -> list[tuple[str, str, bool, Optional[str]]]:
+    """(tag, schedule, split backward, stage placement) of every run of the V-shaped placement and
+    looped BFS of a layout: ZB-V and DualPipeV split (their own W placement), looped BFS in a V
+    (split at d = 2). ZB-V without split runs the same order with whole backwards (its programs
+    are checked in tests/test_schedules.py)."""
+    runs = [("zbv_split", "zbv", True, None), ("dualpipev_split", "dualpipev", True, None)]
+    runs.append(("looped_bfs_v", "looped_bfs", width * depth == 2, "v"))
+    return runs
+
+
+for _w, _d in LAYOUTS:
+    for _tag_name, _schedule, _split, _shape in _v_runs(_w, _d):
+        scenario(
+            _w * _d,
+            f"toy_{_w}x{_d}_{_tag_name}",
+            partial(
+                fit_toy,
+                virtual=2,
+                blocks=INTERLEAVED_BLOCKS,
+                stage_placement=_shape,
+                microbatches=max(4, 2 * _d) if _schedule == "dualpipev" else 4,  # DualPipeV: m >= 2d
+            ),
+            _d,
+            _schedule,
+            False,
             _split,
         )
 
@@ -213,6 +243,28 @@ def test_fit_interleaved_matches_single_process(launched, width: int, depth: int
         size = (INTERLEAVED_BLOCKS + 2) // (2 * depth)
         chain = ["embed", *[f"blocks.{i}" for i in range(INTERLEAVED_BLOCKS)], "head"]
         assert held == {chain[i] for s in (0, depth) for i in range(s * size, (s + 1) * size)}
+        want = _check_run(ranks, width, depth, blocks=INTERLEAVED_BLOCKS)
+        path = launched(width * depth).dir(f"toy_{width}x{depth}_{tag}") / "ckpt" / "last.ckpt"
+        restored = load_plain(ToyChain, path, depth=INTERLEAVED_BLOCKS)
+        assert_close_dicts(dict(restored.named_parameters()), want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("width,depth", LAYOUTS)
+def test_fit_v_shape_and_looped_bfs_match_single_process(launched, width: int, depth: int) -> None:
+    # ZB-V, DualPipeV and looped BFS over the V placement: rank r holds stages r and 2d - 1 - r,
+    # so rank 0 trains the first and the last blocks (the embedding and the head) and rank d - 1
+    # the two middle stages, handed from one to the other without a message.
+    for tag, schedule, split, _ in _v_runs(width, depth):
+        ranks = _ranks(launched, width, depth, tag)
+        assert all(r["plan"].schedule == schedule and r["plan"].stage_placement == "v" for r in ranks)
+        assert all(r["plan"].split_backward == split and r["plan"].stages == 2 * depth for r in ranks)
+        size = (INTERLEAVED_BLOCKS + 2) // (2 * depth)
+        chain = ["embed", *[f"blocks.{i}" for i in range(INTERLEAVED_BLOCKS)], "head"]
+        for r in range(depth):
+            held = {
+                n.split(".")[0] + ("." + n.split(".")[1] if n.startswith("blocks") else "") for n in ranks[r]["params"]
+            }
+            assert held == {chain[i] for s in (r, 2 * depth - 1 - r) for i in range(s * size, (s + 1) * size)}
         want = _check_run(ranks, width, depth, blocks=INTERLEAVED_BLOCKS)
         path = launched(width * depth).dir(f"toy_{width}x{depth}_{tag}") / "ckpt" / "last.ckpt"
         restored = load_plain(ToyChain, path, depth=INTERLEAVED_BLOCKS)

@@ -8,6 +8,7 @@ from typing import Optional, Sequence, Union
 
 from lightning_pipe.core.partition import partition_sizes, stage_ranges
 from lightning_pipe.core.topology import Topology
+from lightning_pipe.schedules.layout import rank_stages, stage_rank
 from lightning_pipe.schedules.registry import ScheduleSpec, get
 from lightning_pipe.schedules.w_placement import PLACEMENTS
 
@@ -27,7 +28,9 @@ class PipelinePlan:
         width: data-parallel replicas ``w`` of every stage.
         depth: pipeline stages ``d``.
         microbatches: microbatches ``m`` each replica's batch is split into.
-        schedule: "gpipe", "1f1b" or "2bw" (2BW needs ``microbatches >= depth``).
+        schedule: a name of the registry (``schedules/registry.py``): "gpipe", "1f1b", "2bw" (needs
+            ``microbatches >= depth``), "looped_bfs", "zbv" or "dualpipev" (two stages per rank
+            in a V; DualPipeV needs ``microbatches >= 2 depth``), or an alias (torch's class names).
         split_backward: split each backward into input and weight gradients (2BP).
         split_max_pending: with ``split_backward``, the most microbatches waiting for their W on
             every stage; ``None``: ``s`` on stage ``s`` (ZB-H1's bound), as the schedule places W's.
@@ -42,10 +45,11 @@ class PipelinePlan:
         inner: which dimension's ranks are neighbours (and so share a node): "pp" (the stages
             of a pipeline, default) or "dp" (the replicas of a stage); see :class:`Topology`.
         virtual_stages: stages per rank ``v``. Above 1 the chain is cut into ``depth * v``
-            stages, rank ``r`` of a pipeline runs stages ``r, r + depth, ...`` and the schedule
-            is interleaved 1F1B (``schedule="1f1b"``, ``microbatches`` a multiple of ``depth``;
-            see ``schedules/interleaved.py``): the bubble shrinks ``v`` times for ``v`` times
-            the messages. With ``split_backward`` each rank places its W's as ZB-H1 does.
+            stages, rank ``r`` of a pipeline runs the stages ``placement`` gives it, and the
+            schedule is one of several stages per rank: interleaved 1F1B (``schedule="1f1b"``,
+            ``microbatches`` a multiple of ``depth``; see ``schedules/interleaved.py``: the
+            bubble shrinks ``v`` times for ``v`` times the messages; with ``split_backward``
+            each rank places its W's as ZB-H1 does), looped BFS, ZB-V or DualPipeV.
         split_placement: with ``split_backward``, where the W's go (``schedules/w_placement.py``):
             ``None`` for the schedule's own (ZB-H1 for 1F1B, "bounded" for GPipe, "carry" for 2BW; named,
             it becomes ``None``: the same plan), or one of "end", "cooldown", "zb-h1", "bounded",
@@ -65,6 +69,7 @@ class PipelinePlan:
     inner: str = "pp"
     virtual_stages: int = 1
     split_placement: Optional[str] = None
+    placement: Optional[str] = None
 
     def __post_init__(self) -> None:
         Topology(self.width * self.depth, self.depth, self.inner)  # depth and width >= 1, a known orientation
@@ -73,7 +78,8 @@ class PipelinePlan:
         if self.microbatches < 1:
             raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
         object.__setattr__(self, "schedule", get(self.schedule).name)  # an alias names the same plan
-        self.spec.check(self.depth, self.microbatches, self.virtual_stages)
+        self.spec.check(self.depth, self.microbatches, self.virtual_stages, self.placement)
+        object.__setattr__(self, "placement", self.spec.placement(self.virtual_stages, self.placement))
         self._normalise_recompute()
         self._normalise_partition()
         if self.split_max_pending is not None:
@@ -165,7 +171,16 @@ class PipelinePlan:
 
     def stages_of(self, pipeline_rank: int) -> list[int]:
         """The stages the ``pipeline_rank``-th rank of a pipeline runs, in chain order."""
-        return list(range(pipeline_rank, self.stages, self.depth))
+        return rank_stages(pipeline_rank, self.depth, self.virtual_stages, self.stage_placement)
+
+    def rank_of_stage(self, stage: int) -> int:
+        """The pipeline rank (position in its pipeline) that runs ``stage``."""
+        return stage_rank(stage, self.depth, self.stage_placement)
+
+    @property
+    def stage_placement(self) -> str:
+        """The resolved stage placement, "loop" or "v" (:attr:`placement`)."""
+        return self.placement or "loop"
 
     @property
     def _per_rank(self) -> str:
@@ -232,6 +247,7 @@ class PipelinePlan:
         split += f" ({self.split_placement})" if self.split_placement else ""
         ranks = ", replicas on neighbouring ranks" if self.inner == "dp" else ""
         virtual = f" interleaved, {self.virtual_stages} stages per rank" if self.virtual_stages > 1 else ""
+        virtual += " in a V" if self.stage_placement == "v" else ""
         stages = [s for s, on in enumerate(self.recompute) if on]
         recompute = f", recompute stages {stages}" if stages else ""
         return (

@@ -59,7 +59,8 @@ class AutoPlanner(Callback):
         min_gain: least predicted throughput gain (0.05: 5%) worth a switch.
         recheck_every_n_steps: profile and plan again every N steps after a decision (``None``: once).
         virtual_stages: stages per rank the planner may choose (above 1: interleaved 1F1B, ``v``
-            times the messages for a ``v`` times smaller bubble); ``(1,)`` never interleaves.
+            times the messages for a ``v`` times smaller bubble, or looped BFS, ZB-V and
+            DualPipeV); ``(1,)`` never interleaves.
         headroom: fraction of ``memory`` kept free when planning: plans must fit
             ``memory * (1 - headroom)``. The default, 0.15, covers the memory model's misses,
             which are largest on chains whose activations dominate.

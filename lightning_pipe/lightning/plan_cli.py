@@ -350,6 +350,7 @@ def ranking_json(
             "split_placement": p.plan.split_placement,
             "virtual_stages": p.plan.virtual_stages,
             "inner": p.plan.inner,
+            "placement": p.plan.stage_placement,
             "partition": list(p.plan.partition),
             "recompute": list(p.plan.recompute),
             "microbatch_size": p.microbatch_size,
@@ -394,7 +395,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         type=_at_least_one,
         nargs="+",
         default=[1, 2],
-        help="stages per rank to plan (above 1: interleaved 1F1B; default: 1 2)",
+        help="stages per rank to plan (above 1: interleaved 1F1B, looped BFS, ZB-V, DualPipeV; default: 1 2)",
     )
     parser.add_argument("--no-links", action="store_true", help="skip measuring transfers (they are then free)")
     parser.add_argument("--top", type=_at_least_one, default=10)

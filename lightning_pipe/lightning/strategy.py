@@ -34,6 +34,7 @@ from lightning_pipe.runtime.autograd.deferred_norm import convert_deferred_batch
 from lightning_pipe.runtime.comm.groups import PipelineGroups
 from lightning_pipe.runtime.engine import PipelineEngine
 from lightning_pipe.runtime.placement import Placement, pipeline_blocks_of
+from lightning_pipe.schedules.registry import get as get_schedule
 
 #: The layout arguments' defaults: PipelinePlan's own, with ``pipeline_depth=None`` (every device in one pipeline).
 _LAYOUT_DEFAULTS: dict[str, Any] = {
@@ -100,11 +101,15 @@ class PipelineStrategy(DDPStrategy):
             all-reduce stays inside a node (multi-node jobs; ``python -m lightning_pipe.plan``
             says which carries more bytes).
         virtual_stages: stages per rank ``v`` (default 1). Above 1 the chain is cut into
-            ``d * v`` stages, each rank runs ``v`` of them (rank ``r``: stages ``r, r + d, ...``)
-            and the schedule is interleaved 1F1B (Megatron-LM's): the bubble is ``v`` times
-            smaller for ``v`` times the messages. Needs ``schedule="1f1b"`` and ``microbatches``
-            a multiple of ``d``; ``partition`` and ``recompute`` lists then give one entry per
-            stage (``d * v``). With ``split_backward`` each rank places its W's as ZB-H1 does.
+            ``d * v`` stages and each rank runs ``v`` of them (which ones: ``placement``);
+            ``partition`` and ``recompute`` lists then give one entry per stage (``d * v``).
+            With ``schedule="1f1b"`` the schedule is interleaved 1F1B (Megatron-LM's): the
+            bubble is ``v`` times smaller for ``v`` times the messages; it needs ``microbatches``
+            a multiple of ``d``, and with ``split_backward`` each rank places its W's as ZB-H1
+            does. ``schedule="looped_bfs"`` runs any ``v``; "zbv" and "dualpipev" need ``v = 2``.
+        placement: which rank runs which stage with ``virtual_stages > 1``: "loop" (rank ``r``:
+            stages ``r, r + d, ...``) or "v" (rank ``r``: stages ``r`` and ``2d - 1 - r``, the
+            V of ZB-V and DualPipeV); ``None`` for the schedule's own (schedules/layout.py).
         plan: the whole layout as one value, instead of the layout arguments above; its
             ``width * depth`` must equal the number of processes.
         save_distributed_checkpoint: write checkpoints as a torch.distributed.checkpoint
@@ -150,6 +155,7 @@ class PipelineStrategy(DDPStrategy):
         split_placement: Optional[str] = PipelinePlan.split_placement,
         inner: str = PipelinePlan.inner,
         virtual_stages: int = PipelinePlan.virtual_stages,
+        placement: Optional[str] = PipelinePlan.placement,
         plan: Optional[PipelinePlan] = None,
         save_distributed_checkpoint: bool = True,
         global_batch_size: Optional[int] = None,
@@ -176,6 +182,7 @@ class PipelineStrategy(DDPStrategy):
             inner=inner,
             virtual_stages=virtual_stages,
             split_placement=split_placement,
+            placement=placement,
         )
         self._layout = _check_layout(layout, plan)
         if global_batch_size is not None and global_batch_size < 1:
@@ -617,7 +624,9 @@ def _check_layout(layout: dict[str, Any], plan: Optional[PipelinePlan]) -> dict[
     hint = depth or next(iter(lists), None)
     fields = {k: v for k, v in layout.items() if k != "pipeline_depth"}
     if hint is None:  # depth comes from the world size: what needs it is checked once that is known
-        hint, fields["virtual_stages"] = 1, 1
+        if get_schedule(layout["schedule"]).virtual_stages is not None:  # its checks all need the depth
+            return layout
+        hint, fields["virtual_stages"], fields["placement"] = 1, 1, None
     PipelinePlan(depth=hint, **fields)
     return layout
 

@@ -41,6 +41,8 @@ def strategy_init_args(plan: PipelinePlan, global_batch: int) -> dict[str, Any]:
     }
     if plan.split_placement is not None:
         init["split_placement"] = plan.split_placement
+    if plan.stage_placement != "loop":
+        init["placement"] = plan.stage_placement
     return init
 
 

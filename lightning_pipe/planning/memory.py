@@ -25,6 +25,8 @@ def stage_memory_terms(
     batch_bytes: int = 0,
     gradient_sets: Optional[int] = None,
     split: bool = False,
+    handed: bool = False,
+    hands: bool = False,
 ) -> dict[str, int]:
     """Peak tensor bytes of one stage, by term, at its worst moment (see :class:`HeldCounts`).
 
@@ -60,12 +62,14 @@ def stage_memory_terms(
       beyond them, ``StageCosts.backward_excess_bytes``); during a backward of a stage that is
       not last, also the gradient it started from, with its message's header.
 
-    ``split``: every backward of the program is split (I and W).
+    ``split``: every backward of the program is split (I and W). ``handed``/``hands``: the
+    previous/next stage runs on the same rank (the V placement's turn): the input is that stage's
+    output, the gradient that stage's input gradient, neither a message.
     """
     weights = versions * st.weight_bytes + st.optimizer_bytes
     grads = (versions if gradient_sets is None else gradient_sets) * st.gradient_bytes
     loss_graph = _loss_graph_bytes(st, recompute, last, split)
-    received = received_input_bytes(st, first)
+    received = received_input_bytes(st, first, handed)
     per_held = received + (0 if recompute else st.stash_bytes) + st.loss_bytes + loss_graph
     out = _kept_output_bytes(st, recompute, last)
     one = st.stash_bytes - loss_graph if recompute else 0  # recomputed for the backward that runs
@@ -75,11 +79,14 @@ def stage_memory_terms(
     dropped = 0 if first else out
     # A forward's output goes out right after it, its temporaries gone, packed with a header into
     # a new message kept until acknowledged (its moment is the send's).
-    fws = max(st.forward_workspace_bytes, 0 if last else HEADER_BYTES + st.output_bytes)
+    # To the next stage on the same rank (``hands``, the V's turn) it goes as it is: no message.
+    fws = max(st.forward_workspace_bytes, 0 if last or hands else HEADER_BYTES + st.output_bytes)
     # A backward's gradient it started from, kept to its end: received, with its message's header,
     # or on the last stage the loss's (a scalar autograd makes; a block's own workspace has it
     # only while that block runs: up to its bytes over).
-    bws = st.backward_workspace_bytes + (st.loss_bytes if last else HEADER_BYTES + st.output_bytes)
+    # From the next stage on the same rank, the gradient is that stage's input gradient, no message.
+    header = 0 if hands else HEADER_BYTES
+    bws = st.backward_workspace_bytes + (st.loss_bytes if last else header + st.output_bytes)
     # Per kind of moment: its points, state, workspace, and activations as
     # a0 + ah h + am max(h - 1, 0) + ap p + a1 max(p, 1) (recomputed graphs: the one a backward
     # runs on, and under split backward each pending microbatch's, rebuilt before its I, kept for its W).
@@ -229,9 +236,13 @@ def sent_bytes(st: "StageCosts", sent: Sent) -> int:
     return outputs * (HEADER_BYTES + st.output_bytes) + gradients * (HEADER_BYTES + st.input_bytes)
 
 
-def received_input_bytes(st: "StageCosts", first: bool) -> int:
+def received_input_bytes(st: "StageCosts", first: bool, handed: bool = False) -> int:
     """Bytes a held stage input keeps alive: received from the previous stage it is a view of one
-    message, its header included (runtime/comm/p2p.py); the first stage's comes from the batch."""
+    message, its header included (runtime/comm/p2p.py); the first stage's comes from the batch.
+    ``handed``: the previous stage runs on the same rank (the V's turn) and its output, which that
+    stage keeps until its own backward (after this one's), is the input: nothing more."""
+    if handed:
+        return 0
     return st.input_bytes + (0 if first else HEADER_BYTES)
 
 
@@ -262,7 +273,14 @@ def stage_peak_bytes(
 
 
 def resting_bytes(
-    st: "StageCosts", point: Point, grads: bool, recompute: bool, first: bool, last: bool, split: bool = False
+    st: "StageCosts",
+    point: Point,
+    grads: bool,
+    recompute: bool,
+    first: bool,
+    last: bool,
+    split: bool = False,
+    handed: bool = False,
 ) -> int:
     """Tensor bytes of a stage whose rank runs another of its stages: its weights, optimizer
     state and (once they exist) gradients, its held microbatches' saved tensors, inputs and kept
@@ -272,7 +290,7 @@ def resting_bytes(
     one = st.stash_bytes if recompute else 0
     state = st.weight_bytes + st.optimizer_bytes + (st.gradient_bytes if grads else 0)
     kept = (
-        received_input_bytes(st, first)
+        received_input_bytes(st, first, handed)
         + (0 if recompute else st.stash_bytes)
         + st.loss_bytes
         + _loss_graph_bytes(st, recompute, last, split)
@@ -309,6 +327,8 @@ def rank_peak_bytes(
     buckets: bool = False,
     split: bool = False,
     step_bytes: Optional[int] = None,
+    handed: Optional[Sequence[bool]] = None,
+    hands: Optional[Sequence[bool]] = None,
 ) -> int:
     """Peak tensor bytes of a rank that runs several stages (one weight version): at each of its
     :func:`rank_moments`, the running stage's :func:`stage_memory_terms` at that moment but its
@@ -319,7 +339,10 @@ def rank_peak_bytes(
     stages, each whole from its first gradient (runtime/buckets.py), so from the rank's first
     backward (or W) on every stage's gradients are counted (exact while they fit one bucket, an
     upper bound beyond). ``step_bytes``: the temporaries of the rank's optimizer step over all
-    its stages (default: their stages' sum)."""
+    its stages (default: their stages' sum). ``handed`` (``hands``): per stage, whether its input
+    is handed over by the previous stage on this rank (its output to the next), the V placement's
+    turn (:func:`stage_memory_terms`)."""
+    handed, hands = handed or [False] * len(stages), hands or [False] * len(stages)
     running: dict[tuple[int, str, tuple[int, int]], int] = {}
     resting: dict[tuple[int, tuple[int, int], bool], int] = {}
     best = 0
@@ -344,7 +367,15 @@ def rank_peak_bytes(
         if key not in running:
             point = (*points[c][:2], NOTHING_SENT)
             terms = stage_memory_terms(
-                stages[c], HeldCounts(**{kind: (point,)}), 1, recompute[c], first[c], last[c], split=split
+                stages[c],
+                HeldCounts(**{kind: (point,)}),
+                1,
+                recompute[c],
+                first[c],
+                last[c],
+                split=split,
+                handed=handed[c],
+                hands=hands[c],
             )
             running[key] = int(sum(terms.values())) - terms["buffers"] - terms["batch"]
         total = running[key] + sum(buffers(st, point[2]) for st, point in zip(stages, points))
@@ -355,7 +386,7 @@ def rank_peak_bytes(
             if o != c:
                 if (o, point[:2], g) not in resting:
                     resting[o, point[:2], g] = resting_bytes(
-                        stages[o], point, g, recompute[o], first[o], last[o], split
+                        stages[o], point, g, recompute[o], first[o], last[o], split, handed[o]
                     )
                 total += resting[o, point[:2], g]
         best = max(best, total)

@@ -99,6 +99,8 @@ def predict_memory(
                 plan.width > 1,
                 _all_split(plan),
                 step_bytes(profile, [profile.blocks[i] for s in mine for i in ranges[s]]),
+                [s - 1 in mine for s in mine],
+                [s + 1 in mine for s in mine],
             )
             + profile.device_bytes
             for mine, walked in zip(map(plan.stages_of, range(plan.depth)), moments(plan))

@@ -11,6 +11,7 @@ from lightning_pipe.core.pipeline_plan import PipelinePlan
 from lightning_pipe.planning.held import HeldCounts, Moment, buffered, program_held_counts, rank_moments
 from lightning_pipe.schedules import Action, build_schedule, two_bw_drain, two_bw_window
 from lightning_pipe.schedules.flat import FlatProgram, flatten
+from lightning_pipe.schedules.layout import rank_stages
 from lightning_pipe.schedules.registry import get
 from lightning_pipe.schedules.simulate import CompiledProgram, compile_program
 
@@ -30,6 +31,7 @@ def program_key(plan: PipelinePlan, steps: int) -> tuple:
         plan.split_placement,
         steps,
         plan.virtual_stages,
+        plan.stage_placement,
     )
 
 
@@ -43,12 +45,13 @@ def _program(
     placement: Optional[str],
     steps: int,
     virtual: int = 1,
+    stage_placement: str = "loop",
 ) -> list[list[Action]]:
     if get(schedule).streams:  # two_bw_run, from windows shared between the runs of 2 and 3 windows
         parts = [_two_bw_part(depth, m, t, split, False) for t in range(steps)]
         parts.append(_two_bw_part(depth, m, steps - 1, split, True))
         return [list(itertools.chain.from_iterable(part[s] for part in parts)) for s in range(depth)]
-    return build_schedule(schedule, depth, m, split, max_pending, virtual, placement)
+    return build_schedule(schedule, depth, m, split, max_pending, virtual, placement, stage_placement)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -86,10 +89,11 @@ def held(plan: PipelinePlan) -> list[HeldCounts]:
 
 @functools.lru_cache(maxsize=1024)
 def _moments(*key: Any) -> list[tuple[Moment, ...]]:
-    depth, virtual, program, flat = key[1], key[-1], _program(*key), _flat(*key)
+    depth, virtual, placement, program, flat = key[1], key[-2], key[-1], _program(*key), _flat(*key)
     sent = buffered(flat)
     return [
-        rank_moments(actions, range(r, depth * virtual, depth), sent[flat.rank(r)]) for r, actions in enumerate(program)
+        rank_moments(actions, rank_stages(r, depth, virtual, placement), sent[flat.rank(r)])
+        for r, actions in enumerate(program)
     ]
 
 

@@ -49,8 +49,9 @@ def candidates(
     """Every ``(w, d)`` with ``w * d = devices``; every microbatch size ``b`` with
     ``m = global_batch / (w * b)`` whole; every registered schedule (2BW only with
     ``allow_stale``: its update is 1-stale; a schedule registered later is covered with no change
-    here); each of ``virtual_stages`` stages per rank (above 1: interleaved 1F1B, where ``d * v``
-    blocks and ``m``, a multiple of ``d``, allow); split backward off, on, and for 1F1B on in its
+    here); each of ``virtual_stages`` stages per rank (above 1: the schedules of several stages
+    per rank, interleaved 1F1B, looped BFS, ZB-V and DualPipeV, each in its own placement, where
+    ``d * v`` blocks and ``m`` allow); split backward off, on, and for 1F1B on in its
     drain only, one stage per rank (:data:`_SPLITS`); the time-balanced
     partition and, under a memory limit, the memory-aware one
     (:func:`lightning_pipe.planning.madpipe.madpipe_partition`, one stage per rank) when they differ;
@@ -169,6 +170,6 @@ def _with_recompute(
     if first.feasible or plan.split_backward:
         return first
     over = [mem > (memory_limit or 0) for mem in first.stage_memory]  # per pipeline rank: all its stages
-    flags = tuple(over[s % plan.depth] for s in range(plan.stages))
+    flags = tuple(over[plan.rank_of_stage(s)] for s in range(plan.stages))
     second = predict(profile, plan.replace(recompute=flags), b, memory_limit, samples)
     return second if second.feasible else first

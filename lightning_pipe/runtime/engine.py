@@ -189,16 +189,23 @@ class PipelineEngine:
         return Position(s, d, prev, nxt)
 
     def _stage_position(self, stage: int) -> Position:
-        """Where virtual stage ``stage`` sits: its neighbours are on the ranks before and after this one."""
-        stages, d, replica = self.plan.stages, self.topology.depth, self.topology.replica_of(self.rank)
-        prev = self.topology.rank_of(replica, (stage - 1) % d) if stage > 0 else None
-        nxt = self.topology.rank_of(replica, (stage + 1) % d) if stage < stages - 1 else None
+        """Where virtual stage ``stage`` sits: its neighbours' ranks under the plan's stage
+        placement (this rank itself for the V's turn, whose handoff needs no message)."""
+        stages, replica, plan = self.plan.stages, self.topology.replica_of(self.rank), self.plan
+        prev = self.topology.rank_of(replica, plan.rank_of_stage(stage - 1)) if stage > 0 else None
+        nxt = self.topology.rank_of(replica, plan.rank_of_stage(stage + 1)) if stage < stages - 1 else None
         return Position(stage, stages, prev, nxt)
 
     @property
     def last_rank(self) -> int:
-        """Global rank of the last stage of this rank's pipeline."""
-        return self.topology.rank_of(self.topology.replica_of(self.rank), self.topology.depth - 1)
+        """Global rank of the last stage of this rank's pipeline (rank 0's under the V placement)."""
+        last = self.plan.rank_of_stage(self.plan.stages - 1)
+        return self.topology.rank_of(self.topology.replica_of(self.rank), last)
+
+    @property
+    def holds_last(self) -> bool:
+        """Whether this rank runs the last stage (computes the loss)."""
+        return self.rank == self.last_rank
 
     # -- programs --------------------------------------------------------------------------
     def train_program(self, microbatches: int) -> list[Action]:
@@ -219,11 +226,12 @@ class PipelineEngine:
                     self.plan.split_max_pending,
                     v,
                     self.plan.split_placement,
+                    self.plan.stage_placement,
                 )
                 if train
-                else build_inference(d, microbatches, v)
+                else build_inference(d, microbatches, v, self.plan.stage_placement)
             )
-            verify(program, microbatches, train=train, virtual=v)
+            verify(program, microbatches, train=train, virtual=v, placement=self.plan.stage_placement)
             replica = self.topology.replica_of(self.rank)
             arrivals = {
                 self.topology.rank_of(replica, q): keys for q, keys in receive_order(program, self.stage_index).items()
@@ -326,13 +334,13 @@ class PipelineEngine:
             torch.zeros((), dtype=torch.float32, device=self.device),
             None,
         )  # the last stage's loss is float32
-        if not self.position.is_last:
+        if not self.holds_last:
             self._share_loss(loss)  # posted now, filled when the last stage has the loss
         actions, arrivals = self._window()
         self._train(actions, wait=not self.streaming, trace=self.trace, arrivals=arrivals)
         self._batches += 1
         self._buffers_stale = self._ties_unchecked = True
-        if self.position.is_last:
+        if self.holds_last:
             loss = self._shared_loss
         loss = self._returned_loss(loss)
         self.last_peak_stash = self._state.peak_stash
@@ -430,7 +438,7 @@ class PipelineEngine:
         state.add_batch(0, microbatches, shares)
         actions, arrivals = self._program(False, len(microbatches))
         state = self._run(actions, state, arrivals=arrivals)
-        if not self.position.is_last:
+        if not self.holds_last:
             return self._from_last_stage(
                 torch.zeros((), dtype=torch.float32, device=self.device) if with_loss else None
             )

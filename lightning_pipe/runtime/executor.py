@@ -272,7 +272,12 @@ class Executor:
     def _forward(self, a: Action, st: StepState) -> None:
         k, key, position = a.microbatch, (a.stage, a.microbatch), self._position(a)
         mb = st.microbatches[k]
-        inputs = as_tuple(self.hooks.inputs(mb), "pipeline_inputs") if position.is_first else st.inputs.pop(key)
+        if position.is_first:
+            inputs = as_tuple(self.hooks.inputs(mb), "pipeline_inputs")
+        elif a.stage - 1 in self._chunks:  # the stage before runs here (the V's turn): no message
+            inputs = self._handed_over(st, (a.stage - 1, k))
+        else:
+            inputs = st.inputs.pop(key)
         if st.train:
             st.inputs[key] = inputs
         replay = a.stage in self._replayed and st.train and key not in self._whole
@@ -298,6 +303,14 @@ class Executor:
             st.losses[key] = loss
         else:
             st.results[k] = _unwrap(outputs)
+
+    @staticmethod
+    def _handed_over(st: StepState, key: Key) -> Tensors:
+        """The outputs of this rank's stage and microbatch ``key`` as the next stage's inputs:
+        detached, as a received message is, so each stage's backward ends at its own inputs."""
+        outputs = st.outputs[key] if st.train else st.outputs.pop(key)
+        grad = st.train and torch.is_grad_enabled()
+        return tuple(t.detach().requires_grad_(grad and t.is_floating_point()) for t in outputs)
 
     def _deferred_weights(
         self, a: Action, st: StepState, weights: Optional[list[Tensor]], inputs: Tensors
@@ -332,7 +345,8 @@ class Executor:
             pairs: list[tuple[Tensor, Optional[Tensor]]] = [(st.losses.pop(key), None)]
         else:
             floats = [o for o in st.outputs.pop(key) if o.is_floating_point()]
-            pairs = list(zip(floats, st.grads.pop(key)))
+            local = (a.stage + 1, a.microbatch) if a.stage + 1 in self._chunks else None  # the V's turn
+            pairs = list(zip(floats, st.input_grads.pop(local) if local else st.grads.pop(key)))
         pairs = [(root, grad) for root, grad in pairs if root.requires_grad]
         return [r for r, _ in pairs], [g for _, g in pairs]
 
@@ -461,7 +475,12 @@ class Executor:
 
     # -- failure ---------------------------------------------------------------------------
     def _abort(self, err: BaseException) -> None:
-        peers = {peer for _, p in self._chunks.values() for peer in (p.prev_rank, p.next_rank)} - {None}
+        peers = {  # a neighbouring stage on this rank itself (the V's turn) is no peer
+            peer
+            for s, (_, p) in self._chunks.items()
+            for peer, there in ((p.prev_rank, s - 1), (p.next_rank, s + 1))
+            if there not in self._chunks
+        } - {None}
         notify_neighbours(
             failure_message(err, sorted(self._chunks)),
             peers,

@@ -33,8 +33,8 @@ def key_name(key: str) -> str:
 
 def stage_of_block(plan: PipelinePlan) -> list[int]:
     """Pipeline position of every block under ``plan`` (partition resolved): its stage's, or under
-    interleaving the rank's that runs its stage (stage ``s`` on position ``s % depth``)."""
-    return [s % plan.depth for s, rng in enumerate(plan.stage_ranges()) for _ in rng]
+    several stages per rank the rank's that runs its stage (:meth:`PipelinePlan.rank_of_stage`)."""
+    return [plan.rank_of_stage(s) for s, rng in enumerate(plan.stage_ranges()) for _ in rng]
 
 
 def _describe(value: Any) -> Description:

@@ -96,7 +96,9 @@ def flatten(program: Sequence[Sequence[Action]]) -> FlatProgram:
         raise ScheduleError(f"deadlock: rank {rank[i]} waits at {actions[i]}, which no rank sends")
     source, peer, message = np.full(n, -1), np.full(n, -1), np.full(n, -1)
     source[receives] = sends[found]
-    peer[sends], peer[receives] = to_stage % ranks, rank[sends[found]]
+    owner = np.full(int(stage.max(initial=0)) + 2, -1)  # each stage's rank, read from the program
+    owner[stage] = rank
+    peer[sends], peer[receives] = owner[to_stage], rank[sends[found]]
     link = rank[sends] * ranks + peer[sends]
     in_order = np.lexsort((sends, link))  # by link, then send order
     first = np.searchsorted(link[in_order], link[in_order])  # each link's first send

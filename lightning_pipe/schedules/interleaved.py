@@ -27,6 +27,7 @@ d=2, v=2, m=2 (stages 0 and 2 on rank 0, 1 and 3 on rank 1)::
 from __future__ import annotations
 
 from lightning_pipe.schedules.actions import Action, Kind, action
+from lightning_pipe.schedules.layout import rank_stages
 
 
 def check(depth: int, microbatches: int, virtual: int) -> None:
@@ -67,6 +68,32 @@ def interleaved_one_f_one_b(rank: int, depth: int, microbatches: int, virtual: i
         ]
     out += [_action(rank, depth, virtual, k, Kind.BACKWARD) for k in range(total - warmup, total)]
     return out
+
+
+def rank_one_f_one_b(rank: int, depth: int, microbatches: int, virtual: int, placement: str = "loop") -> list[Action]:
+    """:func:`interleaved_one_f_one_b` as the registry calls it (the loop placement only)."""
+    if placement != "loop":
+        raise ValueError(f"interleaved 1F1B runs the loop placement, not {placement!r}")
+    return interleaved_one_f_one_b(rank, depth, microbatches, virtual)
+
+
+def looped_bfs(rank: int, depth: int, microbatches: int, virtual: int, placement: str = "loop") -> list[Action]:
+    """Looped BFS (torch.distributed.pipelining's ``ScheduleLoopedBFS``; Lamy-Poirier,
+    "Breadth-First Pipeline Parallelism", MLSys 2023): GPipe over the rank's stages in chain
+    order (every forward of its first stage, then of its next), then every backward, its last
+    stage first. It holds all ``m`` microbatches of every stage of the rank, as GPipe does, and
+    runs under any placement: its order depends only on which stages the rank holds.
+
+    d=2, v=2, m=2, loop placement::
+
+        rank 0: 0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1
+        rank 1: 1F0 1F1 3F0 3F1 3B0 3B1 1B0 1B1
+    """
+    stages = rank_stages(rank, depth, virtual, placement)
+    mbs = range(microbatches)
+    return [action(s, Kind.FORWARD, k) for s in stages for k in mbs] + [
+        action(s, Kind.BACKWARD, k) for s in reversed(stages) for k in mbs
+    ]
 
 
 def forwards(rank: int, depth: int, microbatches: int, virtual: int) -> list[Action]:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from functools import partial
-from typing import Optional
+from typing import Optional, Sequence
 
 from lightning_pipe.schedules import interleaved, two_bw
 from lightning_pipe.schedules.actions import Action, Kind, action
 from lightning_pipe.schedules.generators import forward_only
+from lightning_pipe.schedules.layout import owners, stage_ranks
 from lightning_pipe.schedules.registry import flushed_generator, get
+from lightning_pipe.schedules.v_shape import join_backward
 from lightning_pipe.schedules.w_placement import carry_split, split_backward
 
 Schedule = list[list[Action]]
@@ -22,8 +24,19 @@ _COMM: dict[Kind, tuple[Kind, Kind, bool]] = {
 }
 
 
-def add_communication(actions: list[Action], stages: int) -> list[Action]:
-    """Insert receives before and (non-blocking) sends after each F and B of a ``stages``-stage chain."""
+def add_communication(actions: list[Action], stages: int, ranks: Optional[Sequence[int]] = None) -> list[Action]:
+    """Insert receives before and (non-blocking) sends after each F and B of a ``stages``-stage chain.
+
+    ``ranks``: the rank of each stage (default: each its own). Two neighbouring stages on one
+    rank (the V placement's turn, ``schedules/layout.py``) exchange nothing: the later stage's F
+    reads the earlier's output and the earlier's backward the later's input gradient, on the
+    rank itself, so the program must run them in that order (:func:`~.verify.verify` checks it).
+    """
+    local = (
+        set()
+        if ranks is None
+        else {s for s in range(stages - 1) if ranks[s] == ranks[s + 1]}  # s and s + 1 share a rank
+    )
     out: list[Action] = []
     for a in actions:  # one loop, no call per action: the planner lowers millions of them
         comm = _COMM.get(a.kind)
@@ -31,7 +44,8 @@ def add_communication(actions: list[Action], stages: int) -> list[Action]:
             out.append(a)
             continue
         before, after, before_needs_prev = comm
-        has_prev, has_next = a.stage > 0, a.stage < stages - 1
+        has_prev = a.stage > 0 and a.stage - 1 not in local
+        has_next = a.stage < stages - 1 and a.stage not in local
         if has_prev if before_needs_prev else has_next:
             out.append(action(a.stage, before, a.microbatch))
         out.append(a)
@@ -49,13 +63,13 @@ def receive_order(schedule: Schedule, rank: int) -> dict[int, list[Action]]:
     that rank sends them: messages between two ranks arrive in the order they were sent, which
     is not the order the receiver reads them when one rank sends another both activations and
     gradients (interleaved 1F1B at ``d = 2``)."""
-    depth = len(schedule)
+    owner = owners(schedule)
     order: dict[int, list[Action]] = {}
     for sender, actions in enumerate(schedule):
         for a in actions:
             if a.kind in DELIVERS:
                 kind, offset = DELIVERS[a.kind]
-                if (a.stage + offset) % depth == rank:
+                if owner.get(a.stage + offset) == rank:
                     order.setdefault(sender, []).append(action(a.stage + offset, kind, a.microbatch))
     return order
 
@@ -73,6 +87,7 @@ def build_schedule(
     max_pending: Optional[int] = None,
     virtual: int = 1,
     placement: Optional[str] = None,
+    stage_placement: Optional[str] = None,
 ) -> Schedule:
     """Full training program of every rank: compute, communication and the optimizer flush.
 
@@ -82,34 +97,53 @@ def build_schedule(
         microbatches: microbatches ``m``.
         split: split each backward into I and W (2BP, see schedules/w_placement.py).
         max_pending: with ``split``, most microbatches that may wait for their W.
-        virtual: stages per rank ``v``; above 1, interleaved 1F1B over ``d * v`` stages
-            (schedules/interleaved.py), rank ``r`` running stages ``r, r + d, ...``.
+        virtual: stages per rank ``v``; above 1, the schedule's rank generator over ``d * v``
+            stages (interleaved 1F1B for ``"1f1b"``, schedules/interleaved.py).
         placement: with ``split``, where the W's go (schedules/w_placement.py); default the
             schedule's own (:attr:`~lightning_pipe.schedules.registry.ScheduleSpec.w_placement`).
+        stage_placement: which rank runs which stage (``"loop"`` or ``"v"``,
+            schedules/layout.py); default the schedule's own.
     """
     spec = get(name)
-    spec.check(depth, microbatches, virtual)
-    generator = (
-        flushed_generator(name) if virtual == 1 else partial(interleaved.interleaved_one_f_one_b, virtual=virtual)
-    )
+    spec.check(depth, microbatches, virtual, stage_placement)
+    shape = spec.placement(virtual, stage_placement)
+    if virtual == 1 and spec.generator is not None:
+        generator = flushed_generator(name)
+    else:
+        assert spec.rank_generator is not None, f"schedule {name!r} has no rank generator"
+        generator = partial(spec.rank_generator, virtual=virtual, placement=shape)
+    ranks = stage_ranks(depth, virtual, shape)
     programs = []
     for r in range(depth):
         compute = generator(r, depth, microbatches)
-        if split:
+        if spec.splits_itself:
+            compute = compute if split else join_backward(compute)
+        elif split:
             compute = split_backward(compute, placement or spec.w_placement, max_pending)
-        programs.append(add_optimizer(add_communication(compute, depth * virtual), r))
+        programs.append(add_optimizer(add_communication(compute, depth * virtual, ranks), r))
     return programs
 
 
-def build_inference(depth: int, microbatches: int, virtual: int = 1) -> Schedule:
+def build_inference(depth: int, microbatches: int, virtual: int = 1, stage_placement: str = "loop") -> Schedule:
     """Forward-only program of every rank (validation, test, predict); with ``virtual`` stages
-    per rank, the forwards in interleaved 1F1B's order."""
+    per rank, the forwards in interleaved 1F1B's order (loop placement, ``m`` a multiple of
+    ``d``) or each stage's in turn (looped BFS's, any placement and ``m``)."""
     if virtual > 1:
-        return [
-            add_communication(interleaved.forwards(r, depth, microbatches, virtual), depth * virtual)
-            for r in range(depth)
-        ]
+        ranks = stage_ranks(depth, virtual, stage_placement)
+        rounds = stage_placement == "loop" and microbatches % depth == 0  # interleaved 1F1B's rounds of d
+        order = interleaved.forwards if rounds else _bfs_forwards(stage_placement)
+        return [add_communication(order(r, depth, microbatches, virtual), depth * virtual, ranks) for r in range(depth)]
     return [add_communication(forward_only(s, depth, microbatches), depth) for s in range(depth)]
+
+
+def _bfs_forwards(stage_placement: str):
+    """Looped BFS's forwards under ``stage_placement`` (``(rank, depth, m, v)`` -> actions)."""
+
+    def order(rank: int, depth: int, microbatches: int, virtual: int) -> list[Action]:
+        program = interleaved.looped_bfs(rank, depth, microbatches, virtual, stage_placement)
+        return [a for a in program if a.kind is Kind.FORWARD]
+
+    return order
 
 
 def _split_2bw(

@@ -9,10 +9,16 @@ entry in :data:`SCHEDULES`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
-from lightning_pipe.schedules import interleaved
+from lightning_pipe.schedules import interleaved, v_shape
+from lightning_pipe.schedules.actions import Action
 from lightning_pipe.schedules.generators import Generator, gpipe, one_f_one_b
+from lightning_pipe.schedules.layout import check_placement
+
+#: One rank's compute actions of a schedule with several stages per rank:
+#: ``(rank, depth, microbatches, virtual, placement)``.
+RankGenerator = Callable[[int, int, int, int, str], list[Action]]
 
 
 @dataclass(frozen=True)
@@ -23,7 +29,8 @@ class ScheduleSpec:
         name: the name users give (``PipelineStrategy(schedule=...)``, YAML).
         summary: one line for tables and errors.
         generator: one stage's compute actions of one flushed step, or ``None`` for a stream
-            whose per-step windows are built by their own pass (2BW, ``schedules/two_bw.py``).
+            whose per-step windows are built by their own pass (2BW, ``schedules/two_bw.py``) and
+            for a schedule of several stages per rank only (``rank_generator``).
         streams: the microbatches stream on across steps: no flush between steps.
         weight_versions: weight versions kept alive (2 under PipeDream-2BW's double buffering).
         gradient_sets: batches' gradients a stage may hold at once (a streaming stage holds the
@@ -33,7 +40,20 @@ class ScheduleSpec:
         w_placement: where split backward puts the W's by default (``schedules/w_placement.py``).
         fixed_placement: the W placement is part of the schedule: ``split_placement`` and
             ``split_max_pending`` do not apply.
-        interleaves: runs ``virtual_stages > 1`` (Megatron-LM's interleaved 1F1B).
+        interleaves: runs ``virtual_stages > 1``, each rank's program written by ``rank_generator``.
+        rank_generator: one rank's compute actions with ``virtual_stages > 1`` (Megatron-LM's
+            interleaved 1F1B for ``"1f1b"``).
+        placements: the stage placements it runs with ``virtual_stages > 1``
+            (``schedules/layout.py``), its default first.
+        virtual_stages: the only stage count per rank it runs (ZB-V's and DualPipeV's 2), or ``None``.
+        one_stage: what it is with one stage per rank, if another schedule (looped BFS's GPipe):
+            it then needs ``virtual_stages > 1``, and the error names that schedule.
+        splits_itself: its generator writes I and W itself (ZB-V, DualPipeV); without split
+            backward each I becomes the whole B, run where the I ran (``v_shape.join_backward``).
+        microbatches_at_least: needs ``m >= microbatches_at_least * d`` (DualPipeV: 2, one
+            microbatch per stage of the V).
+        rounds: with ``virtual_stages > 1`` it runs microbatches in rounds of ``d`` (interleaved
+            1F1B: ``m`` a multiple of ``d``).
         drain_split: offers ``split_placement="drain"`` with one stage per rank.
         microbatches_at_least_depth: needs ``m >= d`` (2BW: otherwise a third weight version
             would be in flight).
@@ -53,29 +73,65 @@ class ScheduleSpec:
     drain_split: bool = False
     microbatches_at_least_depth: bool = False
     aliases: tuple[str, ...] = ()
+    rank_generator: Optional[RankGenerator] = None
+    placements: tuple[str, ...] = ("loop",)
+    virtual_stages: Optional[int] = None
+    splits_itself: bool = False
+    microbatches_at_least: int = 0
+    rounds: bool = True
+    one_stage: Optional[str] = None
 
-    def check(self, depth: int, microbatches: int, virtual: int = 1) -> None:
-        """Raise a clear ``ValueError`` unless it runs ``microbatches`` on ``depth`` ranks of ``virtual`` stages."""
+    def check(self, depth: int, microbatches: int, virtual: int = 1, placement: Optional[str] = None) -> None:
+        """Raise a clear ``ValueError`` unless it runs ``microbatches`` on ``depth`` ranks of
+        ``virtual`` stages placed by ``placement`` (``None``: its default)."""
+        if self.virtual_stages is not None and virtual != self.virtual_stages:
+            raise ValueError(
+                f"schedule {self.name!r} runs {self.virtual_stages} stages per rank in a V: "
+                f"set virtual_stages={self.virtual_stages} (got {virtual})"
+            )
+        if virtual == 1 and self.one_stage is not None:
+            raise ValueError(
+                f"schedule {self.name!r} with one stage per rank is {self.one_stage!r}: "
+                f"use schedule={self.one_stage!r}, or set virtual_stages > 1"
+            )
         if virtual > 1 and not self.interleaves:
             names = [s.name for s in SCHEDULES.values() if s.interleaves]
             raise ValueError(
-                f"virtual_stages={virtual} runs interleaved 1F1B: use schedule={names[0]!r} "
-                f"(got schedule={self.name!r})"
+                f"virtual_stages={virtual} runs interleaved 1F1B: use schedule={names[0]!r}, or another schedule "
+                f"of several stages per rank, one of {names[1:]} (got schedule={self.name!r})"
             )
-        interleaved.check(depth, microbatches, virtual)
+        if placement is not None:
+            check_placement(placement)
+            if virtual > 1 and placement not in self.placements:
+                raise ValueError(
+                    f"schedule {self.name!r} runs the stage placements {list(self.placements)}, not {placement!r}"
+                )
+        interleaved.check(depth, microbatches, virtual if self.rounds else 1)
+        if virtual > 1 and depth < 2:
+            raise ValueError("virtual_stages > 1 needs pipeline_depth >= 2 (one rank gains nothing from interleaving)")
+        if self.microbatches_at_least and microbatches < self.microbatches_at_least * depth:
+            raise ValueError(
+                f"schedule {self.name!r} needs microbatches >= {self.microbatches_at_least} x pipeline_depth "
+                f"(one per stage of the V; got m={microbatches}, d={depth})"
+            )
         if self.microbatches_at_least_depth and microbatches < depth:
             raise ValueError(
                 f"schedule {self.name!r} needs microbatches >= pipeline_depth (got m={microbatches}, d={depth}); "
                 "with fewer, in-flight microbatches would need a third weight version"
             )
 
-    def runs(self, depth: int, microbatches: int, virtual: int = 1) -> bool:
-        """Whether :meth:`check` accepts ``(depth, microbatches, virtual)``."""
+    def runs(self, depth: int, microbatches: int, virtual: int = 1, placement: Optional[str] = None) -> bool:
+        """Whether :meth:`check` accepts ``(depth, microbatches, virtual, placement)``."""
         try:
-            self.check(depth, microbatches, virtual)
+            self.check(depth, microbatches, virtual, placement)
         except ValueError:
             return False
         return True
+
+    def placement(self, virtual: int, placement: Optional[str] = None) -> str:
+        """The stage placement it runs at ``virtual`` stages per rank: ``placement``, or its
+        default; ``"loop"`` with one stage per rank (where every placement is the chain)."""
+        return "loop" if virtual == 1 else placement or self.placements[0]
 
     def offers_drain(self, virtual: int) -> bool:
         """Whether ``split_placement="drain"`` applies at ``virtual`` stages per rank: with one stage
@@ -101,7 +157,47 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             w_placement="zb-h1",
             interleaves=True,
             drain_split=True,
-            aliases=("1F1B", "PipeDreamFlush"),
+            aliases=("1F1B", "PipeDreamFlush", "Interleaved1F1B", "InterleavedZeroBubble"),
+            rank_generator=interleaved.rank_one_f_one_b,
+        ),
+        ScheduleSpec(
+            "looped_bfs",
+            "Looped BFS: GPipe over each rank's stages in turn (every forward of one, then the next)",
+            None,
+            w_placement="bounded",
+            interleaves=True,
+            aliases=("LoopedBFS", "BFS"),
+            rank_generator=interleaved.looped_bfs,
+            placements=("loop", "v"),
+            rounds=False,
+            one_stage="gpipe",
+        ),
+        ScheduleSpec(
+            "zbv",
+            "ZB-V (Zero Bubble): two stages per rank in a V, split backward; 1F1B's memory, no bubble at F = I = W",
+            None,
+            fixed_placement=True,
+            interleaves=True,
+            aliases=("ZBV", "ZBVZeroBubble", "ZB-V"),
+            rank_generator=lambda rank, depth, m, virtual, placement: v_shape.zbv(rank, depth, m),
+            placements=("v",),
+            virtual_stages=2,
+            splits_itself=True,
+            rounds=False,
+        ),
+        ScheduleSpec(
+            "dualpipev",
+            "DualPipeV (DeepSeek's DualPipe in a V): a forward and a backward of two microbatches paired",
+            None,
+            fixed_placement=True,
+            interleaves=True,
+            aliases=("DualPipeV", "DualPipe-V"),
+            rank_generator=lambda rank, depth, m, virtual, placement: v_shape.dualpipev(rank, depth, m),
+            placements=("v",),
+            virtual_stages=2,
+            splits_itself=True,
+            microbatches_at_least=2,
+            rounds=False,
         ),
         ScheduleSpec(
             "2bw",
@@ -146,9 +242,12 @@ def flushed_generator(name: str) -> Generator:
     """The generator of a schedule that flushes once per step.
 
     Raises:
-        ValueError: for an unknown name, or a streaming schedule (built window by window).
+        ValueError: for an unknown name, a streaming schedule (built window by window), or one of
+            several stages per rank only (its rank generator writes each rank's program).
     """
     spec = get(name)
+    if spec.generator is None and not spec.streams:
+        raise ValueError(f"schedule {name!r} runs several stages per rank: build it with build_schedule(virtual=...)")
     if spec.generator is None:
         raise ValueError(f"schedule {name!r} is not flushed per batch; build it with two_bw_window()")
     return spec.generator

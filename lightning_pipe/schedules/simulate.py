@@ -9,6 +9,7 @@ import numpy as np
 
 from lightning_pipe.schedules.actions import COMPUTE_KINDS, Action, Kind, ScheduleError, format_actions
 from lightning_pipe.schedules.flat import CODES, SEND_ACT, SEND_GRAD, FlatProgram, flatten
+from lightning_pipe.schedules.layout import owners
 
 CostModel = Union[Mapping[Kind, float], Callable[[Action], float]]
 
@@ -129,9 +130,9 @@ class Exchange:
 _PEER_OFFSET = {Kind.SEND_ACT: 1, Kind.RECV_GRAD: 1, Kind.SEND_GRAD: -1, Kind.RECV_ACT: -1}
 
 
-def _peer(action: Action, ranks: int) -> int:
-    """The rank a send goes to or a receive comes from (stage ``s`` runs on rank ``s % ranks``)."""
-    return (action.stage + _PEER_OFFSET[action.kind]) % ranks
+def _peer(action: Action, owner: Mapping[int, int]) -> int:
+    """The rank a send goes to or a receive comes from (``owner``: each stage's rank)."""
+    return owner[action.stage + _PEER_OFFSET[action.kind]]
 
 
 def _advance(
@@ -144,7 +145,7 @@ def _advance(
     out: list,
     exchange: Optional[Exchange],
     last_sent: dict,
-    ranks: int,
+    owner: Mapping[int, int],
     latency: float = 0.0,
 ) -> tuple[int, float]:
     """Run rank's actions from ``ptr`` until one waits on a send not yet simulated
@@ -159,13 +160,13 @@ def _advance(
         if (
             dep is not None
             and exchange is not None
-            and exchange.applies(done[dep], last_sent.get((rank, _peer(action, ranks))))
+            and exchange.applies(done[dep], last_sent.get((rank, _peer(action, owner))))
         ):
             seconds += exchange.extra
         clock = start + seconds
         done[action] = clock
         if action.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
-            last_sent[rank, _peer(action, ranks)] = clock
+            last_sent[rank, _peer(action, owner)] = clock
         out.append(Interval(rank, action, start, clock))
         ptr += 1
     return ptr, clock
@@ -194,11 +195,12 @@ def simulate(
     done: dict[Action, float] = {}
     last_sent: dict[tuple[int, int], float] = {}
     timeline: list[Interval] = []
+    owner = owners(schedule)
     while any(p < len(a) for p, a in zip(ptrs, schedule)):
         before = list(ptrs)
         for r, actions in enumerate(schedule):
             ptrs[r], clocks[r] = _advance(
-                r, actions, ptrs[r], clocks[r], done, cost, timeline, exchange, last_sent, len(schedule), latency
+                r, actions, ptrs[r], clocks[r], done, cost, timeline, exchange, last_sent, owner, latency
             )
         if ptrs == before:
             stuck = {r: str(schedule[r][p]) for r, p in enumerate(ptrs) if p < len(schedule[r])}

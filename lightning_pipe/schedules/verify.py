@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from lightning_pipe.schedules.actions import COMPUTE_KINDS, Action, Kind
+from lightning_pipe.schedules.layout import rank_stages
 from lightning_pipe.schedules.simulate import ScheduleError, grid, simulate, unit_costs
 
 
@@ -17,12 +18,32 @@ def _kinds(counts: Counter, microbatch: int, train: bool) -> tuple[Kind, ...]:
     return (Kind.FORWARD, Kind.INPUT_GRAD, Kind.WEIGHT_GRAD) if split else (Kind.FORWARD, Kind.BACKWARD)
 
 
-def _check_rank(rank: int, actions: list[Action], microbatches: int, train: bool, depth: int, virtual: int) -> None:
-    wrong = [str(a) for a in actions if a.stage % depth != rank or a.stage >= depth * virtual]
+def _check_rank(
+    rank: int, actions: list[Action], microbatches: int, train: bool, depth: int, virtual: int, placement: str
+) -> None:
+    mine = rank_stages(rank, depth, virtual, placement)
+    wrong = [str(a) for a in actions if a.stage not in mine]
     if wrong:
         raise ScheduleError(f"rank {rank} holds actions of stages it does not run: {wrong}")
-    for stage in range(rank, depth * virtual, depth):
+    for stage in mine:
         _check_stage(stage, [a for a in actions if a.stage == stage], microbatches, train)
+    for stage in (s for s in mine if s + 1 in mine):
+        _check_handoff(stage, actions, microbatches, train)
+
+
+def _check_handoff(stage: int, actions: list[Action], microbatches: int, train: bool) -> None:
+    """Two neighbouring stages on one rank exchange no message (passes.add_communication): the
+    later stage's F must follow the earlier's, and the earlier's backward the later's."""
+    position = {(a.stage, a.kind, a.microbatch): i for i, a in enumerate(actions)}
+
+    def backward(s: int, k: int) -> int:
+        return position.get((s, Kind.BACKWARD, k), position.get((s, Kind.INPUT_GRAD, k), -1))
+
+    for k in range(microbatches):
+        if position[(stage + 1, Kind.FORWARD, k)] < position[(stage, Kind.FORWARD, k)]:
+            raise ScheduleError(f"stage {stage + 1} runs F{k} before stage {stage}, on the same rank")
+        if train and backward(stage, k) < backward(stage + 1, k):
+            raise ScheduleError(f"stage {stage} runs the backward of {k} before stage {stage + 1}, on the same rank")
 
 
 def _check_stage(stage: int, actions: list[Action], microbatches: int, train: bool) -> None:
@@ -39,15 +60,18 @@ def _check_stage(stage: int, actions: list[Action], microbatches: int, train: bo
                 raise ScheduleError(f"stage {stage} runs {after.value} before {before.value} for microbatches {[k]}")
 
 
-def verify(schedule: list[list[Action]], microbatches: int, train: bool = True, virtual: int = 1) -> None:
+def verify(
+    schedule: list[list[Action]], microbatches: int, train: bool = True, virtual: int = 1, placement: str = "loop"
+) -> None:
     """Raise :class:`ScheduleError` unless every stage runs each F (and B, or I and W) once,
     in that order, and the whole program runs to completion without deadlock.
 
     ``schedule[r]`` is pipeline rank ``r``'s program; with ``virtual`` stages per rank it runs
-    stages ``r, r + d, ...`` (``d = len(schedule)``)."""
+    the stages ``placement`` gives it (``schedules/layout.py``: ``r, r + d, ...`` under
+    ``"loop"``, ``r`` and ``2d - 1 - r`` under ``"v"``; ``d = len(schedule)``)."""
     try:
         for rank, actions in enumerate(schedule):
-            _check_rank(rank, actions, microbatches, train, len(schedule), virtual)
+            _check_rank(rank, actions, microbatches, train, len(schedule), virtual, placement)
     except ScheduleError as err:
         raise ScheduleError(f"{err}\n{grid(schedule)}") from None
     simulate(schedule, unit_costs())

@@ -87,9 +87,11 @@ def fit_toy(
     virtual: int = 1,
     blocks: int = 4,
     placement: Optional[str] = None,
+    stage_placement: Optional[str] = None,
 ) -> dict[str, Any]:
     """Fit, validate, predict and test ToyChain (``blocks`` residual blocks) through the Trainer,
-    ``virtual`` stages per rank, W's placed by ``placement`` under split; return what this rank saw.
+    ``virtual`` stages per rank placed by ``stage_placement`` ("loop" or "v"; ``None``: the
+    schedule's own), W's placed by ``placement`` under split; return what this rank saw.
 
     The checkpoint (``last.ckpt``: a DCP directory if ``sharded``, else one file) goes to ``out/ckpt``.
     """
@@ -109,6 +111,7 @@ def fit_toy(
             split_backward=split,
             virtual_stages=virtual,
             split_placement=placement,
+            placement=stage_placement,
             save_distributed_checkpoint=sharded,
             timeout=timedelta(seconds=60),
         ),
