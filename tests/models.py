@@ -327,3 +327,76 @@ def token_data(n: int, seed: int = 0) -> tuple[Tensor, Tensor]:
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB, (n, TOKENS), generator=g)
     return tokens, torch.randint(0, VOCAB, (n, TOKENS), generator=g)
+
+
+#: :class:`LogitsChain`'s vocabulary, sequence length and width: logits twice as wide as the blocks.
+LOGITS_VOCAB, LOGITS_TOKENS, LOGITS_WIDTH = 64, 16, 32
+
+
+class GPTBlock(nn.Module):
+    """A pre-norm transformer block: causal self-attention, then an MLP of hidden width 4x."""
+
+    def __init__(self, width: int = LOGITS_WIDTH) -> None:
+        super().__init__()
+        self.attention, self.mlp = Attention(width, heads=2), MLP(width, 4 * width)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.mlp(self.attention(h))
+
+
+class LogitsHead(nn.Module):
+    """A layer norm and the projection to :data:`LOGITS_VOCAB` logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(LOGITS_WIDTH)
+        self.out = nn.Linear(LOGITS_WIDTH, LOGITS_VOCAB)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.out(self.norm(h))
+
+
+class LogitsChain(PipelineMixin, L.LightningModule):
+    """A tiny GPT (examples/gpt.py at a quarter of its width and context): token and position
+    embeddings, four transformer blocks, and a head whose logits, twice as wide as the blocks,
+    feed a cross-entropy loss, so the last stage's last block has the largest output and the
+    loss saves a tensor of its size. AdamW. Batches are ``(tokens, targets)``, both ``[n, LOGITS_TOKENS]``."""
+
+    def __init__(self, lr: float = 1e-3) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.embed = _Embeddings()
+        self.blocks = nn.ModuleList(GPTBlock() for _ in range(4))
+        self.head = LogitsHead()
+        self.lr = lr
+
+    def pipeline_blocks(self) -> list[nn.Module]:
+        return [self.embed, *self.blocks, self.head]
+
+    def pipeline_loss(self, output: Tensor, batch: Any) -> Tensor:
+        return F.cross_entropy(output.flatten(0, 1), batch[1].flatten())
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("train_loss", self.pipeline_step(batch), prog_bar=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return adamw(self.parameters(), self.lr)
+
+
+class _Embeddings(nn.Module):
+    """Token plus position embeddings (:class:`LogitsChain`'s first block)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(LOGITS_VOCAB, LOGITS_WIDTH)
+        self.positions = nn.Embedding(LOGITS_TOKENS, LOGITS_WIDTH)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.tokens(idx) + self.positions(torch.arange(idx.shape[1], device=idx.device))
+
+
+def logits_data(n: int, seed: int = 0) -> tuple[Tensor, Tensor]:
+    """Tokens and targets for :class:`LogitsChain`."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, LOGITS_VOCAB, (n, LOGITS_TOKENS), generator=g)
+    return tokens, torch.randint(0, LOGITS_VOCAB, (n, LOGITS_TOKENS), generator=g)

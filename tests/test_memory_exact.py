@@ -1,11 +1,13 @@
-"""Issue 48: the memory model on a chain nobody tuned it on, every schedule family, against an independent tracker.
+"""Issue 48: the memory model on chains nobody tuned it on, every schedule family, against an independent tracker.
 
 :class:`~tests.models.NonUniformChain` (an embedding, MLPs of different widths, attention, a block
-that triples the width and one that narrows it, a per-token head; AdamW) is profiled once per
-process, and each plan of the matrix below is placed on every rank of one shared launch per world
-size. Each rank's peak tensor bytes over a training step, tracked by ``_TrackedBytes`` (every CPU
-storage, test-side), is compared with ``predict.predict``'s prediction for that rank: within 2%
-above it and never under (an under-prediction is how a plan "that fits" runs out of memory).
+that triples the width and one that narrows it, a per-token head; AdamW) and
+:class:`~tests.models.LogitsChain` (a tiny GPT whose head's logits, wider than its blocks, feed a
+cross-entropy loss) are profiled once per process, and each plan of the matrix below is placed on
+every rank of one shared launch per world size. Each rank's peak tensor bytes over a training
+step, tracked by ``_TrackedBytes`` (every CPU storage, test-side), is compared with
+``predict.predict``'s prediction for that rank: within 2% above it and never under (an
+under-prediction is how a plan "that fits" runs out of memory).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from lightning_pipe import PipelinePlan, place
 from lightning_pipe.planning import predict
 from lightning_pipe.planning.profiler import profile_blocks
-from tests.models import NonUniformChain, adamw, token_data
+from tests.models import LogitsChain, NonUniformChain, adamw, logits_data, token_data
 from tests.shared import scenario
 from tests.test_planner import _TrackedBytes
 
@@ -60,6 +62,23 @@ def _interleaved() -> list[PipelinePlan]:
 
 PLANS = {2: _matrix(1, 2) + _interleaved(), 4: _matrix(1, 4) + _matrix(2, 2)}
 
+#: Split backward on :class:`LogitsChain`, ZB-H1's placement and the drained one: the last stage's
+#: I frees the graph block by block, the head's logits-sized tensors (the loss's saved
+#: log-softmax) among the first it frees.
+LOGITS_PLANS = {
+    2: [
+        PipelinePlan(1, 2, 4, "1f1b", True, partition=(3, 3), split_placement=placement)
+        for placement in (None, "drain")
+    ],
+    4: [],
+}
+
+#: Per model: the model, its data, and its plans per world size.
+MODELS = {
+    "NonUniformChain": (NonUniformChain, token_data, PLANS),
+    "LogitsChain": (LogitsChain, logits_data, LOGITS_PLANS),
+}
+
 
 def family(plan: PipelinePlan) -> str:
     """The schedule family a plan's test checks it under."""
@@ -69,7 +88,7 @@ def family(plan: PipelinePlan) -> str:
     return name
 
 
-FAMILIES = sorted({family(p) for plans in PLANS.values() for p in plans})
+FAMILIES = sorted({family(p) for *_, plans in MODELS.values() for p in plans[2] + plans[4]})
 
 
 def _tracked_steps(engine: Any, batch: Any, steps: int = 3) -> int:
@@ -91,46 +110,56 @@ def _tracked_steps(engine: Any, batch: Any, steps: int = 3) -> int:
     return peak
 
 
-def _nonuniform_memory(rank: int, world: int, plans: list[PipelinePlan]) -> list[tuple[int, int, int]]:
-    """Per plan: this rank's pipeline position, predicted and tracked peak tensor bytes."""
+def _exact_memory(rank: int, world: int) -> dict[str, list[tuple[int, int, int]]]:
+    """Per model, per plan of this world size: this rank's pipeline position, predicted and
+    tracked peak tensor bytes."""
     from lightning_pipe import PipelineGroups
 
-    torch.manual_seed(0)
-    profile = profile_blocks(NonUniformChain(), token_data(8), [B, 2 * B], repeats=1, optimizer=adamw)
-    rows = []
-    for plan in plans:
+    out = {}
+    for name, (model, data, plans) in MODELS.items():
+        if not plans[world]:
+            continue
         torch.manual_seed(0)
-        engine = place(NonUniformChain(), plan, rank, groups=PipelineGroups.build(plan.topology, rank))
-        batch = token_data(plan.microbatches * B, seed=plan.topology.replica_of(rank))
-        measured = _tracked_steps(engine, batch)
-        predicted = predict.predict(profile, plan, B).stage_memory[engine.stage_index]
-        rows.append((engine.stage_index, predicted, measured))
-    return rows
+        profile = profile_blocks(model(), data(8), [B, 2 * B], repeats=1, optimizer=adamw)
+        rows = []
+        for plan in plans[world]:
+            torch.manual_seed(0)
+            engine = place(model(), plan, rank, groups=PipelineGroups.build(plan.topology, rank))
+            batch = data(plan.microbatches * B, seed=plan.topology.replica_of(rank))
+            measured = _tracked_steps(engine, batch)
+            predicted = predict.predict(profile, plan, B).stage_memory[engine.stage_index]
+            rows.append((engine.stage_index, predicted, measured))
+        out[name] = rows
+    return out
 
 
-for _world, _plans in PLANS.items():
-    scenario(_world, "memory_nonuniform", _nonuniform_memory, _plans)
+for _world in PLANS:
+    scenario(_world, "memory_exact", _exact_memory)
 
 
-def ratios(launched: Any) -> list[tuple[PipelinePlan, int, int, int, int]]:
-    """Every (plan, rank, stage, predicted, measured) of both launches."""
+def ratios(launched: Any) -> list[tuple[str, PipelinePlan, int, int, int, int]]:
+    """Every (model, plan, rank, stage, predicted, measured) of both launches."""
     out = []
-    for world, plans in PLANS.items():
-        for rank, rows in enumerate(launched(world).ok("memory_nonuniform")):
-            for plan, (stage, predicted, measured) in zip(plans, rows):
-                out.append((plan, rank, stage, predicted, measured))
+    for world in PLANS:
+        for rank, models in enumerate(launched(world).ok("memory_exact")):
+            for name, rows in models.items():
+                for plan, (stage, predicted, measured) in zip(MODELS[name][2][world], rows):
+                    out.append((name, plan, rank, stage, predicted, measured))
     return out
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_nonuniform_chain_memory_is_predicted_within_two_percent_and_never_under(launched, name: str) -> None:
+def test_memory_is_predicted_within_two_percent_and_never_under(launched, name: str) -> None:
     # Issue 48's target: every rank of every layout, 1.00 <= predicted / tracked <= 1.02. Before
     # it, this chain measured 1.04-1.08 on split backward's later stages, 0.89 on a replicated last
     # stage (W's products beside its bucket), one microbatch activation under on split backward's
     # first stage, 0.98 on 2BW + split + recompute, 0.998 on interleaved ranks (see the commits).
+    # LogitsChain's last stage under split backward: a block's I runs beside the saved tensors of
+    # the blocks not yet run; counted beside the whole graph (the head's freed logits-sized
+    # tensors among it) that stage comes out 11 to 13% over.
     misses = [
-        (plan.describe(), rank, stage, predicted, measured, round(predicted / measured, 4))
-        for plan, rank, stage, predicted, measured in ratios(launched)
+        (model, plan.describe(), rank, stage, predicted, measured, round(predicted / measured, 4))
+        for model, plan, rank, stage, predicted, measured in ratios(launched)
         if family(plan) == name and not measured <= predicted <= 1.02 * measured
     ]
     assert not misses, misses

@@ -771,10 +771,9 @@ def test_predicted_stage_memory_bounds_what_every_stage_measures(launched) -> No
     # the placement before it, ZB-H1's per window). ConvDenseChain: the same with convolutions, whose
     # weight gradients split backward defers since 2026-11-26. Their I peaks above a full backward's
     # workspace (the output gradients kept for W build up while the graph is still being freed):
-    # before the profile measured that peak, stage 1 measured 1.058x its prediction. The model now
-    # adds the later blocks' kept tensors and the block's incoming gradient to each block's I peak
-    # beside the whole graph, which errs high by the later blocks' saved tensors: 0.953 to 1.000
-    # measured, 0.919 on the last stage (its I peak holds the loss's gradient too).
+    # before the profile measured that peak, stage 1 measured 1.058x its prediction. A block's I
+    # peak is counted beside the saved tensors of the blocks not yet run, the later blocks' kept
+    # tensors, its incoming gradient and the microbatch's output (the I's root): 0.9996 to 0.9997.
     for rank in launched(4).ok("planner_memory_spot_check"):
         for row in rank:
             ratio = row["measured"] / row["predicted"]
@@ -792,7 +791,7 @@ def test_predicted_stage_memory_bounds_what_every_stage_measures(launched) -> No
             ):  # 0.987 to 1.001 measured; 0.941 to 0.984 after I when the model kept the graph
                 assert ratio >= 0.98, (row["plan"].describe(), row["stage"], row["measured"], row["predicted"])
             if row["model"] == "ConvDenseChain":
-                assert ratio >= 0.91, (row["plan"].describe(), row["stage"], row["measured"], row["predicted"])
+                assert ratio >= 0.98, (row["plan"].describe(), row["stage"], row["measured"], row["predicted"])
 
 
 class PlanAtStart(L.Callback):

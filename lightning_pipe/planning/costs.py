@@ -46,9 +46,11 @@ class StageCosts:
     # split backward defers its linear and convolution weight gradients: I frees the graph
     # (runtime/autograd/deferred_weights.py)
     frees_graph_at_input_grad: bool = False
-    # a deferring I's peak temporaries, the later blocks' kept tensors and its incoming gradient with
-    # them (_input_grad_peak)
+    # a deferring I's peak over the stage's graph: its temporaries, the later blocks' kept tensors
+    # and other weights' gradients, and its incoming gradient, beside the blocks not yet run (_input_grad_peak)
     input_grad_workspace_bytes: int = 0
+    # a deferring I's other weights' gradients (norms, biases), all held at the end of its autograd call
+    undeferred_gradient_bytes: int = 0
     # the stage's input and output hold a tensor that is not floating point: their gradients
     # travel in a message layout of their own (memory.message_templates)
     mixed_input: bool = False
@@ -137,20 +139,24 @@ def _inner_inputs(samples: Sequence[BlockSample]) -> int:
     return sum(max(b.saved_input_bytes - a.saved_output_bytes, 0) for a, b in zip(samples, samples[1:]))
 
 
-def _input_grad_peak(samples: Sequence[BlockSample]) -> int:
-    """A deferring I's peak beyond the stage's graph: it runs the blocks last to first, so while
-    one runs, what each later block kept for W is already held, and so is the gradient of the
-    block's output unless the block is the stage's last (the stage's model counts that one).
-    The whole graph is counted beside it, though the later blocks have freed what they saved:
-    an upper bound. Counting only the saved tensors of the blocks not yet run (tried for issue
-    48) came out one activation under (NonUniformChain at d=4, 6 to 18 KB; ConvDenseChain 32 KB,
-    2.2%) at I's that the per-block profiles do not add up to; this bound is 0 to 1.4% over there."""
-    kept_after, peak = 0, 0
+def _input_grad_peak(samples: Sequence[BlockSample], returned: Sequence[int]) -> int:
+    """A deferring I's peak over the stage's whole graph (negative where it stays below it). It
+    runs the blocks last to first, freeing each block's saved tensors as it goes (no
+    ``retain_graph``), so while block ``j`` runs the stage holds the saved tensors of blocks
+    ``0..j`` (each inner boundary tensor once, as in :func:`_backward_peaks`), what each later
+    block kept for W, the gradients of the later blocks' other weights (``returned``, per block:
+    norms, biases; the autograd call returns them all at its end), the gradient of block ``j``'s
+    output unless the block is the stage's last (the stage's model counts that one), and block
+    ``j``'s I temporaries (profiled beside its whole graph)."""
+    inner = [0] + [max(b.saved_input_bytes - a.saved_output_bytes, 0) for a, b in zip(samples, samples[1:])]
+    saved = [0] + list(itertools.accumulate(x.saved_bytes + i for x, i in zip(samples, inner)))
+    kept_after, peak = 0, None
     for i in reversed(range(len(samples))):
         incoming = samples[i].output_bytes if i < len(samples) - 1 else 0  # as in _backward_peaks
-        peak = max(peak, samples[i].input_grad_workspace_bytes + kept_after + incoming)
-        kept_after += samples[i].captured_bytes
-    return peak
+        here = saved[i + 1] + kept_after + incoming + samples[i].input_grad_workspace_bytes
+        peak = here if peak is None else max(peak, here)
+        kept_after += samples[i].captured_bytes + returned[i]
+    return (peak or 0) - saved[-1]
 
 
 def range_costs(
@@ -203,7 +209,8 @@ def range_costs(
         loss_bytes=mine[-1].loss_bytes,
         loss_saved_bytes=mine[-1].loss_saved_bytes,
         optimizer_step_bytes=step_bytes(profile, states),
-        input_grad_workspace_bytes=_input_grad_peak(mine),
+        input_grad_workspace_bytes=_input_grad_peak(mine, [b.undeferred_gradient_bytes for b in states]),
+        undeferred_gradient_bytes=sum(b.undeferred_gradient_bytes for b in states),
         mixed_input=first > 0 and profile.blocks[first - 1].mixed_output,
         captured_input_bytes=mine[0].captured_input_bytes,
         mixed_output=states[-1].mixed_output,

@@ -95,10 +95,12 @@ def stage_memory_terms(
     excess = st.backward_workspace_bytes if st.backward_excess_bytes is None else st.backward_excess_bytes
     full_ws = bws - st.backward_workspace_bytes + excess  # a full backward's workspace beside its freeing blocks
     # A deferring I frees the graph block by block as it keeps their inputs and output gradients
-    # for W (``input_grad_workspace_bytes``: its peak beside the whole graph, an upper bound); at
-    # its end it holds what it kept, ``cap`` over a held microbatch.
-    split_ws = (
-        bws - st.backward_workspace_bytes + max(st.input_grad_workspace_bytes, cap)
+    # for W (``input_grad_workspace_bytes``: its peak over the whole graph, which can be below
+    # it); at its end it holds what it kept, ``cap`` over a held microbatch, and the gradients of
+    # the stage's other weights, which its autograd call returns together. Until an I ends, its
+    # microbatch keeps the output it runs from (the executor's roots), which a pending one has dropped.
+    split_ws = dropped + (
+        bws - st.backward_workspace_bytes + max(st.input_grad_workspace_bytes, cap + st.undeferred_gradient_bytes)
         if st.frees_graph_at_input_grad
         else bws
     )

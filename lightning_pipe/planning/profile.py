@@ -70,6 +70,10 @@ class BlockProfile:
     # its output holds a tensor that is not floating point: the gradient sent back for it carries
     # fewer tensors, a message layout of its own (profiles that do not record it read False)
     mixed_output: bool = False
+    # the gradients of its weights that a deferring I computes itself, returned together at the end
+    # of I's autograd call (runtime/autograd/deferred_weights.py ``undeferred_gradient_bytes``;
+    # profiles that do not record it read 0)
+    undeferred_gradient_bytes: int = 0
 
     def at(self, size: int) -> BlockSample:
         """Every field at microbatch ``size``: linear in ``size`` through the two nearest samples (PipeDream-2BW paper,

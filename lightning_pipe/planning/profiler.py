@@ -22,6 +22,7 @@ from lightning_pipe.runtime.autograd.deferred_weights import (
     DeferredGrads,
     DeferWeightGrads,
     deferrable_weights_only,
+    undeferred_gradient_bytes,
     weight_kinds,
 )
 from lightning_pipe.runtime.microbatch import batch_size, split_batch
@@ -539,7 +540,8 @@ def _block_profile(
     mixed_output: bool = False,
 ) -> BlockProfile:
     """A block's profile: its samples, the bytes of its state (``state`` if known), the kinds of its
-    weights, and whether its output holds a tensor that is not floating point."""
+    weights, whether its output holds a tensor that is not floating point, and the bytes of the
+    weight gradients a deferring I computes itself."""
     deferred, other = weight_kinds(block.modules())
     return BlockProfile(
         name,
@@ -548,6 +550,7 @@ def _block_profile(
         deferred_weights=deferred,
         other_matrices=other,
         mixed_output=mixed_output,
+        undeferred_gradient_bytes=undeferred_gradient_bytes(block),
     )
 
 

@@ -314,3 +314,15 @@ def weight_kinds(modules: Iterable[nn.Module]) -> tuple[bool, bool]:
     covered = {id(m.weight) for m in modules if isinstance(m, (*_DEFERRED, nn.Embedding))}
     heavy = [p for m in modules for p in m.parameters(recurse=False) if p.requires_grad and p.dim() >= 2]
     return deferred, any(id(p) not in covered for p in heavy)
+
+
+def undeferred_gradient_bytes(module: nn.Module) -> int:
+    """Bytes of the gradients of ``module``'s trainable parameters that no deferred call takes
+    (norms, biases outside linear and convolution layers, embeddings): where split backward
+    defers, I computes them itself, and its one autograd call returns them all together at its end
+    (backward_split.py, ``_eager_input_grads``), each held from when its node runs until then."""
+    deferred = {
+        id(p) for m in module.modules() if isinstance(m, _DEFERRED) for p in (m.weight, m.bias) if p is not None
+    }
+    others = {id(p): p for p in module.parameters() if p.requires_grad and id(p) not in deferred}
+    return sum(p.numel() * p.element_size() for p in others.values())
