@@ -1,0 +1,191 @@
+"""FSDP stage replicas (data_parallel="fsdp"): Trainer.fit parity with one process, clipping on,
+the named device mesh, sharded memory, and refusals."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_pipe import PipelinePlan
+from tests.models import ToyChain, assert_close_dicts, make_data, reference_train
+from tests.shared import scenario
+
+BATCH, STEPS, M, CLIP = 8, 4, 4, 0.5
+
+
+def _full(value: Any) -> Any:
+    """A DTensor gathered whole (a collective over its mesh), anything else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def fit_sharded(
+    rank: int,
+    world: int,
+    depth: int,
+    schedule: str,
+    virtual: int = 1,
+    data_parallel: str = "fsdp",
+    reshard_after_forward: bool = True,
+    blocks: int = 4,
+    steps: int = STEPS,
+    recompute: bool = False,
+) -> dict[str, Any]:
+    """Fit ToyChain through the Trainer with gradient clipping, validate once at the end; return
+    what this rank holds (its stage's weights gathered whole) and how they are sharded."""
+    import lightning as L
+    from torch.distributed.tensor import DTensor
+    from torch.utils.data import DataLoader
+
+    from lightning_pipe import PipelineStrategy
+    from tests.scripts.train_toy import Indexed, Recorder
+
+    torch.manual_seed(0)
+    model, recorder = ToyChain(depth=blocks), Recorder()
+    strategy = PipelineStrategy(
+        schedule=schedule,
+        pipeline_depth=depth,
+        microbatches=M,
+        partition="uniform",
+        virtual_stages=virtual,
+        recompute=recompute,
+        data_parallel=data_parallel,
+        reshard_after_forward=reshard_after_forward,
+        gradient_clip_val=CLIP,
+        timeout=timedelta(seconds=60),
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=steps,
+        max_epochs=-1,
+        limit_val_batches=1,
+        val_check_interval=steps,
+        num_sanity_val_steps=0,
+        callbacks=[recorder],
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+    )
+    width = world // depth
+    train = DataLoader(Indexed(BATCH * width * steps, 0), batch_size=BATCH)
+    val = DataLoader(Indexed(BATCH * width, 99), batch_size=BATCH)
+    trainer.fit(model, train, val)
+    params = dict(model.named_parameters())
+    mesh = trainer.strategy.device_mesh
+    return {
+        "params": {n: _full(p.detach()).clone() for n, p in params.items()},
+        "sharded": {n: isinstance(p, DTensor) for n, p in params.items()},
+        "local_numel": {n: (p.to_local() if isinstance(p, DTensor) else p).numel() for n, p in params.items()},
+        "indices": recorder.indices,
+        "val_loss": float(trainer.callback_metrics["val_loss"]),
+        "mesh": (mesh.mesh_dim_names, mesh.mesh.tolist()),
+        "replicas": mesh["data_parallel"].mesh.tolist(),
+        "pipeline": mesh["pipeline_parallel"].mesh.tolist(),
+        "plan": trainer.strategy.plan,
+    }
+
+
+#: (w, d, schedule, virtual stages, reshard after forward): every FSDP fit, one short fit each.
+RUNS = [
+    (2, 1, "gpipe", 1, True),
+    (2, 1, "1f1b", 1, False),
+    (2, 2, "gpipe", 1, True),
+    (2, 2, "1f1b", 1, False),
+    (2, 2, "1f1b", 2, True),
+    (4, 1, "1f1b", 1, True),
+]
+
+
+def _name(width: int, depth: int, schedule: str, virtual: int, reshard: bool) -> str:
+    kind = "interleaved" if virtual > 1 else schedule
+    return f"fsdp_{width}x{depth}_{kind}{'' if reshard else '_zero2'}"
+
+
+for _w, _d, _s, _v, _r in RUNS:
+    scenario(
+        _w * _d,
+        _name(_w, _d, _s, _v, _r),
+        fit_sharded,
+        _d,
+        _s,
+        _v,
+        "fsdp",
+        _r,
+        6 if _v > 1 else 4,
+    )
+
+
+def _batches(ranks: list[dict], width: int, depth: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The fit's global batches: each step's union of the samples its replicas read."""
+    x, y = make_data(BATCH * width * STEPS, 0)
+    idx = [torch.tensor(sum((ranks[rep * depth]["indices"][t] for rep in range(width)), [])) for t in range(STEPS)]
+    return [(x[i], y[i]) for i in idx]
+
+
+def _reference(batches: list[Any], blocks: int, clip: Any = CLIP) -> tuple[dict, ToyChain]:
+    """The single-process run of the same model on the same global batches."""
+    torch.manual_seed(0)
+    model = ToyChain(blocks)
+    return reference_train(model, batches, clip=clip), model
+
+
+@pytest.mark.parametrize("width,depth,schedule,virtual,reshard", RUNS)
+def test_fsdp_fit_matches_single_process(
+    launched, width: int, depth: int, schedule: str, virtual: int, reshard: bool
+) -> None:
+    blocks = 6 if virtual > 1 else 4
+    ranks = launched(width * depth).ok(_name(width, depth, schedule, virtual, reshard))
+    batches = _batches(ranks, width, depth)
+    want, model = _reference(batches, blocks)
+    for r, rank in enumerate(ranks):
+        assert rank["plan"].data_parallel == "fsdp" and rank["plan"].reshard_after_forward == reshard
+        assert_close_dicts(rank["params"], {k: want[k] for k in rank["params"]}, rtol=1e-5)
+        # Every weight of a stage is a DTensor shard: dim 0 split over the w replicas.
+        assert all(rank["sharded"].values())
+        for name, numel in rank["local_numel"].items():
+            rows = want[name].shape[0]
+            per_row = want[name].numel() // rows
+            share = -(-rows // width)  # fully_shard's chunks: ceil(rows / w), the last ones shorter
+            replica = r // depth
+            assert numel == per_row * max(0, min(share, rows - replica * share)), name
+    merged: dict[str, torch.Tensor] = {}
+    for rank in ranks:
+        merged.update(rank["params"])
+    assert merged.keys() == want.keys()
+    unclipped, _ = _reference(batches, blocks, clip=None)  # clipping was active: without it the run ends elsewhere
+    assert max(float((unclipped[k] - want[k]).abs().max()) for k in want) > 1e-4
+    with torch.no_grad():
+        xv, yv = make_data(BATCH * width, 99)
+        val = float(torch.nn.functional.cross_entropy(model(xv), yv))
+    for rank in ranks:
+        assert rank["val_loss"] == pytest.approx(val, rel=1e-5)
+
+
+def test_fsdp_device_mesh_names_replicas_and_pipelines(launched) -> None:
+    # (2, 2) with inner="pp": rank r runs stage r % 2 of replica r // 2.
+    ranks = launched(4).ok(_name(2, 2, "gpipe", 1, True))
+    for r, rank in enumerate(ranks):
+        names, grid = rank["mesh"]
+        assert names == ("data_parallel", "pipeline_parallel") and grid == [[0, 1], [2, 3]]
+        assert rank["replicas"] == [r % 2, r % 2 + 2]
+        assert rank["pipeline"] == [r - r % 2, r - r % 2 + 1]
+
+
+def test_plan_refuses_fsdp_with_two_bw_and_split_backward() -> None:
+    with pytest.raises(ValueError, match="data_parallel='fsdp' does not run schedule '2bw'.*schedule='1f1b'"):
+        PipelinePlan(width=2, depth=2, microbatches=4, schedule="2bw", data_parallel="fsdp")
+    with pytest.raises(ValueError, match="does not run split_backward=True.*split_backward=False"):
+        PipelinePlan(width=2, depth=2, microbatches=4, split_backward=True, data_parallel="fsdp")
+    with pytest.raises(ValueError, match="unknown data_parallel 'zero'"):
+        PipelinePlan(data_parallel="zero")
+    with pytest.raises(ValueError, match="reshard_after_forward only applies with data_parallel='fsdp'"):
+        PipelinePlan(reshard_after_forward=False)
+    plan = PipelinePlan(width=2, depth=2, microbatches=4, data_parallel="fsdp", reshard_after_forward=False)
+    assert "FSDP replicas (kept gathered: ZeRO-2)" in plan.describe()
