@@ -189,3 +189,121 @@ def test_plan_refuses_fsdp_with_two_bw_and_split_backward() -> None:
         PipelinePlan(reshard_after_forward=False)
     plan = PipelinePlan(width=2, depth=2, microbatches=4, data_parallel="fsdp", reshard_after_forward=False)
     assert "FSDP replicas (kept gathered: ZeRO-2)" in plan.describe()
+
+
+class Wide(ToyChain):
+    """Four blocks of 32 x 32 linear layers (every weight's dim 0 divides by 4: no shard is padded)."""
+
+    def __init__(self) -> None:
+        super().__init__(depth=0)
+        self.embed = torch.nn.Linear(IN, WIDE)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(WIDE, WIDE), torch.nn.Tanh()) for _ in range(2)
+        )
+        self.head = torch.nn.Linear(WIDE, CLASSES_WIDE)
+
+
+IN, WIDE, CLASSES_WIDE = 6, 32, 8
+
+
+def _stored_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a DTensor: its local shard's)."""
+    from lightning_pipe.runtime.sharding import local
+
+    storages = {}
+    for t in tensors:
+        storage = local(t).untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _sharded_step(rank: int, world: int, depth: int) -> dict[str, Any]:
+    """One layout under DDP and FSDP replicas: per-rank bytes of weights + gradients + Adam state
+    after a step, reduce-scatters and all-gathers per step, and the weights after the steps."""
+    import torch.distributed as dist
+
+    from lightning_pipe import PipelineGroups, Topology, place
+
+    topo = Topology(world, depth)
+    out: dict[str, Any] = {}
+    for key, data_parallel, reshard in (("ddp", "ddp", True), ("fsdp", "fsdp", True), ("zero2", "fsdp", False)):
+        groups = PipelineGroups.build(topo, rank)
+        torch.manual_seed(0)
+        model = Wide()
+        plan = PipelinePlan(
+            topo.width,
+            depth,
+            M,
+            "1f1b",
+            partition="uniform",
+            data_parallel=data_parallel,
+            reshard_after_forward=reshard,
+        )
+        engine = place(model, plan, rank, groups=groups, gradient_clip_val=CLIP)
+        opt = torch.optim.Adam(model.parameters(), lr=model.lr)
+        counts = {"reduce_scatter": 0, "all_gather": 0}
+        patched = {"reduce_scatter": dist.reduce_scatter_single, "all_gather": dist.all_gather_single}
+
+        def counting(kind: str) -> Any:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                counts[kind] += 1
+                return patched[kind](*args, **kwargs)
+
+            return call
+
+        dist.reduce_scatter_single, dist.all_gather_single = counting("reduce_scatter"), counting("all_gather")
+        try:
+            for step in range(STEPS):
+                x, y = make_data(BATCH * topo.width, seed=step)
+                y = y % CLASSES_WIDE
+                engine.train_step(
+                    (x.chunk(topo.width)[topo.replica_of(rank)], y.chunk(topo.width)[topo.replica_of(rank)]), opt
+                )
+        finally:
+            dist.reduce_scatter_single, dist.all_gather_single = patched["reduce_scatter"], patched["all_gather"]
+        params = engine.parameters()
+        state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
+        out[key] = {
+            "weights": _stored_bytes(params),
+            "grads": _stored_bytes([p.grad for p in params]),
+            "adam": _stored_bytes(state),
+            "stage_numel": sum(p.numel() for p in params),  # whole (a DTensor's numel is its global one)
+            "counts": {k: v / STEPS for k, v in counts.items()},
+            "params": {n: _full(p.detach()).clone() for n, p in model.named_parameters()},
+        }
+        engine.close()
+        groups.destroy()
+    return out
+
+
+scenario(4, "fsdp_memory_4x1", _sharded_step, 1)
+scenario(4, "fsdp_memory_2x2", _sharded_step, 2)
+
+
+@pytest.mark.parametrize("width,depth", [(4, 1), (2, 2)])
+def test_fsdp_stores_one_wth_and_reduces_once_per_step(launched, width: int, depth: int) -> None:
+    ranks = launched(width * depth).ok(f"fsdp_memory_{width}x{depth}")
+    for rank in ranks:
+        ddp, fsdp = rank["ddp"], rank["fsdp"]
+        whole = 4 * ddp["stage_numel"]  # fp32 bytes of the stage's weights
+        assert ddp["stage_numel"] == fsdp["stage_numel"]
+        # DDP: every replica holds the whole stage three times over, and four with Adam's two moments.
+        assert ddp["weights"] == whole and ddp["grads"] == pytest.approx(whole, rel=0.05)
+        assert ddp["adam"] == 2 * whole
+        # FSDP: a 1/w share of each, within 5% of the model's bytes.
+        for kind, copies in (("weights", 1), ("grads", 1), ("adam", 2)):
+            assert fsdp[kind] == pytest.approx(copies * whole / width, rel=0.05), kind
+        total = sum(fsdp[k] for k in ("weights", "grads", "adam"))
+        assert total == pytest.approx(sum(ddp[k] for k in ("weights", "grads", "adam")) / width, rel=0.05)
+        # One reduce-scatter per block and step (not per microbatch); no all-gather under DDP.
+        blocks = (2 + 2) // depth
+        assert fsdp["counts"]["reduce_scatter"] == blocks
+        assert fsdp["counts"]["all_gather"] >= 2 * blocks  # ZeRO-3: each forward and backward gathers
+        assert ddp["counts"] == {"reduce_scatter": 0, "all_gather": 0}
+        # Kept gathered (ZeRO-2): one all-gather per block and step, the same shards at rest.
+        zero2 = rank["zero2"]
+        assert zero2["counts"] == {"reduce_scatter": blocks, "all_gather": blocks}
+        assert all(zero2[k] == fsdp[k] for k in ("weights", "grads", "adam"))
+        # The same training every way.
+        assert_close_dicts(fsdp["params"], ddp["params"], rtol=1e-5)
+        assert_close_dicts(zero2["params"], ddp["params"], rtol=1e-5)
