@@ -307,3 +307,70 @@ def test_fsdp_stores_one_wth_and_reduces_once_per_step(launched, width: int, dep
         # The same training every way.
         assert_close_dicts(fsdp["params"], ddp["params"], rtol=1e-5)
         assert_close_dicts(zero2["params"], ddp["params"], rtol=1e-5)
+
+
+# -- checkpoints: FSDP -> DDP and DDP -> FSDP under another (w, d) ------------------------------
+
+#: name: (world, depth, schedule, data_parallel, steps, resume from (world, scenario) or None)
+RESUMES: dict[str, tuple] = {
+    "fsdp_save_2x1": (2, 1, "1f1b", "fsdp", 2, None),
+    "fsdp_resume_1x4_ddp": (4, 4, "1f1b", "ddp", 4, (2, "fsdp_save_2x1")),  # FSDP -> DDP
+    "fsdp_resume_2x2_from_ddp": (4, 2, "gpipe", "fsdp", 4, (4, "reshard_save_1x4_1f1b")),  # DDP -> FSDP
+}
+
+
+def _fit_resume(rank: int, world: int, name: str) -> dict[str, Any]:
+    from tests.scripts.resume_toy import fit_resumable
+    from tests.shared import launch_root, scenario_dir
+
+    _, depth, schedule, data_parallel, steps, source = RESUMES[name]
+    ckpt = None
+    if source is not None:
+        ckpt = str(launch_root() / f"world{source[0]}" / source[1] / "ckpt" / "epoch=0-step=2.ckpt")
+    return fit_resumable(
+        rank, world, depth, schedule, 4, "uniform", steps, scenario_dir(), ckpt, data_parallel=data_parallel
+    )
+
+
+for _resume, _layout in RESUMES.items():
+    scenario(_layout[0], _resume, _fit_resume, _resume)
+
+
+@pytest.mark.parametrize(
+    "saved,save_world,resumed",
+    [("fsdp_save_2x1", 2, "fsdp_resume_1x4_ddp"), ("reshard_save_1x4_1f1b", 4, "fsdp_resume_2x2_from_ddp")],
+)
+def test_resume_between_fsdp_and_ddp_under_another_layout(launched, saved: str, save_world: int, resumed: str) -> None:
+    from tests.models import make_optimizer
+    from tests.scripts.train_toy import Indexed
+    from tests.test_checkpoint import RUNS as SAVES
+    from tests.test_checkpoint import SAMPLES, _epoch_batches, _global_steps, _merged_params
+
+    save_depth = RESUMES[saved][1] if saved in RESUMES else SAVES[saved][1]
+    world, depth, schedule, data_parallel = RESUMES[resumed][:4]
+    first = launched(save_world).ok(saved)
+    second = launched(world).ok(resumed)
+    assert second[0]["global_step"] == 4
+    assert all(r["plan"].data_parallel == data_parallel and r["plan"].width == world // depth for r in second)
+    steps = _global_steps(first, save_world, save_depth) + _global_steps(second, world, depth)
+    assert [set(s) for s in steps] == _epoch_batches()[:4]  # the batches an uninterrupted run trains
+    data = Indexed(SAMPLES, 0)
+    batches = [(data.x[torch.tensor(s)], data.y[torch.tensor(s)]) for s in steps]
+    torch.manual_seed(0)
+    model = ToyChain()
+    opt = make_optimizer(model.parameters(), "adam", model.lr)
+    reference_train(model, batches[:2], opt=opt)
+    want = reference_train(model, batches[2:], opt=opt)  # Adam's state carried through the checkpoint
+    for r, rank in enumerate(second):
+        assert_close_dicts(rank["params"], {k: want[k] for k in rank["params"]}, rtol=1e-5)
+    assert _merged_params(second, depth).keys() == want.keys()
+
+
+def test_fsdp_checkpoint_consolidates_to_one_file(launched) -> None:
+    # Lightning's consolidate tool reads the directory that FSDP replicas wrote (each its shards).
+    from tests.models import load_plain
+    from tests.test_checkpoint import _merged_params
+
+    saved = launched(2).ok("fsdp_save_2x1")
+    restored = load_plain(ToyChain, launched(2).dir("fsdp_save_2x1") / "ckpt" / "epoch=0-step=2.ckpt")
+    assert_close_dicts(dict(restored.named_parameters()), _merged_params(saved, 1), rtol=0, atol=0)
