@@ -92,7 +92,8 @@ def fit_sharded(
     }
 
 
-#: (w, d, schedule, virtual stages, reshard after forward): every FSDP fit, one short fit each.
+#: (w, d, schedule, virtual stages, reshard after forward): every FSDP fit, one short fit each
+#: (the first recomputes its activations).
 RUNS = [
     (2, 1, "gpipe", 1, True),
     (2, 1, "1f1b", 1, False),
@@ -103,9 +104,13 @@ RUNS = [
 ]
 
 
+RECOMPUTED = RUNS[0]
+
+
 def _name(width: int, depth: int, schedule: str, virtual: int, reshard: bool) -> str:
     kind = "interleaved" if virtual > 1 else schedule
-    return f"fsdp_{width}x{depth}_{kind}{'' if reshard else '_zero2'}"
+    rc = "_rc" if (width, depth, schedule, virtual, reshard) == RECOMPUTED else ""
+    return f"fsdp_{width}x{depth}_{kind}{'' if reshard else '_zero2'}{rc}"
 
 
 for _w, _d, _s, _v, _r in RUNS:
@@ -119,6 +124,8 @@ for _w, _d, _s, _v, _r in RUNS:
         "fsdp",
         _r,
         6 if _v > 1 else 4,
+        STEPS,
+        (_w, _d, _s, _v, _r) == RECOMPUTED,
     )
 
 
@@ -146,6 +153,7 @@ def test_fsdp_fit_matches_single_process(
     want, model = _reference(batches, blocks)
     for r, rank in enumerate(ranks):
         assert rank["plan"].data_parallel == "fsdp" and rank["plan"].reshard_after_forward == reshard
+        assert all(rank["plan"].recompute) == ((width, depth, schedule, virtual, reshard) == RECOMPUTED)
         assert_close_dicts(rank["params"], {k: want[k] for k in rank["params"]}, rtol=1e-5)
         # Every weight of a stage is a DTensor shard: dim 0 split over the w replicas.
         assert all(rank["sharded"].values())
@@ -311,11 +319,13 @@ def test_fsdp_stores_one_wth_and_reduces_once_per_step(launched, width: int, dep
 
 # -- checkpoints: FSDP -> DDP and DDP -> FSDP under another (w, d) ------------------------------
 
-#: name: (world, depth, schedule, data_parallel, steps, resume from (world, scenario) or None)
+#: name: (world, depth, schedule, data_parallel, steps, resume from (world, scenario) or None, sharded)
 RESUMES: dict[str, tuple] = {
     "fsdp_save_2x1": (2, 1, "1f1b", "fsdp", 2, None),
+    "fsdp_save_2x1_file": (2, 1, "1f1b", "fsdp", 2, None, False),  # one file, gathered from the shards
     "fsdp_resume_1x4_ddp": (4, 4, "1f1b", "ddp", 4, (2, "fsdp_save_2x1")),  # FSDP -> DDP
     "fsdp_resume_2x2_from_ddp": (4, 2, "gpipe", "fsdp", 4, (4, "reshard_save_1x4_1f1b")),  # DDP -> FSDP
+    "fsdp_resume_4x1_from_file": (4, 1, "1f1b", "fsdp", 4, (2, "fsdp_save_2x1_file")),  # one file -> FSDP
 }
 
 
@@ -323,12 +333,12 @@ def _fit_resume(rank: int, world: int, name: str) -> dict[str, Any]:
     from tests.scripts.resume_toy import fit_resumable
     from tests.shared import launch_root, scenario_dir
 
-    _, depth, schedule, data_parallel, steps, source = RESUMES[name]
+    _, depth, schedule, data_parallel, steps, source, *sharded = RESUMES[name]
     ckpt = None
     if source is not None:
         ckpt = str(launch_root() / f"world{source[0]}" / source[1] / "ckpt" / "epoch=0-step=2.ckpt")
     return fit_resumable(
-        rank, world, depth, schedule, 4, "uniform", steps, scenario_dir(), ckpt, data_parallel=data_parallel
+        rank, world, depth, schedule, 4, "uniform", steps, scenario_dir(), ckpt, *sharded, data_parallel=data_parallel
     )
 
 
@@ -338,7 +348,11 @@ for _resume, _layout in RESUMES.items():
 
 @pytest.mark.parametrize(
     "saved,save_world,resumed",
-    [("fsdp_save_2x1", 2, "fsdp_resume_1x4_ddp"), ("reshard_save_1x4_1f1b", 4, "fsdp_resume_2x2_from_ddp")],
+    [
+        ("fsdp_save_2x1", 2, "fsdp_resume_1x4_ddp"),
+        ("reshard_save_1x4_1f1b", 4, "fsdp_resume_2x2_from_ddp"),
+        ("fsdp_save_2x1_file", 2, "fsdp_resume_4x1_from_file"),
+    ],
 )
 def test_resume_between_fsdp_and_ddp_under_another_layout(launched, saved: str, save_world: int, resumed: str) -> None:
     from tests.models import make_optimizer

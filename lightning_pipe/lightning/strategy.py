@@ -557,6 +557,7 @@ class PipelineStrategy(DDPStrategy):
         shards, gathered there only (other ranks return ``{}``)."""
         if self.save_distributed_checkpoint:
             return shard
+        shard = {k: _checkpoint.whole(v) for k, v in shard.items()}  # FSDP: every replica gathers its stage
         if self.topology.replica_of(self.global_rank) != 0:
             return {}
         assert self._groups is not None

@@ -7,11 +7,12 @@ from typing import TYPE_CHECKING, Any, Container, Mapping, Optional
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
 from lightning_pipe.core.partition import block_cost
 from lightning_pipe.core.pipeline_plan import PipelinePlan
-from lightning_pipe.runtime.sharding import shard_blocks
+from lightning_pipe.runtime.sharding import local, shard_blocks
 from lightning_pipe.runtime.stage import Stage
 from lightning_pipe.runtime.ties import (
     Tie,
@@ -289,7 +290,9 @@ class Placement:
         with torch.no_grad():
             for k, v in own.items():
                 value = model[self._aliases.get(k, k)]
-                if v.data_ptr() != value.data_ptr():  # a checkpoint load may have filled it in place
+                if isinstance(v, DTensor) and not isinstance(value, DTensor):  # a whole tensor into a shard
+                    value = distribute_tensor(value.to(v.device), v.device_mesh, v.placements, src_data_rank=None)
+                if local(v).data_ptr() != local(value).data_ptr():  # a checkpoint load may have filled it in place
                     v.copy_(value)
         self.unfilled.clear()
         for p in self.module.parameters():  # a finished step's gradients: DCP initialises optimizer
@@ -297,9 +300,19 @@ class Placement:
         if optimizer is not None and "optimizer" in state:
             flat = _own_optimizer_keys(state["optimizer"], {self._aliases.get(k, k) for k in own})
             back = {kept: alias for alias, kept in self._aliases.items() if alias in own}  # this rank's name for it
-            set_optimizer_state_dict(
-                self.module, optimizer, optim_state_dict={_renamed(k, back): v for k, v in flat.items()}, options=FLAT
-            )
+            params = dict(self.module.named_parameters())
+            renamed = {_renamed(k, back): v for k, v in flat.items()}
+            renamed = {k: _sharded_like(v, params.get(k[k.index(".") + 1 : k.rindex(".")])) for k, v in renamed.items()}
+            set_optimizer_state_dict(self.module, optimizer, optim_state_dict=renamed, options=FLAT)
+
+
+def _sharded_like(value: Any, param: Optional[torch.Tensor]) -> Any:
+    """A whole tensor of a parameter's shape split as the parameter is, where it is an FSDP
+    shard (a DTensor) and the value is not (a one-file checkpoint's optimizer state); else ``value``."""
+    if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+        if value.shape == param.shape:
+            return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+    return value
 
 
 def _own_optimizer_keys(flat: Mapping[str, Any], own: Container[str]) -> dict[str, Any]:
