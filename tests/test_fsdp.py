@@ -388,3 +388,34 @@ def test_fsdp_checkpoint_consolidates_to_one_file(launched) -> None:
     saved = launched(2).ok("fsdp_save_2x1")
     restored = load_plain(ToyChain, launched(2).dir("fsdp_save_2x1") / "ckpt" / "epoch=0-step=2.ckpt")
     assert_close_dicts(dict(restored.named_parameters()), _merged_params(saved, 1), rtol=0, atol=0)
+
+
+# -- refusals ----------------------------------------------------------------------------------
+
+
+class _TiedPair(ToyChain):
+    """Two middle blocks sharing one weight: FSDP shards each block on its own, so it refuses them."""
+
+    def __init__(self) -> None:
+        super().__init__(depth=2)
+        self.blocks[1].fc.weight = self.blocks[0].fc.weight
+
+
+def test_fsdp_refuses_tied_weights_autoplanner_and_reconfigure() -> None:
+    from types import SimpleNamespace
+
+    from lightning_pipe import AutoPlanner, PipelineStrategy
+    from lightning_pipe.lightning.reconfigure import reconfigure
+    from lightning_pipe.runtime.placement import Placement
+
+    plan = PipelinePlan(width=2, depth=1, microbatches=2, data_parallel="fsdp")
+    with pytest.raises(ValueError, match=r"blocks \[1, 2\] share a parameter.*use data_parallel='ddp'"):
+        Placement(_TiedPair()).apply(plan, 0, replica_mesh=object())  # refused before the mesh is used
+    strategy = PipelineStrategy(data_parallel="fsdp", microbatches=2)
+    assert strategy.data_parallel == "fsdp" and PipelineStrategy().data_parallel == "ddp"
+    trainer = SimpleNamespace(strategy=strategy, max_steps=10)
+    with pytest.raises(ValueError, match="AutoPlanner plans and moves DDP replicas only"):
+        AutoPlanner().setup(trainer, None, "fit")  # type: ignore[arg-type]
+    running = SimpleNamespace(lightning_module=object(), plan=plan, placement=SimpleNamespace(resolved=lambda p: p))
+    with pytest.raises(ValueError, match="reconfigure does not move FSDP replicas.*resume from it"):
+        reconfigure(running, plan.replace(data_parallel="ddp"))  # type: ignore[arg-type]

@@ -239,6 +239,13 @@ class PipelineStrategy(DDPStrategy):
         return self.plan.topology
 
     @property
+    def data_parallel(self) -> str:
+        """How the replicas of a stage hold it, "ddp" or "fsdp" (the requested layout's, known before setup)."""
+        if self._requested_plan is not None:
+            return self._requested_plan.data_parallel
+        return self._layout["data_parallel"]
+
+    @property
     def device_mesh(self) -> DeviceMesh:
         """The job's DeviceMesh, dimensions ("data_parallel", "pipeline_parallel"): entry ``[r][s]``
         is the rank running replica ``r`` of stage ``s``; ``device_mesh["data_parallel"]`` is this
