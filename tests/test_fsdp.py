@@ -65,7 +65,7 @@ def fit_sharded(
         max_steps=steps,
         max_epochs=-1,
         limit_val_batches=1,
-        val_check_interval=steps,
+        val_check_interval=2,  # mid-fit too: training goes on after a forward-only pass through the shards
         num_sanity_val_steps=0,
         callbacks=[recorder],
         logger=False,
