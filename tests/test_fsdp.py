@@ -231,6 +231,7 @@ def _sharded_step(rank: int, world: int, depth: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from lightning_pipe import PipelineGroups, Topology, place
+    from lightning_pipe.lightning.monitor import memory_bytes
 
     topo = Topology(world, depth)
     out: dict[str, Any] = {}
@@ -277,6 +278,7 @@ def _sharded_step(rank: int, world: int, depth: int) -> dict[str, Any]:
             "adam": _stored_bytes(state),
             "stage_numel": sum(p.numel() for p in params),  # whole (a DTensor's numel is its global one)
             "counts": {k: v / STEPS for k, v in counts.items()},
+            "monitor": memory_bytes(engine, [opt]) - engine.last_peak_stash_bytes,  # PipelineMonitor's count
             "params": {n: _full(p.detach()).clone() for n, p in model.named_parameters()},
         }
         engine.close()
@@ -302,6 +304,8 @@ def test_fsdp_stores_one_wth_and_reduces_once_per_step(launched, width: int, dep
         for kind, copies in (("weights", 1), ("grads", 1), ("adam", 2)):
             assert fsdp[kind] == pytest.approx(copies * whole / width, rel=0.05), kind
         total = sum(fsdp[k] for k in ("weights", "grads", "adam"))
+        for run in (ddp, fsdp):  # the monitor counts the same bytes (and Adam's step counters)
+            assert run["monitor"] == pytest.approx(sum(run[k] for k in ("weights", "grads", "adam")), rel=0.05)
         assert total == pytest.approx(sum(ddp[k] for k in ("weights", "grads", "adam")) / width, rel=0.05)
         # One reduce-scatter per block and step (not per microbatch); no all-gather under DDP.
         blocks = (2 + 2) // depth
