@@ -423,3 +423,22 @@ def test_fsdp_refuses_tied_weights_autoplanner_and_reconfigure() -> None:
     running = SimpleNamespace(lightning_module=object(), plan=plan, placement=SimpleNamespace(resolved=lambda p: p))
     with pytest.raises(ValueError, match="reconfigure does not move FSDP replicas.*resume from it"):
         reconfigure(running, plan.replace(data_parallel="ddp"))  # type: ignore[arg-type]
+
+
+def test_data_parallel_reads_from_yaml_for_the_strategy_and_the_plan() -> None:
+    # LightningCLI reads the strategy's init_args (and a plan=) through jsonargparse.
+    import yaml
+    from jsonargparse import ArgumentParser
+
+    from lightning_pipe import PipelineStrategy
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(PipelineStrategy, "strategy")
+    parser.add_class_arguments(PipelinePlan, "plan")
+    text = {
+        "strategy": {"pipeline_depth": 2, "data_parallel": "fsdp", "reshard_after_forward": False},
+        "plan": {"width": 2, "depth": 2, "microbatches": 4, "data_parallel": "fsdp"},
+    }
+    built = parser.instantiate(parser.parse_string(yaml.safe_dump(text)))
+    assert built.strategy.data_parallel == "fsdp" and built.strategy._layout["reshard_after_forward"] is False
+    assert built.plan.data_parallel == "fsdp" and built.plan.reshard_after_forward
