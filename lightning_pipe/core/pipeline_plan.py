@@ -119,8 +119,8 @@ class PipelinePlan:
             )
         if self.split_backward:
             raise ValueError(
-                "data_parallel='fsdp' does not run split_backward=True: FSDP reduces a block's gradients "
-                "when its input gradients are done, before a deferred W adds the weight gradients; use "
+                "data_parallel='fsdp' does not run split_backward=True: a deferred W adds weight gradients "
+                "after the backward FSDP hooks into, on the gathered weights FSDP frees after it; use "
                 "split_backward=False with data_parallel='fsdp' (interleaved 1F1B, virtual_stages > 1, "
                 "also shrinks the bubble), or data_parallel='ddp' with split backward"
             )
