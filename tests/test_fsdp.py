@@ -442,3 +442,97 @@ def test_data_parallel_reads_from_yaml_for_the_strategy_and_the_plan() -> None:
     built = parser.instantiate(parser.parse_string(yaml.safe_dump(text)))
     assert built.strategy.data_parallel == "fsdp" and built.strategy._layout["reshard_after_forward"] is False
     assert built.plan.data_parallel == "fsdp" and built.plan.reshard_after_forward
+
+
+# -- the memory model ---------------------------------------------------------------------------
+
+
+class _LiveBytes:
+    """Test-side tracker for FSDP: every CPU storage created inside (a DTensor's by its local
+    tensor), counted at its size at each moment, since FSDP frees gathered weights by resizing
+    their storage to 0 rather than dropping it (an independent count: no profiler, no model)."""
+
+    def __init__(self, persistent: list[torch.Tensor]) -> None:
+        import weakref
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        from lightning_pipe.runtime.sharding import local
+
+        alive: dict[int, Any] = {}
+
+        def track(t: torch.Tensor) -> None:
+            storage = local(t).untyped_storage()
+            if id(storage) not in alive:
+                alive[id(storage)] = weakref.ref(storage, lambda _, key=id(storage): alive.pop(key, None))
+
+        def now() -> int:
+            return sum(s.nbytes() for s in (ref() for ref in list(alive.values())) if s is not None)
+
+        tracker = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                out = func(*args, **(kwargs or {}))
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        track(t)
+                tracker.peak = max(tracker.peak, now())
+                return out
+
+        for t in persistent:
+            track(t)
+        self.now, self.mode, self.peak = now, Mode(), now()
+
+
+def _fsdp_memory(rank: int, world: int) -> list[tuple[bool, int, int, int]]:
+    """Per ZeRO-3 and ZeRO-2 at (2, 2): this rank's predicted and tracked peak bytes over steps 2
+    and 3, and the prediction for DDP replicas."""
+    from lightning_pipe import PipelineGroups, place
+    from lightning_pipe.planning import predict
+    from lightning_pipe.planning.profiler import profile_blocks
+    from lightning_pipe.runtime.comm import p2p
+    from tests.models import NonUniformChain, adamw, token_data
+
+    b = 2
+    torch.manual_seed(0)
+    profile = profile_blocks(NonUniformChain(), token_data(8), [b, 2 * b], repeats=1, optimizer=adamw)
+    rows = []
+    for reshard in (True, False):
+        plan = PipelinePlan(2, 2, 4, "1f1b", partition=(5, 5), data_parallel="fsdp", reshard_after_forward=reshard)
+        torch.manual_seed(0)
+        groups = PipelineGroups.build(plan.topology, rank)
+        engine = place(NonUniformChain(), plan, rank, groups=groups)
+        batch = token_data(plan.microbatches * b, seed=plan.topology.replica_of(rank))
+        params = engine.parameters()
+        opt = adamw(params)
+        p2p.packing.cache_clear()
+        tracker = _LiveBytes(params + list(batch))
+        with tracker.mode:
+            engine.train_step(batch, opt)
+            tracker.peak = tracker.now()
+            for _ in range(2):
+                engine.train_step(batch, opt)
+        s = engine.stage_index
+        ddp = predict.predict(profile, plan.replace(data_parallel="ddp", reshard_after_forward=True), b)
+        rows.append((reshard, predict.predict(profile, plan, b).stage_memory[s], tracker.peak, ddp.stage_memory[s]))
+        engine.close()
+        groups.destroy()
+    return rows
+
+
+scenario(4, "fsdp_memory_model_2x2", _fsdp_memory)
+
+
+def test_memory_model_predicts_fsdp_peaks(launched) -> None:
+    # ZeRO-2's peak is predicted within 2% (at most 0.1% under: a few small tensors of FSDP's are
+    # not modelled, tens of bytes). ZeRO-3's tracked peak is not the same from run to run, nor on
+    # the two replicas of a stage in one run: 4.95-5.29 MB on the first stage, 8.82-9.51 MB on
+    # the last, predicted 5.00 and 9.27 (when gloo's all-gathers complete against the frees of
+    # the blocks before), so it is held to [0.90, 1.10] of each rank's.
+    for rank, rows in enumerate(launched(4).ok("fsdp_memory_model_2x2")):
+        for reshard, predicted, measured, ddp in rows:
+            low, high = (0.90, 1.10) if reshard else (0.999, 1.02)
+            assert low * measured <= predicted <= high * measured, (rank, reshard, predicted, measured)
+            assert predicted < 0.95 * ddp  # sharding lowers the prediction
