@@ -199,8 +199,12 @@ def test_plan_refuses_fsdp_with_two_bw_and_split_backward() -> None:
     assert "FSDP replicas (kept gathered: ZeRO-2)" in plan.describe()
 
 
+IN, WIDE, CLASSES_WIDE = 6, 32, 8
+
+
 class Wide(ToyChain):
-    """Four blocks of 32 x 32 linear layers (every weight's dim 0 divides by 4: no shard is padded)."""
+    """Four blocks: a 6 -> 32 linear layer, two 32 x 32 ones and a 32 -> 8 head (every weight's
+    dim 0 divides by 4: no shard is padded)."""
 
     def __init__(self) -> None:
         super().__init__(depth=0)
@@ -209,9 +213,6 @@ class Wide(ToyChain):
             torch.nn.Sequential(torch.nn.Linear(WIDE, WIDE), torch.nn.Tanh()) for _ in range(2)
         )
         self.head = torch.nn.Linear(WIDE, CLASSES_WIDE)
-
-
-IN, WIDE, CLASSES_WIDE = 6, 32, 8
 
 
 def _stored_bytes(tensors: list[torch.Tensor]) -> int:
