@@ -29,6 +29,7 @@ MODULES = (
     "tests.test_monitor",
     "tests.test_user_errors",
     "tests.test_memory_exact",
+    "tests.test_fsdp",
 )
 
 SCENARIOS: dict[int, dict[str, tuple[Callable[..., Any], tuple]]] = {}

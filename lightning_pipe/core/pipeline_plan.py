@@ -13,6 +13,9 @@ from lightning_pipe.schedules.registry import ScheduleSpec, get
 from lightning_pipe.schedules.w_placement import PLACEMENTS
 
 PartitionArg = Union[str, Sequence[int]]
+
+#: How the replicas of a stage hold it: full copies ("ddp") or shards ("fsdp").
+DATA_PARALLEL = ("ddp", "fsdp")
 RecomputeArg = Union[bool, Sequence[bool]]
 
 
@@ -56,6 +59,16 @@ class PipelinePlan:
             "drain". "drain" (1F1B, one stage per rank)
             splits only the backwards after a stage's last forward: 1F1B's peak memory, and half
             of ZB-H1's saving with equal F, I and W.
+        data_parallel: how the ``width`` replicas of a stage hold it: "ddp" (default), each a
+            full copy, gradients averaged by all-reduce; "fsdp", the stage's weights, gradients
+            and optimizer state sharded over the replicas (FSDP2's ``fully_shard`` on each
+            block, over the mesh's "data_parallel" dimension), parameters all-gathered for
+            each block's forward and backward, gradients reduce-scattered once per batch.
+            GPipe, 1F1B and interleaved 1F1B; not 2BW or split backward.
+        reshard_after_forward: with ``data_parallel="fsdp"``, free each block's gathered
+            parameters after its forward and gather them again for its backward (ZeRO-3's
+            memory, default); ``False`` keeps them gathered from a block's first forward to the
+            batch's gradient reduction (ZeRO-2's memory, fewer all-gathers).
     """
 
     width: int = 1
@@ -70,6 +83,8 @@ class PipelinePlan:
     virtual_stages: int = 1
     split_placement: Optional[str] = None
     placement: Optional[str] = None
+    data_parallel: str = "ddp"
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         Topology(self.width * self.depth, self.depth, self.inner)  # depth and width >= 1, a known orientation
@@ -93,6 +108,28 @@ class PipelinePlan:
                     f"{self.spec.w_placement!r}, is part of the schedule (schedules/w_placement.py)"
                 )
         self._check_placement()
+        self._check_data_parallel()
+
+    def _check_data_parallel(self) -> None:
+        if self.data_parallel not in DATA_PARALLEL:
+            raise ValueError(f"unknown data_parallel {self.data_parallel!r}; use one of {DATA_PARALLEL}")
+        if self.data_parallel != "fsdp":
+            if not self.reshard_after_forward:
+                raise ValueError("reshard_after_forward only applies with data_parallel='fsdp'")
+            return
+        if self.spec.streams:
+            raise ValueError(
+                f"data_parallel='fsdp' does not run schedule {self.schedule!r}: its two weight versions are "
+                "plain copies of the stage's weights; use schedule='1f1b' (or 'gpipe', or virtual_stages > 1) "
+                "with data_parallel='fsdp', or data_parallel='ddp' with 2BW"
+            )
+        if self.split_backward:
+            raise ValueError(
+                "data_parallel='fsdp' does not run split_backward=True: a deferred W adds weight gradients "
+                "after the backward FSDP hooks into, on the gathered weights FSDP frees after it; use "
+                "split_backward=False with data_parallel='fsdp' (interleaved 1F1B, virtual_stages > 1, "
+                "also shrinks the bubble), or data_parallel='ddp' with split backward"
+            )
 
     def _check_placement(self) -> None:
         placement = self.split_placement
@@ -248,6 +285,8 @@ class PipelinePlan:
         ranks = ", replicas on neighbouring ranks" if self.inner == "dp" else ""
         virtual = f" interleaved, {self.virtual_stages} stages per rank" if self.virtual_stages > 1 else ""
         virtual += " in a V" if self.stage_placement == "v" else ""
+        if self.data_parallel == "fsdp":
+            ranks += f", FSDP replicas{'' if self.reshard_after_forward else ' (kept gathered: ZeRO-2)'}"
         stages = [s for s, on in enumerate(self.recompute) if on]
         recompute = f", recompute stages {stages}" if stages else ""
         return (

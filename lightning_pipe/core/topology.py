@@ -10,6 +10,11 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
+#: The dimensions of a layout's DeviceMesh: the replicas of a stage, then the stages of a pipeline
+#: (the names of Lightning's ``ModelParallelStrategy`` for its data-parallel dimension).
+MESH_DIMS = ("data_parallel", "pipeline_parallel")
+
+
 @dataclass(frozen=True)
 class Topology:
     """``w`` data-parallel replicas of a ``d``-stage pipeline over ``w * d`` ranks.
@@ -72,8 +77,10 @@ class Topology:
         return [[self.rank_of(r, s) for s in range(self.depth)] for r in range(self.width)]
 
     def build_mesh(self, device_type: str) -> "DeviceMesh":
-        """A DeviceMesh with a "dp" (replicas) and a "pp" (stages) dimension, ranks placed by :meth:`grid`."""
+        """A DeviceMesh with dimensions :data:`MESH_DIMS`, ranks placed by :meth:`grid`: entry
+        ``[r][s]`` is the rank of replica ``r`` of stage ``s``, so a rank's "data_parallel" slice is
+        its stage's replicas and its "pipeline_parallel" slice its pipeline, under either ``inner``."""
         import torch
         from torch.distributed.device_mesh import DeviceMesh
 
-        return DeviceMesh(device_type, torch.tensor(self.grid()), mesh_dim_names=("dp", "pp"))
+        return DeviceMesh(device_type, torch.tensor(self.grid()), mesh_dim_names=MESH_DIMS)

@@ -161,6 +161,11 @@ class AutoPlanner(Callback):
                     f"AutoPlanner needs Trainer(strategy=PipelineStrategy(...)), got {type(trainer.strategy).__name__}"
                 )
             _check_steps(self.profile_steps, trainer.max_steps)
+            if trainer.strategy.data_parallel == "fsdp":
+                raise ValueError(
+                    "AutoPlanner plans and moves DDP replicas only: remove data_parallel='fsdp' from "
+                    "PipelineStrategy to use it, or plan offline (python -m lightning_pipe.plan)"
+                )
             trainer.strategy.enable_reconfiguration()
             if not trainer.strategy.layout_given:
                 self._start_safely(trainer.strategy)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.load import _METADATA_FILENAME as META
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from lightning_pipe.runtime.placement import Placement, check_shapes
 
@@ -34,6 +35,11 @@ class _TensorSpec:
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+
+
+def whole(value: Any) -> Any:
+    """A DTensor (an FSDP replica's shard) gathered whole, a collective over its mesh; any other value as it is."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 def gather_on_first(shard: dict[str, Any], ranks: list[int], group: Any, device: torch.device) -> dict[str, Any]:

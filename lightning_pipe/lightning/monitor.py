@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_pipe.lightning.strategy import PipelineStrategy
 from lightning_pipe.runtime.engine import PipelineEngine
+from lightning_pipe.runtime.sharding import local
 from lightning_pipe.schedules import timeline
 
 
@@ -204,13 +205,15 @@ def _record(engine: PipelineEngine, trainer: Trainer) -> dict:
 
 def memory_bytes(engine: PipelineEngine, optimizers: list[Any]) -> int:
     """Peak CUDA bytes allocated since the last call on GPU; on CPU the accounted tensor bytes:
-    every weight version, its gradient, the optimizer state and the last step's peak stash."""
+    every weight version, its gradient, the optimizer state and the last step's peak stash (this
+    rank's shards of them with FSDP replicas)."""
     if engine.device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(engine.device)
         torch.cuda.reset_peak_memory_stats(engine.device)
         return int(peak)
     tensors = held_tensors([p for slot in engine.versions.slots for p in slot or ()], optimizers)
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    # An FSDP shard (a DTensor) by its local tensor: a DTensor's own storage is a zero-address stand-in.
+    storages = {local(t).untyped_storage().data_ptr(): local(t).untyped_storage().nbytes() for t in tensors}
     return sum(storages.values()) + engine.last_peak_stash_bytes
 
 

@@ -50,14 +50,21 @@ def reconfigure(strategy: Reconfigurable, plan: PipelinePlan) -> PipelinePlan:
         The plan now in use (partition resolved).
 
     Raises:
-        ValueError: for a plan of another process count, or a new width without
-            :meth:`~lightning_pipe.PipelineStrategy.enable_reconfiguration`.
+        ValueError: for a plan of another process count, a new width without
+            :meth:`~lightning_pipe.PipelineStrategy.enable_reconfiguration`, or FSDP replicas
+            (``data_parallel="fsdp"``) before or after.
     """
     module = strategy.lightning_module
     if module is None:
         raise RuntimeError("PipelineStrategy has no LightningModule attached yet")
     old, new = strategy.plan, strategy.placement.resolved(plan)
     new.check_world_size(old.world_size)
+    if "fsdp" in (old.data_parallel, new.data_parallel):
+        raise ValueError(
+            f"reconfigure does not move FSDP replicas (from data_parallel={old.data_parallel!r} to "
+            f"{new.data_parallel!r}): fully_shard turns the blocks into sharded modules for good; save a "
+            "checkpoint and resume from it under the new plan (any layout loads it)"
+        )
     if new.width != old.width and not strategy.loads_global_batches:
         raise ValueError(
             f"changing the width from {old.width} to {new.width} during fit needs "

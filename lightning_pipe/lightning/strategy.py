@@ -20,6 +20,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_map
 from typing_extensions import override
@@ -110,6 +111,17 @@ class PipelineStrategy(DDPStrategy):
         placement: which rank runs which stage with ``virtual_stages > 1``: "loop" (rank ``r``:
             stages ``r, r + d, ...``) or "v" (rank ``r``: stages ``r`` and ``2d - 1 - r``, the
             V of ZB-V and DualPipeV); ``None`` for the schedule's own (schedules/layout.py).
+        data_parallel: how the ``w`` replicas of a stage hold it: "ddp" (default), full copies
+            whose gradients are all-reduced in buckets; "fsdp", shards: each block of the stage
+            is wrapped with FSDP2's ``fully_shard`` over ``device_mesh["data_parallel"]``,
+            so its weights, gradients and optimizer state (built by ``configure_optimizers``
+            over the sharded parameters) are split ``w`` ways; parameters are all-gathered
+            for each block's forward and backward, and gradients reduce-scattered once per
+            batch, after its last backward. GPipe, 1F1B and interleaved 1F1B; 2BW and split
+            backward are refused. Parameters tied across stages are refused.
+        reshard_after_forward: with ``data_parallel="fsdp"``: free a block's gathered
+            parameters after each forward (ZeRO-3 memory, default), or keep them gathered until
+            the batch's gradients are reduced (``False``: ZeRO-2 memory, fewer all-gathers).
         plan: the whole layout as one value, instead of the layout arguments above; its
             ``width * depth`` must equal the number of processes.
         save_distributed_checkpoint: write checkpoints as a torch.distributed.checkpoint
@@ -156,6 +168,8 @@ class PipelineStrategy(DDPStrategy):
         inner: str = PipelinePlan.inner,
         virtual_stages: int = PipelinePlan.virtual_stages,
         placement: Optional[str] = PipelinePlan.placement,
+        data_parallel: str = PipelinePlan.data_parallel,
+        reshard_after_forward: bool = PipelinePlan.reshard_after_forward,
         plan: Optional[PipelinePlan] = None,
         save_distributed_checkpoint: bool = True,
         global_batch_size: Optional[int] = None,
@@ -183,6 +197,8 @@ class PipelineStrategy(DDPStrategy):
             virtual_stages=virtual_stages,
             split_placement=split_placement,
             placement=placement,
+            data_parallel=data_parallel,
+            reshard_after_forward=reshard_after_forward,
         )
         self._layout = _check_layout(layout, plan)
         if global_batch_size is not None and global_batch_size < 1:
@@ -228,6 +244,24 @@ class PipelineStrategy(DDPStrategy):
     def topology(self) -> Topology:
         """The ``(w, d)`` layout, known once the processes are connected."""
         return self.plan.topology
+
+    @property
+    def data_parallel(self) -> str:
+        """How the replicas of a stage hold it, "ddp" or "fsdp" (the requested layout's, known before setup)."""
+        if self._requested_plan is not None:
+            return self._requested_plan.data_parallel
+        return self._layout["data_parallel"]
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The job's DeviceMesh, dimensions ("data_parallel", "pipeline_parallel"): entry ``[r][s]``
+        is the rank running replica ``r`` of stage ``s``; ``device_mesh["data_parallel"]`` is this
+        rank's stage's replicas (what ``data_parallel="fsdp"`` shards over), and
+        ``device_mesh["pipeline_parallel"]`` its pipeline. Available once the processes are
+        connected; rebuilt when :meth:`reconfigure` changes the layout."""
+        if self._groups is None:
+            raise RuntimeError("PipelineStrategy.device_mesh is only available after the processes are set up")
+        return self._groups.mesh
 
     @property
     def engine(self) -> PipelineEngine:
@@ -353,7 +387,8 @@ class PipelineStrategy(DDPStrategy):
         if self.deferred_batch_norm:  # a batch is this plan's microbatches
             for block in placement.blocks:
                 convert_deferred_batch_norm(block, self.plan.microbatches)
-        stages = placement.apply(self.plan, self.global_rank, self.root_device)
+        assert self._groups is not None
+        stages = placement.apply(self.plan, self.global_rank, self.root_device, self._groups.replica_mesh)
         self._plan = placement.plan
         module._pipeline_placement = placement
         rank_zero_info(placement.summary())
@@ -536,6 +571,7 @@ class PipelineStrategy(DDPStrategy):
         shards, gathered there only (other ranks return ``{}``)."""
         if self.save_distributed_checkpoint:
             return shard
+        shard = {k: _checkpoint.whole(v) for k, v in shard.items()}  # FSDP: every replica gathers its stage
         if self.topology.replica_of(self.global_rank) != 0:
             return {}
         assert self._groups is not None

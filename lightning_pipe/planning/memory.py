@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 from lightning_pipe.planning.held import NOTHING_SENT, HeldCounts, Moment, Point, Sent
@@ -9,6 +10,28 @@ from lightning_pipe.runtime.comm.p2p import HEADER_BYTES
 
 if TYPE_CHECKING:
     from lightning_pipe.planning.costs import StageCosts
+
+
+#: A point with no microbatch held or pending and nothing in flight.
+NO_MICROBATCHES: Point = (0, 0, NOTHING_SENT)
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """A stage sharded over its ``width`` replicas (``data_parallel="fsdp"``, runtime/sharding.py).
+
+    Attributes:
+        width: replicas the stage's weights, optimizer state and reduced gradients are split over.
+        gathered_bytes: the weights gathered whole beside the shards under ZeRO-3:
+            the two largest blocks' (the running block and the one its all-gather prefetches).
+        kept_gathered: ZeRO-2 (``reshard_after_forward=False``): every block's weights stay
+            gathered from its first forward to the reduce-scatter.
+    """
+
+    width: int
+    gathered_bytes: int
+    kept_gathered: bool = False
+
 
 #: The global gradient norm's square, a float32 scalar each rank keeps from its all-reduce to the
 #: optimizer step that reads it (runtime/update.py).
@@ -27,6 +50,7 @@ def stage_memory_terms(
     split: bool = False,
     handed: bool = False,
     hands: bool = False,
+    sharding: Optional[Sharding] = None,
 ) -> dict[str, int]:
     """Peak tensor bytes of one stage, by term, at its worst moment (see :class:`HeldCounts`).
 
@@ -65,9 +89,25 @@ def stage_memory_terms(
     ``split``: every backward of the program is split (I and W). ``handed``/``hands``: the
     previous/next stage runs on the same rank (the V placement's turn): the input is that stage's
     output, the gradient that stage's input gradient, neither a message.
+
+    ``sharding`` (FSDP replicas, runtime/sharding.py): weights and optimizer state are ``1/w``
+    shards; beside them the weights FSDP gathers: under ZeRO-3 the two largest blocks' (the
+    running block's and the one its all-gather prefetches), under ZeRO-2 every block's; the
+    batch's gradients accumulate whole, unsharded, until the reduce-scatter, where they meet
+    the gathered blocks' flat copy and the ``1/w`` results; the optimizer step holds shards only
+    (its temporaries ``1/w`` too). Checked against a tracked step in ``tests/test_fsdp.py``.
     """
     weights = versions * st.weight_bytes + st.optimizer_bytes
     grads = (versions if gradient_sets is None else gradient_sets) * st.gradient_bytes
+    step_state, step_workspace = weights + grads, st.optimizer_step_bytes + GRADIENT_NORM_BYTES
+    reduce_scatter: Optional[int] = None  # FSDP: the state at the reduce-scatter
+    if sharding is not None:
+        w, block = sharding.width, sharding.gathered_bytes
+        shards = -(-(st.weight_bytes + st.optimizer_bytes) // w)
+        weights = shards + (st.weight_bytes if sharding.kept_gathered else block)
+        step_state = shards + -(-st.gradient_bytes // w)
+        step_workspace = -(-st.optimizer_step_bytes // w) + GRADIENT_NORM_BYTES
+        reduce_scatter = step_state + st.gradient_bytes + block
     loss_graph = _loss_graph_bytes(st, recompute, last, split)
     received = received_input_bytes(st, first, handed)
     per_held = received + (0 if recompute else st.stash_bytes) + st.loss_bytes + loss_graph
@@ -145,12 +185,14 @@ def stage_memory_terms(
         # its captured gradients (counting one of them as held under-predicts a recomputed last stage).
         (
             held.optimizer_step,
-            weights + grads,
-            st.optimizer_step_bytes + GRADIENT_NORM_BYTES,
+            step_state,
+            step_workspace,
             (0, per_held, 0, one, 0),
             0,
         ),
     ]
+    if reduce_scatter is not None:  # after the batch's last backward: nothing held, no workspace
+        moments.append(((NO_MICROBATCHES,), reduce_scatter, 0, (0, 0, 0, 0, 0), 0))
     # Totals first, on plain numbers, parts only for the worst point: MadPipe asks millions of times.
     per_output, per_gradient = HEADER_BYTES + st.output_bytes, HEADER_BYTES + st.input_bytes
     worst, most = (weights + grads, 0, (0, 0, NOTHING_SENT), (0,) * 5, 0), -1
@@ -267,11 +309,13 @@ def stage_peak_bytes(
     batch_bytes: int = 0,
     gradient_sets: Optional[int] = None,
     split: bool = False,
+    sharding: Optional[Sharding] = None,
 ) -> int:
     """Peak tensor bytes of one stage: the sum of :func:`stage_memory_terms`."""
-    return int(
-        sum(stage_memory_terms(st, held, versions, recompute, first, last, batch_bytes, gradient_sets, split).values())
+    terms = stage_memory_terms(
+        st, held, versions, recompute, first, last, batch_bytes, gradient_sets, split, sharding=sharding
     )
+    return int(sum(terms.values()))
 
 
 def resting_bytes(

@@ -17,7 +17,7 @@ from lightning_pipe.planning.costs import (
     weight_versions,
 )
 from lightning_pipe.planning.held import HeldCounts
-from lightning_pipe.planning.memory import rank_peak_bytes, stage_peak_bytes
+from lightning_pipe.planning.memory import Sharding, rank_peak_bytes, stage_peak_bytes
 from lightning_pipe.planning.profile import BlockSample, Profile
 from lightning_pipe.planning.programs import compiled_program, held, moments, program_key
 from lightning_pipe.schedules import Action, Kind
@@ -116,10 +116,21 @@ def predict_memory(
             batch,
             gradient_sets(profile, plan, s),
             _all_split(plan),
+            sharding(profile, plan, s),
         )
         + profile.device_bytes
         for s, st in enumerate(costs)
     ]
+
+
+def sharding(profile: Profile, plan: PipelinePlan, stage: int) -> Optional[Sharding]:
+    """How stage ``stage`` is sharded over its replicas (``data_parallel="fsdp"`` with ``w > 1``), else ``None``.
+
+    An interleaved plan's ranks are predicted as under DDP (its sharded terms are not modelled)."""
+    if plan.data_parallel != "fsdp" or plan.width == 1:
+        return None
+    sizes = sorted((profile.blocks[i].parameter_bytes for i in plan.stage_ranges()[stage]), reverse=True)
+    return Sharding(plan.width, sum(sizes[:2]), kept_gathered=not plan.reshard_after_forward)
 
 
 def _all_split(plan: PipelinePlan) -> bool:

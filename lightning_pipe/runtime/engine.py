@@ -17,6 +17,7 @@ from lightning_pipe.runtime.comm.groups import PipelineGroups
 from lightning_pipe.runtime.executor import Executor, Hooks, Position, StepState
 from lightning_pipe.runtime.microbatch import split_batch
 from lightning_pipe.runtime.replica_buffers import BufferBroadcast
+from lightning_pipe.runtime.sharding import ShardedGradients
 from lightning_pipe.runtime.stage import Stage
 from lightning_pipe.runtime.ties import TieChecksums, TiedGradients
 from lightning_pipe.runtime.update import UpdatePath
@@ -102,7 +103,14 @@ class PipelineEngine:
         self.versions = WeightVersions(self._parameters, double=self.streaming)
         users = Counter(id(p) for st in self.stages for p in st.parameters())  # stages of this rank using each
         uses = [users[id(p)] for p in self._parameters]
-        self.update = UpdatePath(self.versions, plan.width, groups, self.device, gradient_clip_val, bucket_bytes, uses)
+        sharded = (
+            ShardedGradients([b for st in self.stages for b in st.blocks], plan.reshard_after_forward)
+            if plan.data_parallel == "fsdp" and plan.width > 1
+            else None
+        )
+        self.update = UpdatePath(
+            self.versions, plan.width, groups, self.device, gradient_clip_val, bucket_bytes, uses, sharded
+        )
         self.update.watch(self.versions.slots[0])
         ties = self.stages[0].ties
         self.early_step = not ties  # 2BW: stage 0 steps right after its all-reduce (schedules/two_bw.py)

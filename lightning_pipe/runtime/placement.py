@@ -7,10 +7,12 @@ from typing import TYPE_CHECKING, Any, Container, Mapping, Optional
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
 from lightning_pipe.core.partition import block_cost
 from lightning_pipe.core.pipeline_plan import PipelinePlan
+from lightning_pipe.runtime.sharding import local, shard_blocks
 from lightning_pipe.runtime.stage import Stage
 from lightning_pipe.runtime.ties import (
     Tie,
@@ -129,17 +131,34 @@ class Placement:
         self.shared_blocks = shared_blocks(module, self.blocks)  # before any placement unties them
         self._shared_slots = shared_slots(self.blocks)  # tied again by undo(), whatever this rank dropped
         self._untied: list[tuple[nn.Module, str, nn.Parameter]] = []
+        self.sharded = False  # this rank's blocks were wrapped by fully_shard (data_parallel="fsdp")
 
-    def apply(self, plan: PipelinePlan, rank: int, device: Optional[torch.device] = None) -> list[Stage]:
+    def apply(
+        self, plan: PipelinePlan, rank: int, device: Optional[torch.device] = None, replica_mesh: Optional[Any] = None
+    ) -> list[Stage]:
         """Place ``plan`` on ``rank``: returns the stages it runs (one, or ``virtual_stages`` of
         them in chain order); the module keeps only those stages' blocks.
 
+        Args:
+            plan: the layout.
+            rank: this process's global rank.
+            device: where this rank's blocks go.
+            replica_mesh: with ``plan.data_parallel == "fsdp"`` and replicas, the 1-D DeviceMesh
+                of this rank's stage's replicas (:attr:`PipelineGroups.replica_mesh`): the
+                blocks are sharded over it (:func:`~lightning_pipe.runtime.sharding.shard_blocks`).
+
         Raises:
-            RuntimeError: if a plan is already applied (undo it first).
-            ValueError: if the partition does not fit the chain, or a parameter is shared across stages.
+            RuntimeError: if a plan is already applied (undo it first), or the blocks were sharded by an earlier one.
+            ValueError: if the partition does not fit the chain, a parameter is shared across
+                stages, or (FSDP) shared between blocks, or no ``replica_mesh`` is given.
         """
         if self.plan is not None:
             raise RuntimeError("a plan is already placed on this module; call undo() before applying another")
+        if self.sharded:
+            raise RuntimeError(
+                "this model's blocks were sharded by data_parallel='fsdp' and cannot be placed again in this "
+                "process; save a checkpoint and load it into a freshly built model under the new layout"
+            )
         plan = self.resolved(plan)
         ranges = plan.stage_ranges()
         if ranges[-1].stop != len(self.blocks):
@@ -147,6 +166,9 @@ class Placement:
                 f"partition {list(plan.partition)} covers {ranges[-1].stop} blocks, the chain has {len(self.blocks)}"
             )
         _check_parameters(self.module, self.blocks)
+        sharding = plan.data_parallel == "fsdp" and plan.width > 1
+        if sharding:
+            self._check_shardable(replica_mesh)
         position = plan.topology.position_of(rank)
         device = device or torch.device("cpu")
         by_rank = [[i for s in plan.stages_of(r) for i in ranges[s]] for r in range(plan.depth)]
@@ -158,11 +180,30 @@ class Placement:
         for s, rng in enumerate(ranges):
             for i in rng:
                 self._place_block(i, s if i not in mine else None, device)
+        if sharding:
+            self._shard(plan, sorted(mine), replica_mesh)
         self.plan, self.stage_index = plan, position
         return [
             Stage([self.blocks[i] for i in ranges[s]], ranges[s].start, plan.recompute[s], tuple(self.ties), index=s)
             for s in plan.stages_of(position)
         ]
+
+    def _check_shardable(self, replica_mesh: Optional[Any]) -> None:
+        """Refuse, on every rank alike, what FSDP replicas cannot keep: a parameter two blocks share."""
+        if replica_mesh is None:
+            raise ValueError("data_parallel='fsdp' with replicas needs the stage's replica mesh (PipelineGroups)")
+        if self.shared_blocks:
+            names = ", ".join(sorted(self._aliases)[:3])
+            raise ValueError(
+                f"data_parallel='fsdp' shards each block on its own, and blocks {self.shared_blocks[0]} share a "
+                f"parameter ({names}): a shard's gradient cannot be summed with its tied copy's; use "
+                "data_parallel='ddp' for a model with tied weights"
+            )
+
+    def _shard(self, plan: PipelinePlan, mine: list[int], replica_mesh: Any) -> None:
+        """Wrap this rank's blocks with ``fully_shard`` over ``replica_mesh``."""
+        shard_blocks([self.blocks[i] for i in mine], replica_mesh, plan.reshard_after_forward)
+        self.sharded = True
 
     def _place_block(self, i: int, remote_stage: Optional[int], device: torch.device) -> None:
         parent, name = self._parents[i]
@@ -249,7 +290,9 @@ class Placement:
         with torch.no_grad():
             for k, v in own.items():
                 value = model[self._aliases.get(k, k)]
-                if v.data_ptr() != value.data_ptr():  # a checkpoint load may have filled it in place
+                if isinstance(v, DTensor) and not isinstance(value, DTensor):  # a whole tensor into a shard
+                    value = distribute_tensor(value.to(v.device), v.device_mesh, v.placements, src_data_rank=None)
+                if local(v).data_ptr() != local(value).data_ptr():  # a checkpoint load may have filled it in place
                     v.copy_(value)
         self.unfilled.clear()
         for p in self.module.parameters():  # a finished step's gradients: DCP initialises optimizer
@@ -257,9 +300,19 @@ class Placement:
         if optimizer is not None and "optimizer" in state:
             flat = _own_optimizer_keys(state["optimizer"], {self._aliases.get(k, k) for k in own})
             back = {kept: alias for alias, kept in self._aliases.items() if alias in own}  # this rank's name for it
-            set_optimizer_state_dict(
-                self.module, optimizer, optim_state_dict={_renamed(k, back): v for k, v in flat.items()}, options=FLAT
-            )
+            params = dict(self.module.named_parameters())
+            renamed = {_renamed(k, back): v for k, v in flat.items()}
+            renamed = {k: _sharded_like(v, params.get(k[k.index(".") + 1 : k.rindex(".")])) for k, v in renamed.items()}
+            set_optimizer_state_dict(self.module, optimizer, optim_state_dict=renamed, options=FLAT)
+
+
+def _sharded_like(value: Any, param: Optional[torch.Tensor]) -> Any:
+    """A whole tensor of a parameter's shape split as the parameter is, where it is an FSDP
+    shard (a DTensor) and the value is not (a one-file checkpoint's optimizer state); else ``value``."""
+    if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+        if value.shape == param.shape:
+            return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+    return value
 
 
 def _own_optimizer_keys(flat: Mapping[str, Any], own: Container[str]) -> dict[str, Any]:
@@ -302,7 +355,7 @@ def place(
     """
     from lightning_pipe.runtime.engine import PipelineEngine
 
-    stages = Placement(module).apply(plan, rank, device)
+    stages = Placement(module).apply(plan, rank, device, groups.replica_mesh if groups is not None else None)
     options: dict[str, Any] = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
     return PipelineEngine(
         module,

@@ -14,6 +14,8 @@ from torch.optim import Optimizer
 
 from lightning_pipe.runtime.buckets import GradientBuckets
 from lightning_pipe.runtime.comm.groups import PipelineGroups
+from lightning_pipe.runtime.sharding import ShardedGradients
+from lightning_pipe.runtime.sharding import local as local_part
 from lightning_pipe.runtime.ties import TiedGradients
 from lightning_pipe.runtime.versions import WeightVersions
 from lightning_pipe.schedules.timeline import now
@@ -35,6 +37,9 @@ class UpdatePath:
         uses: per parameter (aligned with the slots), how many of the rank's stages use it (a
             parameter shared by two virtual stages on one rank is accumulated twice per
             microbatch); default one each.
+        sharded: with FSDP replicas (``data_parallel="fsdp"``), what reduce-scatters the
+            gradients at AR instead of the all-reduce buckets; the parameters and their
+            gradients are then shards, and the global norm sums the squares of every shard.
     """
 
     def __init__(
@@ -46,8 +51,10 @@ class UpdatePath:
         gradient_clip_val: Optional[float] = None,
         bucket_bytes: int = 0,
         uses: Sequence[int] = (),
+        sharded: Optional[ShardedGradients] = None,
     ) -> None:
         self.versions, self.width, self.groups, self.device = versions, width, groups, device
+        self.sharded = sharded
         self.gradient_clip_val, self.bucket_bytes = gradient_clip_val, bucket_bytes
         self.uses = list(uses)
         self.skipped_steps = 0
@@ -70,6 +77,7 @@ class UpdatePath:
         there are replicas and ``bucket_bytes``; a no-op for a slot already watched."""
         if (
             self.groups is None
+            or self.sharded is not None
             or self.width == 1
             or not self.bucket_bytes
             or not params
@@ -84,6 +92,8 @@ class UpdatePath:
     def arm(self, microbatches: int) -> None:
         """A training program runs: a gradient is final after ``microbatches`` accumulations (0: none runs)."""
         self._armed = microbatches
+        if microbatches and self.sharded is not None:
+            self.sharded.accumulate()
         for buckets in self._buckets.values():
             buckets.expected = microbatches
 
@@ -114,21 +124,25 @@ class UpdatePath:
         buckets = self._buckets.get(id(params[0])) if params else None
         if buckets is not None:
             buckets.finish()
+        if self.sharded is not None:
+            self.sharded.reduce()
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if buckets is None:
+        if buckets is None and self.sharded is None:
             self._average_over_replicas([p.grad for p in params])
         tied: set[int] = set()
         if self.ties is not None:
             self.ties.post(params)  # summed by the optimizer step, which counts them in the norm once
             tied = self.ties.tied
         norms = [
-            torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32)
+            torch.linalg.vector_norm(local_part(p.grad.detach()), dtype=torch.float32)
             for i, p in enumerate(params)
             if i not in tied
         ]
         local = torch.stack(norms).pow(2).sum() if norms else torch.zeros((), device=self.device)
+        if self.sharded is not None and self.groups is not None:  # each replica holds a shard: the stage's sum
+            dist.all_reduce(local, group=self.groups.dp)
         norm_group = self.groups.norm if self.groups is not None else None
         work = dist.all_reduce(local, group=norm_group, async_op=True) if norm_group is not None else None
         self._norms.append((local, work))

@@ -70,6 +70,13 @@ def _kill_inside_next_write() -> None:
     FileSystemWriter.write_data = write_then_die  # type: ignore[method-assign]
 
 
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor shard gathered whole (a collective over its mesh); a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 def fit_resumable(
     rank: int,
     world: int,
@@ -82,8 +89,10 @@ def fit_resumable(
     ckpt: Optional[str] = None,
     sharded: bool = True,
     kill: Optional[tuple[str, int, int]] = None,
+    data_parallel: str = "ddp",
 ) -> dict[str, Any]:
-    """Fit to ``steps`` (resuming from ``ckpt`` if given), checkpointing every 2 steps under ``folder/ckpt``.
+    """Fit to ``steps`` (resuming from ``ckpt`` if given), checkpointing every 2 steps under ``folder/ckpt``;
+    ``data_parallel``: the replicas' kind (FSDP's weights are returned gathered whole).
 
     Returns:
         This rank's parameters, the sample indices of each step it trained, global step and plan.
@@ -96,6 +105,7 @@ def fit_resumable(
         microbatches=microbatches,
         partition=partition,
         save_distributed_checkpoint=sharded,
+        data_parallel=data_parallel,
         global_batch_size=GLOBAL_BATCH,
         timeout=timedelta(seconds=30),
     )
@@ -119,7 +129,7 @@ def fit_resumable(
     )
     loader = DataLoader(Indexed(SAMPLES, 0), batch_size=4, shuffle=True)  # the strategy sets 16 / w
     trainer.fit(model, loader, ckpt_path=ckpt)
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    params = {n: _whole(p.detach()).clone() for n, p in model.named_parameters()}
     return {"params": params, "indices": record.indices, "global_step": trainer.global_step, "plan": strategy.plan}
 
 

@@ -1,4 +1,4 @@
-"""The process groups of one layout, built in one place: the ("dp", "pp") mesh, norm groups, the CPU side channel."""
+"""The process groups of one layout, built in one place: the named DeviceMesh, norm groups, the side channel."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
 
-from lightning_pipe.core.topology import Topology
+from lightning_pipe.core.topology import MESH_DIMS, Topology
 from lightning_pipe.runtime.comm.p2p import DIRECT, Channel
 
 
@@ -17,9 +19,10 @@ class PipelineGroups:
     """This rank's process groups for one ``(w, d)`` layout.
 
     Attributes:
-        mesh: DeviceMesh with a "dp" (replicas of a stage) and a "pp" (stages of a pipeline) dimension.
-        dp: the replicas of this rank's stage (gradient averaging).
-        pp: the stages of this rank's pipeline (loss and output broadcasts).
+        mesh: DeviceMesh with a "data_parallel" (replicas of a stage) and a "pipeline_parallel"
+            (stages of a pipeline) dimension (:data:`~lightning_pipe.core.topology.MESH_DIMS`).
+        dp: the mesh's "data_parallel" group: the replicas of this rank's stage (gradient averaging).
+        pp: the mesh's "pipeline_parallel" group: the stages of this rank's pipeline (loss and output broadcasts).
         norm: a second group over the same stages for the asynchronous gradient-norm sums, so
             their order never interleaves with the broadcasts on ``pp`` (2BW posts them at
             different points on different stages).
@@ -53,12 +56,18 @@ class PipelineGroups:
             side_channel = device_type != "cpu" and topology.depth > 1
         headers = dist.new_group(backend="gloo") if side_channel else None
         links = link_groups(topology, rank) if side_channel else None
-        return cls(mesh, mesh.get_group("dp"), mesh.get_group("pp"), norm, headers, links)
+        data, pipeline = MESH_DIMS
+        return cls(mesh, mesh.get_group(data), mesh.get_group(pipeline), norm, headers, links)
 
     def destroy(self) -> None:
         """Destroy this rank's groups of the layout (each holds threads and sockets): once no
         engine uses them. The default group, which a dimension spanning the whole job reuses, stays."""
         destroy_groups([self.dp, self.pp, self.norm, self.headers, *(self.links or {}).values()])
+
+    @property
+    def replica_mesh(self) -> Any:
+        """This rank's 1-D sub-mesh over the replicas of its stage (the mesh's "data_parallel" slice)."""
+        return self.mesh[MESH_DIMS[0]]
 
     @property
     def channel(self) -> Channel:
@@ -67,7 +76,7 @@ class PipelineGroups:
 
 
 def pipeline_group(topology: Topology, rank: int) -> Any:
-    """A new group over the stages of ``rank``'s pipeline, apart from the mesh's "pp" group (a
+    """A new group over the stages of ``rank``'s pipeline, apart from the mesh's "pipeline_parallel" group (a
     collective: every rank of the job creates every replica's group, in the same order)."""
     groups = [dist.new_group([topology.rank_of(r, s) for s in range(topology.depth)]) for r in range(topology.width)]
     return groups[topology.replica_of(rank)]
@@ -95,3 +104,22 @@ def destroy_groups(groups: Any) -> None:
     for group in {id(g): g for g in groups}.values():
         if group is not None and group is not dist.GroupMember.WORLD and group is not dist.GroupMember.NON_GROUP_MEMBER:
             dist.destroy_process_group(group)
+    forget_meshes()
+
+
+def forget_meshes() -> None:
+    """Clear DTensor's caches that hold DeviceMeshes, once their groups are destroyed.
+
+    DTensor caches its sharding propagation (in C++, ``torch._C._clear_DTensor_sharding_propagator_cache``
+    clears it, and in Python, ``ShardingPropagator.propagate_op_sharding``; results hold the
+    output's mesh) and its redistribution plans (``get_redistribute_planner``,
+    by a weak reference to the mesh) under keys that compare meshes by ranks and dimension
+    names, not by groups. A later mesh equal to an earlier one (the same layout placed again,
+    over new groups) would then be handed results naming the earlier mesh's destroyed groups:
+    ``p.detach().full_tensor()`` fails with "Could not resolve the process group".
+    """
+    clear_redistribute_planner_cache()
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:
+        clear_native()
