@@ -30,6 +30,7 @@ MODULES = (
     "tests.test_user_errors",
     "tests.test_memory_exact",
     "tests.test_fsdp",
+    "tests.test_errors",
 )
 
 SCENARIOS: dict[int, dict[str, tuple[Callable[..., Any], tuple]]] = {}

@@ -17,6 +17,7 @@ from tests.distributed import free_port, run_workers
 from tests.launch import SCRIPTS, launch
 from tests.models import ToyChain, make_data
 from tests.models import frozen as _frozen
+from tests.shared import scenario
 
 
 def test_unknown_schedule() -> None:
@@ -163,10 +164,38 @@ def test_trainer_refuses_misuse_in_one_process(case: str, error: type, message: 
                 torch.distributed.destroy_process_group()
 
 
-def test_trainer_refuses_a_world_the_depth_does_not_divide() -> None:
-    proc = launch([str(SCRIPTS / "misuse.py"), "indivisible", "3"], timeout=120, check=False)
-    assert proc.returncode != 0
-    assert "world size 3 is not divisible by pipeline_depth=2" in proc.stderr, proc.stderr[-3000:]
+def _fit_indivisible(rank: int, world: int) -> str:
+    """Fit ToyChain on ``world`` processes with a pipeline depth that does not divide it; the error."""
+    from datetime import timedelta
+
+    import lightning as L
+
+    from lightning_pipe import PipelineStrategy
+    from tests.models import ToyChain, make_data
+
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=PipelineStrategy(pipeline_depth=3, microbatches=4, timeout=timedelta(seconds=30)),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    try:
+        trainer.fit(ToyChain(), make_data(16))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+scenario(4, "indivisible_world", _fit_indivisible)
+
+
+def test_trainer_refuses_a_world_the_depth_does_not_divide(launched) -> None:
+    for message in launched(4).ok("indivisible_world"):
+        assert "world size 4 is not divisible by pipeline_depth=3" in message, message
 
 
 class _FailingBlock(nn.Module):

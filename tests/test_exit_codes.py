@@ -1,6 +1,7 @@
 """How each rank of a 2-process fit through Lightning's launcher ends: 1 with the error on every
-failure path (a stage's error, a neighbour stuck past the timeout), 0 after a clean fit; never
-SIGABRT (134, "terminate called without an active exception"), never a hang.
+failure path (a stage's error, a neighbour stuck past the timeout); 0 after clean fits (the
+suite's shared launches); never SIGABRT (134, "terminate called without an active exception"),
+never a hang.
 
 A scheduler reads 134 as a crash (and may write a core file). A process aborts so when a thread
 is still inside a gloo wait as the interpreter finalizes: the wait returns once the peer exits,
@@ -85,5 +86,11 @@ def test_a_stuck_neighbour_ends_every_rank_with_1_and_says_who_waited_for_what(t
     assert waited.search(output), tail
 
 
-def test_a_clean_fit_ends_every_rank_with_0(tmp_path: Path) -> None:
-    _check("clean", tmp_path, 0, [])
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_shared_launches_end_every_rank_with_0(launched, world: int) -> None:
+    # Every clean fit of the suite's shared launches (and their scenarios that abort on purpose)
+    # ran in these processes; torchrun returns 0 only if every rank exited with 0.
+    run = launched(world)
+    tail = (run.proc.stderr or "")[-6000:]
+    assert run.proc.returncode == 0, f"exit {run.proc.returncode}:\n{tail}"
+    assert "terminate called" not in (run.proc.stderr or ""), tail
