@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 
 from lightning_pipe import PipelinePlan
-from lightning_pipe.lightning.plan_cli import measured_first, trial_ranking
+from lightning_pipe.lightning.plan_cli import choice_noise, measured_first, trial_ranking
 from lightning_pipe.planning import costs, predict, programs, search
-from lightning_pipe.planning.calibration import Trial, calibrate, fitted_line, trial_step
+from lightning_pipe.planning.calibration import Trial, calibrate, fitted_line, trial_spread, trial_step
 from tests.test_planner import _uniform
 
 #: The job as it really runs: what the profile misses, to be recovered by the fit.
@@ -88,14 +88,14 @@ def test_trials_run_the_best_plan_and_another_width_then_the_fitted_best_until_o
         return _traced(job, p.plan, p.microbatch_size)
 
     first = ranking(profile)
-    fitted, ranked, modeled = trial_ranking(profile, first, ranking, trained, budget=4)
+    fitted, ranked, modeled, spreads = trial_ranking(profile, first, ranking, trained, budget=4)
     assert ran[0] == first[0].plan and ran[1].width != first[0].plan.width
     assert fitted.compute_scale == pytest.approx(TRUE["compute_scale"])
     # Every plan that ran is charged its measured step; the rest the fitted model's; ranked by them.
     truth = {(p.plan, p.microbatch_size): p.step_time for p in ranking(job)}
     for p in ranked:
         assert p.step_time == pytest.approx(truth[(p.plan, p.microbatch_size)])
-    assert set(modeled) == {(p, b) for p, b in truth if p in ran}
+    assert set(modeled) == set(spreads) == {(p, b) for p, b in truth if p in ran}
     # The loop stops once the fitted best has run (or the budget is spent).
     assert ranked[0].plan in ran or len(ran) == 4
     assert [p.plan for p in measured_first(ranked, {})] == [p.plan for p in ranked]
@@ -111,3 +111,15 @@ def test_a_two_bw_step_copies_the_newest_weights_before_stepping_and_a_flushed_o
             step = programs.program(plan)[s][-1]
             assert step.kind.name == "OPTIMIZER_STEP"
             assert cost(step) == pytest.approx((0.004 + (0.003 if copies else 0.0)) * share)
+
+
+def test_the_choice_trusts_a_measured_best_plan_to_its_trial_spread() -> None:
+    profile = _profile()
+    ranked = search.search(profile, 4, 8, virtual_stages=(1,))
+    top = ranked[0]
+    # Profiled in rounds the best plan's prediction moved 30%; measured in its trial, 2%.
+    assert choice_noise(ranked, {top.plan: 0.3}, {(top.plan, top.microbatch_size): 0.02}) == 0.02
+    assert choice_noise(ranked, {top.plan: 0.3}, {}) == 0.3
+    assert choice_noise([], {}, {}) == 0.0
+    ends = [[0.0, 1.0, 2.1, 3.0], [0.0, 1.0, 2.0, 3.2]]  # steps (1.0, 1.1, 0.9) and (1.0, 1.0, 1.2)
+    assert trial_spread(ends, 3) == pytest.approx((1.2 - 1.0) / 1.1)  # slowest: 1.0, 1.1, 1.2

@@ -199,10 +199,12 @@ def trial_ranking(
     ranking: Callable[[Profile], list[predict.Prediction]],
     trained: Callable[[predict.Prediction], Trial],
     budget: int,
-) -> tuple[Profile, list[predict.Prediction], dict[tuple[PipelinePlan, int], float]]:
+) -> tuple[
+    Profile, list[predict.Prediction], dict[tuple[PipelinePlan, int], float], dict[tuple[PipelinePlan, int], float]
+]:
     """The profile fitted to trial runs (:func:`~lightning_pipe.planning.calibration.calibrate`),
-    the plans ranked again, each plan that ran charged its measured step, and the fitted model's
-    step of each plan that ran (by plan and microbatch size).
+    the plans ranked again, each plan that ran charged its measured step, and, by plan and
+    microbatch size, the fitted model's step and the measured steps' spread of each plan that ran.
 
     The first trials run the best plan and the best of another data-parallel width (programs
     that differ in all-reduce and compute, for the fit); then, refitted after each trial, the
@@ -230,11 +232,8 @@ def trial_ranking(
         measured = [t.step for t in ran.values()]
         fresh = next((p for p in ranked if p.feasible and (p.plan, p.microbatch_size) not in tried), None)
         if len(tried) >= budget or fresh is None or (measured and fresh.step_time >= min(measured)):
-            return (
-                fitted,
-                ranked,
-                {(p.plan, p.microbatch_size): p.step_time for p in modeled if (p.plan, p.microbatch_size) in ran},
-            )
+            steps = {(p.plan, p.microbatch_size): p.step_time for p in modeled if (p.plan, p.microbatch_size) in ran}
+            return fitted, ranked, steps, {key: t.spread for key, t in ran.items()}
         attempt(fresh)
 
 
@@ -249,6 +248,20 @@ def measured_first(
         for p in ranked
     ]
     return search.rank(charged)
+
+
+def choice_noise(
+    ranked: Sequence[predict.Prediction],
+    spread: dict[PipelinePlan, float],
+    trial_spreads: dict[tuple[PipelinePlan, int], float],
+) -> float:
+    """How far the best plan's step can be off, for :func:`~lightning_pipe.planning.search.choose`:
+    the spread of its trial's measured steps if it ran one, else its prediction's spread over
+    the rounds of profiling (0 without either)."""
+    if not ranked:
+        return 0.0
+    key = (ranked[0].plan, ranked[0].microbatch_size)
+    return max(trial_spreads[key] if key in trial_spreads else spread.get(ranked[0].plan, 0.0), 0.0)
 
 
 def calibration_note(profile: Profile) -> str:
@@ -459,19 +472,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     profile = median_profile(profiles)
     print(conditions_note(profile), flush=True)
     trials: dict[tuple[PipelinePlan, int], float] = {}
+    trial_spreads: dict[tuple[PipelinePlan, int], float] = {}
     if args.trials > 0:
 
         def trained(p: predict.Prediction) -> Trial:
             print(f"trial run: {p.plan.describe()}, microbatch size {p.microbatch_size} ...", flush=True)
             return run_trial(args.config, args.script, p.plan, p.microbatch_size, global_batch)
 
-        profile, ranked, trials = trial_ranking(profile, ranked, ranking, trained, args.trials)
+        profile, ranked, trials, trial_spreads = trial_ranking(profile, ranked, ranking, trained, args.trials)
         print(calibration_note(profile), flush=True)
     if args.profile_json is not None:
         args.profile_json.write_text(profile.to_json())
     noise = prediction_spread(profiles, ranked[: args.top], args.memory)
     print(table(ranked, args.top, noise, trials))
-    best = search.choose(ranked, max(noise.get(ranked[0].plan, 0.0), 0.0) if ranked else 0.0)
+    top_noise = choice_noise(ranked, noise, trial_spreads)
+    best = search.choose(ranked, top_noise)
     if args.ranking_json is not None:
         args.ranking_json.write_text(ranking_json(ranked, args.devices, global_batch, best, noise, trials))
     if best is None:
@@ -479,7 +494,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 1
     if best is not ranked[0]:
         print(
-            f"\nthe best plans are within the profile's noise (±{noise.get(ranked[0].plan, 0.0):.1%}): "
+            f"\nthe best plans are within the noise of the best one's step (±{top_noise:.1%}): "
             f"choosing the one that needs the least memory, {best.plan.describe()}"
         )
     if args.ranks_per_node:

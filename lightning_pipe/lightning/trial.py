@@ -23,7 +23,7 @@ import lightning as L
 import yaml
 
 from lightning_pipe.core.pipeline_plan import PipelinePlan
-from lightning_pipe.planning.calibration import Trial, median_actions, trial_step
+from lightning_pipe.planning.calibration import Trial, median_actions, trial_spread, trial_step
 
 
 def strategy_init_args(plan: PipelinePlan, global_batch: int) -> dict[str, Any]:
@@ -155,6 +155,7 @@ def run_trial(
         microbatch_size,
         trial_step([r["ends"] for r in ranks], TIMED_STEPS - 1),
         tuple(median_actions(r["actions"]) for r in ranks),
+        trial_spread([r["ends"] for r in ranks], TIMED_STEPS - 1),
     )
 
 

@@ -35,12 +35,15 @@ class Trial:
         step: measured seconds of one step: the median over the timed steps of the slowest
             rank's time between consecutive step ends.
         actions: per rank, each traced action's median seconds, keyed by its text form (``"0F1"``).
+        spread: the timed steps' (largest - smallest) / median: how far apart two measurements
+            of this plan can fall.
     """
 
     plan: PipelinePlan
     microbatch_size: int
     step: float
     actions: tuple[Mapping[str, float], ...]
+    spread: float = 0.0
 
 
 def _fitted_scale(traced: float, modeled: float) -> float:
@@ -164,6 +167,13 @@ def trial_step(rank_ends: Sequence[Sequence[float]], measured: int) -> float:
     if not slowest:
         raise ValueError("a trial needs at least two step ends on every rank")
     return statistics.median(slowest[-measured:])
+
+
+def trial_spread(rank_ends: Sequence[Sequence[float]], measured: int) -> float:
+    """(largest - smallest) / median of the last ``measured`` steps of the slowest rank (see :func:`trial_step`)."""
+    per_rank = [[b - a for a, b in zip(ends, ends[1:])] for ends in rank_ends]
+    slowest = [max(steps) for steps in zip(*per_rank)][-measured:]
+    return (max(slowest) - min(slowest)) / statistics.median(slowest) if slowest else 0.0
 
 
 def median_actions(traced: Mapping[str, Sequence[float]]) -> dict[str, float]:
