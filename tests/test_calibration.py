@@ -121,5 +121,6 @@ def test_the_choice_trusts_a_measured_best_plan_to_its_trial_spread() -> None:
     assert choice_noise(ranked, {top.plan: 0.3}, {(top.plan, top.microbatch_size): 0.02}) == 0.02
     assert choice_noise(ranked, {top.plan: 0.3}, {}) == 0.3
     assert choice_noise([], {}, {}) == 0.0
-    ends = [[0.0, 1.0, 2.1, 3.0], [0.0, 1.0, 2.0, 3.2]]  # steps (1.0, 1.1, 0.9) and (1.0, 1.0, 1.2)
-    assert trial_spread(ends, 3) == pytest.approx((1.2 - 1.0) / 1.1)  # slowest: 1.0, 1.1, 1.2
+    ends = [[0.0, 1.0, 2.1, 3.0, 4.0], [0.0, 1.0, 2.0, 3.2, 7.2]]  # steps (1, 1.1, .9, 1) and (1, 1, 1.2, 4)
+    # slowest: 1.0, 1.1, 1.2, 4.0: median 1.15, absolute deviations .15, .05, .05, 2.85 -> MAD 0.1
+    assert trial_spread(ends, 4) == pytest.approx(1.2533 * 1.4826 * 0.1 / 2 / 1.15)

@@ -35,8 +35,8 @@ class Trial:
         step: measured seconds of one step: the median over the timed steps of the slowest
             rank's time between consecutive step ends.
         actions: per rank, each traced action's median seconds, keyed by its text form (``"0F1"``).
-        spread: the timed steps' (largest - smallest) / median: how far apart two measurements
-            of this plan can fall.
+        spread: the relative standard error of ``step`` (:func:`trial_spread`): how far another
+            measurement of this plan can fall from it.
     """
 
     plan: PipelinePlan
@@ -170,10 +170,16 @@ def trial_step(rank_ends: Sequence[Sequence[float]], measured: int) -> float:
 
 
 def trial_spread(rank_ends: Sequence[Sequence[float]], measured: int) -> float:
-    """(largest - smallest) / median of the last ``measured`` steps of the slowest rank (see :func:`trial_step`)."""
+    """The standard error of :func:`trial_step`'s median, relative to it: ``1.2533 * 1.4826 * MAD /
+    sqrt(n)`` over the last ``measured`` steps of the slowest rank (the median absolute deviation
+    scaled to a normal sigma, and the median's efficiency), robust to one slow step."""
     per_rank = [[b - a for a, b in zip(ends, ends[1:])] for ends in rank_ends]
     slowest = [max(steps) for steps in zip(*per_rank)][-measured:]
-    return (max(slowest) - min(slowest)) / statistics.median(slowest) if slowest else 0.0
+    if not slowest:
+        return 0.0
+    median = statistics.median(slowest)
+    mad = statistics.median(abs(x - median) for x in slowest)
+    return 1.2533 * 1.4826 * mad / len(slowest) ** 0.5 / median
 
 
 def median_actions(traced: Mapping[str, Sequence[float]]) -> dict[str, float]:
