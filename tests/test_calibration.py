@@ -124,3 +124,16 @@ def test_the_choice_trusts_a_measured_best_plan_to_its_trial_spread() -> None:
     ends = [[0.0, 1.0, 2.1, 3.0, 4.0], [0.0, 1.0, 2.0, 3.2, 7.2]]  # steps (1, 1.1, .9, 1) and (1, 1, 1.2, 4)
     # slowest: 1.0, 1.1, 1.2, 4.0: median 1.15, absolute deviations .15, .05, .05, 2.85 -> MAD 0.1
     assert trial_spread(ends, 4) == pytest.approx(1.2533 * 1.4826 * 0.1 / 2 / 1.15)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_split_stage_0_runs_its_whole_backward_in_w_and_a_recomputed_i_recomputes(recompute: bool) -> None:
+    # Two blocks a stage, each F = 1, B = 2, I = W = 1 at one sample: stage 0's input needs no
+    # gradient (the executor's I finds none), so its I only recomputes and its W is the whole B.
+    profile = _uniform(4, f=1.0, b=2.0)
+    plan = PipelinePlan(1, 2, 2, "1f1b", split_backward=True, partition=(2, 2), recompute=(recompute, recompute))
+    first, second = costs.stage_costs(profile, plan, 1)
+    again = 2.0 if recompute else 0.0  # one more forward of each block
+    assert (first.input_grad, first.weight_grad) == pytest.approx((again, 4.0))
+    assert (second.input_grad, second.weight_grad) == pytest.approx((2.0 + again, 2.0))
+    assert first.backward == second.backward == pytest.approx(4.0 + again)

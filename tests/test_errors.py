@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-from typing import Any
+from typing import Any, Optional
 from unittest import mock
 
 import pytest
@@ -334,6 +334,38 @@ def test_autoplanner_arguments_are_checked_when_it_is_made() -> None:
         ({"headroom": 1.0}, r"headroom must be in \[0, 1\)"),
         ({"virtual_stages": ()}, "virtual_stages must list stage counts >= 1"),
         ({"virtual_stages": (0, 1)}, "virtual_stages must list stage counts >= 1"),
+        ({"revert_factor": 0.5}, "revert_factor must be >= 1 or None"),
     ):
         with pytest.raises(ValueError, match=message):
             AutoPlanner(**kwargs)
+
+
+@pytest.mark.parametrize(("after", "factor", "reverted"), [(0.25, 2.0, True), (0.15, 2.0, False), (0.25, None, False)])
+def test_autoplanner_goes_back_when_the_new_plan_measures_revert_factor_times_slower(
+    monkeypatch: pytest.MonkeyPatch, after: float, factor: Optional[float], reverted: bool
+) -> None:
+    from types import SimpleNamespace
+
+    from lightning_pipe import AutoPlanner
+    from lightning_pipe.lightning import autoplan
+
+    # Two ranks: this one's three timed steps after the switch, the other's, slower (the slowest counts).
+    monkeypatch.setattr(autoplan.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(
+        autoplan.dist, "all_gather_object", lambda out, mine: out.__setitem__(slice(None), [mine, after])
+    )
+    moved: list[Any] = []
+    strategy = SimpleNamespace(reconfigure=moved.append)
+    trainer = SimpleNamespace(strategy=strategy, global_step=9, is_global_zero=False, loggers=[])
+    before, switched = PipelinePlan(1, 2, 1, "gpipe"), PipelinePlan(2, 1, 1, "gpipe")
+    old, new = SimpleNamespace(plan=before, step_time=0.1), SimpleNamespace(plan=switched, step_time=0.1)
+    auto = AutoPlanner(revert_factor=factor)
+    auto.decisions = [
+        {"current": old, "chosen": new, "current_measured_step_s": 0.1, "calibrated_step_s": None, "reverted": False}
+    ]
+    auto._after = []
+    for seconds in (1.0, 0.1, 0.1, 0.1):  # a warm-up, then three steps
+        auto._record_after(trainer, seconds)  # type: ignore[arg-type]
+    assert auto.decisions[0]["measured_step_s"] == after
+    assert auto.decisions[0]["reverted"] is reverted
+    assert moved == ([before] if reverted else [])
