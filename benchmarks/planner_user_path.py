@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any, Iterator, NamedTuple, Optional, Sequence
 
 import lightning as L
-import yaml
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
@@ -42,6 +41,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.results_page import markdown_table  # noqa: E402
+from lightning_pipe import PipelinePlan  # noqa: E402
+from lightning_pipe.lightning.trial import short_run_config, strategy_init_args  # noqa: E402
 
 #: The memory check: every predicted peak within this fraction above the measured one, never under.
 MEMORY_TOLERANCE = 0.02
@@ -211,55 +212,26 @@ def describe(row: dict[str, Any]) -> str:
     )
 
 
+def row_plan(row: dict[str, Any]) -> PipelinePlan:
+    """The plan a ranking row (``--ranking-json``) describes."""
+    fields = ("width", "depth", "microbatches", "schedule", "split_backward", "split_placement", "virtual_stages")
+    plan = {k: row[k] for k in fields} | {"inner": row["inner"], "placement": row.get("placement")}
+    return PipelinePlan(**plan, partition=tuple(row["partition"]), recompute=tuple(row["recompute"]))
+
+
 def strategy_args(row: dict[str, Any], global_batch: int) -> dict[str, Any]:
     """The plan as ``trainer.strategy.init_args``, as the plan command's ``--output`` writes its best plan."""
-    args = {
-        "schedule": row["schedule"],
-        "pipeline_depth": row["depth"],
-        "microbatches": row["microbatches"],
-        "partition": list(row["partition"]),
-        "recompute": list(row["recompute"]),
-        "split_backward": row["split_backward"],
-        "inner": row["inner"],
-        "global_batch_size": global_batch,
-        "virtual_stages": row["virtual_stages"],
-    }
-    if row["split_placement"] is not None:
-        args["split_placement"] = row["split_placement"]
-    if row.get("placement", "loop") != "loop":
-        args["placement"] = row["placement"]
-    return args
+    return strategy_init_args(row_plan(row), global_batch)
 
 
 def fit_config(work: Workload, row: dict[str, Any], ranking: dict[str, Any], opts: Options, out: Path) -> Path:
     """The user's config with the plan's strategy arguments, a short run and the recorder as its only callback."""
-    cfg = yaml.safe_load(work.config.read_text()) or {}
-    trainer = dict(cfg.get("trainer") or {})
-    strategy = trainer.get("strategy")
-    strategy = dict(strategy) if isinstance(strategy, dict) else {"class_path": "lightning_pipe.PipelineStrategy"}
-    strategy["init_args"] = {**(strategy.get("init_args") or {}), **strategy_args(row, ranking["global_batch"])}
     recorder = {
         "class_path": "benchmarks.planner_user_path.StepRecorder",
         "init_args": {"out_dir": str(out), "tracked_step": opts.steps},
     }
-    trainer.pop("val_check_interval", None)
-    trainer.update(
-        devices=ranking["devices"],
-        default_root_dir=str(out),  # LightningCLI saves the resolved config there, not in the repository
-        strategy=strategy,
-        max_steps=opts.steps + 1,
-        max_epochs=-1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        callbacks=[recorder],
-    )
-    path = out / "fit.yaml"
-    path.write_text(yaml.safe_dump({**cfg, "trainer": trainer}, sort_keys=False))
-    return path
+    init = strategy_args(row, ranking["global_batch"])
+    return short_run_config(work.config, init, ranking["devices"], out, recorder, opts.steps + 1)
 
 
 def measured_step(ranks: Sequence[dict[str, Any]], measured: int) -> float:

@@ -27,7 +27,7 @@ from lightning_pipe.planning.links import _link_worker
 from lightning_pipe.planning.profile import BlockProfile, BlockSample, Profile
 from lightning_pipe.planning.profiler import _loss_of, profile_stage
 from lightning_pipe.runtime.microbatch import batch_size
-from lightning_pipe.schedules import Kind
+from lightning_pipe.schedules import Action
 
 
 class AutoPlanner(Callback):
@@ -103,7 +103,6 @@ class AutoPlanner(Callback):
         self.min_gain, self.recheck_every_n_steps = min_gain, recheck_every_n_steps
         self.decisions: list[dict[str, Any]] = []
         self._start_step, self._steps_seen = 0, 0
-        self._times: dict[tuple[int, str], list[float]] = defaultdict(list)  # (stage, action kind)
         self._actions: dict[str, list[float]] = defaultdict(list)  # every traced action of this rank, by text
         self._ends: list[float] = []  # the profiled steps' end times (the warm-up's included)
         self._captured: dict[int, list[tuple[Tensor, ...]]] = {}  # each of this rank's stages: its inputs
@@ -248,18 +247,20 @@ class AutoPlanner(Callback):
         return [inputs for stage in sorted(self._captured) for inputs in self._captured[stage]]
 
     def _collect(self, engine: Any) -> None:
-        """Seconds of each F, B, I, W and optimizer step of each of this rank's stages in the step just run."""
+        """Seconds of every action of this rank in the step just run, by its text form (``"0F1"``)."""
         for interval in engine.trace.intervals:
-            kind = interval.action.kind
             self._actions[str(interval.action)].append(interval.end - interval.start)
-            if kind in (Kind.FORWARD, Kind.BACKWARD, Kind.INPUT_GRAD, Kind.WEIGHT_GRAD, Kind.OPTIMIZER_STEP):
-                self._times[interval.action.stage, kind.value].append(interval.end - interval.start)
 
     def _measured(self, stage: int) -> tuple[float, float, float]:
         """Mean F, B (or I + W) and optimizer-step seconds of ``stage`` over the profiled steps (the
         rank's step is charged to its first stage)."""
-        mean = lambda k: statistics.fmean(self._times[stage, k]) if self._times[stage, k] else 0.0  # noqa: E731
-        backward = mean("B") if self._times[stage, "B"] else mean("I") + mean("W")
+        times: dict[str, list[float]] = defaultdict(list)  # this stage's, by action kind
+        for text, seconds in self._actions.items():
+            action = Action.parse(text)
+            if action.stage == stage:
+                times[action.kind.value] += seconds
+        mean = lambda k: statistics.fmean(times[k]) if times[k] else 0.0  # noqa: E731
+        backward = mean("B") if times["B"] else mean("I") + mean("W")
         return mean("F"), backward, mean("OPT")
 
     def _stage_profile(self, trainer: Trainer, module: Any) -> list[tuple[int, list[BlockProfile], float]]:
@@ -425,8 +426,7 @@ class AutoPlanner(Callback):
             current = dataclasses.replace(current, stage_memory=tuple(max(m, measured) for m in current.stage_memory))
         best, reason = _choose(current, ranked[0], self.min_gain)
         self._switch(trainer, current, best, reason, ranked, profile)
-        self._start_step, self._times = trainer.global_step, defaultdict(list)
-        self._actions, self._ends = defaultdict(list), []
+        self._start_step, self._actions, self._ends = trainer.global_step, defaultdict(list), []
         self._captured, self._batch = {}, None
 
     def _switch(
@@ -499,7 +499,7 @@ class AutoPlanner(Callback):
         trainer.strategy.reconfigure(record["current"].plan)
         record["reverted"] = True
         self._start_step, self._steps_seen = trainer.global_step, self.profile_steps
-        self._times, self._actions, self._ends = defaultdict(list), defaultdict(list), []
+        self._actions, self._ends = defaultdict(list), []
 
     def _report(self, trainer: Trainer, record: dict[str, Any]) -> None:
         origin = f"{record['global_batch_origin']}\n" if record["global_batch_origin"] else ""

@@ -87,26 +87,25 @@ class TrialRecorder(L.Callback):
 TIMED_STEPS, TRACED_STEPS = 6, 3
 
 
-def trial_config(config: Path, plan: PipelinePlan, global_batch: int, out_dir: Path) -> Path:
-    """The user's config with ``plan``'s strategy arguments, a short run and :class:`TrialRecorder`
-    as its only callback (no logger, checkpoints, validation or progress bar); its path."""
+def short_run_config(
+    config: Path, init_args: dict[str, Any], devices: int, out_dir: Path, callback: dict[str, Any], max_steps: int
+) -> Path:
+    """The user's config with ``init_args`` over its strategy's, ``max_steps`` steps on ``devices``
+    processes and ``callback`` (a LightningCLI class_path/init_args entry) as its only callback: no
+    logger, checkpoints, validation or progress bar. Written as ``out_dir/run.yaml``; its path."""
     cfg = yaml.safe_load(config.read_text()) or {}
     trainer = dict(cfg.get("trainer") or {})
     strategy = trainer.get("strategy")
     strategy = dict(strategy) if isinstance(strategy, dict) else {}
     strategy.setdefault("class_path", "lightning_pipe.PipelineStrategy")
-    strategy["init_args"] = {**(strategy.get("init_args") or {}), **strategy_init_args(plan, global_batch)}
-    recorder = {
-        "class_path": f"{TrialRecorder.__module__}.{TrialRecorder.__qualname__}",
-        "init_args": {"out_dir": str(out_dir), "timed": TIMED_STEPS, "traced": TRACED_STEPS},
-    }
+    strategy["init_args"] = {**(strategy.get("init_args") or {}), **init_args}
     for key in ("val_check_interval", "max_epochs", "max_time", "min_steps", "min_epochs", "check_val_every_n_epoch"):
         trainer.pop(key, None)
     trainer.update(
-        devices=plan.world_size,
-        default_root_dir=str(out_dir),
+        devices=devices,
+        default_root_dir=str(out_dir),  # LightningCLI saves the resolved config there, not beside the user's
         strategy=strategy,
-        max_steps=1 + TIMED_STEPS + TRACED_STEPS,
+        max_steps=max_steps,
         max_epochs=-1,
         logger=False,
         enable_checkpointing=False,
@@ -114,11 +113,21 @@ def trial_config(config: Path, plan: PipelinePlan, global_batch: int, out_dir: P
         enable_model_summary=False,
         limit_val_batches=0,
         num_sanity_val_steps=0,
-        callbacks=[recorder],
+        callbacks=[callback],
     )
-    path = out_dir / "trial.yaml"
+    path = out_dir / "run.yaml"
     path.write_text(yaml.safe_dump({**cfg, "trainer": trainer}, sort_keys=False))
     return path
+
+
+def trial_config(config: Path, plan: PipelinePlan, global_batch: int, out_dir: Path) -> Path:
+    """:func:`short_run_config` for a trial of ``plan``, :class:`TrialRecorder` recording it; its path."""
+    recorder = {
+        "class_path": f"{TrialRecorder.__module__}.{TrialRecorder.__qualname__}",
+        "init_args": {"out_dir": str(out_dir), "timed": TIMED_STEPS, "traced": TRACED_STEPS},
+    }
+    steps = 1 + TIMED_STEPS + TRACED_STEPS
+    return short_run_config(config, strategy_init_args(plan, global_batch), plan.world_size, out_dir, recorder, steps)
 
 
 def run_trial(
