@@ -344,7 +344,7 @@ def replayed_step(profile: Any, plan: PipelinePlan, b: int, measured: Sequence[d
                 return model(a)
             return traced.get((a.kind.name, a.stage, a.microbatch), model(a))
 
-        return predict.step_time(plan, cost, profile.cores, predict.exchange(profile))
+        return predict.step_time(plan, cost, None, predict.exchange(profile))  # traced seconds hold the contention
 
     return max(replay(traced) for traced in replicas.values())
 
@@ -816,6 +816,9 @@ def _user_path_flags(parser: Any) -> None:
     )
     group.add_argument("--busy", action="store_true", help="keep one core busy through planning and training")
     group.add_argument("--memory", default=None, help="the plan command's --memory (default: not passed)")
+    group.add_argument(
+        "--allow-stale", action="store_true", help="pass --allow-stale to the plan command and train its best 2BW plan"
+    )
     group.add_argument("--workdir", type=Path, default=defaults.workdir, help="rankings, configs and logs")
 
 
@@ -831,6 +834,7 @@ def _run_user_path(args: Any) -> None:
         cli_runs=args.cli_runs,
         busy=args.busy,
         memory=args.memory,
+        allow_stale=args.allow_stale,
         workdir=args.workdir,
     )
     sections = user_path(args.user_workload, args.devices, opts)

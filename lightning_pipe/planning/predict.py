@@ -19,9 +19,9 @@ from lightning_pipe.planning.costs import (
 from lightning_pipe.planning.held import HeldCounts
 from lightning_pipe.planning.memory import Sharding, rank_peak_bytes, stage_peak_bytes
 from lightning_pipe.planning.profile import BlockSample, Profile
-from lightning_pipe.planning.programs import compiled_program, held, moments, program_key
+from lightning_pipe.planning.programs import compiled_program, flat_program, held, moments, program_key
 from lightning_pipe.schedules import Action, Kind
-from lightning_pipe.schedules.simulate import Exchange
+from lightning_pipe.schedules.simulate import CompiledProgram, Exchange, SharedCores, shared_run
 
 #: What keeps a CPU core busy: compute and the optimizer step.
 _CPU_KINDS = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.INPUT_GRAD, Kind.WEIGHT_GRAD, Kind.OPTIMIZER_STEP})
@@ -37,27 +37,79 @@ def exchange(profile: Profile) -> Optional[Exchange]:
 def step_time(
     plan: PipelinePlan,
     cost: Callable[[Action], float],
-    cores: Optional[int] = None,
+    sharing: Optional[SharedCores] = None,
     exchange: Optional[Exchange] = None,
 ) -> float:
     """Seconds of one step of ``plan``'s program under ``cost`` (the simulator's makespan, on the
     program compiled once). 2BW never flushes: its step is one steady-state window, the
     difference of runs of 3 and 2 windows.
 
-    ``cores``: the job's processes share this many CPU cores (one host, CPU device); a step then
-    takes at least the compute of every rank of every replica divided by the cores (processes
-    that all compute at once share the cores: 4 data-parallel ranks on 2 cores run at half speed).
-    ``exchange``: charge the messages two ranks send each other at once more (:func:`exchange`)."""
+    ``sharing``: the job's ranks compute on one host's shared cores (a CPU job), so that a rank
+    computes slower while more ranks compute with it (:func:`~lightning_pipe.schedules.simulate.shared_run`);
+    ``cost`` is then each action's seconds alone. ``exchange``: charge the messages two ranks
+    send each other at once more (:func:`exchange`)."""
     if plan.spec.streams:
-        longer, shorter = compiled_program(*program_key(plan, 3)), compiled_program(*program_key(plan, 2))
-        long_costs, short_costs = longer.costs_from(cost), shorter.costs_from(cost)
-        seconds = longer.makespan(long_costs, exchange) - shorter.makespan(short_costs, exchange)
-        busy = longer.busy(long_costs, _CPU_KINDS) - shorter.busy(short_costs, _CPU_KINDS)
-    else:
-        compiled = compiled_program(*program_key(plan, 1))
-        costs = compiled.costs_from(cost)
-        seconds, busy = compiled.makespan(costs, exchange), compiled.busy(costs, _CPU_KINDS)
-    return max(seconds, plan.width * busy / cores) if cores else seconds
+        return _makespan(plan, 3, cost, sharing, exchange) - _makespan(plan, 2, cost, sharing, exchange)
+    return _makespan(plan, 1, cost, sharing, exchange)
+
+
+def _makespan(
+    plan: PipelinePlan,
+    steps: int,
+    cost: Callable[[Action], float],
+    sharing: Optional[SharedCores],
+    exchange: Optional[Exchange],
+) -> float:
+    compiled = compiled_program(*program_key(plan, steps))
+    costs = compiled.costs_from(cost)
+    if sharing is None:
+        return compiled.makespan(costs, exchange)
+    return _shared(plan, steps, compiled, costs, sharing, exchange)[0]
+
+
+def _shared(
+    plan: PipelinePlan,
+    steps: int,
+    compiled: CompiledProgram,
+    costs: list[float],
+    sharing: SharedCores,
+    exchange: Optional[Exchange],
+) -> tuple[float, list[float], list[float]]:
+    key_of = compiled.key_of.tolist()
+    computes = [a.kind in _CPU_KINDS for a in compiled.keys]
+    return shared_run(
+        flat_program(*program_key(plan, steps)),
+        [costs[k] for k in key_of],
+        [computes[k] for k in key_of],
+        sharing,
+        exchange,
+    )
+
+
+def sharing(profile: Profile, plan: PipelinePlan) -> Optional[SharedCores]:
+    """How ``plan``'s ranks share the cores of the profile's host (``None``: each rank computes
+    on a device of its own, or there are cores enough for every rank)."""
+    if profile.cores is None or plan.world_size <= profile.cores:
+        return None
+    return SharedCores(profile.cores, plan.width)
+
+
+def slowdowns(profile: Profile, plan: PipelinePlan, cost: Callable[[Action], float]) -> dict[tuple[int, Kind], float]:
+    """Per ``(stage, kind)`` of the plan's computing actions, how many times their seconds alone
+    they take on average in the job, its ranks sharing the host's cores (:func:`sharing`; all 1
+    without sharing)."""
+    steps = 3 if plan.spec.streams else 1
+    compiled = compiled_program(*program_key(plan, steps))
+    costs = compiled.costs_from(cost)
+    shared = sharing(profile, plan)
+    if shared is None:
+        return {(a.stage, a.kind): 1.0 for a in compiled.keys}
+    _, starts, ends = _shared(plan, steps, compiled, costs, shared, exchange(profile))
+    taken, alone = [0.0] * len(compiled.keys), [0.0] * len(compiled.keys)
+    for k, s, e in zip(compiled.key_of.tolist(), starts, ends):
+        taken[k] += e - s
+        alone[k] += costs[k]
+    return {(a.stage, a.kind): t / c if c > 0 else 1.0 for a, t, c in zip(compiled.keys, taken, alone)}
 
 
 def predict_step(
@@ -68,7 +120,7 @@ def predict_step(
     empty for an interleaved plan, whose ranks have :func:`moments`). ``costs``: the plan's
     :func:`stage_costs`, if already summed."""
     cost = action_cost(profile, plan, costs if costs is not None else stage_costs(profile, plan, microbatch_size))
-    seconds = step_time(plan, cost, profile.cores, exchange(profile)) + profile.step_overhead
+    seconds = step_time(plan, cost, sharing(profile, plan), exchange(profile)) + profile.step_overhead
     return seconds, (held(plan) if plan.virtual_stages == 1 else [])
 
 

@@ -164,8 +164,12 @@ class Profile:
             measured right after computing, as :attr:`link_latency`.
         loads_global_batch: every rank loads the whole global batch and trains on its replica's
             rows (``PipelineStrategy.enable_reconfiguration``), so holds all of it.
-        cores: CPU cores the job's processes share (CPU jobs on one host; ``None``: each process
-            computes on a device of its own), see :func:`lightning_pipe.planning.predict.step_time`.
+        cores: effective CPU cores the job's ranks share (CPU jobs on one host; ``None``: each rank
+            computes on a device of its own). Block, optimizer and overhead seconds are then a
+            rank's alone, and the simulator slows a rank that computes while others do
+            (:class:`~lightning_pipe.schedules.simulate.SharedCores`). Measured by
+            :func:`~lightning_pipe.planning.profiler.profile_concurrently` as the ranks over their
+            slowdown when all compute at once.
         device: where it was measured.
         device_bytes: bytes every device holds beyond the model's tensors (on CUDA: the math
             libraries' workspaces, e.g. 32 MiB per cuBLAS handle; communication buffers),
@@ -199,7 +203,7 @@ class Profile:
     send_overhead: float = 0.0
     exchange_latency: float = 0.0
     loads_global_batch: bool = False
-    cores: Optional[int] = None
+    cores: Optional[float] = None
     device: str = "cpu"
     device_bytes: int = 0
     shared_blocks: Optional[list[list[int]]] = None
@@ -227,6 +231,30 @@ class Profile:
         ]
         data["link_bandwidth"] = float(data["link_bandwidth"])
         return cls(blocks=blocks, **data)
+
+
+def alone(profile: Profile, slowdown: float, processes: int) -> Profile:
+    """A profile taken by ``processes`` ranks of one host computing at once, as each rank's times
+    alone: every time over ``slowdown`` (how many times slower a rank computed while all did, see
+    :func:`~lightning_pipe.planning.profiler.host_slowdown`), with ``processes / slowdown``
+    effective cores (:attr:`Profile.cores`)."""
+    slowdown = max(slowdown, 1.0)
+    times = ("forward", "backward", "input_grad", "weight_grad")
+    blocks = [
+        dataclasses.replace(
+            b, samples=[dataclasses.replace(s, **{f: getattr(s, f) / slowdown for f in times}) for s in b.samples]
+        )
+        for b in profile.blocks
+    ]
+    return dataclasses.replace(
+        profile,
+        blocks=blocks,
+        optimizer_step=profile.optimizer_step / slowdown,
+        version_copy=profile.version_copy / slowdown,
+        action_overhead=profile.action_overhead / slowdown,
+        cores=processes / slowdown,
+        meta={**profile.meta, "slowdown": slowdown},
+    )
 
 
 def mean_profile(profiles: Sequence[Profile]) -> Profile:
@@ -283,4 +311,5 @@ def combined_profile(profiles: Sequence[Profile], statistic: Callable[[Sequence[
         optimizer_step=statistic([p.optimizer_step for p in profiles]),
         version_copy=statistic([p.version_copy for p in profiles]),
         action_overhead=statistic([p.action_overhead for p in profiles]),
+        cores=statistic([p.cores for p in profiles]) if all(p.cores is not None for p in profiles) else first.cores,
     )

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from lightning_pipe.planning.profile import BlockProfile, BlockSample, Profile, mean_profile, median_sample
+from lightning_pipe.planning.profile import BlockProfile, BlockSample, Profile, alone, mean_profile, median_sample
 from lightning_pipe.runtime.autograd import backward_split as split
 from lightning_pipe.runtime.autograd.deferred_weights import (
     DeferredGrads,
@@ -579,7 +579,31 @@ def _profile_worker(
     torch.set_num_threads(threads)
     module = factory()
     # Every process times the same pass at once, so each times its blocks while the others compute.
-    return profile_blocks(module, batch, sizes, sync=dist.barrier, **options)
+    profile = profile_blocks(module, batch, sizes, sync=dist.barrier, **options)
+    microbatch = split_batch(batch, max(batch_size(batch) // max(sizes), 1))[0][0]
+    blocks = pipeline_blocks_of(module)
+    work = functools.partial(_plain_run, module, blocks, [microbatch], [1.0])
+    profile.meta["slowdown"] = host_slowdown(work, dist.barrier, rank, world)
+    module.zero_grad(set_to_none=True)
+    return profile
+
+
+def host_slowdown(work: Callable[[], Any], sync: Callable[[], None], rank: int, world: int, repeats: int = 3) -> float:
+    """How many times slower this process runs ``work`` while all ``world`` processes of the host run
+    it at once than while it runs alone, the others waiting: the contention of ranks sharing the
+    host's cores and memory bandwidth (and any other load on it), measured. Each time is the
+    median of ``repeats`` runs after a warm-up; ``sync`` is a barrier of the processes."""
+    cpu = torch.device("cpu")
+    work()
+    sync()
+    together = statistics.median(_timed(work, cpu)[0] for _ in range(repeats))
+    by_itself = together
+    for turn in range(world):
+        sync()
+        if turn == rank:
+            by_itself = statistics.median(_timed(work, cpu)[0] for _ in range(repeats))
+    sync()
+    return together / by_itself if by_itself > 0 else 1.0
 
 
 def profile_concurrently(
@@ -592,11 +616,13 @@ def profile_concurrently(
     **options: Any,
 ) -> Profile:
     """:func:`profile_blocks` run at once in ``processes`` processes, as many as the job will run on
-    this machine, so that block times include the contention of ranks sharing its cores and
-    memory (compute-bound ranks sharing cores each run slower than one alone). The processes
-    time each pass together, behind a barrier, and their times are averaged
-    (:func:`mean_profile`): which process runs slower changes from one profile to the next, so
-    one process's times alone are a sample, not the job's.
+    this machine, with the contention of ranks sharing its cores measured. The processes time
+    each pass together, behind a barrier, and their times are averaged (:func:`mean_profile`):
+    which process runs slower changes from one profile to the next, so one process's times alone
+    are a sample, not the job's. Each then measures how much slower it computes while all do than
+    alone (:func:`host_slowdown`); the profile holds the times of a rank alone and the host's
+    effective cores (:func:`~lightning_pipe.planning.profile.alone`), from which the simulator
+    slows each rank by how many compute with it (a deep pipeline has few busy at once).
 
     Args:
         factory: builds the model in each process (importable: a class or module-level function).
@@ -606,7 +632,7 @@ def profile_concurrently(
         timeout: seconds before the processes are abandoned.
 
     Returns:
-        The processes' mean profile.
+        The processes' mean profile, as a rank's times alone, with the effective cores.
     """
     if processes <= 1:
         return profile_blocks(factory(), batch, microbatch_sizes, **options)
@@ -618,7 +644,9 @@ def profile_concurrently(
     failed = [f"rank {r}: {value}" for r, (status, value) in enumerate(ran) if status != "ok"]
     if failed:  # every rank's: one rank's error leaves the others timing out at a barrier
         raise RuntimeError("concurrent profiling failed:\n" + "\n".join(failed))
-    return mean_profile([value for _, value in ran])
+    profiles = [value for _, value in ran]
+    slowdown = statistics.fmean(p.meta.pop("slowdown") for p in profiles)
+    return alone(mean_profile(profiles), slowdown, processes)
 
 
 def _action_overhead(

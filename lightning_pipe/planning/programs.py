@@ -69,6 +69,11 @@ def _flat(*key: Any) -> FlatProgram:
     return flatten(_program(*key))
 
 
+def flat_program(*key: Any) -> FlatProgram:
+    """The program of :func:`program_key` ``key`` as arrays (cached for the last few keys)."""
+    return _flat(*key)
+
+
 #: One object per distinct :class:`HeldCounts`: programs of many lengths share them, and caches keyed by them hit.
 _SHARED_COUNTS: "weakref.WeakValueDictionary[HeldCounts, HeldCounts]" = weakref.WeakValueDictionary()
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional, Union
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
@@ -391,3 +391,104 @@ def _receive_order(sender: list[int], bounds: list[int]) -> tuple[list[int], dic
             moved |= p != ptrs[rank]
             ptrs[rank] = p
     return order, {r: p for r, (p, end) in enumerate(zip(ptrs, bounds[1:])) if p < end}
+
+
+@dataclass(frozen=True)
+class SharedCores:
+    """Ranks of one host that compute on the cores they share (processor sharing).
+
+    While ``b`` ranks of the host compute at once, each computes ``max(1, b / cores)`` times
+    slower than alone: the host's scheduler shares its cores evenly, and ranks waiting on a
+    message take none of them.
+
+    Args:
+        cores: the host's effective cores: its ranks over the slowdown measured while all of them
+            compute at once (below the physical cores where memory bandwidth or another process
+            takes a share).
+        copies: ranks that run each program rank's actions at the same moments (the data-parallel
+            replicas of a stage, which run the same program in step).
+    """
+
+    cores: float
+    copies: int = 1
+
+    def slowdown(self, busy: int) -> float:
+        """How many times slower than alone a rank computes while ``busy`` program ranks compute."""
+        return max(1.0, busy * self.copies / self.cores)
+
+
+def shared_run(
+    flat: FlatProgram,
+    cost: Sequence[float],
+    cpu: Sequence[bool],
+    sharing: SharedCores,
+    exchange: Optional[Exchange] = None,
+    latency: float = 0.0,
+) -> tuple[float, list[float], list[float]]:
+    """:func:`simulate` with the ranks' compute sharing the host's cores (:class:`SharedCores`).
+
+    ``cost[i]``: seconds of action ``i`` of ``flat`` run alone; ``cpu[i]``: whether it computes
+    (and so shares the cores; others take their seconds whatever the load). Time advances from
+    one event to the next (an action ends, a message arrives); between two events every
+    computing rank progresses at ``1 / slowdown(ranks computing)``.
+
+    Returns:
+        The makespan, and each action's start and end.
+
+    Raises:
+        ScheduleError: if the ranks deadlock.
+    """
+    source, peer, kinds = flat.source.tolist(), flat.peer.tolist(), flat.kind.tolist()
+    bounds = flat.starts.tolist()
+    ranks, n = len(bounds) - 1, len(source)
+    ptr, ends = bounds[:-1], bounds[1:]
+    start, end = [0.0] * n, [-1.0] * n
+    left, running = [0.0] * ranks, [False] * ranks
+    last_sent: dict[tuple[int, int], float] = {}
+    sends = {CODES[Kind.SEND_ACT], CODES[Kind.SEND_GRAD]}
+    now = 0.0
+
+    def finish(r: int) -> None:
+        i = ptr[r]
+        end[i], running[r] = now, False
+        if kinds[i] in sends:
+            last_sent[r, peer[i]] = now
+        ptr[r] += 1
+
+    while True:
+        arrivals, moved = [], True
+        while moved:  # start every action that can start now; free ones end at once
+            moved = False
+            for r in range(ranks):
+                while not running[r] and ptr[r] < ends[r]:
+                    i, s = ptr[r], source[ptr[r]]
+                    if s >= 0 and end[s] < 0:
+                        break
+                    if s >= 0 and end[s] + latency > now + 1e-12:
+                        arrivals.append(end[s] + latency)
+                        break
+                    extra = (
+                        exchange.extra
+                        if s >= 0 and exchange and exchange.applies(end[s], last_sent.get((r, peer[i])))
+                        else 0.0
+                    )
+                    start[i], left[r] = now, cost[i] + extra
+                    running[r] = True
+                    if left[r] <= 0:
+                        finish(r)
+                        moved = True
+        active = [r for r in range(ranks) if running[r]]
+        if not active and not arrivals:
+            break
+        rate = 1.0 / sharing.slowdown(sum(1 for r in active if cpu[ptr[r]]))
+        speed = {r: rate if cpu[ptr[r]] else 1.0 for r in active}
+        step = min([left[r] / speed[r] for r in active] + [a - now for a in arrivals])
+        now += step
+        for r in active:
+            left[r] -= step * speed[r]
+            if left[r] <= 1e-12 * max(1.0, cost[ptr[r]]):
+                finish(r)
+    if any(p < e for p, e in zip(ptr, ends)):
+        stuck = {r: str(flat.actions[p]) for r, (p, e) in enumerate(zip(ptr, ends)) if p < e}
+        raise ScheduleError(f"deadlock: ranks wait at {stuck}")
+    return max(end, default=0.0), start, end
