@@ -9,13 +9,13 @@ import pytest
 from lightning_pipe import PipelinePlan
 from lightning_pipe.lightning.plan_cli import choice_noise, measured_first, trial_ranking
 from lightning_pipe.planning import costs, predict, programs, search
-from lightning_pipe.planning.calibration import Trial, calibrate, fitted_line, trial_spread, trial_step
+from lightning_pipe.planning.calibration import Trial, calibrate, fitted_scale, trial_spread, trial_step
 from tests.test_planner import _uniform
 
-#: The job as it really runs: what the profile misses, to be recovered by the fit.
+#: The job as it really runs: what the profile misses, to be recovered by the fit (the
+#: executor's overhead per action is the profiler's own measurement, kept).
 TRUE = {
     "compute_scale": 1.3,
-    "action_overhead": 0.0007,
     "send_overhead": 0.0002,
     "optimizer_scale": 0.8,
     "allreduce_scale": 3.0,
@@ -61,10 +61,11 @@ def test_calibration_recovers_the_scales_and_overhead_that_made_the_traces() -> 
     assert calibrate(profile, []) is profile
 
 
-def test_a_line_through_the_traces_separates_the_scale_from_the_overhead_per_action() -> None:
-    assert fitted_line([(1.0, 2.5), (2.0, 4.5), (3.0, 6.5)]) == pytest.approx((2.0, 0.5))
-    assert fitted_line([(1.0, 1.0), (2.0, 3.0)]) == pytest.approx((4 / 3, 0.0))  # no negative overhead
-    assert fitted_line([(2.0, 3.0), (2.0, 5.0)]) == pytest.approx((2.0, 0.0))  # one abscissa: the ratio
+def test_the_compute_scale_is_the_least_squares_slope_through_the_measured_overhead() -> None:
+    assert fitted_scale([(1.0, 2.5), (2.0, 4.5), (3.0, 6.5)], 0.5) == pytest.approx(2.0)
+    # Through the origin: sum(x * y) / sum(x * x), written out.
+    assert fitted_scale([(1.0, 1.0), (2.0, 3.0)], 0.0) == pytest.approx((1 * 1 + 2 * 3) / (1 + 4))
+    assert fitted_scale([], 0.1) == 1.0
 
 
 def test_a_trial_step_is_the_slowest_rank_median_over_the_last_steps() -> None:
@@ -137,3 +138,25 @@ def test_split_stage_0_runs_its_whole_backward_in_w_and_a_recomputed_i_recompute
     assert (first.input_grad, first.weight_grad) == pytest.approx((again, 4.0))
     assert (second.input_grad, second.weight_grad) == pytest.approx((2.0 + again, 2.0))
     assert first.backward == second.backward == pytest.approx(4.0 + again)
+
+
+def test_a_trial_on_shared_cores_is_fitted_as_the_ranks_alone() -> None:
+    # Four ranks on 1.5 effective cores: each traced action took its seconds alone times the
+    # slowdown of the ranks computing with it (from the processor-sharing simulation of the job
+    # itself). The fit divides the contention out: the compute scale is the job's, where a fit
+    # blind to sharing would read the contention as a slower compute.
+    from lightning_pipe.schedules.simulate import SharedCores, shared_run
+
+    profile = dataclasses.replace(_profile(), cores=1.5, action_overhead=0.0)
+    job = dataclasses.replace(profile, compute_scale=1.3)
+    plan = PipelinePlan(width=2, depth=2, microbatches=4, schedule="1f1b", partition=(2, 2))
+    cost = costs.action_cost(job, plan, costs.stage_costs(job, plan, 1))
+    flat = programs.flat_program(*programs.program_key(plan, 1))
+    computes = [a.kind in predict._CPU_KINDS for a in flat.actions]
+    _, starts, ends = shared_run(flat, [cost(a) for a in flat.actions], computes, SharedCores(1.5, 2))
+    took = {str(a): e - s for a, s, e in zip(flat.actions, starts, ends)}
+    actions = tuple({str(a): took[str(a)] for a in rank} for rank in programs.program(plan))
+    trial = Trial(plan, 1, predict.predict_step(job, plan, 1)[0], actions)
+    assert calibrate(profile, [trial]).compute_scale == pytest.approx(1.3, rel=0.05)
+    blind = calibrate(dataclasses.replace(profile, cores=None), [dataclasses.replace(trial)])
+    assert blind.compute_scale > 1.3 * 1.2

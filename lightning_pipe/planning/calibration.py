@@ -3,7 +3,7 @@
 Block times come from profiling each block alone; a job runs them inside its executor, its
 processes, its training loop. A trial run measures what that adds: each traced action's
 seconds against the model's, and each step's seconds against the simulated program: compute
-as a line (a scale and the executor's overhead per action), the optimizer step and the
+as a scale on the blocks' seconds, the optimizer step and the
 all-reduce as scales, the cost of posting a send, then one per-step overhead as the median
 residual of the trials' steps. The fitted profile predicts the plans no trial ran.
 """
@@ -17,7 +17,7 @@ from typing import Mapping, Sequence
 
 from lightning_pipe.core.pipeline_plan import PipelinePlan
 from lightning_pipe.planning.costs import action_cost, stage_costs
-from lightning_pipe.planning.predict import predict_step
+from lightning_pipe.planning.predict import predict_step, slowdowns
 from lightning_pipe.planning.profile import Profile
 from lightning_pipe.schedules import Action, Kind
 
@@ -51,20 +51,12 @@ def _fitted_scale(traced: float, modeled: float) -> float:
     return traced / modeled if modeled > 0 and traced > 0 else 1.0
 
 
-def fitted_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """``(slope, intercept)`` of the least-squares line through ``(modeled, traced)`` points; through
-    the origin (the ratio of sums) where the intercept would be negative or the points cannot tell
-    one (all at one abscissa)."""
-    xs, ys = [x for x, _ in points], [y for _, y in points]
-    if len(points) >= 2:
-        mx, my = statistics.fmean(xs), statistics.fmean(ys)
-        sxx = sum((x - mx) ** 2 for x in xs)
-        if sxx > 0:
-            slope = sum((x - mx) * (y - my) for x, y in points) / sxx
-            intercept = my - slope * mx
-            if slope > 0 and intercept >= 0:
-                return slope, intercept
-    return _fitted_scale(sum(ys), sum(xs)), 0.0
+def fitted_scale(points: Sequence[tuple[float, float]], intercept: float) -> float:
+    """Slope of the least-squares line through ``(modeled, traced)`` points that crosses the
+    traced axis at ``intercept``; 1 without data."""
+    sxx = sum(x * x for x, _ in points)
+    sxy = sum(x * (y - intercept) for x, y in points)
+    return sxy / sxx if sxx > 0 and sxy > 0 else 1.0
 
 
 def unfitted(profile: Profile) -> Profile:
@@ -86,8 +78,12 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
     """``profile`` fitted to ``trials`` (any earlier fit is replaced); ``profile`` itself without trials.
 
     - Compute: a line through every traced forward, backward, I and W (the model's seconds
-      without the executor's overhead against the traced ones): its slope is the compute scale,
-      its intercept the executor's overhead per action in the job (:func:`fitted_line`).
+      without the executor's overhead, slowed as the simulator finds the trial's ranks sharing the
+      host's cores (:func:`~lightning_pipe.planning.predict.slowdowns`), against the traced ones),
+      crossing at the executor's overhead per action the profile measured: its slope is the
+      compute scale (:func:`fitted_scale`). The overhead is measured on the smallest microbatches,
+      where it weighs most; trials run the best plans, of few large actions, which cannot tell
+      it from the blocks' seconds.
     - Optimizer step and all-reduce: the traced seconds of their actions over the model's.
     - Sends: the median traced seconds of posting one (receives wait on their senders, so they
       are not fitted).
@@ -101,22 +97,21 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
     sends: list[float] = []
     for trial in trials:
         cost = action_cost(base, trial.plan, stage_costs(base, trial.plan, trial.microbatch_size))
+        shared = slowdowns(base, trial.plan, cost)
         for rank in trial.actions:
             for text, seconds in rank.items():
                 action = Action.parse(text)
-                key = _category(action)
+                key, slower = _category(action), shared.get((action.stage, action.kind), 1.0)
                 if key == "compute":
-                    compute.append((cost(action) - base.action_overhead, seconds))
+                    compute.append(((cost(action) - base.action_overhead) * slower, seconds))
                 elif key == "send":
                     sends.append(seconds)
                 elif key is not None and cost(action) > 0:
                     sums[key][0] += seconds
-                    sums[key][1] += cost(action)
-    scale, per_action = fitted_line(compute) if compute else (1.0, base.action_overhead)
+                    sums[key][1] += cost(action) * slower
     fitted = dataclasses.replace(
         base,
-        compute_scale=scale,
-        action_overhead=per_action,
+        compute_scale=fitted_scale(compute, base.action_overhead),
         send_overhead=statistics.median(sends) if sends else base.send_overhead,
         optimizer_scale=_fitted_scale(*sums["optimizer"]),
         allreduce_scale=_fitted_scale(*sums["allreduce"]),
