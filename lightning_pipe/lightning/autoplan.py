@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import os
 import statistics
 import time
 from collections import defaultdict
@@ -25,7 +24,7 @@ from lightning_pipe.planning import predict, search
 from lightning_pipe.planning.calibration import Trial, calibrate, median_actions, trial_step
 from lightning_pipe.planning.links import _link_worker
 from lightning_pipe.planning.profile import BlockProfile, BlockSample, Profile
-from lightning_pipe.planning.profiler import _loss_of, profile_stage
+from lightning_pipe.planning.profiler import _loss_of, host_slowdown, profile_stage
 from lightning_pipe.runtime.microbatch import batch_size
 from lightning_pipe.schedules import Action
 
@@ -576,12 +575,24 @@ def _profile_inputs(captured: list[tuple[Tensor, ...]]) -> list[tuple[Tensor, ..
     return captured[:1] + ([tuple(torch.cat(p) for p in zip(*captured))] if len(captured) > 1 else [])
 
 
-def _shared_cores(trainer: Trainer) -> Optional[int]:
-    """CPU cores the job's processes share (all hosts), or ``None`` on accelerators (a device each)."""
+def _shared_cores(trainer: Trainer) -> Optional[float]:
+    """Effective CPU cores the job's ranks share (:attr:`Profile.cores`), measured: every rank's
+    slowdown on a fixed matrix product while all compute at once against alone
+    (:func:`~lightning_pipe.planning.profiler.host_slowdown`), averaged over the ranks; ``None``
+    on accelerators (a device each)."""
     if trainer.strategy.root_device.type != "cpu":
         return None
-    per_host = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return per_host * trainer.num_nodes
+    a = torch.randn(192, 192)
+    work = functools.partial(_matmuls, a, 16)
+    world = dist.get_world_size()
+    slowdown = torch.tensor([host_slowdown(work, dist.barrier, dist.get_rank(), world)], dtype=torch.float64)
+    dist.all_reduce(slowdown)
+    return world / max(float(slowdown) / world, 1.0)
+
+
+def _matmuls(a: Tensor, times: int) -> None:
+    for _ in range(times):
+        a = torch.tanh(a @ a)
 
 
 def _rows(batch: Any, start: int, size: int) -> Any:
