@@ -77,6 +77,8 @@ class Options:
         cli_runs: Plan commands per workload and process count (the first one's ranking is trained).
         busy: Keep one core busy through the plan commands and the training.
         memory: The plan command's ``--memory`` (``None``: not passed).
+        allow_stale: Pass ``--allow-stale`` (PipeDream-2BW's 1-stale updates), and train the best
+            2BW plan of the ranking too.
         timeout: Seconds a plan command or a training launch may take.
         workdir: Where rankings, configs and per-rank results go.
     """
@@ -87,6 +89,7 @@ class Options:
     cli_runs: int = 1
     busy: bool = False
     memory: Optional[str] = None
+    allow_stale: bool = False
     timeout: float = 900.0
     workdir: Path = Path("/tmp/bench_planner_user_path")
 
@@ -186,6 +189,7 @@ def run_cli(work: Workload, devices: int, opts: Options, out: Path) -> dict[str,
     cmd = [sys.executable, "-m", "lightning_pipe.plan", "--config", str(work.config), "--script", str(work.script)]
     cmd += ["--devices", str(devices), "--top", str(opts.plans), "--output", str(out / "plan.yaml")]
     cmd += ["--ranking-json", str(out / "ranking.json")] + (["--memory", opts.memory] if opts.memory else [])
+    cmd += ["--allow-stale"] if opts.allow_stale else []
     code, seconds = _run(cmd, opts.timeout, out / "cli.log")
     if code != 0:
         raise RuntimeError(f"plan command failed ({code}): {' '.join(cmd)}\n{_tail(out / 'cli.log')}")
@@ -269,10 +273,11 @@ def train(work: Workload, row: dict[str, Any], ranking: dict[str, Any], opts: Op
     }
 
 
-def to_train(rankings: Sequence[dict[str, Any]], count: int) -> list[dict[str, Any]]:
+def to_train(rankings: Sequence[dict[str, Any]], count: int, stale: bool = False) -> list[dict[str, Any]]:
     """The first ranking's top ``count // 2`` feasible plans and ``count - count // 2`` more spread
     evenly over the rest of its feasible plans (a model is judged over its whole range, not only its
-    near-equal top), then every run's chosen plan not among them. Plans the ranking predicts the
+    near-equal top), then every run's chosen plan not among them, and with ``stale`` the first
+    ranking's best 2BW plan. Plans the ranking predicts the
     same step for as a chosen one of the same layout (GPipe and 1F1B at one microbatch) are skipped.
 
     Every plan carries the first ranking's predictions where that ranking lists it, so that the
@@ -295,6 +300,9 @@ def to_train(rankings: Sequence[dict[str, Any]], count: int) -> list[dict[str, A
         if choice is not None and choice["feasible"] and plan_key(choice) not in keys:
             chosen.append(first.get(plan_key(choice), choice))
             keys.add(plan_key(choice))
+    two_bw = [p for p in feasible if p["schedule"] == "2bw"]
+    if stale and two_bw and plan_key(two_bw[0]) not in keys:
+        chosen.append(two_bw[0])
     return chosen
 
 
@@ -317,7 +325,7 @@ def measure_group(work: Workload, devices: int, opts: Options) -> dict[str, Any]
             f"first choice {describe(first)}, predicted {first['step_seconds']:.4f} s",
             flush=True,
         )
-    plans, layouts = to_train(rankings, opts.plans), []
+    plans, layouts = to_train(rankings, opts.plans, opts.allow_stale), []
     order = [plan_key(p) for p in rankings[0]["plans"]]
     for i, row in enumerate(plans):
         ran = train(work, row, rankings[0], opts, base / f"fit{i}")
@@ -503,6 +511,12 @@ def user_path(workloads: Sequence[str], devices: Sequence[int], opts: Options) -
 def intro(opts: Options) -> str:
     """The page's introduction: what ran and how it was measured."""
     busy = " A spinning process kept one core busy throughout." if opts.busy else ""
+    stale = (
+        " The plan command ran with `--allow-stale` (PipeDream-2BW plans ranked too), and the best 2BW plan "
+        "was trained as well."
+        if opts.allow_stale
+        else ""
+    )
     return (
         "The planner as a user runs it: `python -m lightning_pipe.plan --config <config> --script <script> "
         f"--devices N` once per workload and process count ({opts.cli_runs} time(s)), with its default trial "
@@ -514,5 +528,5 @@ def intro(opts: Options) -> str:
         "tensor storage on each rank, the largest over replicas per pipeline rank. Workloads: `gpt` "
         "(configs/gpt_1f1b.yaml with examples/gpt.py: 4 layers, width 128, context 64, global batch 32, AdamW) "
         "and `nonuniform` (benchmarks/nonuniform.yaml with benchmarks/nonuniform.py: about 1M parameters in "
-        f"blocks of very different widths and costs, AdamW, generated tokens).{busy}"
+        f"blocks of very different widths and costs, AdamW, generated tokens).{busy}{stale}"
     )

@@ -70,6 +70,9 @@ def test_to_train_takes_the_top_plans_then_plans_spread_over_the_ranking_then_ot
     trained = to_train([first, late], 3)
     assert [r["microbatches"] for r in trained] == [1, 2, 16, 8]  # another run's choice comes last
     assert trained[3]["step_seconds"] == 0.8  # the first ranking's prediction for it, not the other run's
+    stale = {"plans": plans[:3] + [_row(m=4, step=0.45, schedule="2bw"), _row(m=8, step=0.5, schedule="2bw")]}
+    assert [r["schedule"] for r in to_train([stale], 2)] == ["1f1b", "1f1b"]
+    assert to_train([stale], 2, stale=True)[-1] == stale["plans"][3]  # and the best 2BW plan
 
 
 def test_memory_ok_wants_every_rank_within_two_percent_above() -> None:
