@@ -1389,3 +1389,14 @@ def test_a_profile_taken_together_becomes_a_rank_alone_on_effective_cores() -> N
         s.forward / 2 for b in profile.blocks for s in b.samples
     ]
     assert alone(profile, 0.9, 2).cores == 2  # a ratio under 1 is noise: no rank runs faster with others
+
+
+def test_the_plan_says_the_conditions_and_the_measured_sharing_its_times_hold_for() -> None:
+    from lightning_pipe.lightning.plan_cli import conditions_note
+    from lightning_pipe.planning.profile import alone
+
+    profile = _uniform(2)
+    profile.meta["conditions"] = {"processes": 4, "threads": 1, "host_cores": 2}
+    assert "4 process(es) at once, 1 torch thread(s) each, on a host of 2 cores:" in conditions_note(profile)
+    note = conditions_note(alone(profile, 2.5, 4))
+    assert "2.50x slower with all at once than alone, so the ranks share 1.60 effective cores" in note

@@ -282,9 +282,16 @@ def conditions_note(profile: Profile) -> str:
     c = profile.meta.get("conditions")
     if not c:
         return "block times measured under unrecorded conditions"
+    shared = (
+        f"; each computed {profile.meta['slowdown']:.2f}x slower with all at once than alone, so the ranks share "
+        f"{profile.cores:.2f} effective cores"
+        if profile.cores is not None and "slowdown" in profile.meta
+        else ""
+    )
     return (
         f"block times measured in {c['processes']} process(es) at once, {c['threads']} torch thread(s) each, on a "
-        f"host of {c['host_cores']} cores: they hold for a job whose ranks run so (set OMP_NUM_THREADS to match)"
+        f"host of {c['host_cores']} cores{shared}: they hold for a job whose ranks run so (set OMP_NUM_THREADS to "
+        "match)"
     )
 
 
