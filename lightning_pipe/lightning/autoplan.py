@@ -406,6 +406,7 @@ class AutoPlanner(Callback):
             self.allow_stale,
             partitions=[plan.partition],
             virtual_stages=self.virtual_stages,
+            fsdp=False,  # reconfigure moves DDP replicas only
         )
         if not ranked or not ranked[0].feasible:
             smallest = min((max(p.stage_memory) for p in ranked), default=float("nan"))

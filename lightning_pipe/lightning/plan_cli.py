@@ -306,9 +306,9 @@ def table(
     ``trials``: the plans that ran a trial (their step is the measured one), with the model's step."""
     spread, trials = spread or {}, trials or {}
     rows = [
-        "| w | d | v | b | m | schedule | split | recompute | partition | step (s) | spread | trial | samples/s "
-        "| peak per rank | infeasible because |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| w | d | v | b | m | schedule | split | replicas | recompute | partition | step (s) | spread | trial "
+        "| samples/s | peak per rank | infeasible because |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     feasible = [p for p in ranked if p.feasible][:top]
     shown = feasible + [p for p in ranked if not p.feasible][: max(3, top - len(feasible))]
@@ -319,7 +319,7 @@ def table(
         rows.append(
             f"| {plan.width} | {plan.depth} | {plan.virtual_stages} | {p.microbatch_size} | {plan.microbatches} "
             f"| {plan.schedule} | "
-            f"{_split(plan)} | {recompute} | {list(plan.partition)} | {p.step_time:.4f} | "
+            f"{_split(plan)} | {_replicas(plan)} | {recompute} | {list(plan.partition)} | {p.step_time:.4f} | "
             f"{f'±{spread[plan]:.1%}' if plan in spread else ''} | {_trial(p, trials)} | "
             f"{p.samples_per_second:.1f} | {peaks} | {p.why_infeasible()} |"
         )
@@ -330,6 +330,14 @@ def _trial(p: predict.Prediction, trials: dict[tuple[PipelinePlan, int], float])
     """The table's trial column: for a plan that ran one, the fitted model's step beside the measured one."""
     modeled = trials.get((p.plan, p.microbatch_size))
     return "" if modeled is None else f"measured (model {modeled:.4f})"
+
+
+def _replicas(plan: PipelinePlan) -> str:
+    """The table's replicas column: ddp, or fsdp with its ZeRO stage (3: resharded after each
+    forward, 2: kept gathered over the step)."""
+    if plan.data_parallel != "fsdp":
+        return plan.data_parallel
+    return f"fsdp (ZeRO-{3 if plan.reshard_after_forward else 2})"
 
 
 def _split(plan: PipelinePlan) -> str:
@@ -371,6 +379,8 @@ def ranking_json(
             "virtual_stages": p.plan.virtual_stages,
             "inner": p.plan.inner,
             "placement": p.plan.stage_placement,
+            "data_parallel": p.plan.data_parallel,
+            "reshard_after_forward": p.plan.reshard_after_forward,
             "partition": list(p.plan.partition),
             "recompute": list(p.plan.recompute),
             "microbatch_size": p.microbatch_size,

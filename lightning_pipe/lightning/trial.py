@@ -43,6 +43,9 @@ def strategy_init_args(plan: PipelinePlan, global_batch: int) -> dict[str, Any]:
         init["split_placement"] = plan.split_placement
     if plan.stage_placement != "loop":
         init["placement"] = plan.stage_placement
+    if plan.data_parallel != "ddp":
+        init["data_parallel"] = plan.data_parallel
+        init["reshard_after_forward"] = plan.reshard_after_forward
     return init
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from lightning_pipe.core.pipeline_plan import PipelinePlan
-from lightning_pipe.planning.costs import action_cost, stage_costs
+from lightning_pipe.planning.costs import action_cost, sharded_seconds, stage_costs
 from lightning_pipe.planning.predict import predict_step, slowdowns
 from lightning_pipe.planning.profile import Profile
 from lightning_pipe.schedules import Action, Kind
@@ -83,7 +83,9 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
       crossing at the executor's overhead per action the profile measured: its slope is the
       compute scale (:func:`fitted_scale`). The overhead is measured on the smallest microbatches,
       where it weighs most; trials run the best plans, of few large actions, which cannot tell
-      it from the blocks' seconds.
+      it from the blocks' seconds. An FSDP trial's forwards and backwards also all-gather: the
+      modelled all-gather (:func:`~lightning_pipe.planning.costs.sharded_seconds`) is taken off
+      both sides.
     - Optimizer step and all-reduce: the traced seconds of their actions over the model's.
     - Sends: the median traced seconds of posting one (receives wait on their senders, so they
       are not fitted).
@@ -96,14 +98,17 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
     sums = {"optimizer": [0.0, 0.0], "allreduce": [0.0, 0.0]}
     sends: list[float] = []
     for trial in trials:
-        cost = action_cost(base, trial.plan, stage_costs(base, trial.plan, trial.microbatch_size))
+        stages = stage_costs(base, trial.plan, trial.microbatch_size)
+        cost = action_cost(base, trial.plan, stages)
         shared = slowdowns(base, trial.plan, cost)
         for rank in trial.actions:
             for text, seconds in rank.items():
                 action = Action.parse(text)
                 key, slower = _category(action), shared.get((action.stage, action.kind), 1.0)
                 if key == "compute":
-                    compute.append(((cost(action) - base.action_overhead) * slower, seconds))
+                    # an FSDP plan's forwards and backwards also all-gather: fit the compute only
+                    gather = sharded_seconds(base, trial.plan, stages[action.stage], action)
+                    compute.append(((cost(action) - base.action_overhead - gather) * slower, seconds - gather))
                 elif key == "send":
                     sends.append(seconds)
                 elif key is not None and cost(action) > 0:

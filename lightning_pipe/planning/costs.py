@@ -246,13 +246,75 @@ def _transfer(profile: Profile, nbytes: int) -> float:
     return profile.link_latency + nbytes / profile.link_bandwidth
 
 
+def sharded(plan: PipelinePlan) -> bool:
+    """Whether ``plan``'s stages are sharded over their replicas (``data_parallel="fsdp"``, ``w > 1``)."""
+    return plan.data_parallel == "fsdp" and plan.width > 1
+
+
+def gathers(plan: PipelinePlan, a: Action) -> float:
+    """All-gathers of its stage's weights that action ``a`` runs under FSDP, on average over the
+    step's actions of its kind (0 without sharding).
+
+    As the runtime issues them (runtime/sharding.py): each block is its own FSDP unit, gathered
+    by its pre-forward and pre-backward hooks. With ``reshard_after_forward=True`` (ZeRO-3) the
+    weights are freed after each forward and after each backward (``set_reshard_after_backward``),
+    so every forward and every full backward gathers every block of the stage once. A recomputed
+    stage's backward gathers once too: its recomputed forward gathers, and FSDP keeps the
+    weights for the backward that follows. With ``False`` (ZeRO-2) they stay gathered from the
+    block's first forward to the AR action's reduce-scatter: one all-gather per block and step,
+    which the runtime runs in the stage's first forward; the simulator prices an action by its
+    stage and kind, not by its microbatch, so the model spreads it over the step's ``m``
+    forwards (the same seconds per step on each rank)."""
+    if not sharded(plan):
+        return 0.0
+    if plan.reshard_after_forward:
+        return 1.0 if a.kind in (Kind.FORWARD, Kind.BACKWARD) else 0.0
+    return 1 / plan.microbatches if a.kind is Kind.FORWARD else 0.0
+
+
+def sharded_seconds(profile: Profile, plan: PipelinePlan, st: StageCosts, a: Action) -> float:
+    """Seconds of FSDP's collectives in action ``a`` of a sharded stage ``st`` (0 otherwise).
+
+    Volumes as in the ZeRO paper (Rajbhandari et al., "ZeRO: Memory Optimizations Toward
+    Training Trillion Parameter Models", section 7): a ring reduce-scatter of the gradients
+    moves ``(w-1)/w`` of their bytes per rank, half of DDP's ring all-reduce, and an all-gather
+    of the weights ``(w-1)/w`` of theirs; ZeRO-3 gathers the weights in the forward and again
+    in the backward, 1.5x DDP's volume per microbatch pass. Here:
+
+    - the AR action reduce-scatters the stage's gradients once per step:
+      ``(w-1)/w * gradient_bytes / allreduce_bandwidth``;
+    - a forward or backward that gathers (:func:`gathers`) adds
+      ``(w-1)/w * weight_bytes / allreduce_bandwidth``.
+
+    Assumptions: both run at the measured all-reduce's bus bandwidth
+    (``profile.allreduce_bandwidth``) and scale by its fitted ``allreduce_scale``; no latency per
+    collective; an all-gather does not overlap the block's compute (each block is its own FSDP
+    root, so nothing prefetches it in the forward), which overstates a backward whose next
+    block's gather FSDP prefetches. 0 where the bandwidth is unknown."""
+    if not sharded(plan) or not profile.allreduce_bandwidth:
+        return 0.0
+    share = (plan.width - 1) / plan.width
+    if a.kind is Kind.ALL_REDUCE:
+        nbytes = share * st.gradient_bytes
+    else:
+        nbytes = gathers(plan, a) * share * st.weight_bytes
+    return nbytes / profile.allreduce_bandwidth * profile.allreduce_scale
+
+
 def action_cost(profile: Profile, plan: PipelinePlan, stages: Sequence[StageCosts]) -> Callable[[Action], float]:
     """Seconds of each action of ``plan``'s program: compute from the profile (plus the executor's
     measured overhead per action), sends the time to post them, receives from the link
     (latency + bytes / bandwidth), the all-reduce from the replicas' ring, the step by weight share;
-    compute, all-reduce and step scaled as the profile's trial runs fitted them."""
+    compute, all-reduce and step scaled as the profile's trial runs fitted them.
+
+    FSDP replicas (``data_parallel="fsdp"``, :func:`sharded_seconds`): the AR action is a
+    reduce-scatter, half the ring all-reduce; the forwards and backwards that gather a stage's
+    weights (:func:`gathers`) add the all-gather; and the optimizer step updates ``1/w`` of the
+    stage's weights (its shard), so takes ``1/w`` of the stage's share of the step."""
     total_weights = sum(s.weight_bytes for s in stages) or 1
     versions = weight_versions(plan)
+    fsdp = sharded(plan)
+    step_share = 1 / plan.width if fsdp else 1.0
 
     compute = {
         Kind.FORWARD: "forward",
@@ -264,19 +326,24 @@ def action_cost(profile: Profile, plan: PipelinePlan, stages: Sequence[StageCost
     def cost(a: Action) -> float:
         st = stages[a.stage]
         if a.kind in compute:
-            return getattr(st, compute[a.kind]) * profile.compute_scale + profile.action_overhead
+            seconds = getattr(st, compute[a.kind]) * profile.compute_scale + profile.action_overhead
+            return seconds + sharded_seconds(profile, plan, st, a) if fsdp else seconds
         if a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
             return profile.send_overhead
         if a.kind is Kind.RECV_ACT:
             return _transfer(profile, st.input_bytes)
         if a.kind is Kind.RECV_GRAD:
             return _transfer(profile, st.output_bytes)
+        if a.kind is Kind.ALL_REDUCE and fsdp:
+            return sharded_seconds(profile, plan, st, a)
         if a.kind is Kind.ALL_REDUCE and plan.width > 1 and profile.allreduce_bandwidth:
             ring = 2 * (plan.width - 1) / plan.width * st.gradient_bytes / profile.allreduce_bandwidth
             return ring * profile.allreduce_scale
         if a.kind is Kind.OPTIMIZER_STEP:
             copy = profile.version_copy if versions > 1 else 0.0  # 2BW copies the newest version first
-            return (profile.optimizer_step + copy) * profile.optimizer_scale * st.weight_bytes / total_weights
+            return (
+                (profile.optimizer_step + copy) * profile.optimizer_scale * st.weight_bytes / total_weights * step_share
+            )
         return 0.0
 
     return cost
@@ -314,11 +381,15 @@ def gradient_sets(profile: Profile, plan: PipelinePlan, stage: int) -> int:
 
 def traffic(profile: Profile, plan: PipelinePlan, microbatch_size: int) -> tuple[float, float]:
     """Bytes one step moves (pipeline, replicas): activations forward and gradients backward
-    across every stage boundary of a pipeline, and the ring all-reduce of every stage's gradients."""
+    across every stage boundary of a pipeline, and the ring all-reduce of every stage's gradients
+    (FSDP: their reduce-scatter and the weights' all-gathers, :func:`gathers`)."""
     costs = stage_costs(profile, plan, microbatch_size)
     pipeline = sum(2 * plan.microbatches * st.output_bytes for st in costs[:-1])
-    replicas = sum(2 * (plan.width - 1) / plan.width * st.gradient_bytes for st in costs)
-    return pipeline, replicas
+    share = (plan.width - 1) / plan.width
+    if not sharded(plan):
+        return pipeline, sum(2 * share * st.gradient_bytes for st in costs)
+    passes = 2 * plan.microbatches if plan.reshard_after_forward else 1  # all-gathers per block and step
+    return pipeline, sum(share * (st.gradient_bytes + passes * st.weight_bytes) for st in costs)
 
 
 def time_balanced(profile: Profile, depth: int, microbatch_size: int) -> tuple[int, ...]:

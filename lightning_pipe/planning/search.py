@@ -45,6 +45,7 @@ def candidates(
     partitions: Sequence[tuple[int, ...]] = (),
     virtual_stages: Sequence[int] = (1, 2),
     ranges: Optional[RangeCosts] = None,
+    fsdp: bool = True,
 ) -> Iterator[Candidate]:
     """Every ``(w, d)`` with ``w * d = devices``; every microbatch size ``b`` with
     ``m = global_batch / (w * b)`` whole; every registered schedule (2BW only with
@@ -55,8 +56,12 @@ def candidates(
     drain only, one stage per rank (:data:`_SPLITS`); the time-balanced
     partition and, under a memory limit, the memory-aware one
     (:func:`lightning_pipe.planning.madpipe.madpipe_partition`, one stage per rank) when they differ;
-    and each of ``partitions`` (a running job's own, for example) at its stage count.
-    ``ranges``: the profile's block-range costs, to share with :func:`evaluate`."""
+    and each of ``partitions`` (a running job's own, for example) at its stage count; each
+    with DDP replicas and, where :func:`offers_fsdp`, FSDP ones, ZeRO-3 and ZeRO-2 (both: the
+    memory limit and the ranking decide between them; ZeRO-3 needs the least memory, ZeRO-2
+    gathers the weights once per step).
+    ``ranges``: the profile's block-range costs, to share with :func:`evaluate`; ``fsdp``: offer
+    FSDP replicas at all (``False``: DDP only, as the AutoPlanner moves)."""
     specs = [get(s) for s in (schedules or SCHEDULE_NAMES)]
     names = [spec.name for spec in specs if allow_stale or not spec.stale]
     ranges = RangeCosts.of(profile, ranges)
@@ -81,7 +86,34 @@ def candidates(
             memory_aware = _memory_aware(ranges, plan, b, memory_limit) if virtual == 1 else None
             extra = [p for p in partitions if len(p) == plan.stages]
             for partition in dict.fromkeys([plan.partition, *([memory_aware] if memory_aware else []), *extra]):
-                yield Candidate(plan.replace(partition=partition), b)
+                for replicas in _replicas(profile, plan.replace(partition=partition), fsdp):
+                    yield Candidate(replicas, b)
+
+
+def _replicas(profile: Profile, plan: PipelinePlan, fsdp: bool = True) -> Iterator[PipelinePlan]:
+    """``plan`` with DDP replicas, then where FSDP runs and the model prices it (:func:`offers_fsdp`)
+    with FSDP replicas, ZeRO-3 and ZeRO-2 (``reshard_after_forward`` True and False)."""
+    yield plan
+    if fsdp and offers_fsdp(profile, plan):
+        yield plan.replace(data_parallel="fsdp", reshard_after_forward=True)
+        yield plan.replace(data_parallel="fsdp", reshard_after_forward=False)
+
+
+def offers_fsdp(profile: Profile, plan: PipelinePlan) -> bool:
+    """Whether the search offers ``plan`` with ``data_parallel="fsdp"``: replicas to shard over
+    (``w > 1``); a schedule the runtime shards (not 2BW, not split backward: PipelinePlan
+    refuses them); one stage per rank (the memory model predicts interleaved FSDP ranks as DDP
+    ones, so they could only rank slower at the same memory); no tied weights, known from the
+    profile (``shared_blocks == []``: the runtime refuses ties, and unknown ties may be some); and a
+    measured replica bandwidth, without which the model could not price FSDP's collectives."""
+    return (
+        plan.width > 1
+        and plan.virtual_stages == 1
+        and not plan.split_backward
+        and not plan.spec.streams
+        and profile.shared_blocks == []
+        and profile.allreduce_bandwidth > 0
+    )
 
 
 def _memory_aware(
@@ -120,9 +152,13 @@ def within_noise(ranked: Sequence[Prediction], noise: float) -> list[Prediction]
 
 def choose(ranked: Sequence[Prediction], noise: float = 0.0) -> Optional[Prediction]:
     """The plan to run: the best feasible one, or among the plans within ``noise`` of it (which the
-    measurements cannot tell apart) the one with the least peak memory; ``None`` if none fits."""
+    measurements cannot tell apart) the one with the least peak memory, DDP replicas before
+    FSDP ones (FSDP's time model leaves out each collective's latency and FSDP's hooks, so a
+    plan that only ties a DDP one is not taken for its memory); ``None`` if none fits."""
     close = within_noise(ranked, noise)
-    return min(close, key=lambda p: (max(p.stage_memory), -p.samples_per_second)) if close else None
+    if not close:
+        return None
+    return min(close, key=lambda p: (p.plan.data_parallel == "fsdp", max(p.stage_memory), -p.samples_per_second))
 
 
 def search(
@@ -134,12 +170,14 @@ def search(
     schedules: Optional[Sequence[str]] = None,
     partitions: Sequence[tuple[int, ...]] = (),
     virtual_stages: Sequence[int] = (1, 2),
+    fsdp: bool = True,
 ) -> list[Prediction]:
     """Every :func:`candidates` plan evaluated and ranked, best first (see :func:`rank`); each
-    infeasible one says which stage (or interleaved rank) exceeds the budget and by how much."""
+    infeasible one says which stage (or interleaved rank) exceeds the budget and by how much
+    (``fsdp``: offer FSDP replicas, see :func:`candidates`)."""
     ranges = RangeCosts(profile)
     found = candidates(
-        profile, devices, global_batch, allow_stale, schedules, memory_limit, partitions, virtual_stages, ranges
+        profile, devices, global_batch, allow_stale, schedules, memory_limit, partitions, virtual_stages, ranges, fsdp
     )
     with _collector_paused():
         return rank(evaluate(profile, c, memory_limit, ranges) for c in found)
