@@ -190,7 +190,7 @@ def madpipe_partition(
     the spirit of MadPipe-DP (MadPipe, section 4.2.2): for each boundary between the two rounds
     of stages, :func:`_paired` walks the ranks in order, each step choosing a rank's two stages
     at once, the state being where each round has got to. Its cost is
-    ``O(d * sum_c c^2 (n - c)^2) = O(d n^5)`` array operations for ``n`` blocks (numpy), and
+    ``O(d * sum_c (c - d)^2 (n - c - d)^2) = O(d n^5)`` array operations for ``n`` blocks (numpy), and
     ``2d * n^2 / 2`` stage memories, each computed once per profile and counts (:class:`RangeCosts`).
 
     The approximation (two stages per rank): a rank's memory is taken as the sum of its stages'
@@ -331,22 +331,29 @@ def _paired(
         ma = memory[k][np.ix_(first, first)]
         mb = memory[partner][np.ix_(second, second)]
         mb = mb.T[::-1, ::-1] if reverse else mb
+        # Rank k's stage of a round starts after k blocks of it and leaves one to each later
+        # stage: from [k, n - (d - k)], to one further (the same width, n - d, in both rounds).
+        wa, wb = na - depth, nb - depth
+        ia, ja, ib, jb = slice(k, k + wa), slice(k + 1, k + 1 + wa), slice(k, k + wb), slice(k + 1, k + 1 + wb)
         # cost[a, b, a', b']: the rank's two stages' seconds where they fit, else inf.
-        cost = ta[:, None, :, None] + tb[None, :, None, :]
-        fits = (ma[:, None, :, None] + mb[None, :, None, :]) <= limit
+        cost = ta[ia, ja][:, None, :, None] + tb[ib, jb][None, :, None, :]
+        fits = (ma[ia, ja][:, None, :, None] + mb[ib, jb][None, :, None, :]) <= limit
         cost = np.where(fits, cost, np.inf)
-        total = np.maximum(best[:, :, None, None], cost).reshape(na * nb, na * nb)
+        total = np.maximum(best[ia, ib][:, :, None, None], cost).reshape(wa * wb, wa * wb)
         arg = np.argmin(total, axis=0)
-        best = total[arg, np.arange(na * nb)].reshape(na, nb)
-        choices.append(arg.reshape(na, nb))
+        best = np.full((na, nb), np.inf)
+        best[ja, jb] = total[arg, np.arange(wa * wb)].reshape(wa, wb)
+        came = np.zeros((na, nb, 2), np.int64)  # the state each one came from
+        came[ja, jb, 0], came[ja, jb, 1] = (k + arg // wb).reshape(wa, wb), (k + arg % wb).reshape(wa, wb)
+        choices.append(came)
     period = float(best[na - 1, nb - 1])
     if not np.isfinite(period):
         return period, [], []
     a, b, cuts_a, cuts_b = na - 1, nb - 1, [], []
-    for arg in reversed(choices):
+    for came in reversed(choices):
         cuts_a.append(a)
         cuts_b.append(b)
-        a, b = divmod(int(arg[a, b]), nb)
+        a, b = int(came[a, b, 0]), int(came[a, b, 1])
     cuts_a = [int(first[x]) for x in reversed(cuts_a)]
     cuts_b = [int(hi - x if reverse else second[x]) for x in reversed(cuts_b)]
     return period, cuts_a, cuts_b
