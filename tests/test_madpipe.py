@@ -126,3 +126,119 @@ def test_the_lower_bound_never_rejects_a_stage_that_fits() -> None:
         for a, z, s in ((a, z, s) for a in range(7) for z in range(a + 1, 8) for s in range(depth)):
             memory = chain.memory(a, z, s)
             assert chain.fits(a, z, s, memory) and not chain.fits(a, z, s, memory - 1), (schedule, a, z, s)
+
+
+# Two stages per rank: (schedule, placement) pairs the search plans.
+_VIRTUAL = (("1f1b", "loop"), ("looped_bfs", "loop"), ("looped_bfs", "v"), ("zbv", "v"))
+
+
+def _virtual_brute_force(profile: Profile, plan: PipelinePlan, limit: float) -> tuple[float, tuple[int, ...]] | None:
+    """Every contiguous cut into ``2d`` stages; the one whose slowest rank (its stages' F + B
+    seconds summed) is fastest with every rank's memory (its stages' :func:`stage_peak_bytes`
+    over :func:`madpipe.stage_held`, the batch with its first-round stage) within ``limit``."""
+    n, stages, depth = len(profile.blocks), plan.stages, plan.depth
+    samples = [b.at(1) for b in profile.blocks]
+    held_ = madpipe.stage_held(plan)
+    batch = costs.batch_bytes(profile, plan, 1)
+    cap = costs.bucket_cap(plan)
+    best = None
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        bounds = [0, *cuts, n]
+        spans = list(zip(bounds, bounds[1:]))
+        memory = [
+            stage_peak_bytes(
+                costs.range_costs(profile, range(a, z), 1, bucket_cap=cap),
+                held_[s],
+                1,
+                False,
+                s == 0,
+                s == stages - 1,
+                batch if s < depth else 0,
+            )
+            for s, (a, z) in enumerate(spans)
+        ]
+        seconds = [sum(samples[i].forward + samples[i].backward for i in range(a, z)) for a, z in spans]
+        ranks = [plan.stages_of(r) for r in range(depth)]
+        if any(sum(memory[s] for s in mine) > limit for mine in ranks):
+            continue
+        period = max(sum(seconds[s] for s in mine) for mine in ranks)
+        if best is None or period < best[0] - 1e-12:
+            best = (period, tuple(z - a for a, z in spans))
+    return best
+
+
+def test_two_stages_per_rank_are_optimal_against_brute_force() -> None:
+    rng = random.Random(1)
+    checked = infeasible = binding = 0
+    for trial in range(60):
+        schedule, placement = _VIRTUAL[trial % len(_VIRTUAL)]
+        n = rng.randint(4, 10)
+        m = rng.choice([2, 4])
+        plan = PipelinePlan(depth=2, microbatches=m, schedule=schedule, virtual_stages=2, placement=placement)
+        profile = _chain([rng.uniform(0.5, 3.0) for _ in range(n)], [rng.randint(100, 5000) for _ in range(n)])
+        free = _virtual_brute_force(profile, plan, float("inf"))
+        assert free is not None
+        for limit in (float("inf"), rng.uniform(20_000, 80_000)):
+            got = madpipe_partition(profile, plan, 1, limit)
+            want = _virtual_brute_force(profile, plan, limit)
+            assert (got is None) == (want is None), (schedule, placement, n, limit, got, want)
+            if got is None:
+                infeasible += 1
+                continue
+            assert got.period == pytest.approx(want[0]), (schedule, placement, n, limit, got, want)
+            assert sum(got.sizes) == n and len(got.sizes) == 4 and min(got.sizes) >= 1
+            assert max(got.rank_memory) <= limit
+            # The period reported is the partition's own.
+            seconds = [sum(t for t in _times(profile)[a : a + k]) for a, k in zip(_starts(got.sizes), got.sizes)]
+            assert max(sum(seconds[s] for s in plan.stages_of(r)) for r in range(2)) == pytest.approx(got.period)
+            binding += got.period > free[0] + 1e-9
+            checked += 1
+    assert checked > 40 and infeasible > 5 and binding > 5  # every outcome exercised
+
+
+def _times(profile: Profile) -> list[float]:
+    return [s.forward + s.backward for s in (b.at(1) for b in profile.blocks)]
+
+
+def _starts(sizes: tuple[int, ...]) -> list[int]:
+    return [sum(sizes[:s]) for s in range(len(sizes))]
+
+
+def test_two_stages_per_rank_memory_bounds_the_planners_prediction() -> None:
+    # The dynamic program's rank memory (its stages' peaks summed) is at least what the planner
+    # predicts for the partition it returns: what it finds fits when evaluated.
+    rng = random.Random(2)
+    for trial in range(12):
+        schedule, placement = _VIRTUAL[trial % len(_VIRTUAL)]
+        n = rng.randint(6, 12)
+        times, saved = [rng.uniform(0.5, 3.0) for _ in range(n)], [rng.randint(100, 5000) for _ in range(n)]
+        profile = _chain(times, saved, data=rng.choice([32.0, 20_000.0]))  # a large first input too
+        plan = PipelinePlan(depth=3, microbatches=6, schedule=schedule, virtual_stages=2, placement=placement)
+        got = madpipe_partition(profile, plan, 1, float("inf"))
+        assert got is not None
+        planned = plan.replace(partition=got.sizes)
+        predicted = predict_memory(profile, planned, 1, None)
+        assert all(mine >= p for mine, p in zip(got.rank_memory, predicted)), (schedule, got, predicted)
+
+
+def test_search_chooses_the_interleaved_memory_aware_partition_under_a_budget() -> None:
+    # Blocks 0 and 1 save 6 times what the others do, with equal compute; interleaved 1F1B holds
+    # the most microbatches on rank 0, whose first stage the time-balanced cut gives both.
+    from lightning_pipe.planning.search import search
+
+    times, saved = [1.0] * 8, [6000, 6000] + [1000] * 6
+    profile = _chain(times, saved)
+    balanced_sizes = tuple(balanced(times, 4))
+    assert balanced_sizes == (2, 2, 2, 2)
+    limit = 60_000
+    ranked = search(profile, 2, 4, memory_limit=limit, schedules=["1f1b"], virtual_stages=(2,))
+    best = ranked[0]
+    assert best.feasible and best.plan.virtual_stages == 2, best.plan.describe()
+    assert best.plan.partition != balanced_sizes and not any(best.plan.recompute)
+    plan = best.plan.replace(partition=balanced_sizes)
+    want = madpipe_partition(profile, plan, best.microbatch_size, limit)
+    assert want is not None and best.plan.partition == want.sizes == (1, 1, 3, 3)
+    # The time-balanced cut of the same plan does not fit, and with recompute it is slower.
+    assert max(predict_memory(profile, plan, best.microbatch_size, None)) > limit
+    time_balanced = [p for p in ranked if p.plan.partition == balanced_sizes and p.feasible]
+    assert time_balanced and all(p.samples_per_second < best.samples_per_second for p in time_balanced)

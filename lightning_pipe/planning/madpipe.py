@@ -7,6 +7,11 @@ and every processor is "normal" (no special processor), and the activation count
 is exact rather than MadPipe's 1F1B* group estimate: it is the simulator's peak stash for the
 schedule that will run (``d - s`` on stage ``s`` under 1F1B, ``m`` everywhere under GPipe), so
 the memory the DP budgets is the memory the planner predicts for the same plan.
+
+With two stages per rank (interleaved and V placements) a rank's period and memory are sums
+over its two non-contiguous stages: :func:`madpipe_partition` then runs an exact min-max
+dynamic program over pairs of stages (:func:`_paired`), on a per-stage memory estimate that
+bounds the rank's from above (:func:`stage_held`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
+
 from lightning_pipe.core.pipeline_plan import PipelinePlan
 from lightning_pipe.planning.costs import (
     StageCosts,
@@ -26,10 +33,11 @@ from lightning_pipe.planning.costs import (
     time_balanced,
     weight_versions,
 )
-from lightning_pipe.planning.held import HeldCounts
-from lightning_pipe.planning.memory import stage_peak_bytes
+from lightning_pipe.planning.held import HeldCounts, Point, _dominant
+from lightning_pipe.planning.memory import _bucketed_moment, stage_peak_bytes
 from lightning_pipe.planning.profile import BlockSample, Profile
-from lightning_pipe.planning.programs import held
+from lightning_pipe.planning.programs import held, moments, program_key
+from lightning_pipe.schedules.layout import rank_stages
 
 
 class RangeCosts:
@@ -96,11 +104,14 @@ class RangeCosts:
 
 @dataclass(frozen=True)
 class Partition:
-    """A memory-feasible contiguous partition and its period (slowest stage's F + B seconds)."""
+    """A memory-feasible contiguous partition, its period (slowest rank's F + B seconds over its
+    stages), each stage's memory as the dynamic program counts it, and each pipeline rank's
+    (the sum over its stages; with one stage per rank, the stage's)."""
 
     sizes: tuple[int, ...]
     period: float
     stage_memory: tuple[int, ...]
+    rank_memory: tuple[int, ...] = ()
 
 
 class _Chain:
@@ -172,9 +183,31 @@ def madpipe_partition(
 
     ``ranges``: the profile's block-range costs, shared by the searches over many plans.
 
+    With two stages per rank (``virtual_stages=2``, loop or V placement) the chain is cut into
+    ``2d`` stages, a rank's period is the sum of its two stages' F + B seconds, and its memory
+    the sum of its two stages' (:class:`_VirtualChain`). The cut minimizing the slowest rank's
+    period with every rank within the limit is found exactly by a min-max dynamic program in
+    the spirit of MadPipe-DP (MadPipe, section 4.2.2): for each boundary between the two rounds
+    of stages, :func:`_paired` walks the ranks in order, each step choosing a rank's two stages
+    at once, the state being where each round has got to. Its cost is
+    ``O(d * sum_c (c - d)^2 (n - c - d)^2) = O(d n^5)`` array operations for ``n`` blocks (numpy), and
+    ``2d * n^2 / 2`` stage memories, each computed once per profile and counts (:class:`RangeCosts`).
+
+    The approximation (two stages per rank): a rank's memory is taken as the sum of its stages'
+    :func:`stage_peak_bytes`, each over the points the stage holds at every moment of its rank's
+    program (:func:`stage_held`), the batch counted once. Each stage's peak bounds its share of
+    the rank's at every moment, so the sum bounds :func:`rank_peak_bytes` from above up to its
+    cross-layout receive padding (its peaks fall at different moments, so it can exceed the
+    rank's peak): a partition found fits when the planner predicts it, and one at the limit may be missed.
+    Above two stages per rank the result is ``None`` (no memory-aware partition is offered).
+
     Returns:
         ``None`` if no contiguous partition fits the limit.
     """
+    if plan.virtual_stages > 1:
+        if plan.virtual_stages != 2:
+            return None
+        return _virtual_partition(profile, plan, microbatch_size, memory_limit, ranges)
     n, depth, ranges = len(profile.blocks), plan.depth, RangeCosts.of(profile, ranges)
     chain = _Chain(ranges, plan, microbatch_size)
     targets = sorted({chain.time(i, j) for i in range(n) for j in range(i + 1, n + 1)})
@@ -203,4 +236,156 @@ def madpipe_partition(
     starts = [sum(best[:s]) for s in range(depth)]
     period = max(chain.time(a, a + k) for a, k in zip(starts, best))
     memory = tuple(chain.memory(a, a + k, s) for s, (a, k) in enumerate(zip(starts, best)))
-    return Partition(best, period, memory)
+    return Partition(best, period, memory, memory)
+
+
+_STAGE_HELD: dict[tuple[Any, ...], tuple[HeldCounts, ...]] = {}
+
+
+def _stage_held(plan: PipelinePlan) -> tuple[HeldCounts, ...]:
+    depth, virtual, placement, width = plan.depth, plan.virtual_stages, plan.stage_placement, plan.width
+    seen: list[dict[str, set[Point]]] = [
+        {name: set() for name in HeldCounts.__dataclass_fields__} for _ in range(depth * virtual)
+    ]
+    for r, walked in enumerate(moments(plan)):
+        mine = rank_stages(r, depth, virtual, placement)
+        for c, kind, points, grads in walked:
+            if width > 1:  # the rank's shared gradient buckets (rank_peak_bytes)
+                kind, grads = _bucketed_moment(kind, grads)
+            for o, (point, warm) in enumerate(zip(points, grads)):
+                name = kind if o == c else ("forward_warm" if warm else "forward_cold")
+                seen[mine[o]][name].add(point)
+    return tuple(HeldCounts(**{name: _dominant(points) for name, points in s.items()}) for s in seen)
+
+
+def stage_held(plan: PipelinePlan) -> tuple[HeldCounts, ...]:
+    """Per stage of an interleaved plan, the points it holds at every moment of its rank's program
+    (:func:`~lightning_pipe.planning.programs.moments`): at the moments its rank runs it, as the
+    rank's moment; at the moments its rank runs another of its stages, as a forward's (whose bytes,
+    :func:`stage_memory_terms`, bound the :func:`resting_bytes` the rank counts there, plus its buffers).
+    So the stage's :func:`stage_peak_bytes` over these counts is at least its share of its rank's
+    :func:`rank_peak_bytes` at every moment (cached per program)."""
+    key = (*program_key(plan, 1), plan.width > 1)
+    if key not in _STAGE_HELD:
+        if len(_STAGE_HELD) >= 256:  # bounded, like the program caches it is built from
+            _STAGE_HELD.clear()
+        _STAGE_HELD[key] = _stage_held(plan)
+    return _STAGE_HELD[key]
+
+
+class _VirtualChain:
+    """Stage time and memory of any block range as any stage of an interleaved plan: MadPipe's
+    U(k, l) and M(k, l, g), with g the stage's own counts over its rank's program (:func:`stage_held`)."""
+
+    def __init__(self, ranges: RangeCosts, plan: PipelinePlan, microbatch_size: int) -> None:
+        self.ranges, self.b, self.cap = ranges, microbatch_size, bucket_cap(plan)
+        self.held, self.depth, self.stages = stage_held(plan), plan.depth, plan.stages
+        self.batch = batch_bytes(ranges.profile, plan, microbatch_size)
+        samples = ranges.samples(microbatch_size)
+        self._elapsed = [0.0, *itertools.accumulate(x.forward + x.backward for x in samples)]
+
+    def time(self, start: int, stop: int) -> float:
+        return self._elapsed[stop] - self._elapsed[start]
+
+    def memory(self, start: int, stop: int, stage: int) -> int:
+        """Peak bytes of blocks ``start .. stop-1`` as ``stage`` (one weight version, as
+        rank_peak_bytes counts); the batch is counted with the rank's first stage only."""
+        first_round = stage < self.depth
+        return self.ranges.peak(
+            start,
+            stop,
+            self.b,
+            self.cap,
+            self.held[stage],
+            1,
+            stage == 0,
+            stage == self.stages - 1,
+            self.batch if first_round else 0,
+        )
+
+
+def _paired(
+    times: np.ndarray, memory: list[np.ndarray], lo: int, mid: int, hi: int, limit: float, reverse: bool
+) -> tuple[float, list[int], list[int]]:
+    """The exact min-max DP of one round boundary ``mid``: blocks ``lo .. mid-1`` cut into ``d``
+    stages (the first round, stage ``k`` on rank ``k``), blocks ``mid .. hi-1`` into ``d`` more
+    (the second round: stage ``d + k`` on rank ``k``, or under the V placement, ``reverse``, stage
+    ``2d - 1 - k``), each rank's two stages together at most ``limit`` bytes, the slowest rank's
+    two stages' seconds least. The state after ``k`` ranks is where each round has got to,
+    ``(a, b)``; a rank's transition picks both of its stages at once. ``memory[s]``: stage ``s``'s
+    bytes by ``[start, stop]``. Returns the period (``inf`` if nothing fits) and each round's cuts."""
+    depth = len(memory) // 2
+    first = np.arange(lo, mid + 1)
+    second = np.arange(mid, hi + 1)
+    na, nb = len(first), len(second)
+    ta = times[np.ix_(first, first)]  # [a, a']: seconds of a first-round stage
+    tb = times[np.ix_(second, second)] if not reverse else times[np.ix_(second, second)].T
+    # Second round in the order its stages meet rank 0, 1, ...: forward from mid, or under V back from hi.
+    if reverse:
+        tb = tb[::-1, ::-1]  # [b, b'] over positions hi, hi-1, ..., mid: stage [hi-b', hi-b)
+    best = np.full((na, nb), np.inf)
+    best[0, 0] = 0.0
+    choices = []
+    for k in range(depth):
+        partner = 2 * depth - 1 - k if reverse else depth + k
+        ma = memory[k][np.ix_(first, first)]
+        mb = memory[partner][np.ix_(second, second)]
+        mb = mb.T[::-1, ::-1] if reverse else mb
+        # Rank k's stage of a round starts after k blocks of it and leaves one to each later
+        # stage: from [k, n - (d - k)], to one further (the same width, n - d, in both rounds).
+        wa, wb = na - depth, nb - depth
+        ia, ja, ib, jb = slice(k, k + wa), slice(k + 1, k + 1 + wa), slice(k, k + wb), slice(k + 1, k + 1 + wb)
+        # cost[a, b, a', b']: the rank's two stages' seconds where they fit, else inf.
+        cost = ta[ia, ja][:, None, :, None] + tb[ib, jb][None, :, None, :]
+        fits = (ma[ia, ja][:, None, :, None] + mb[ib, jb][None, :, None, :]) <= limit
+        cost = np.where(fits, cost, np.inf)
+        total = np.maximum(best[ia, ib][:, :, None, None], cost).reshape(wa * wb, wa * wb)
+        arg = np.argmin(total, axis=0)
+        best = np.full((na, nb), np.inf)
+        best[ja, jb] = total[arg, np.arange(wa * wb)].reshape(wa, wb)
+        came = np.zeros((na, nb, 2), np.int64)  # the state each one came from
+        came[ja, jb, 0], came[ja, jb, 1] = (k + arg // wb).reshape(wa, wb), (k + arg % wb).reshape(wa, wb)
+        choices.append(came)
+    period = float(best[na - 1, nb - 1])
+    if not np.isfinite(period):
+        return period, [], []
+    a, b, cuts_a, cuts_b = na - 1, nb - 1, [], []
+    for came in reversed(choices):
+        cuts_a.append(a)
+        cuts_b.append(b)
+        a, b = int(came[a, b, 0]), int(came[a, b, 1])
+    cuts_a = [int(first[x]) for x in reversed(cuts_a)]
+    cuts_b = [int(hi - x if reverse else second[x]) for x in reversed(cuts_b)]
+    return period, cuts_a, cuts_b
+
+
+def _virtual_partition(
+    profile: Profile, plan: PipelinePlan, microbatch_size: int, memory_limit: float, ranges: Optional[RangeCosts]
+) -> Optional[Partition]:
+    """:func:`madpipe_partition` for two stages per rank (loop and V placements): see there."""
+    n, depth, stages = len(profile.blocks), plan.depth, plan.stages
+    chain = _VirtualChain(RangeCosts.of(profile, ranges), plan, microbatch_size)
+    elapsed = np.asarray(chain._elapsed)
+    times = elapsed[None, :] - elapsed[:, None]
+    times = np.where(np.triu(np.ones((n + 1, n + 1), bool), 1), times, np.inf)  # a stage holds a block
+    memory = []
+    for s in range(stages):
+        m = np.full((n + 1, n + 1), np.inf)
+        for a in range(s, n):  # stage s starts after s blocks and leaves one to each later stage
+            for z in range(a + 1, n - (stages - 1 - s) + 1):
+                m[a, z] = chain.memory(a, z, s)
+        memory.append(m)
+    reverse = plan.stage_placement == "v"
+    found: Optional[tuple[float, list[int], list[int]]] = None
+    for mid in range(depth, n - depth + 1):
+        got = _paired(times, memory, 0, mid, n, memory_limit, reverse)
+        if np.isfinite(got[0]) and (found is None or got[0] < found[0]):
+            found = got
+    if found is None:
+        return None
+    period, cuts_a, cuts_b = found
+    bounds = [0, *cuts_a, *sorted(cuts_b[:-1]), n]
+    sizes = tuple(z - a for a, z in zip(bounds, bounds[1:]))
+    stage_memory = tuple(chain.memory(a, z, s) for s, (a, z) in enumerate(zip(bounds, bounds[1:])))
+    rank_memory = tuple(sum(stage_memory[s] for s in plan.stages_of(r)) for r in range(depth))
+    return Partition(sizes, period, stage_memory, rank_memory)

@@ -55,7 +55,7 @@ def candidates(
     ``d * v`` blocks and ``m`` allow); split backward off, on, and for 1F1B on in its
     drain only, one stage per rank (:data:`_SPLITS`); the time-balanced
     partition and, under a memory limit, the memory-aware one
-    (:func:`lightning_pipe.planning.madpipe.madpipe_partition`, one stage per rank) when they differ;
+    (:func:`lightning_pipe.planning.madpipe.madpipe_partition`, one or two stages per rank) when they differ;
     and each of ``partitions`` (a running job's own, for example) at its stage count; each
     with DDP replicas and, where :func:`offers_fsdp`, FSDP ones, ZeRO-3 and ZeRO-2 (both: the
     memory limit and the ranking decide between them; ZeRO-3 needs the least memory, ZeRO-2
@@ -83,7 +83,7 @@ def candidates(
                 virtual_stages=virtual,
                 split_placement=placement,
             )
-            memory_aware = _memory_aware(ranges, plan, b, memory_limit) if virtual == 1 else None
+            memory_aware = _memory_aware(ranges, plan, b, memory_limit)
             extra = [p for p in partitions if len(p) == plan.stages]
             for partition in dict.fromkeys([plan.partition, *([memory_aware] if memory_aware else []), *extra]):
                 for replicas in _replicas(profile, plan.replace(partition=partition), fsdp):
