@@ -242,3 +242,12 @@ def test_search_chooses_the_interleaved_memory_aware_partition_under_a_budget() 
     assert max(predict_memory(profile, plan, best.microbatch_size, None)) > limit
     time_balanced = [p for p in ranked if p.plan.partition == balanced_sizes and p.feasible]
     assert time_balanced and all(p.samples_per_second < best.samples_per_second for p in time_balanced)
+
+
+def test_two_stages_per_rank_keep_the_time_balanced_cut_among_the_fastest() -> None:
+    # Equal blocks: every cut giving each rank half the chain has the smallest rank-sum period,
+    # lopsided ones ((1, 7, 7, 1) under the V) too; the equal stages pipeline best and are returned.
+    profile = _chain([1.0] * 16, [1000] * 16)
+    for schedule, placement in (("1f1b", "loop"), ("zbv", "v")):
+        plan = PipelinePlan(depth=2, microbatches=4, schedule=schedule, virtual_stages=2, placement=placement)
+        assert madpipe_partition(profile, plan, 1, float("inf")).sizes == (4, 4, 4, 4)

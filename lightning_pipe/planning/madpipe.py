@@ -200,6 +200,9 @@ def madpipe_partition(
     cross-layout receive padding (its peaks fall at different moments, so it can exceed the
     rank's peak): a partition found fits when the planner predicts it, and one at the limit may be missed.
     Above two stages per rank the result is ``None`` (no memory-aware partition is offered).
+    Of the cuts with the smallest period the time-balanced one is returned where it is one of
+    them and fits (the rank-sum period has lopsided minima too, which pipeline worse). Above
+    :data:`VIRTUAL_BLOCKS` blocks the dynamic program (``O(d n^5)``) is not run: ``None``.
 
     Returns:
         ``None`` if no contiguous partition fits the limit.
@@ -359,6 +362,11 @@ def _paired(
     return period, cuts_a, cuts_b
 
 
+#: Chains longer than this get no memory-aware partition for two stages per rank (the dynamic
+#: program takes about 0.2 s at 48 blocks and grows as the fifth power).
+VIRTUAL_BLOCKS = 48
+
+
 def _virtual_partition(
     profile: Profile, plan: PipelinePlan, microbatch_size: int, memory_limit: float, ranges: Optional[RangeCosts]
 ) -> Optional[Partition]:
@@ -375,6 +383,8 @@ def _virtual_partition(
             for z in range(a + 1, n - (stages - 1 - s) + 1):
                 m[a, z] = chain.memory(a, z, s)
         memory.append(m)
+    if n > VIRTUAL_BLOCKS:
+        return None
     reverse = plan.stage_placement == "v"
     found: Optional[tuple[float, list[int], list[int]]] = None
     for mid in range(depth, n - depth + 1):
@@ -383,9 +393,20 @@ def _virtual_partition(
             found = got
     if found is None:
         return None
-    period, cuts_a, cuts_b = found
+    _, cuts_a, cuts_b = found
     bounds = [0, *cuts_a, *sorted(cuts_b[:-1]), n]
-    sizes = tuple(z - a for a, z in zip(bounds, bounds[1:]))
+    best = _partition_of(chain, plan, tuple(z - a for a, z in zip(bounds, bounds[1:])), n)
+    balanced = _partition_of(chain, plan, RangeCosts.of(profile, ranges).balanced(stages, microbatch_size), n)
+    if max(balanced.rank_memory) <= memory_limit and balanced.period <= best.period * (1 + 1e-9):
+        return balanced  # as fast, and its stages pipeline best (the rank-sum period has lopsided minima too)
+    return best
+
+
+def _partition_of(chain: "_VirtualChain", plan: PipelinePlan, sizes: tuple[int, ...], n: int) -> Partition:
+    """``sizes`` with its period (the slowest rank's stages together) and stage and rank memories."""
+    bounds = list(itertools.accumulate((0, *sizes)))
     stage_memory = tuple(chain.memory(a, z, s) for s, (a, z) in enumerate(zip(bounds, bounds[1:])))
-    rank_memory = tuple(sum(stage_memory[s] for s in plan.stages_of(r)) for r in range(depth))
+    times = [chain._elapsed[z] - chain._elapsed[a] for a, z in zip(bounds, bounds[1:])]
+    rank_memory = tuple(sum(stage_memory[s] for s in plan.stages_of(r)) for r in range(plan.depth))
+    period = max(sum(times[s] for s in plan.stages_of(r)) for r in range(plan.depth))
     return Partition(sizes, period, stage_memory, rank_memory)
