@@ -505,8 +505,26 @@ def rank_moments(
     former each stage's counts end with its :func:`handed_gradients`."""
     index = {s: c for c, s in enumerate(stages)}
     if sent is not None and sent.ndim == 3 and sent.shape[2] == 4 * len(stages):
+        sent = _posted_with_sends(actions, sent)
         sent = np.concatenate((sent, handed_gradients(actions, index)[:, :, None]), axis=2)
     return tuple(dict.fromkeys(_walk(actions, index.__getitem__, len(stages), sent=sent)))
+
+
+def _posted_with_sends(actions: Sequence[Action], rows: np.ndarray) -> np.ndarray:
+    """A rank's :func:`buffered_layouts` rows, a forward's moment taken at the send of its output
+    that follows it: there an interleaved rank posts the receive of that neighbour's next message
+    just before the send (:func:`posted_receives`), beside the message the send packs (counted
+    with the forward, ``memory.stage_memory_terms``), so the forward's row gains what the send
+    posts but the output it sends."""
+    out = rows.copy()
+    kinds = np.arange(rows.shape[2]) % 4
+    for i in range(len(actions) - 1):
+        a, b = actions[i], actions[i + 1]
+        if a.kind is Kind.FORWARD and b.kind is Kind.SEND_ACT and (b.stage, b.microbatch) == (a.stage, a.microbatch):
+            posted = np.maximum(rows[i + 1] - rows[i], 0)
+            posted[:, kinds == SENT_OUTPUT] = 0
+            out[i] = rows[i] + posted
+    return out
 
 
 def handed_gradients(actions: Sequence[Action], index: dict[int, int]) -> np.ndarray:
