@@ -60,7 +60,11 @@ class StageCosts:
 
 
 def _backward_peaks(
-    samples: Sequence[BlockSample], grads: Sequence[int], bucket_cap: int = 0, last_incoming: int = 0
+    samples: Sequence[BlockSample],
+    grads: Sequence[int],
+    bucket_cap: int = 0,
+    last_incoming: int = 0,
+    kept_output: int = 0,
 ) -> tuple[int, int]:
     """Peaks of one microbatch's backward through the blocks, last to first: the step's first
     backward, while the gradients appear, and a later one beyond the microbatch's saved tensors.
@@ -75,11 +79,17 @@ def _backward_peaks(
     (``after_gradient_bytes``, profiled: autograd frees a node's saved tensors before
     accumulating its gradients) and the saved tensors of blocks ``0..j-1``. A later backward
     finds every gradient there: a block with large temporaries early in the stage adds less
-    than the same block last."""
+    than the same block last.
+
+    ``kept_output``: what the last block saved of the stage's output, which the executor keeps
+    (the backward's root) until the backward ends: it stays beside the earlier blocks' backwards
+    (:func:`_kept_stage_output`)."""
     inner = [0] + [max(b.saved_input_bytes - a.saved_output_bytes, 0) for a, b in zip(samples, samples[1:])]
     saved = [0] + list(
         itertools.accumulate(x.saved_bytes + i for x, i in zip(samples, inner))
     )  # saved[j + 1]: blocks 0..j
+    last = len(samples) - 1
+    saved = [b + (kept_output if j <= last else 0) for j, b in enumerate(saved)]  # the root stays
     after = list(itertools.accumulate(reversed(grads)))[::-1] + [0]  # after[j]: gradients of blocks j..
     # The gradient a block's backward starts from, until it is consumed: the next block's input gradient
     # (the stage's last block starts from the loss, or from a received gradient counted with the stage,
@@ -139,7 +149,7 @@ def _inner_inputs(samples: Sequence[BlockSample]) -> int:
     return sum(max(b.saved_input_bytes - a.saved_output_bytes, 0) for a, b in zip(samples, samples[1:]))
 
 
-def _input_grad_peak(samples: Sequence[BlockSample], returned: Sequence[int]) -> int:
+def _input_grad_peak(samples: Sequence[BlockSample], returned: Sequence[int], kept_output: int = 0) -> int:
     """A deferring I's peak over the stage's whole graph (negative where it stays below it). It
     runs the blocks last to first, freeing each block's saved tensors as it goes (no
     ``retain_graph``), so while block ``j`` runs the stage holds the saved tensors of blocks
@@ -147,16 +157,29 @@ def _input_grad_peak(samples: Sequence[BlockSample], returned: Sequence[int]) ->
     block kept for W, the gradients of the later blocks' other weights (``returned``, per block:
     norms, biases; the autograd call returns them all at its end), the gradient of block ``j``'s
     output unless the block is the stage's last (the stage's model counts that one), and block
-    ``j``'s I temporaries (profiled beside its whole graph)."""
+    ``j``'s I temporaries (profiled beside its whole graph); beside the blocks before the last, also
+    ``kept_output`` (:func:`_kept_stage_output`)."""
     inner = [0] + [max(b.saved_input_bytes - a.saved_output_bytes, 0) for a, b in zip(samples, samples[1:])]
     saved = [0] + list(itertools.accumulate(x.saved_bytes + i for x, i in zip(samples, inner)))
     kept_after, peak = 0, None
     for i in reversed(range(len(samples))):
         incoming = samples[i].output_bytes if i < len(samples) - 1 else 0  # as in _backward_peaks
-        here = saved[i + 1] + kept_after + incoming + samples[i].input_grad_workspace_bytes
+        root = kept_output if i < len(samples) - 1 else 0  # the last block's own saved tensors hold it
+        here = saved[i + 1] + root + kept_after + incoming + samples[i].input_grad_workspace_bytes
         peak = here if peak is None else max(peak, here)
         kept_after += samples[i].captured_bytes + returned[i]
     return (peak or 0) - saved[-1]
+
+
+def _kept_stage_output(samples: Sequence[BlockSample], recompute: bool, last: bool) -> int:
+    """What a stage's last block saved of the stage's output, which outlives that block's saved
+    tensors during the stage's backward (or I): the executor keeps the output it sent, the
+    backward's root, until the backward ends (runtime/executor.py), so the saved tensor autograd
+    frees with the last block's node stays beside the earlier blocks' backwards. Not on the last
+    stage (its output goes to the loss, modelled with it), nor with recompute (the recomputed
+    graph saves its own copy, freed as it goes; the kept output is counted whole per held
+    microbatch, ``memory._kept_output_bytes``)."""
+    return 0 if recompute or last or len(samples) < 1 else samples[-1].saved_output_bytes
 
 
 def range_costs(
@@ -176,7 +199,8 @@ def range_costs(
     # A full backward's blocks (with recompute on the last stage, as the loss's backward leaves them;
     # profiled since loss_bytes).
     backward, incoming = _recomputed(mine) if recompute and mine[-1].loss_bytes else (mine, 0)
-    first_backward, excess = _backward_peaks(backward, [b.gradient_bytes for b in states], bucket_cap, incoming)
+    kept = _kept_stage_output(mine, recompute, blocks.stop == len(profile.blocks))
+    first_backward, excess = _backward_peaks(backward, [b.gradient_bytes for b in states], bucket_cap, incoming, kept)
     recomputing = sum(x.recompute for x in mine) if recompute else 0.0
     # Split backward: stage 0's input needs no gradient, so its I only recomputes (if it does) and
     # its W runs the whole backward (the executor's I finds no input to differentiate).
@@ -209,7 +233,7 @@ def range_costs(
         loss_bytes=mine[-1].loss_bytes,
         loss_saved_bytes=mine[-1].loss_saved_bytes,
         optimizer_step_bytes=step_bytes(profile, states),
-        input_grad_workspace_bytes=_input_grad_peak(mine, [b.undeferred_gradient_bytes for b in states]),
+        input_grad_workspace_bytes=_input_grad_peak(mine, [b.undeferred_gradient_bytes for b in states], kept),
         undeferred_gradient_bytes=sum(b.undeferred_gradient_bytes for b in states),
         mixed_input=first > 0 and profile.blocks[first - 1].mixed_output,
         captured_input_bytes=mine[0].captured_input_bytes,

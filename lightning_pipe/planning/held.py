@@ -49,8 +49,20 @@ Point = tuple[int, int, Sent]
 
 #: One moment of a rank that runs several stages (interleaved 1F1B): the running stage's index
 #: among the rank's stages, the kind of moment (a :class:`HeldCounts` field), and per stage of
-#: the rank its :data:`Point` and whether its gradients exist.
+#: the rank its :data:`Point` and whether its gradients exist. Walked with
+#: :func:`buffered_layouts` (:func:`rank_moments`), a point's sends are counts by layout and kind,
+#: then the gradients handed over to it (see there), in place of a :data:`Sent`.
 Moment = tuple[int, str, tuple[Point, ...], tuple[bool, ...]]
+
+
+#: The kinds of message :func:`buffered_layouts` tells apart, by where a rank keeps it: an output
+#: sent, an input gradient sent, a gradient received for an output, an input received.
+SENT_OUTPUT, SENT_GRADIENT, POSTED_GRADIENT, POSTED_INPUT = range(4)
+
+
+def _positions(flat: FlatProgram) -> int:
+    """Stages per rank of a program: positions ``stage // ranks``."""
+    return int(flat.stage.max(initial=0)) // flat.ranks + 1
 
 
 def unacknowledged(flat: FlatProgram) -> np.ndarray:
@@ -66,29 +78,8 @@ def unacknowledged(flat: FlatProgram) -> np.ndarray:
     taken in from a peer only grows, so does the count its messages carry: after a receive, the
     sends acknowledged are the first ones the newest message taken in so far counts.
     """
-    ranks = flat.ranks
-    comm, channel, is_send = _channels(flat)
-    # What each send carries: how many messages its rank had taken in from the peer.
-    carries = np.zeros(len(flat.kind), np.int64)
-    carries[comm] = _grouped_cummax(np.where(is_send, 0, flat.message[comm] + 1), channel)
-    issued = _grouped_cumsum(is_send, channel)
-    acked = _grouped_cummax(np.where(is_send, 0, carries[flat.source[comm]]), channel)
-    # Each link's sends in send order, counted per sending stage's position: the unacknowledged
-    # ones after a message are those numbered from acked to issued.
-    link_sends = comm[is_send]
-    link_start = np.searchsorted(channel[is_send], channel)  # where each message's link begins among link_sends
-    sender_position = flat.stage[link_sends] // ranks
-    gradient = flat.kind[link_sends] == SEND_GRAD
-    state = np.zeros((len(comm), int(flat.stage.max(initial=0)) // ranks + 1, 2), np.int64)
-    for o in range(state.shape[1]):
-        for j, counted in enumerate(((sender_position == o) & ~gradient, (sender_position == o) & gradient)):
-            prefix = np.concatenate(([0], np.cumsum(counted)))
-            state[:, o, j] = prefix[link_start + issued] - prefix[link_start + acked]
-    # As changes after each action, summed along each rank's program.
-    change = np.zeros((len(flat.kind), *state.shape[1:]), np.int64)
-    first = np.concatenate(([True], channel[1:] != channel[:-1]))
-    change[comm] = state - np.where(first[:, None, None], 0, np.roll(state, 1, axis=0))
-    return _cumsum_per_rank(change, flat.starts)
+    by_layout = _unacknowledged_by_layout(flat, _positions(flat))
+    return by_layout.sum(axis=2)[..., [SENT_OUTPUT, SENT_GRADIENT]]
 
 
 def posted_receives(flat: FlatProgram) -> np.ndarray:
@@ -108,8 +99,87 @@ def posted_receives(flat: FlatProgram) -> np.ndarray:
     the size of the stage that reads it is exact when those stages' sizes agree. Over 2BW's windows,
     which the executor runs as separate programs,
     a receive posted by a send in the window before its own is an upper bound."""
+    by_layout = _posted_receives_by_layout(flat, _positions(flat))
+    return by_layout.sum(axis=2)[..., [POSTED_GRADIENT, POSTED_INPUT]]
+
+
+def buffered(flat: FlatProgram) -> np.ndarray:
+    """After each action of a program, what its rank's buffers keep, by stage position as
+    :data:`Sent` ``(output-sized, input-sized)`` messages, each with its header: the
+    unacknowledged sends (:func:`unacknowledged`) and the posted receives (:func:`posted_receives`)."""
+    return unacknowledged(flat) + posted_receives(flat)
+
+
+def buffered_layouts(flat: FlatProgram) -> np.ndarray:
+    """:func:`buffered` with the layout each message's buffer was made for: after each action,
+    ``[action, position, posted * 4 + kind]``, counts of the rank's unacknowledged sends and
+    posted receives by the position of the stage that sends or reads each, the position of the
+    stage that sent or read the link's previous message of its kind (``posted``: the layout its
+    receive is posted for, runtime/comm/p2p.py ``Incoming``; cyclic over the program, as in a
+    step after the first) and its kind (:data:`SENT_OUTPUT`, :data:`SENT_GRADIENT`,
+    :data:`POSTED_GRADIENT`, :data:`POSTED_INPUT`). On a rank of one stage (or stages whose
+    messages agree) ``posted`` is the stage itself; summed over it and read by kind, this is
+    :func:`buffered`."""
+    positions = _positions(flat)
+    sends = _unacknowledged_by_layout(flat, positions)
+    receives = _posted_receives_by_layout(flat, positions)
+    return (sends + receives).reshape(len(flat.kind), positions, positions * 4)
+
+
+def _previous_of_kind(order_key: np.ndarray, group: np.ndarray) -> np.ndarray:
+    """For items of ``group``s, each group ordered by ``order_key``: the index of each item's
+    previous one in its group, the group's last for its first (cyclic)."""
+    if not len(group):
+        return np.zeros(0, np.int64)
+    order = np.lexsort((order_key, group))
+    g = group[order]
+    first = np.concatenate(([True], g[1:] != g[:-1]))
+    last = np.concatenate((g[1:] != g[:-1], [True]))
+    previous = np.roll(order, 1)
+    starts, ends = np.flatnonzero(first), np.flatnonzero(last)
+    previous[starts] = order[ends]
+    out = np.empty_like(order)
+    out[order] = previous
+    return out
+
+
+def _unacknowledged_by_layout(flat: FlatProgram, positions: int) -> np.ndarray:
+    """:func:`unacknowledged` by ``[action, position, posted, kind]`` (see :func:`buffered_layouts`):
+    a send's posted layout is the one of the previous send of its kind on its link."""
     ranks = flat.ranks
-    change = np.zeros((len(flat.kind), int(flat.stage.max(initial=0)) // ranks + 1, 2), np.int64)
+    comm, channel, is_send = _channels(flat)
+    # What each send carries: how many messages its rank had taken in from the peer.
+    carries = np.zeros(len(flat.kind), np.int64)
+    carries[comm] = _grouped_cummax(np.where(is_send, 0, flat.message[comm] + 1), channel)
+    issued = _grouped_cumsum(is_send, channel)
+    acked = _grouped_cummax(np.where(is_send, 0, carries[flat.source[comm]]), channel)
+    # Each link's sends in send order, counted per sending stage's position, posted layout and
+    # kind: the unacknowledged ones after a message are those numbered from acked to issued.
+    link_sends = comm[is_send]
+    link_start = np.searchsorted(channel[is_send], channel)  # where each message's link begins among link_sends
+    sender_position = flat.stage[link_sends] // ranks
+    gradient = flat.kind[link_sends] == SEND_GRAD
+    previous = _previous_of_kind(link_sends, channel[is_send] * 2 + gradient)
+    posted_position = sender_position[previous]
+    state = np.zeros((len(comm), positions, positions, 4), np.int64)
+    for o in range(positions):
+        for q in range(positions):
+            for kind, is_gradient in ((SENT_OUTPUT, False), (SENT_GRADIENT, True)):
+                counted = (sender_position == o) & (posted_position == q) & (gradient == is_gradient)
+                prefix = np.concatenate(([0], np.cumsum(counted)))
+                state[:, o, q, kind] = prefix[link_start + issued] - prefix[link_start + acked]
+    # As changes after each action, summed along each rank's program.
+    change = np.zeros((len(flat.kind), positions, positions, 4), np.int64)
+    first = np.concatenate(([True], channel[1:] != channel[:-1]))
+    change[comm] = state - np.where(first[:, None, None, None], 0, np.roll(state, 1, axis=0))
+    return _cumsum_per_rank(change, flat.starts)
+
+
+def _posted_receives_by_layout(flat: FlatProgram, positions: int) -> np.ndarray:
+    """:func:`posted_receives` by ``[action, position, posted, kind]`` (see :func:`buffered_layouts`):
+    a receive is posted for the layout of the previous message of its kind from its peer."""
+    ranks = flat.ranks
+    change = np.zeros((len(flat.kind), positions, positions, 4), np.int64)
     receive, send = flat.source >= 0, (flat.kind == SEND_ACT) | (flat.kind == SEND_GRAD)
     for r in range(ranks):
         lo, hi = int(flat.starts[r]), int(flat.starts[r + 1])
@@ -127,19 +197,22 @@ def posted_receives(flat: FlatProgram) -> np.ndarray:
             next_send = sends[np.searchsorted(sends, after, side="right")]
             next_read = np.append(reads, hi)[np.searchsorted(reads, after, side="right")]
             posted_at = np.where(next_send < next_read, next_send, np.maximum(after, lo))
-            early = posted_at < read_at
-            readers = np.where(reader < hi, reader, read_at)[early]
-            index = (flat.stage[readers] // ranks, np.where(flat.kind[readers] == RECV_ACT, 1, 0))
+            readers = np.where(reader < hi, reader, read_at)
+            known = readers < hi  # every message the program reads
+            # Its receive is posted for the previous message of its kind (cyclic).
+            own = np.where(known, flat.stage[np.minimum(readers, hi - 1)] // ranks, 0)
+            is_input = np.where(known, flat.kind[np.minimum(readers, hi - 1)] == RECV_ACT, False)
+            numbered = np.flatnonzero(known)
+            posted = own.copy()
+            if len(numbered):
+                previous = _previous_of_kind(numbered, is_input[numbered].astype(np.int64))
+                posted[numbered] = own[numbered[previous]]
+            early = (posted_at < read_at) & known
+            kind = np.where(is_input, POSTED_INPUT, POSTED_GRADIENT)
+            index = (own[early], posted[early], kind[early])
             np.add.at(change, (posted_at[early], *index), 1)
             np.add.at(change, (read_at[early], *index), -1)
     return _cumsum_per_rank(change, flat.starts)
-
-
-def buffered(flat: FlatProgram) -> np.ndarray:
-    """After each action of a program, what its rank's buffers keep, by stage position as
-    :data:`Sent` ``(output-sized, input-sized)`` messages, each with its header: the
-    unacknowledged sends (:func:`unacknowledged`) and the posted receives (:func:`posted_receives`)."""
-    return unacknowledged(flat) + posted_receives(flat)
 
 
 def _channels(flat: FlatProgram) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -426,6 +499,48 @@ def rank_moments(
     actions: Sequence[Action], stages: Sequence[int], sent: Optional[np.ndarray] = None
 ) -> tuple[Moment, ...]:
     """The distinct moments of one rank's program over its ``stages``, in program order (see
-    :func:`_walk`; every stage's counts at each, where :func:`held_counts` keeps one stage's)."""
+    :func:`_walk`; every stage's counts at each, where :func:`held_counts` keeps one stage's).
+
+    ``sent``: the rank's rows of :func:`buffered_layouts` (or of :func:`buffered`); with the
+    former each stage's counts end with its :func:`handed_gradients`."""
     index = {s: c for c, s in enumerate(stages)}
+    if sent is not None and sent.ndim == 3 and sent.shape[2] == 4 * len(stages):
+        sent = _posted_with_sends(actions, sent)
+        sent = np.concatenate((sent, handed_gradients(actions, index)[:, :, None]), axis=2)
     return tuple(dict.fromkeys(_walk(actions, index.__getitem__, len(stages), sent=sent)))
+
+
+def _posted_with_sends(actions: Sequence[Action], rows: np.ndarray) -> np.ndarray:
+    """A rank's :func:`buffered_layouts` rows, a forward's moment taken at the send of its output
+    that follows it: there an interleaved rank posts the receive of that neighbour's next message
+    just before the send (:func:`posted_receives`), beside the message the send packs (counted
+    with the forward, ``memory.stage_memory_terms``), so the forward's row gains what the send
+    posts but the output it sends."""
+    out = rows.copy()
+    kinds = np.arange(rows.shape[2]) % 4
+    for i in range(len(actions) - 1):
+        a, b = actions[i], actions[i + 1]
+        if a.kind is Kind.FORWARD and b.kind is Kind.SEND_ACT and (b.stage, b.microbatch) == (a.stage, a.microbatch):
+            posted = np.maximum(rows[i + 1] - rows[i], 0)
+            posted[:, kinds == SENT_OUTPUT] = 0
+            out[i] = rows[i] + posted
+    return out
+
+
+def handed_gradients(actions: Sequence[Action], index: dict[int, int]) -> np.ndarray:
+    """During each action of a rank's program, per stage position (``index``: a stage's position
+    among the rank's), the gradients of its outputs that the next stage, run by the same rank
+    (the V placement's turn), handed over and that wait for the stage's backward (or I): each is
+    that stage's input gradient, made by its backward (or I) and kept, no message, until the
+    stage's own backward (or I) takes it as its root's gradient (runtime/executor.py,
+    ``_roots``). The one a backward runs from is its workspace's, not counted here."""
+    out = np.zeros((len(actions), len(index)), np.int64)
+    waiting = [0] * len(index)
+    for i, a in enumerate(actions):
+        runs_backward = a.kind is Kind.BACKWARD or a.kind is Kind.INPUT_GRAD
+        if runs_backward and a.stage + 1 in index:
+            waiting[index[a.stage]] -= 1
+        out[i] = waiting
+        if runs_backward and a.stage - 1 in index:
+            waiting[index[a.stage - 1]] += 1
+    return out

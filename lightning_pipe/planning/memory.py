@@ -5,7 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
-from lightning_pipe.planning.held import NOTHING_SENT, HeldCounts, Moment, Point, Sent
+from lightning_pipe.planning.held import (
+    NOTHING_SENT,
+    POSTED_GRADIENT,
+    SENT_OUTPUT,
+    HeldCounts,
+    Moment,
+    Point,
+    Sent,
+)
 from lightning_pipe.runtime.comm.p2p import HEADER_BYTES
 
 if TYPE_CHECKING:
@@ -137,10 +145,15 @@ def stage_memory_terms(
     # A deferring I frees the graph block by block as it keeps their inputs and output gradients
     # for W (``input_grad_workspace_bytes``: its peak over the whole graph, which can be below
     # it); at its end it holds what it kept, ``cap`` over a held microbatch, and the gradients of
-    # the stage's other weights, which its autograd call returns together. Until an I ends, its
+    # the stage's other weights, which its autograd call returns together, and the input gradient
+    # (none on the first stage), which its send then packs into a message beside it (to the
+    # previous stage on the same rank, the V's turn, it goes as it is). Until an I ends, its
     # microbatch keeps the output it runs from (the executor's roots), which a pending one has dropped.
+    sent_gradient = 0 if first else st.input_bytes + (0 if handed else HEADER_BYTES + st.input_bytes)
     split_ws = dropped + (
-        bws - st.backward_workspace_bytes + max(st.input_grad_workspace_bytes, cap + st.undeferred_gradient_bytes)
+        bws
+        - st.backward_workspace_bytes
+        + max(st.input_grad_workspace_bytes, cap + st.undeferred_gradient_bytes + sent_gradient)
         if st.frees_graph_at_input_grad
         else bws
     )
@@ -280,6 +293,38 @@ def sent_bytes(st: "StageCosts", sent: Sent) -> int:
     return outputs * (HEADER_BYTES + st.output_bytes) + gradients * (HEADER_BYTES + st.input_bytes)
 
 
+def layout_bytes(outputs: Sequence[int], inputs: Sequence[int], own: int, counts: Sequence[int]) -> int:
+    """Bytes of the messages a rank's stage ``own`` keeps buffered, given the output and input
+    bytes of each of the rank's stages and ``counts`` by ``posted * 4 + kind``
+    (:func:`~lightning_pipe.planning.held.buffered_layouts`), then, if there, the gradients of
+    its outputs the next stage on the same rank handed over and that wait for its backward, each
+    its output's bytes (:func:`~lightning_pipe.planning.held.handed_gradients`).
+
+    A link's messages of one kind take the layout of the previous one for granted: its receive
+    is posted for that layout and its sender packs into it (runtime/comm/p2p.py,
+    ``send_tensors`` and ``Incoming``). Where the layouts agree a message is one packed buffer,
+    its header and its tensors. Where they differ (interleaved stages of different widths
+    sharing a link) the sender posts the header padded to the posted layout's size and the
+    tensors apart, and the receiver fills the buffer posted for that layout with the header and
+    receives the tensors into new ones. So each message costs its header and the posted
+    layout's bytes; where they differ also its own bytes, on the receiving side (until it is
+    read; counted from the receive's posting, an upper bound) and for a sent input gradient,
+    which the send alone keeps (a sent output is the stage's own, kept for its backward).
+    Layouts are told apart by size: two of one size but different shapes count as one."""
+    total = 0
+    for index, count in enumerate(counts):
+        if not count:
+            continue
+        if index == 4 * len(outputs):  # handed over by the next stage on this rank, no message
+            total += count * outputs[own]
+            continue
+        posted, kind = divmod(index, 4)
+        sizes = outputs if kind in (SENT_OUTPUT, POSTED_GRADIENT) else inputs
+        mine = sizes[own] if sizes[own] != sizes[posted] and kind != SENT_OUTPUT else 0
+        total += count * (HEADER_BYTES + sizes[posted] + mine)
+    return total
+
+
 def received_input_bytes(st: "StageCosts", first: bool, handed: bool = False) -> int:
     """Bytes a held stage input keeps alive: received from the previous stage it is a view of one
     message, its header included (runtime/comm/p2p.py); the first stage's comes from the batch.
@@ -387,24 +432,22 @@ def rank_peak_bytes(
     upper bound beyond). ``step_bytes``: the temporaries of the rank's optimizer step over all
     its stages (default: their stages' sum). ``handed`` (``hands``): per stage, whether its input
     is handed over by the previous stage on this rank (its output to the next), the V placement's
-    turn (:func:`stage_memory_terms`)."""
+    turn (:func:`stage_memory_terms`).
+
+    Each moment's buffers come by stage and by the layout their receive was posted for
+    (:func:`~lightning_pipe.planning.held.buffered_layouts`, counted by :func:`layout_bytes`), or
+    by stage alone (:data:`Sent`, each at its stage's sizes)."""
     handed, hands = handed or [False] * len(stages), hands or [False] * len(stages)
     running: dict[tuple[int, str, tuple[int, int]], int] = {}
     resting: dict[tuple[int, tuple[int, int], bool], int] = {}
     best = 0
-    # Messages to one neighbour alternate between the stages' layouts where those differ: each
-    # receive is posted for the link's last message of its kind (runtime/comm/p2p.py, Incoming),
-    # so a message may meet a receive of the other layout and come as a header padded to that
-    # message's size and its tensors apart, or wait in such a receive. Counted at its own size
-    # plus the largest of the rank's layouts of its kind (an upper bound: at its own size alone it
-    # under-predicts NonUniformChain, whose interleaved stages send 6 KiB and 18 KiB activations).
-    outputs = {st.output_bytes for st, is_last in zip(stages, last) if not is_last}
-    inputs = {st.input_bytes for st, is_first in zip(stages, first) if not is_first}
-    other_output = max(outputs) if len(outputs) > 1 else 0
-    other_input = max(inputs) if len(inputs) > 1 else 0
+    outputs = [st.output_bytes for st in stages]
+    inputs = [st.input_bytes for st in stages]
 
-    def buffers(st: "StageCosts", sent: Sent) -> int:
-        return sent_bytes(st, sent) + sent[0] * other_output + sent[1] * other_input
+    def buffers(o: int, sent: tuple[int, ...]) -> int:
+        if len(sent) == 2:  # by kind only (:data:`Sent`): each at its stage's layout
+            return sent_bytes(stages[o], (sent[0], sent[1]))
+        return layout_bytes(outputs, inputs, o, sent)
 
     for c, kind, points, grads in moments:
         if buckets:
@@ -424,7 +467,7 @@ def rank_peak_bytes(
                 hands=hands[c],
             )
             running[key] = int(sum(terms.values())) - terms["buffers"] - terms["batch"]
-        total = running[key] + sum(buffers(st, point[2]) for st, point in zip(stages, points))
+        total = running[key] + sum(buffers(o, point[2]) for o, point in enumerate(points))
         if kind == "optimizer_step":  # one optimizer over all the rank's stages
             whole = sum(st.optimizer_step_bytes for st in stages) if step_bytes is None else step_bytes
             total += whole - stages[c].optimizer_step_bytes

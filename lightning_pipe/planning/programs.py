@@ -8,7 +8,7 @@ import weakref
 from typing import Any, Optional
 
 from lightning_pipe.core.pipeline_plan import PipelinePlan
-from lightning_pipe.planning.held import HeldCounts, Moment, buffered, program_held_counts, rank_moments
+from lightning_pipe.planning.held import HeldCounts, Moment, buffered_layouts, program_held_counts, rank_moments
 from lightning_pipe.schedules import Action, build_schedule, two_bw_drain, two_bw_window
 from lightning_pipe.schedules.flat import FlatProgram, flatten
 from lightning_pipe.schedules.layout import rank_stages
@@ -95,7 +95,7 @@ def held(plan: PipelinePlan) -> list[HeldCounts]:
 @functools.lru_cache(maxsize=1024)
 def _moments(*key: Any) -> list[tuple[Moment, ...]]:
     depth, virtual, placement, program, flat = key[1], key[-2], key[-1], _program(*key), _flat(*key)
-    sent = buffered(flat)
+    sent = buffered_layouts(flat)
     return [
         rank_moments(actions, rank_stages(r, depth, virtual, placement), sent[flat.rank(r)])
         for r, actions in enumerate(program)
