@@ -33,7 +33,15 @@ from lightning_pipe.planning.costs import (
     time_balanced,
     weight_versions,
 )
-from lightning_pipe.planning.held import HeldCounts, Point, _dominant
+from lightning_pipe.planning.held import (
+    POSTED_GRADIENT,
+    POSTED_INPUT,
+    SENT_GRADIENT,
+    SENT_OUTPUT,
+    HeldCounts,
+    Point,
+    _dominant,
+)
 from lightning_pipe.planning.memory import _bucketed_moment, stage_peak_bytes
 from lightning_pipe.planning.profile import BlockSample, Profile
 from lightning_pipe.planning.programs import held, moments, program_key
@@ -257,8 +265,21 @@ def _stage_held(plan: PipelinePlan) -> tuple[HeldCounts, ...]:
                 kind, grads = _bucketed_moment(kind, grads)
             for o, (point, warm) in enumerate(zip(points, grads)):
                 name = kind if o == c else ("forward_warm" if warm else "forward_cold")
-                seen[mine[o]][name].add(point)
+                seen[mine[o]][name].add(_as_sent(point))
     return tuple(HeldCounts(**{name: _dominant(points) for name, points in s.items()}) for s in seen)
+
+
+def _as_sent(point: Point) -> Point:
+    """A rank moment's point with its buffers as one stage's :data:`~.held.Sent` ``(output-sized,
+    input-sized)``: a point walked with :func:`~.held.buffered_layouts` counts them by layout and
+    kind, then the gradients handed over to it (output-sized); summed here, each at its own size."""
+    held, pending, sends = point
+    if len(sends) == 2:
+        return point
+    counts, handed = sends[:-1], sends[-1]
+    outputs = sum(n for k, n in enumerate(counts) if k % 4 in (SENT_OUTPUT, POSTED_GRADIENT)) + handed
+    inputs = sum(n for k, n in enumerate(counts) if k % 4 in (SENT_GRADIENT, POSTED_INPUT))
+    return held, pending, (outputs, inputs)
 
 
 def stage_held(plan: PipelinePlan) -> tuple[HeldCounts, ...]:
