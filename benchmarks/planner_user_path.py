@@ -199,7 +199,7 @@ def run_cli(work: Workload, devices: int, opts: Options, out: Path) -> dict[str,
 def plan_key(row: dict[str, Any]) -> tuple:
     """What identifies a plan in a ranking (its layout and microbatch size)."""
     fields = ("width", "depth", "virtual_stages", "microbatches", "microbatch_size", "schedule", "split_backward")
-    rest = ("split_placement", "inner", "placement")
+    rest = ("split_placement", "inner", "placement", "data_parallel", "reshard_after_forward")
     return tuple(row.get(k) for k in fields + rest) + (tuple(row["partition"]), tuple(row["recompute"]))
 
 
@@ -210,9 +210,12 @@ def describe(row: dict[str, Any]) -> str:
     )
     recompute = "".join("y" if r else "n" for r in row["recompute"])
     shape = " (V)" if row.get("placement") == "v" else ""
+    sharded = (
+        f" fsdp(zero{3 if row.get('reshard_after_forward', True) else 2})" if row.get("data_parallel") == "fsdp" else ""
+    )
     return (
         f"({row['width']},{row['depth']}) v={row['virtual_stages']}{shape} b={row['microbatch_size']} "
-        f"m={row['microbatches']} {row['schedule']} split={split} {row['partition']} rc={recompute}"
+        f"m={row['microbatches']} {row['schedule']} split={split}{sharded} {row['partition']} rc={recompute}"
     )
 
 
@@ -220,7 +223,8 @@ def row_plan(row: dict[str, Any]) -> PipelinePlan:
     """The plan a ranking row (``--ranking-json``) describes."""
     fields = ("width", "depth", "microbatches", "schedule", "split_backward", "split_placement", "virtual_stages")
     plan = {k: row[k] for k in fields} | {"inner": row["inner"], "placement": row.get("placement")}
-    return PipelinePlan(**plan, partition=tuple(row["partition"]), recompute=tuple(row["recompute"]))
+    sharding = {k: row[k] for k in ("data_parallel", "reshard_after_forward") if k in row}
+    return PipelinePlan(**plan, **sharding, partition=tuple(row["partition"]), recompute=tuple(row["recompute"]))
 
 
 def strategy_args(row: dict[str, Any], global_batch: int) -> dict[str, Any]:
@@ -309,8 +313,9 @@ def to_train(rankings: Sequence[dict[str, Any]], count: int, stale: bool = False
 def _same_program(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Two plans of one layout predicted the same step (e.g. GPipe and 1F1B at one microbatch)."""
     layout = ("width", "depth", "virtual_stages", "microbatches", "microbatch_size", "partition", "recompute")
+    layout += ("data_parallel", "reshard_after_forward")
     model = "model_step_seconds" if "model_step_seconds" in a and "model_step_seconds" in b else "step_seconds"
-    return all(a[k] == b[k] for k in layout) and abs(a[model] - b[model]) < 1e-12
+    return all(a.get(k) == b.get(k) for k in layout) and abs(a[model] - b[model]) < 1e-12
 
 
 def measure_group(work: Workload, devices: int, opts: Options) -> dict[str, Any]:

@@ -160,3 +160,17 @@ def test_a_trial_on_shared_cores_is_fitted_as_the_ranks_alone() -> None:
     assert calibrate(profile, [trial]).compute_scale == pytest.approx(1.3, rel=0.05)
     blind = calibrate(dataclasses.replace(profile, cores=None), [dataclasses.replace(trial)])
     assert blind.compute_scale > 1.3 * 1.2
+
+
+def test_fsdp_trials_are_left_out_of_the_fit_where_a_ddp_trial_ran() -> None:
+    # An FSDP trial whose collectives take far more than the model prices (its hooks) must not
+    # move the DDP plans' scales: the fit with it equals the fit of the DDP trial alone.
+    profile = _profile()
+    job = dataclasses.replace(profile, **TRUE)
+    ddp = _traced(job, PipelinePlan(width=2, depth=2, microbatches=4, schedule="1f1b", partition=(2, 2)), 1)
+    fsdp_plan = PipelinePlan(width=2, depth=2, microbatches=4, schedule="1f1b", partition=(2, 2), data_parallel="fsdp")
+    slow = _traced(dataclasses.replace(job, allreduce_scale=40.0, compute_scale=3.0), fsdp_plan, 1)
+    both, alone = calibrate(profile, [ddp, slow]), calibrate(profile, [ddp])
+    for name in TRUE:
+        assert getattr(both, name) == pytest.approx(getattr(alone, name)), name
+    assert calibrate(profile, [slow]).allreduce_scale > 10  # an FSDP trial alone is still fitted

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from lightning_pipe.core.pipeline_plan import PipelinePlan
-from lightning_pipe.planning.costs import action_cost, sharded_seconds, stage_costs
+from lightning_pipe.planning.costs import action_cost, sharded, sharded_seconds, stage_costs
 from lightning_pipe.planning.predict import predict_step, slowdowns
 from lightning_pipe.planning.profile import Profile
 from lightning_pipe.schedules import Action, Kind
@@ -90,9 +90,15 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
     - Sends: the median traced seconds of posting one (receives wait on their senders, so they
       are not fitted).
     - Then the step overhead: the median over trials of measured minus predicted step, at least 0.
+
+    Where a trial with DDP replicas ran, trials with FSDP replicas are left out of the fit: FSDP's
+    collectives run in its hooks, inside and around the actions, beyond what the model prices
+    (:func:`~lightning_pipe.planning.costs.sharded_seconds`), and would skew the DDP plans'
+    scales; an FSDP trial's own plan is charged its measured step by the ranking.
     """
     if not trials:
         return profile
+    trials = [t for t in trials if not sharded(t.plan)] or list(trials)
     base = unfitted(profile)
     compute: list[tuple[float, float]] = []
     sums = {"optimizer": [0.0, 0.0], "allreduce": [0.0, 0.0]}
