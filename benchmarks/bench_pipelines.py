@@ -413,7 +413,7 @@ class PeakTensorBytes(TorchDispatchMode):
         self.current = self.peak = 0
         self._refs: list[Any] = []
         for t in persistent:  # tracked until freed too: a step may drop what it found (last step's gradients)
-            self._track(t.untyped_storage())
+            self._track(_local(t).untyped_storage())
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -433,6 +433,13 @@ class PeakTensorBytes(TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         self.current -= self.known.pop(key, 0)
+
+
+def _local(t: Tensor) -> Tensor:
+    """A tensor's local part: an FSDP-sharded (DTensor) weight, gradient or state holds its shard."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _peak_bytes(step: Contender, batch: Any) -> int:
