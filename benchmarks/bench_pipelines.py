@@ -423,7 +423,10 @@ class PeakTensorBytes(TorchDispatchMode):
         return out
 
     def _track(self, storage: Any) -> None:
-        key, size = storage.data_ptr(), storage.nbytes()
+        try:
+            key, size = storage.data_ptr(), storage.nbytes()
+        except RuntimeError:  # a wrapper subclass (DTensor) has no storage: its local tensor's ops are tracked
+            return
         if key in self.known or not size:
             return
         self.known[key] = size

@@ -125,7 +125,7 @@ class StepRecorder(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if self.tracker is not None and self.peak is None:
             self.tracker.__exit__(None, None, None)
-            self.peak = self.tracker.peak
+            self.peak, self.tracker = self.tracker.peak, None  # its references to weights end with it
         self.ends.append(time.perf_counter())
 
     def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:

@@ -174,3 +174,26 @@ def test_fsdp_trials_are_left_out_of_the_fit_where_a_ddp_trial_ran() -> None:
     for name in TRUE:
         assert getattr(both, name) == pytest.approx(getattr(alone, name)), name
     assert calibrate(profile, [slow]).allreduce_scale > 10  # an FSDP trial alone is still fitted
+
+
+def test_a_best_plan_with_fsdp_replicas_is_tried_beside_the_best_with_ddp_ones() -> None:
+    # The fit reads DDP trials only: where the best plan shards its replicas, the best DDP plan
+    # runs next (then another width's), so the fit has a trial to read.
+    profile = dataclasses.replace(_profile(), shared_blocks=[])
+    job = dataclasses.replace(profile, **TRUE)
+
+    def ranking(p):
+        return search.search(p, 4, 8, virtual_stages=(1,))
+
+    first = ranking(profile)
+    sharded = next(p for p in first if p.plan.data_parallel == "fsdp")
+    ran: list[PipelinePlan] = []
+
+    def trained(p: predict.Prediction) -> Trial:
+        ran.append(p.plan)
+        return _traced(job, p.plan, p.microbatch_size)
+
+    trial_ranking(profile, [sharded] + [p for p in first if p is not sharded], ranking, trained, budget=3)
+    best_ddp = next(p.plan for p in first if p.plan.data_parallel == "ddp")
+    assert ran[:2] == [sharded.plan, best_ddp]
+    assert ran[2].data_parallel == "ddp" and ran[2].width != sharded.plan.width

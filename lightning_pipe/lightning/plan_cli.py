@@ -206,8 +206,9 @@ def trial_ranking(
     the plans ranked again, each plan that ran charged its measured step, and, by plan and
     microbatch size, the fitted model's step and the measured steps' spread of each plan that ran.
 
-    The first trials run the best plan and the best of another data-parallel width (programs
-    that differ in all-reduce and compute, for the fit); then, refitted after each trial, the
+    The first trials run the best plan (and the best with DDP replicas where the best shards
+    them: the fit reads DDP trials) and the best DDP plan of another data-parallel width
+    (programs that differ in all-reduce and compute, for the fit); then, refitted after each trial, the
     best plan that has not run, while it is predicted faster than every measured one, until
     ``budget`` trials have run. A trial that fails is reported and left out.
     """
@@ -222,7 +223,9 @@ def trial_ranking(
             print(f"trial run failed, left out of the fit: {err}", file=sys.stderr, flush=True)
 
     feasible = [p for p in ranked if p.feasible]
-    first = feasible[:1] + [p for p in feasible if p.plan.width != feasible[0].plan.width][:1]
+    ddp = [p for p in feasible if p.plan.data_parallel != "fsdp"]  # the fit reads DDP trials (calibrate)
+    first = feasible[:1] + (ddp[:1] if feasible and feasible[0].plan.data_parallel == "fsdp" else [])
+    first += [p for p in ddp if feasible and p.plan.width != feasible[0].plan.width and p not in first][:1]
     for p in first[:budget]:
         attempt(p)
     while True:
