@@ -190,6 +190,7 @@ def run_cli(work: Workload, devices: int, opts: Options, out: Path) -> dict[str,
     cmd += ["--devices", str(devices), "--top", str(opts.plans), "--output", str(out / "plan.yaml")]
     cmd += ["--ranking-json", str(out / "ranking.json")] + (["--memory", opts.memory] if opts.memory else [])
     cmd += ["--allow-stale"] if opts.allow_stale else []
+    cmd += ["--profile-json", str(out / "profile.json")]  # the fitted profile, to read a miss afterwards
     code, seconds = _run(cmd, opts.timeout, out / "cli.log")
     if code != 0:
         raise RuntimeError(f"plan command failed ({code}): {' '.join(cmd)}\n{_tail(out / 'cli.log')}")

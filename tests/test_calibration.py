@@ -183,7 +183,7 @@ def test_a_best_plan_with_fsdp_replicas_is_tried_beside_the_best_with_ddp_ones()
     job = dataclasses.replace(profile, **TRUE)
 
     def ranking(p):
-        return search.search(p, 4, 8, virtual_stages=(1,))
+        return search.search(p, 4, 8, virtual_stages=(1,), fsdp=True)
 
     first = ranking(profile)
     sharded = next(p for p in first if p.plan.data_parallel == "fsdp")

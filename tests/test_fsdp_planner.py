@@ -56,8 +56,9 @@ def _fastest_feasible(found: list[predict.Prediction]) -> predict.Prediction:
 def test_search_picks_fsdp_only_where_ddp_does_not_fit() -> None:
     profile = _profile()
     devices, batch = 4, 8
-    free = search.search(profile, devices, batch)
-    assert any(p.plan.data_parallel == "fsdp" for p in free)  # offered
+    assert not any(p.plan.data_parallel == "fsdp" for p in search.search(profile, devices, batch))  # no budget
+    free = search.search(profile, devices, batch, fsdp=True)
+    assert any(p.plan.data_parallel == "fsdp" for p in free)  # offered when asked
     assert free[0].plan.data_parallel == "ddp"  # slower links: FSDP is predicted slower
     best_free = _fastest_feasible(_brute_force(profile, devices, batch, None))
     assert free[0].step_time == pytest.approx(best_free.step_time)
@@ -85,7 +86,7 @@ def test_search_picks_fsdp_only_where_ddp_does_not_fit() -> None:
 def test_search_prefers_fsdp_where_predicted_faster() -> None:
     """A slow optimizer step and fast links: the sharded step over 1/w of the weights wins."""
     profile = _profile(bandwidth=1e9, optimizer_step=10.0)
-    ranked = search.search(profile, 4, 8)
+    ranked = search.search(profile, 4, 8, fsdp=True)
     assert ranked[0].plan.data_parallel == "fsdp"
     best = _fastest_feasible(_brute_force(profile, 4, 8, None))
     assert ranked[0].samples_per_second == pytest.approx(best.samples_per_second)
@@ -95,15 +96,17 @@ def test_search_offers_fsdp_only_where_the_runtime_shards() -> None:
     def offered(profile: Profile, **kw: object) -> list[PipelinePlan]:
         return [c.plan for c in search.candidates(profile, 4, 8, **kw) if c.plan.data_parallel == "fsdp"]  # type: ignore[arg-type]
 
-    plans = offered(_profile())
+    assert not offered(_profile())  # without a memory limit: DDP only
+    plans = offered(_profile(), fsdp=True)
     assert plans and {p.reshard_after_forward for p in plans} == {True, False}
     assert all(p.width > 1 and p.virtual_stages == 1 and not p.split_backward and not p.spec.streams for p in plans)
-    assert all(not p.spec.streams for p in offered(_profile(), allow_stale=True))  # 2BW: DDP only
-    assert not offered(_profile(shared=[[0, 1]]))  # tied weights: refused by the runtime
+    assert offered(_profile(), memory_limit=1e12) == plans  # a memory limit offers them
+    assert all(not p.spec.streams for p in offered(_profile(), allow_stale=True, fsdp=True))  # 2BW: DDP only
+    assert not offered(_profile(shared=[[0, 1]]), fsdp=True)  # tied weights: refused by the runtime
     unknown = _profile()
     unknown.shared_blocks = None
-    assert not offered(unknown)  # unknown ties may be some
-    assert not offered(_profile(bandwidth=0.0))  # the collectives cannot be priced
+    assert not offered(unknown, fsdp=True)  # unknown ties may be some
+    assert not offered(_profile(bandwidth=0.0), fsdp=True)  # the collectives cannot be priced
     assert not offered(_profile(), fsdp=False)  # the AutoPlanner's search
 
 

@@ -45,7 +45,7 @@ def candidates(
     partitions: Sequence[tuple[int, ...]] = (),
     virtual_stages: Sequence[int] = (1, 2),
     ranges: Optional[RangeCosts] = None,
-    fsdp: bool = True,
+    fsdp: Optional[bool] = None,
 ) -> Iterator[Candidate]:
     """Every ``(w, d)`` with ``w * d = devices``; every microbatch size ``b`` with
     ``m = global_batch / (w * b)`` whole; every registered schedule (2BW only with
@@ -61,7 +61,10 @@ def candidates(
     memory limit and the ranking decide between them; ZeRO-3 needs the least memory, ZeRO-2
     gathers the weights once per step).
     ``ranges``: the profile's block-range costs, to share with :func:`evaluate`; ``fsdp``: offer
-    FSDP replicas at all (``False``: DDP only, as the AutoPlanner moves)."""
+    FSDP replicas at all (``False``: DDP only, as the AutoPlanner moves; ``None``: under a memory
+    limit only, where sharding is what lets a plan fit: FSDP's hooks add time the model of its
+    collectives does not price, measured at 1.1-2x its predicted step under gloo on CPU)."""
+    fsdp = memory_limit is not None if fsdp is None else fsdp
     specs = [get(s) for s in (schedules or SCHEDULE_NAMES)]
     names = [spec.name for spec in specs if allow_stale or not spec.stale]
     ranges = RangeCosts.of(profile, ranges)
@@ -170,7 +173,7 @@ def search(
     schedules: Optional[Sequence[str]] = None,
     partitions: Sequence[tuple[int, ...]] = (),
     virtual_stages: Sequence[int] = (1, 2),
-    fsdp: bool = True,
+    fsdp: Optional[bool] = None,
 ) -> list[Prediction]:
     """Every :func:`candidates` plan evaluated and ranked, best first (see :func:`rank`); each
     infeasible one says which stage (or interleaved rank) exceeds the budget and by how much
