@@ -118,8 +118,11 @@ class StepRecorder(L.Callback):
         from benchmarks.bench_pipelines import PeakTensorBytes
         from lightning_pipe.lightning.monitor import held_tensors
 
-        held = held_tensors(trainer.strategy.engine.parameters(), trainer.optimizers)
-        self.tracker = PeakTensorBytes(held + [t for t in tree_leaves(batch) if isinstance(t, Tensor)])
+        engine = trainer.strategy.engine
+        held = held_tensors(engine.parameters(), trainer.optimizers)
+        # 2BW's second weight version and its gradients live across steps beside the module's own.
+        second = [t for slot in engine.versions.slots[1:] if slot for p in slot for t in (p, p.grad) if t is not None]
+        self.tracker = PeakTensorBytes(held + second + [t for t in tree_leaves(batch) if isinstance(t, Tensor)])
         self.tracker.__enter__()
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
