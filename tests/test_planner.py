@@ -1400,3 +1400,12 @@ def test_the_plan_says_the_conditions_and_the_measured_sharing_its_times_hold_fo
     assert "4 process(es) at once, 1 torch thread(s) each, on a host of 2 cores:" in conditions_note(profile)
     note = conditions_note(alone(profile, 2.5, 4))
     assert "2.50x slower with all at once than alone, so the ranks share 1.60 effective cores" in note
+
+
+def test_the_plan_command_profiles_one_sample_the_largest_microbatch_and_their_geometric_middle() -> None:
+    from lightning_pipe.lightning.plan_cli import profiled_sizes
+
+    assert profiled_sizes(32, 2) == [1, 4, 16]
+    assert profiled_sizes(32, 4) == [1, 3, 8]
+    assert profiled_sizes(8, 8) == [1]
+    assert profiled_sizes(2, 1) == [1, 2]

@@ -116,6 +116,16 @@ def _global_batch(cfg: dict[str, Any], data: Any) -> int:
     return int(init.get("global_batch_size") or getattr(data, "batch_size") * (devices // depth))
 
 
+def profiled_sizes(global_batch: int, devices: int) -> list[int]:
+    """The microbatch sizes the plan command profiles: 1, the largest a replica gets with every
+    device a replica, and between them their geometric middle. Time is interpolated linearly
+    between the nearest two (:meth:`~lightning_pipe.planning.profile.BlockProfile.at`); a block's
+    time is not linear in the size from one sample to many (per-op overheads, then caches), and
+    a middle sample halves the span a line must cover. Bytes are linear in it."""
+    largest = max(global_batch // devices, 1)
+    return sorted({1, max(round(largest**0.5), 1), largest})
+
+
 def job_conditions(devices: int, ranks_per_node: Optional[int], device_type: str) -> tuple[int, int]:
     """``(processes, threads)``: the ranks that will share one host's cores and the torch threads each will use.
 
@@ -460,7 +470,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cfg = yaml.safe_load(args.config.read_text()) or {}
     model, data = _build(args.config, args.script)
     global_batch = args.global_batch or _global_batch(cfg, data)
-    sizes = sorted({1, max(global_batch // args.devices, 1)})
+    sizes = profiled_sizes(global_batch, args.devices)
     processes, threads = job_conditions(
         args.devices, args.ranks_per_node, "cuda" if torch.cuda.is_available() else "cpu"
     )
