@@ -414,7 +414,7 @@ def layout_table(group: dict[str, Any]) -> str:
         [
             x["ranked"],
             describe(x["row"]),
-            "trial" if x["row"].get("trial") else "model",
+            "trial" if x["row"].get("trial") else "layout's trial" if x["row"].get("layout_trial") else "model",
             f"{x['row']['step_seconds']:.4f}",
             f"{x['step']:.4f}",
             f"{x['row']['step_seconds'] / x['step']:.3f}",

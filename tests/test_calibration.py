@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from lightning_pipe import PipelinePlan
-from lightning_pipe.lightning.plan_cli import choice_noise, measured_first, trial_ranking
+from lightning_pipe.lightning.plan_cli import choice_noise, layout, measured_first, trial_ranking
 from lightning_pipe.planning import costs, predict, programs, search
 from lightning_pipe.planning.calibration import Trial, calibrate, fitted_scale, trial_spread, trial_step
 from tests.test_planner import _uniform
@@ -96,7 +96,10 @@ def test_trials_run_the_best_plan_and_another_width_then_the_fitted_best_until_o
     truth = {(p.plan, p.microbatch_size): p.step_time for p in ranking(job)}
     for p in ranked:
         assert p.step_time == pytest.approx(truth[(p.plan, p.microbatch_size)])
-    assert set(modeled) == set(spreads) == {(p, b) for p, b in truth if p in ran}
+    assert set(spreads) == {(p, b) for p, b in truth if p in ran}
+    # The model's step is reported for those, and for the plans their trials' layouts scaled.
+    tried = {layout(p, b) for p, b in spreads}
+    assert set(modeled) == set(spreads) | {(p, b) for p, b in truth if layout(p, b) in tried}
     # The loop stops once the fitted best has run (or the budget is spent).
     assert ranked[0].plan in ran or len(ran) == 4
     assert [p.plan for p in measured_first(ranked, {})] == [p.plan for p in ranked]
@@ -197,3 +200,23 @@ def test_a_best_plan_with_fsdp_replicas_is_tried_beside_the_best_with_ddp_ones()
     best_ddp = next(p.plan for p in first if p.plan.data_parallel == "ddp")
     assert ran[:2] == [sharded.plan, best_ddp]
     assert ran[2].data_parallel == "ddp" and ran[2].width != sharded.plan.width
+
+
+def test_a_trial_scales_the_model_step_of_the_plans_of_its_layout_only() -> None:
+    # The model's miss on a layout (its blocks, ranks and sizes) is shared by its other
+    # schedules: measured over model step of the trial, times their model step.
+    profile = _profile()
+    ranked = search.search(profile, 4, 8, virtual_stages=(1,))
+    tried = next(p for p in ranked if p.plan.depth == 2 and p.plan.schedule == "1f1b" and not p.plan.split_backward)
+    same = [p for p in ranked if layout(p.plan, p.microbatch_size) == layout(tried.plan, tried.microbatch_size)]
+    other = [p for p in ranked if layout(p.plan, p.microbatch_size) != layout(tried.plan, tried.microbatch_size)]
+    assert len(same) > 1 and other
+    trial = Trial(tried.plan, tried.microbatch_size, 2 * tried.step_time, ())
+    charged = {
+        (p.plan, p.microbatch_size): p.step_time
+        for p in measured_first(ranked, {(tried.plan, tried.microbatch_size): trial})
+    }
+    for p in same:
+        assert charged[(p.plan, p.microbatch_size)] == pytest.approx(2 * p.step_time)
+    for p in other:
+        assert charged[(p.plan, p.microbatch_size)] == p.step_time

@@ -12,7 +12,7 @@ import os
 import statistics
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Collection, Optional, Sequence
 
 import lightning as L
 import torch
@@ -213,8 +213,10 @@ def trial_ranking(
     Profile, list[predict.Prediction], dict[tuple[PipelinePlan, int], float], dict[tuple[PipelinePlan, int], float]
 ]:
     """The profile fitted to trial runs (:func:`~lightning_pipe.planning.calibration.calibrate`),
-    the plans ranked again, each plan that ran charged its measured step, and, by plan and
-    microbatch size, the fitted model's step and the measured steps' spread of each plan that ran.
+    the plans ranked again (:func:`measured_first`: each plan that ran charged its measured step,
+    each of a trial's layout its model step scaled by the trial), and, by plan and microbatch
+    size, the fitted model's step of each plan charged so, and the measured steps' spread of
+    each plan that ran.
 
     The first trials run the best plan (and the best with DDP replicas where the best shards
     them: the fit reads DDP trials) and the best DDP plan of another data-parallel width
@@ -245,7 +247,12 @@ def trial_ranking(
         measured = [t.step for t in ran.values()]
         fresh = next((p for p in ranked if p.feasible and (p.plan, p.microbatch_size) not in tried), None)
         if len(tried) >= budget or fresh is None or (measured and fresh.step_time >= min(measured)):
-            steps = {(p.plan, p.microbatch_size): p.step_time for p in modeled if (p.plan, p.microbatch_size) in ran}
+            layouts = layout_ratios(modeled, ran)
+            steps = {
+                (p.plan, p.microbatch_size): p.step_time
+                for p in modeled
+                if (p.plan, p.microbatch_size) in ran or layout(p.plan, p.microbatch_size) in layouts
+            }
             return fitted, ranked, steps, {key: t.spread for key, t in ran.items()}
         attempt(fresh)
 
@@ -253,14 +260,47 @@ def trial_ranking(
 def measured_first(
     ranked: Sequence[predict.Prediction], ran: dict[tuple[PipelinePlan, int], Trial]
 ) -> list[predict.Prediction]:
-    """``ranked`` with each plan that ran a trial charged its measured step, ranked again."""
-    charged = [
-        dataclasses.replace(p, step_time=ran[(p.plan, p.microbatch_size)].step)
-        if (p.plan, p.microbatch_size) in ran
-        else p
-        for p in ranked
-    ]
+    """``ranked`` with each plan that ran a trial charged its measured step, and each plan of a
+    trial's layout (:func:`layout`: the same blocks on the same ranks at the same microbatch
+    size, another schedule, split or recompute) its model step times that trial's measured over
+    model step (:func:`layout_ratios`); ranked again."""
+    ratios = layout_ratios(ranked, ran)
+    charged = []
+    for p in ranked:
+        key = (p.plan, p.microbatch_size)
+        step = ran[key].step if key in ran else p.step_time * ratios.get(layout(p.plan, p.microbatch_size), 1.0)
+        charged.append(dataclasses.replace(p, step_time=step))
     return search.rank(charged)
+
+
+def layout(plan: PipelinePlan, microbatch_size: int) -> tuple:
+    """What a plan shares with others that differ only in their schedule, split backward or
+    recompute: its replicas and their kind, its stages, their placement and partition, and its
+    microbatches and their size."""
+    return (
+        plan.width,
+        plan.depth,
+        plan.virtual_stages,
+        plan.stage_placement,
+        plan.partition,
+        plan.data_parallel,
+        plan.microbatches,
+        microbatch_size,
+    )
+
+
+def layout_ratios(
+    ranked: Sequence[predict.Prediction], ran: dict[tuple[PipelinePlan, int], Trial]
+) -> dict[tuple, float]:
+    """Per :func:`layout` of a plan that ran a trial, its measured over its model step (the model's
+    miss on those blocks, ranks and sizes, which the layout's other plans share; ``ranked``:
+    the model's predictions)."""
+    model = {(p.plan, p.microbatch_size): p.step_time for p in ranked}
+    return {
+        layout(plan, b): trial.step / model[(plan, b)]
+        for (plan, b), trial in ran.items()
+        if model.get((plan, b), 0) > 0
+    }
 
 
 def choice_noise(
@@ -313,11 +353,14 @@ def table(
     top: int,
     spread: Optional[dict[PipelinePlan, float]] = None,
     trials: Optional[dict[tuple[PipelinePlan, int], float]] = None,
+    ran: Optional[Collection[tuple[PipelinePlan, int]]] = None,
 ) -> str:
     """The ranked plans as a markdown table (the best ``top`` feasible, then a few infeasible); ``spread``:
     each plan's predicted step's spread over the rounds of profiling (:func:`prediction_spread`);
-    ``trials``: the plans that ran a trial (their step is the measured one), with the model's step."""
+    ``trials``: the model's step of the plans charged by a trial (:func:`measured_first`); ``ran``:
+    those that ran one themselves (default: all of them)."""
     spread, trials = spread or {}, trials or {}
+    ran = set(trials) if ran is None else set(ran)
     rows = [
         "| w | d | v | b | m | schedule | split | replicas | recompute | partition | step (s) | spread | trial "
         "| samples/s | peak per rank | infeasible because |",
@@ -333,16 +376,21 @@ def table(
             f"| {plan.width} | {plan.depth} | {plan.virtual_stages} | {p.microbatch_size} | {plan.microbatches} "
             f"| {plan.schedule} | "
             f"{_split(plan)} | {_replicas(plan)} | {recompute} | {list(plan.partition)} | {p.step_time:.4f} | "
-            f"{f'±{spread[plan]:.1%}' if plan in spread else ''} | {_trial(p, trials)} | "
+            f"{f'±{spread[plan]:.1%}' if plan in spread else ''} | {_trial(p, trials, ran)} | "
             f"{p.samples_per_second:.1f} | {peaks} | {p.why_infeasible()} |"
         )
     return "\n".join(rows)
 
 
-def _trial(p: predict.Prediction, trials: dict[tuple[PipelinePlan, int], float]) -> str:
-    """The table's trial column: for a plan that ran one, the fitted model's step beside the measured one."""
-    modeled = trials.get((p.plan, p.microbatch_size))
-    return "" if modeled is None else f"measured (model {modeled:.4f})"
+def _trial(
+    p: predict.Prediction, trials: dict[tuple[PipelinePlan, int], float], ran: Collection[tuple[PipelinePlan, int]]
+) -> str:
+    """The table's trial column: the fitted model's step beside the measured one of a plan that
+    ran a trial, or beside the step scaled by its layout's trial."""
+    key = (p.plan, p.microbatch_size)
+    if key not in trials:
+        return ""
+    return f"measured (model {trials[key]:.4f})" if key in ran else f"layout's trial (model {trials[key]:.4f})"
 
 
 def _replicas(plan: PipelinePlan) -> str:
@@ -375,12 +423,16 @@ def ranking_json(
     chosen: Optional[predict.Prediction] = None,
     spread: Optional[dict[PipelinePlan, float]] = None,
     trials: Optional[dict[tuple[PipelinePlan, int], float]] = None,
+    ran: Optional[Collection[tuple[PipelinePlan, int]]] = None,
 ) -> str:
     """Every ranked plan as JSON, in the table's order: its plan fields, microbatch size, predicted
     step seconds (and their spread over the rounds of profiling, where measured) and peak bytes per
     pipeline rank, and whether it fits the budget; ``chosen``: the index of the plan written as YAML;
-    ``trials``: the plans that ran a trial (``step_seconds`` measured, ``model_step_seconds`` the fitted model's)."""
+    ``trials``: the plans charged by a trial (``model_step_seconds`` the fitted model's), ``ran``
+    those that ran one (``trial``: ``step_seconds`` measured; default: all of them), the others
+    scaled by their layout's (``layout_trial``)."""
     spread, trials = spread or {}, trials or {}
+    ran = set(trials) if ran is None else set(ran)
     rows = [
         {
             "width": p.plan.width,
@@ -401,7 +453,8 @@ def ranking_json(
             "peak_bytes_per_rank": list(p.stage_memory),
             "feasible": p.feasible,
             "spread": spread.get(p.plan),
-            "trial": (p.plan, p.microbatch_size) in trials,
+            "trial": (p.plan, p.microbatch_size) in ran,
+            "layout_trial": (p.plan, p.microbatch_size) in trials and (p.plan, p.microbatch_size) not in ran,
             "model_step_seconds": trials.get((p.plan, p.microbatch_size), p.step_time),
         }
         for p in ranked
@@ -514,11 +567,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.profile_json is not None:
         args.profile_json.write_text(profile.to_json())
     noise = prediction_spread(profiles, ranked[: args.top], args.memory)
-    print(table(ranked, args.top, noise, trials))
+    print(table(ranked, args.top, noise, trials, trial_spreads))
     top_noise = choice_noise(ranked, noise, trial_spreads)
     best = search.choose(ranked, top_noise)
     if args.ranking_json is not None:
-        args.ranking_json.write_text(ranking_json(ranked, args.devices, global_batch, best, noise, trials))
+        args.ranking_json.write_text(
+            ranking_json(ranked, args.devices, global_batch, best, noise, trials, trial_spreads)
+        )
     if best is None:
         print("no plan fits the memory budget", file=sys.stderr)
         return 1
