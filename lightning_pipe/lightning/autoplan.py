@@ -510,8 +510,15 @@ class AutoPlanner(Callback):
             + f"; chosen: predicted {record['chosen'].step_time:.4f} s"
             + (f" ({calibrated:.4f} s calibrated by the running plan's measured step)\n" if calibrated else "\n")
         )
+        profile = record["profile"]
+        shared = f"ranks sharing {profile.cores:.2f} effective cores; " if profile.cores is not None else ""
+        fit = (
+            f"{shared}fitted: compute x{profile.compute_scale:.2f}, optimizer step x{profile.optimizer_scale:.2f}, "
+            f"all-reduce x{profile.allreduce_scale:.2f}, {profile.step_overhead * 1e3:.1f} ms a step outside the "
+            "program\n"
+        )
         text = (
-            f"AutoPlanner at step {record['step']}: {record['reason']}\n{origin}{steps}"
+            f"AutoPlanner at step {record['step']}: {record['reason']}\n{origin}{steps}{fit}"
             f"chosen: {record['chosen'].plan.describe()}, "
             f"switch took {record['switch_seconds']:.3f} s\n{record['table']}"
         )
@@ -583,10 +590,10 @@ def _shared_cores(trainer: Trainer) -> Optional[float]:
     on accelerators (a device each)."""
     if trainer.strategy.root_device.type != "cpu":
         return None
-    a = torch.randn(192, 192)
-    work = functools.partial(_matmuls, a, 16)
+    a = torch.randn(256, 256) / 16
+    work = functools.partial(_matmuls, a, 128)  # tens of milliseconds: long enough for the ranks to overlap
     world = dist.get_world_size()
-    slowdown = torch.tensor([host_slowdown(work, dist.barrier, dist.get_rank(), world)], dtype=torch.float64)
+    slowdown = torch.tensor([host_slowdown(work, dist.barrier, dist.get_rank(), world, 5)], dtype=torch.float64)
     dist.all_reduce(slowdown)
     return world / max(float(slowdown) / world, 1.0)
 
