@@ -590,17 +590,18 @@ def _shared_cores(trainer: Trainer) -> Optional[float]:
     on accelerators (a device each)."""
     if trainer.strategy.root_device.type != "cpu":
         return None
-    a = torch.randn(256, 256) / 16
-    work = functools.partial(_matmuls, a, 128)  # tens of milliseconds: long enough for the ranks to overlap
+    a, b = torch.randn(96, 96) / 10, torch.empty(96, 96)  # 72 KiB: the job's memory is not the probe's
+    work = functools.partial(_matmuls, a, b, 1536)  # tens of milliseconds: long enough for the ranks to overlap
     world = dist.get_world_size()
     slowdown = torch.tensor([host_slowdown(work, dist.barrier, dist.get_rank(), world, 5)], dtype=torch.float64)
     dist.all_reduce(slowdown)
     return world / max(float(slowdown) / world, 1.0)
 
 
-def _matmuls(a: Tensor, times: int) -> None:
+def _matmuls(a: Tensor, b: Tensor, times: int) -> None:
+    """``times`` products of ``a`` with itself into ``b`` and back, allocating nothing."""
     for _ in range(times):
-        a = torch.tanh(a @ a)
+        torch.tanh(torch.mm(a, a, out=b), out=a)
 
 
 def _rows(batch: Any, start: int, size: int) -> Any:
