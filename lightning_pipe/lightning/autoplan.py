@@ -398,16 +398,22 @@ class AutoPlanner(Callback):
         plan, budget, global_batch = strategy.plan, self._budget(trainer), strategy.global_batch_size
         current = predict.predict(profile, plan, max(global_batch // (plan.width * plan.microbatches), 1), budget)
         # The running partition is a candidate too: keeping it (less what costs time) is always an option.
-        ranked = search.search(
-            profile,
-            plan.world_size,
-            global_batch,
-            budget,
-            self.allow_stale,
-            partitions=[plan.partition],
-            virtual_stages=self.virtual_stages,
-            fsdp=False,  # reconfigure moves DDP replicas only
-        )
+        # Rank 0 searches and every rank takes its ranking: one answer, and no ranks sharing a host's
+        # cores to compute the same search each.
+        found: list[Any] = [None]
+        if dist.get_rank() == 0:
+            found[0] = search.search(
+                profile,
+                plan.world_size,
+                global_batch,
+                budget,
+                self.allow_stale,
+                partitions=[plan.partition],
+                virtual_stages=self.virtual_stages,
+                fsdp=False,  # reconfigure moves DDP replicas only
+            )
+        dist.broadcast_object_list(found, src=0)
+        ranked = found[0]
         if not ranked or not ranked[0].feasible:
             smallest = min((max(p.stage_memory) for p in ranked), default=float("nan"))
             raise RuntimeError(
@@ -586,13 +592,24 @@ def _profile_inputs(captured: list[tuple[Tensor, ...]]) -> list[tuple[Tensor, ..
 def _shared_cores(trainer: Trainer) -> Optional[float]:
     """Effective CPU cores the job's ranks share (:attr:`Profile.cores`), measured: every rank's
     slowdown on a fixed matrix product while all compute at once against alone
-    (:func:`~lightning_pipe.planning.profiler.host_slowdown`), averaged over the ranks; ``None``
-    on accelerators (a device each)."""
+    (:func:`~lightning_pipe.planning.profiler.host_slowdown`), averaged over the ranks, once per
+    process and world size; ``None`` on accelerators (a device each)."""
     if trainer.strategy.root_device.type != "cpu":
         return None
+    world = dist.get_world_size()
+    if world not in _MEASURED_CORES:  # once per job: its ranks share the same host all along
+        _MEASURED_CORES[world] = _measured_cores(world)
+    return _MEASURED_CORES[world]
+
+
+#: Effective cores measured in this process, by world size.
+_MEASURED_CORES: dict[int, float] = {}
+
+
+def _measured_cores(world: int) -> float:
+    """The ``world`` ranks over their mean slowdown computing all at once (collective: every rank calls it)."""
     a, b = torch.randn(96, 96) / 10, torch.empty(96, 96)  # 72 KiB: the job's memory is not the probe's
     work = functools.partial(_matmuls, a, b, 1536)  # tens of milliseconds: long enough for the ranks to overlap
-    world = dist.get_world_size()
     slowdown = torch.tensor([host_slowdown(work, dist.barrier, dist.get_rank(), world, 5)], dtype=torch.float64)
     dist.all_reduce(slowdown)
     return world / max(float(slowdown) / world, 1.0)
