@@ -61,17 +61,16 @@ def _interleaved() -> list[PipelinePlan]:
 
 
 def _interleaved_world4() -> list[PipelinePlan]:
-    """Two stages per rank on 4 processes: interleaved 1F1B (loop placement) and ZB-V (the V),
-    split backward off and on, on 4 ranks (8 stages, one block each but the last two: the
+    """Two stages per rank on 4 processes: interleaved 1F1B (loop placement) and ZB-V (the V)
+    with split backward (without it: :data:`WIDE_PLANS`), on 4 ranks (8 stages, one block each but the last two: the
     embedding alone on rank 0, stages of different widths sharing a link) and on 2 ranks of 2
     replicas; looped BFS in a V (every backward of the turn's later stage before the earlier
     one's: the gradients it hands over wait); and one stage per rank whose last block
     (``Resize``'s tanh) saves its output."""
     return [
-        *(PipelinePlan(1, 4, 4, "1f1b", split, partition=PARTITIONS[8], virtual_stages=2) for split in (False, True)),
-        *(PipelinePlan(1, 4, 8, "zbv", split, partition=PARTITIONS[8], virtual_stages=2) for split in (False, True)),
+        PipelinePlan(1, 4, 4, "1f1b", True, partition=PARTITIONS[8], virtual_stages=2),
+        PipelinePlan(1, 4, 8, "zbv", True, partition=PARTITIONS[8], virtual_stages=2),
         PipelinePlan(2, 2, 4, "1f1b", True, partition=PARTITIONS[4], virtual_stages=2),
-        PipelinePlan(2, 2, 4, "zbv", True, partition=PARTITIONS[4], virtual_stages=2),
         PipelinePlan(1, 4, 4, "looped_bfs", partition=PARTITIONS[8], virtual_stages=2, placement="v"),
         PipelinePlan(1, 4, 8, "1f1b", False, partition=(4, 2, 2, 2)),
     ]
@@ -90,11 +89,14 @@ LOGITS_PLANS = {
     4: [],
 }
 
-#: Interleaved 1F1B on 4 ranks at 8 samples a microbatch, split backward off and on: the
-#: messages of stages of different widths that share a link weigh more beside the rest.
+#: Interleaved 1F1B and ZB-V on 4 ranks at 8 samples a microbatch: the messages of stages of
+#: different widths that share a link weigh more beside the rest.
 WIDE_PLANS = {
     2: [],
-    4: [PipelinePlan(1, 4, 4, "1f1b", split, partition=PARTITIONS[8], virtual_stages=2) for split in (False, True)],
+    4: [
+        PipelinePlan(1, 4, 4, "1f1b", False, partition=PARTITIONS[8], virtual_stages=2),
+        PipelinePlan(1, 4, 8, "zbv", False, partition=PARTITIONS[8], virtual_stages=2),
+    ],
 }
 
 #: Per model (a name, the microbatch size after a colon where not :data:`B`): the model, its
