@@ -23,7 +23,7 @@ from lightning_pipe.lightning.monitor import held_tensors
 from lightning_pipe.planning import predict, search
 from lightning_pipe.planning.calibration import Trial, calibrate, median_actions, trial_step
 from lightning_pipe.planning.links import _link_worker
-from lightning_pipe.planning.profile import BlockProfile, BlockSample, Profile
+from lightning_pipe.planning.profile import BlockProfile, BlockSample, Profile, effective_cores
 from lightning_pipe.planning.profiler import _loss_of, host_slowdown, profile_stage
 from lightning_pipe.runtime.microbatch import batch_size
 from lightning_pipe.schedules import Action
@@ -612,7 +612,7 @@ def _measured_cores(world: int) -> float:
     work = functools.partial(_matmuls, a, b, 1536)  # tens of milliseconds: long enough for the ranks to overlap
     slowdown = torch.tensor([host_slowdown(work, dist.barrier, dist.get_rank(), world, 5)], dtype=torch.float64)
     dist.all_reduce(slowdown)
-    return world / max(float(slowdown) / world, 1.0)
+    return effective_cores(world, float(slowdown) / world)
 
 
 def _matmuls(a: Tensor, b: Tensor, times: int) -> None:

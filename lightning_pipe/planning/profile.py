@@ -238,7 +238,7 @@ def alone(profile: Profile, slowdown: float, processes: int) -> Profile:
     alone: every time over ``slowdown`` (how many times slower a rank computed while all did, see
     :func:`~lightning_pipe.planning.profiler.host_slowdown`), with ``processes / slowdown``
     effective cores (:attr:`Profile.cores`)."""
-    slowdown = max(slowdown, 1.0)
+    cores, slowdown = effective_cores(processes, slowdown), max(slowdown, 1.0)
     times = ("forward", "backward", "input_grad", "weight_grad")
     blocks = [
         dataclasses.replace(
@@ -252,9 +252,16 @@ def alone(profile: Profile, slowdown: float, processes: int) -> Profile:
         optimizer_step=profile.optimizer_step / slowdown,
         version_copy=profile.version_copy / slowdown,
         action_overhead=profile.action_overhead / slowdown,
-        cores=processes / slowdown,
+        cores=cores,
         meta={**profile.meta, "slowdown": slowdown},
     )
+
+
+def effective_cores(processes: int, slowdown: float) -> float:
+    """The cores ``processes`` ranks of one host effectively share: their number over how many
+    times slower each computes while all do than alone (a ratio under 1 is noise: no rank runs
+    faster beside others)."""
+    return processes / max(slowdown, 1.0)
 
 
 def mean_profile(profiles: Sequence[Profile]) -> Profile:
