@@ -203,3 +203,18 @@ def test_memory_is_predicted_within_two_percent_and_never_under(launched, name: 
         if family(plan) == name and not measured <= predicted <= 1.02 * measured
     ]
     assert not misses, misses
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_two_bw_on_one_stage_counts_the_previous_batchs_gradients_only(m: int) -> None:
+    # 2BW on one stage: window t runs batch t's forwards and backwards, then steps batch t-1's
+    # gradients (PipeDream-2BW paper, section 3.1). Batch t's first backward runs beside batch
+    # t-1's gradients alone, its own appearing as its activations go; only later backwards (and
+    # the step) hold both batches' sets. Tracked in one process, as test_planner's one-stage check.
+    torch.manual_seed(0)
+    profile = profile_blocks(NonUniformChain(), token_data(4 * B), [B, 2 * B], repeats=1, optimizer=adamw)
+    plan = PipelinePlan(1, 1, m, "2bw", partition=(10,))
+    torch.manual_seed(0)
+    measured = _tracked_steps(place(NonUniformChain(), plan, 0), token_data(m * B), steps=4)
+    predicted = predict.predict(profile, plan, B).stage_memory[0]
+    assert measured <= predicted <= 1.02 * measured, (predicted, measured)

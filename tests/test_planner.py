@@ -724,11 +724,9 @@ def test_the_walk_on_arrays_is_the_walk_over_actions() -> None:
             continue
         plan = PipelinePlan(1, depth, m, schedule, split, split_max_pending=pending)
         program = programs.program(plan, steps=3 if schedule == "2bw" else 1)
-        flat = flatten(program)
-        want = [
-            held_counts(actions, schedule == "2bw", buffered(flat)[flat.rank(r)]) for r, actions in enumerate(program)
-        ]
-        assert program_held_counts(program, warm=schedule == "2bw") == want, plan.describe()
+        flat, streamed = flatten(program), m if schedule == "2bw" else 0
+        want = [held_counts(actions, streamed, buffered(flat)[flat.rank(r)]) for r, actions in enumerate(program)]
+        assert program_held_counts(program, streamed=streamed) == want, plan.describe()
 
 
 @pytest.mark.parametrize("depth,virtual,m", [(2, 2, 4), (4, 2, 8), (2, 4, 6)])

@@ -332,8 +332,10 @@ def _between(a: tuple[int, ...], b: tuple[int, ...], c: tuple[int, ...]) -> bool
 class HeldCounts:
     """Microbatches a stage holds at each kind of moment of its program, as ``(held, pending)``
     points (see :data:`Point`; empty: no such moment). Gradients exist from a step's first
-    backward (or, under split backward, its first W) on; always under 2BW, whose gradients live
-    across steps; a flushing step starts without them.
+    backward (or, under split backward, its first W) on; a flushing step starts without them.
+    Under 2BW, whose batches' gradients live across windows, "cold" and "first" moments are those
+    before the moment's own batch has gradients (another batch's may exist: the memory model
+    counts those, :func:`~lightning_pipe.planning.costs.gradient_sets`).
 
     Attributes:
         forward_cold: after a forward, before gradients exist.
@@ -402,15 +404,17 @@ def _walk(
     actions: Sequence[Action],
     position: Callable[[int], int],
     count: int,
-    warm: bool = False,
+    streamed: int = 0,
     sent: Optional[np.ndarray] = None,
 ) -> Iterator[Moment]:
     """Every moment of a rank's program over ``count`` stages (``position``: a stage's index among
     them): a forward takes a microbatch in, a backward (or, under split backward, its W) lets it
     go; an input gradient moves it to pending until its W. Gradients exist from a stage's
-    first backward or W on (from the start if ``warm``). ``sent``: the rank's rows of
-    :func:`unacknowledged` (``None``: none counted)."""
-    held, pending, grads = [0] * count, [0] * count, [warm] * count
+    first backward or W on; with ``streamed`` (2BW's microbatches per batch), a moment is warm
+    once its own batch's first backward or W has run (:func:`batch_has_gradients`). ``sent``:
+    the rank's rows of :func:`unacknowledged` (``None``: none counted)."""
+    held, pending, grads = [0] * count, [0] * count, [False] * count
+    batches: list[set[int]] = [set() for _ in range(count)]
     rows = sent.tolist() if sent is not None else None
     f, b, ig, w, o = (
         Kind.FORWARD,
@@ -428,15 +432,18 @@ def _walk(
             elif k is ig:
                 pending[c] += 1
             now = tuple(map(tuple, rows[i])) if rows else (NOTHING_SENT,) * count
-            yield c, _MOMENT_KINDS[k][grads[c]], tuple(zip(held, pending, now)), tuple(grads)
+            warm = grads[c] if not streamed or a.microbatch is None else a.microbatch // streamed in batches[c]
+            yield c, _MOMENT_KINDS[k][warm], tuple(zip(held, pending, now)), tuple(grads)
             if k is b or k is w:
                 grads[c], held[c], pending[c] = True, held[c] - 1, pending[c] - (k is w)
+                if streamed:
+                    batches[c].add(a.microbatch // streamed)
 
 
-def held_counts(actions: Sequence[Action], warm: bool = False, sent: Optional[np.ndarray] = None) -> HeldCounts:
+def held_counts(actions: Sequence[Action], streamed: int = 0, sent: Optional[np.ndarray] = None) -> HeldCounts:
     """The points of each kind of moment of a one-stage rank's program (see :func:`_walk`)."""
     seen: dict[str, set[Point]] = {name: set() for name in HeldCounts.__dataclass_fields__}
-    for _, kind, points, _ in _walk(actions, lambda stage: 0, 1, warm, sent):
+    for _, kind, points, _ in _walk(actions, lambda stage: 0, 1, streamed, sent):
         seen[kind].add(points[0])
     return HeldCounts(**{name: _dominant(points) for name, points in seen.items()})
 
@@ -451,11 +458,24 @@ for _kind, _names in _MOMENT_KINDS.items():
     _MOMENT_CODES[CODES[_kind]] = [_FIELDS.index(name) for name in _names]
 
 
+def batch_has_gradients(flat: FlatProgram, release: np.ndarray, microbatches: int) -> np.ndarray:
+    """Per action of a streamed (2BW) program, whether its batch (``microbatches`` a batch) already
+    has gradients on its rank: a backward or W of that batch ran before it there (PipeDream-2BW
+    paper, section 3.1: each batch accumulates into its own weight version's gradients)."""
+    batch = np.where(flat.microbatch >= 0, flat.microbatch // microbatches, -1) + 1
+    key = flat.owner * (int(batch.max(initial=0)) + 1) + batch
+    order = np.lexsort((np.arange(len(key)), key))
+    before = np.empty(len(key), dtype=np.int64)
+    before[order] = _grouped_cumsum(release[order].astype(np.int64), key[order])
+    return before - release > 0
+
+
 def program_held_counts(
-    program: Sequence[Sequence[Action]], warm: bool = False, flat: Optional[FlatProgram] = None
+    program: Sequence[Sequence[Action]], streamed: int = 0, flat: Optional[FlatProgram] = None
 ) -> list[HeldCounts]:
     """:func:`held_counts` of every rank of a program of one stage per rank, with its
-    :func:`buffered` sends and receives: the same walk on arrays (the planner walks millions of actions)."""
+    :func:`buffered` sends and receives: the same walk on arrays (the planner walks millions of actions).
+    ``streamed``: 2BW's microbatches per batch (see :func:`_walk`)."""
     flat = flat or flatten(program)
     kind, starts = flat.kind, flat.starts
     f, b, i, w, o = (kind == code for code in (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD, OPTIMIZER_STEP))
@@ -463,7 +483,7 @@ def program_held_counts(
     released = _cumsum_per_rank(release, starts)
     held = _cumsum_per_rank(f, starts) - released + release
     pending = _cumsum_per_rank(i, starts) - _cumsum_per_rank(w, starts) + w
-    grads = (released - release > 0) | warm
+    grads = batch_has_gradients(flat, release, streamed) if streamed else released - release > 0
     sent = buffered(flat)[:, 0, :]
     at = np.flatnonzero(f | b | i | w | o)
     columns = [

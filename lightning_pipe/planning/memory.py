@@ -116,6 +116,11 @@ def stage_memory_terms(
         step_state = shards + -(-st.gradient_bytes // w)
         step_workspace = -(-st.optimizer_step_bytes // w) + GRADIENT_NORM_BYTES
         reduce_scatter = step_state + st.gradient_bytes + block
+    if grads > st.gradient_bytes:  # 2BW: the batch before's squared norm waits for its deferred step
+        weights, step_state = weights + GRADIENT_NORM_BYTES, step_state + GRADIENT_NORM_BYTES
+    # Before a moment's own batch has gradients (its "cold" and "first" moments), the other
+    # batches' sets: under 2BW the batch before, until its deferred step (none when flushed).
+    carried = weights + grads - st.gradient_bytes
     loss_graph = _loss_graph_bytes(st, recompute, last, split)
     received = received_input_bytes(st, first, handed)
     per_held = received + (0 if recompute else st.stash_bytes) + st.loss_bytes + loss_graph
@@ -166,11 +171,11 @@ def stage_memory_terms(
     # or W; its captured gradients are in the workspace), else every pending one waits with them
     # (a forward or the optimizer step between a microbatch's I and its W: Zero Bubble, 2BW).
     moments = [
-        (held.forward_cold, weights, fws, (0, per_held, 0, one, 0), 0),
+        (held.forward_cold, carried, fws, (0, per_held, 0, one, 0), 0),
         (held.forward_warm, weights + grads, fws, (0, per_held, 0, one, 0), 0),
         (
             held.backward_first,
-            weights,
+            carried,
             bws - st.backward_workspace_bytes,
             (received + st.first_backward_bytes + st.loss_bytes, 0, per_held, one, 0),
             0,
@@ -178,7 +183,7 @@ def stage_memory_terms(
         (held.full_backwards, weights + grads, full_ws, (-loss_graph, per_held, 0, 0, one), 0),
         # An I (on the first stage empty: the received gradient waits in the workspace).
         (held.split_backwards, weights + grads, full_ws if first else split_ws, (0, per_held, 0, 0, one), 1),
-        (held.input_cold, weights, split_ws, (0, per_held, 0, 0, one), 1),
+        (held.input_cold, carried, split_ws, (0, per_held, 0, 0, one), 1),
         # A W: on the first stage a whole backward (no input gradient), freeing as it goes like one;
         # where I froze the graph, the running microbatch's captured tensors in place of a held one's.
         (held.weight_warm, weights + grads, full_ws if first else weight_ws, (0, per_held, 0, 0, one), 1),
@@ -187,7 +192,7 @@ def stage_memory_terms(
         # for it, and with recompute its rebuilt graph); elsewhere a W whose products become the gradients.
         (
             held.weight_first,
-            weights if first else weights + grads,
+            carried if first else weights + grads,
             bws - st.backward_workspace_bytes if first else weight_ws,
             (received + st.first_backward_bytes + st.loss_bytes - one, 0, per_held, one, 0)
             if first

@@ -80,7 +80,7 @@ _SHARED_COUNTS: "weakref.WeakValueDictionary[HeldCounts, HeldCounts]" = weakref.
 
 @functools.lru_cache(maxsize=1024)
 def _held(*key: Any) -> list[HeldCounts]:
-    counts = program_held_counts(_program(*key), warm=get(key[0]).streams, flat=_flat(*key))
+    counts = program_held_counts(_program(*key), streamed=key[2] if get(key[0]).streams else 0, flat=_flat(*key))
     return [_SHARED_COUNTS.setdefault(c, c) for c in counts]
 
 
