@@ -4,23 +4,36 @@
     python benchmarks/bench_pipelines.py --workload costmodel --depths 4
     python benchmarks/bench_pipelines.py --depths 4 --rounds 1 --steps 3 --pairs 3   # a shorter run
     python benchmarks/bench_pipelines.py --workload gpt --rounds 1 --pairs 0 --no-page   # a quick check
+    python benchmarks/bench_pipelines.py --workload gpt --contenders zbv,dualpipev --pairs 20   # the V schedules
 
 The tables, the chart and the page docs/results/bench_pipelines.md (chart beside it) are
-written at the end; ``--no-page`` leaves docs/results/ alone.
+written at the end; ``--no-page`` leaves docs/results/ alone. ``--contenders`` runs our
+contenders of the schedules named (comma-separated), their torch counterparts and one process,
+and writes its own page, docs/results/bench_pipelines_<schedules>.md (``--contenders
+zbv,dualpipev``: bench_pipelines_zbv_dualpipev.md), so that the full page always holds every
+contender. ``--only`` (contenders whose name contains a text) needs ``--no-page``.
 
 Contenders, interleaved round by round so that machine drift hits them all alike: one process
 with no pipeline; torch.distributed.pipelining ScheduleGPipe, Schedule1F1B,
-ScheduleInterleavedZeroBubble (one stage per rank, and two) and ScheduleInterleaved1F1B (two
-stages per rank); lightning_pipe gpipe, 1f1b and 2bw (with loss="previous": no wait at window
-ends), each with and without split backward, and interleaved 1F1B (two stages per rank) with
-and without split backward. Same model, global batch and microbatches; the same partition for
-every contender with as many stages per rank. Rank 0 shows progress (one tick per timed contender).
+ScheduleInterleavedZeroBubble (one stage per rank, and two), ScheduleInterleaved1F1B (two
+stages per rank), ScheduleZBVZeroBubble and ScheduleDualPipeV (two stages per rank in a V);
+lightning_pipe gpipe, 1f1b and 2bw (with loss="previous": no wait at window ends), each with
+and without split backward, interleaved 1F1B (two stages per rank) with and without split
+backward, and zbv and dualpipev (two stages per rank in a V: rank r holds stages r and
+2d - 1 - r, for torch's as for ours). Same model, global batch and microbatches; the same
+partition for every contender with as many stages per rank. Rank 0 shows progress (one tick
+per timed contender).
 
 Workloads:
   (a) costmodel: blocks sleep a set time in F, I and W, so d = 4 and d = 8 fit on 2 cores and
       the schedule, not the cores, sets the time; also reports measured / simulated step time.
   (b) gpt: the GPT blocks of examples/gpt.py at d = 2, one thread per process, sized so compute
-      dominates the transfers; also reports the speedup over one process and d*m/(m+d-1).
+      dominates the transfers; also reports the speedup over one process and d*m/(m+d-1). Its
+      chain (embedding, ``--gpt-layers`` layers, head) needs at least 2d blocks: the contenders of
+      two stages per rank cut it into 2d stages.
+
+DualPipeV needs m >= 2d (torch's and ours); both workloads' defaults give it that (the cost
+model runs m = 2d, gpt m = 8 at d = 2).
 
 Peak memory per stage is measured for every contender the same way, in one extra untimed step
 under :class:`PeakTensorBytes` (every CPU tensor storage alive, each until it is freed).
@@ -76,6 +89,8 @@ OURS = [(s, split, 1, None) for s in ("gpipe", "1f1b", "2bw") for split in (Fals
     ("1f1b", True, 1, "drain"),
     ("1f1b", False, 2, None),
     ("1f1b", True, 2, None),
+    ("zbv", True, 2, None),
+    ("dualpipev", True, 2, None),
 ]
 TORCH = {
     "gpipe": "ScheduleGPipe",
@@ -83,8 +98,13 @@ TORCH = {
     "zb": "ScheduleInterleavedZeroBubble",
     "interleaved": "ScheduleInterleaved1F1B",
     "interleaved zb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
 }
-VIRTUAL = {"interleaved": 2, "interleaved zb": 2}  # stages per rank; the others run one
+VIRTUAL = {"interleaved": 2, "interleaved zb": 2, "zbv": 2, "dualpipev": 2}  # stages per rank; the others run one
+#: Torch schedules whose stages sit in a V: rank ``r`` holds stages ``r`` and ``2d - 1 - r`` (the others loop:
+#: ``r``, ``r + d``, ...). Their first and last stages are both on rank 0.
+V_PLACED = {"zbv", "dualpipev"}
 # The torch.distributed.pipelining schedule each of ours is compared with: the same schedule,
 # zero bubble (1F1B with split backward, ZB-H1) for split 1F1B, 1F1B for 2BW, whose steady
 # state is 1F1B without the flush, and torch's zero bubble on two stages per rank for our
@@ -100,6 +120,8 @@ SAME = {
     ("2bw", True, 1, None): "zb",
     ("1f1b", False, 2, None): "interleaved",
     ("1f1b", True, 2, None): "interleaved zb",
+    ("zbv", True, 2, None): "zbv",
+    ("dualpipev", True, 2, None): "dualpipev",
 }
 
 
@@ -279,24 +301,25 @@ def _torch(rank: int, work: Workload, kind: str) -> Contender:
     model = work.model()
     blocks, virtual = model.pipeline_blocks(), VIRTUAL.get(kind, 1)
     ranges = stage_ranges(work.partition(model, virtual))
-    ids = [rank + v * work.depth for v in range(virtual)]  # interleaved: rank r holds stages r, r + d, ...
+    n_stages = work.depth * virtual
+    if kind in V_PLACED:  # a V: rank r holds stages r and 2d - 1 - r
+        ids = [rank, n_stages - 1 - rank]
+    else:  # a loop: rank r holds stages r, r + d, ...
+        ids = [rank + v * work.depth for v in range(virtual)]
     modules = [nn.Sequential(*(blocks[i] for i in ranges[s])) for s in ids]
-    stages = [pipelining.PipelineStage(m, s, work.depth * virtual, torch.device("cpu")) for m, s in zip(modules, ids)]
+    stages = [pipelining.PipelineStage(m, s, n_stages, torch.device("cpu")) for m, s in zip(modules, ids)]
     cls = getattr(pipelining, TORCH[kind])
-    multi = kind in ("zb", "interleaved", "interleaved zb")  # schedules that take a list of stages
+    multi = kind not in ("gpipe", "1f1b")  # schedules that take a list of stages
     schedule = cls(stages if multi else stages[0], work.microbatches, loss_fn=_torch_loss(work, model))
     stage_module = nn.ModuleList(modules)
     opt = torch.optim.SGD(stage_module.parameters(), lr=1e-4)
-    first, last = rank == 0, rank == work.depth - 1
+    first, last = 0 in ids, n_stages - 1 in ids  # both on rank 0 in a V
 
     def step(batch: Any) -> None:
         inputs, target = (batch, batch) if isinstance(batch, Tensor) else batch
-        if first:
-            schedule.step(inputs)
-        elif last:
-            schedule.step(target=target, losses=[])
-        else:
-            schedule.step()
+        args = (inputs,) if first else ()
+        kwargs = {"target": target, "losses": []} if last else {}
+        schedule.step(*args, **kwargs)
         opt.step()
         opt.zero_grad()
 
@@ -309,24 +332,38 @@ def _torch_loss(work: Workload, model: nn.Module) -> Callable[[Tensor, Tensor], 
     return lambda out, target: model.pipeline_loss(out, (None, target))
 
 
-def _builders(rank: int, work: Workload, groups: Any, only: Sequence[str] = ()) -> dict[str, Callable[[], Contender]]:
+def _builders(
+    rank: int, work: Workload, groups: Any, only: Sequence[str] = (), contenders: Sequence[str] = ()
+) -> dict[str, Callable[[], Contender]]:
     out: dict[str, Callable[[], Contender]] = {"one process": lambda: _single(rank, work)}
     out.update({f"torch {k}": partial(_torch, rank, work, k) for k in TORCH})
     out.update({_name(*ours): partial(_ours, rank, work, groups, *ours) for ours in OURS})
-    keep = selected(out, only)
+    keep = selected(out, only, contenders)
     return {name: build for name, build in out.items() if name in keep}
 
 
-def selected(names: Iterable[str], only: Sequence[str]) -> set[str]:
-    """Of ``names``, those that contain one of ``only`` (all when empty), with "one process" and
-    the torch schedule each kept one of ours is compared with."""
-    keep = {n for n in names if not only or any(o in n for o in only)} | {"one process"}
-    return keep | {f"torch {SAME[ours]}" for ours in OURS if _name(*ours) in keep}
+#: The schedule names ``--contenders`` takes: those of :data:`OURS`, in its order.
+SCHEDULES = tuple(dict.fromkeys(schedule for schedule, *_ in OURS))
+
+
+def selected(names: Iterable[str], only: Sequence[str] = (), contenders: Sequence[str] = ()) -> set[str]:
+    """Of ``names``, those that contain one of ``only`` and, with ``contenders``, are ours running
+    one of those schedules (either filter: all when empty), with "one process" and the torch
+    schedule each kept one of ours is compared with."""
+    ours = {_name(*o): o for o in OURS}
+    keep = {
+        n
+        for n in names
+        if (not only or any(o in n for o in only)) and (not contenders or (n in ours and ours[n][0] in contenders))
+    }
+    keep.add("one process")
+    return keep | {f"torch {SAME[o]}" for n, o in ours.items() if n in keep}
 
 
 def _name(schedule: str, split: bool, virtual: int = 1, placement: Optional[str] = None) -> str:
     loss = " (loss=previous)" if get(schedule).streams else ""
-    interleaved = f" interleaved (v={virtual})" if virtual > 1 else ""
+    shape = "in a V" if get(schedule).placement(virtual) == "v" else "interleaved"
+    interleaved = f" {shape} (v={virtual})" if virtual > 1 else ""
     split_name = (f" + split ({placement})" if placement else " + split") if split else ""
     return f"lightning_pipe {schedule}" + interleaved + split_name + loss
 
@@ -456,7 +493,15 @@ def _peak_bytes(step: Contender, batch: Any) -> int:
 
 
 def _worker(
-    rank: int, world: int, work: Workload, rounds: int, steps: int, threads: int, only: Sequence[str], pairs: int
+    rank: int,
+    world: int,
+    work: Workload,
+    rounds: int,
+    steps: int,
+    threads: int,
+    only: Sequence[str],
+    pairs: int,
+    contenders: Sequence[str] = (),
 ) -> dict:
     """Each round builds every contender afresh, in a rotated order, then times each in that order;
     after the last round, ``pairs`` paired steps of each of ours with its torch counterpart.
@@ -466,7 +511,7 @@ def _worker(
     """
 
     torch.set_num_threads(threads)
-    builders = _builders(rank, work, PipelineGroups.build(Topology(work.depth, work.depth), rank), only)
+    builders = _builders(rank, work, PipelineGroups.build(Topology(work.depth, work.depth), rank), only, contenders)
     batch, names = work.batch(), list(builders)
     times: dict[str, list[float]] = {name: [] for name in names}
     peaks: dict[str, int] = {}
@@ -504,10 +549,20 @@ def _worker(
     }
 
 
-def run(work: Workload, rounds: int, steps: int, threads: int, only: Sequence[str] = (), pairs: int = 0) -> list[dict]:
-    """Run the contenders on ``work`` (those :func:`selected` by ``only``); one row per contender."""
+def run(
+    work: Workload,
+    rounds: int,
+    steps: int,
+    threads: int,
+    only: Sequence[str] = (),
+    pairs: int = 0,
+    contenders: Sequence[str] = (),
+) -> list[dict]:
+    """Run the contenders on ``work`` (those :func:`selected` by ``only`` and ``contenders``); one row per contender."""
     profile = work.profile(threads)  # before the run, while the machine is quiet
-    out = run_gloo(_worker, work.depth, work, rounds, steps, threads, only, pairs, timeout=3000, pg_timeout=600)
+    out = run_gloo(
+        _worker, work.depth, work, rounds, steps, threads, only, pairs, contenders, timeout=3000, pg_timeout=600
+    )
     if any(status != "ok" for status, _ in out):
         raise RuntimeError("\n".join(str(v) for s, v in out if s != "ok"))
     times = out[0][1]["times"]
@@ -666,8 +721,30 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
             m = 2 * d
             out.append(Workload("costmodel", d, m, 2 * m, (d, 2, args.cost_ms / 1000)))
     if args.workload in ("gpt", "all"):
-        out.append(Workload("gpt", 2, args.gpt_microbatches, args.gpt_batch, (args.gpt_layers, args.gpt_width, 4, 128)))
+        depth = 2
+        blocks = args.gpt_layers + 2  # embedding, the layers, head (GPT.pipeline_blocks)
+        if blocks < 2 * depth:  # the contenders of two stages per rank cut the chain into 2d stages
+            raise SystemExit(f"--gpt-layers {args.gpt_layers}: {blocks} blocks, fewer than 2d = {2 * depth} stages")
+        out.append(
+            Workload("gpt", depth, args.gpt_microbatches, args.gpt_batch, (args.gpt_layers, args.gpt_width, 4, 128))
+        )
     return out
+
+
+def page_name(contenders: Sequence[str]) -> str:
+    """The results page's name (without ``.md``; its chart is ``<name>.png``): ``bench_pipelines``
+    for every contender, ``bench_pipelines_<schedules>`` for a ``--contenders`` subset, so that a
+    subset's page sits beside the full one and never replaces it."""
+    return "_".join(["bench_pipelines", *contenders])
+
+
+def _schedule_list(text: str) -> list[str]:
+    """``--contenders``' value: comma-separated schedule names of :data:`SCHEDULES`."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SCHEDULES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: give schedules among {', '.join(SCHEDULES)}, comma-separated")
+    return list(dict.fromkeys(names))
 
 
 def main() -> None:
@@ -703,22 +780,33 @@ def main() -> None:
         "and the torch schedules they are compared with)",
     )
     parser.add_argument(
+        "--contenders",
+        type=_schedule_list,
+        default=[],
+        metavar="SCHEDULES",
+        help=f"run only our contenders of these schedules, comma-separated ({','.join(SCHEDULES)}), with "
+        "their torch counterparts and one process; the page is bench_pipelines_<schedules>.md",
+    )
+    parser.add_argument(
         "--chart",
         type=Path,
         default=None,
-        help="where to save the chart (default: docs/results/bench_pipelines.png, beside the page; "
+        help="where to save the chart (default: docs/results/<page>.png, beside the page; "
         "with --no-page, no chart unless given)",
     )
     add_page_flag(parser)
     args = parser.parse_args()
+    if args.only and not args.no_page:
+        parser.error("--only runs a part of the contenders: add --no-page, or select schedules with --contenders")
+    name = page_name(args.contenders)
     results, sections = [], []
     for work in workloads(args):
-        rows = run(work, args.rounds, args.steps, args.threads, args.only, args.pairs)
+        rows = run(work, args.rounds, args.steps, args.threads, args.only, args.pairs, args.contenders)
         results.append(rows)
         body = (table(rows) + "\n\n" + paired_table(rows)).strip()
         sections.append((heading(work), body))
         print(f"### {heading(work)}\n\n{body}\n", flush=True)
-    chart_path = args.chart or (None if args.no_page else RESULTS / "bench_pipelines.png")
+    chart_path = args.chart or (None if args.no_page else RESULTS / f"{name}.png")
     if chart_path is not None:
         chart(results, chart_path)
         print(f"chart: {chart_path}")
@@ -736,9 +824,10 @@ def main() -> None:
             f"with its torch counterpart, {args.pairs} pair(s), so that both see the same machine. Peak tensor "
             "memory counts every CPU tensor storage alive during one step."
         )
+        subset = f": {', '.join(args.contenders)}" if args.contenders else ""
         path = write_page(
-            "bench_pipelines",
-            "Pipeline schedules against torch.distributed.pipelining",
+            name,
+            f"Pipeline schedules against torch.distributed.pipelining{subset}",
             command_line(),
             sections,
             intro,

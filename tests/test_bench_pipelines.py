@@ -1,4 +1,5 @@
-"""The benchmark's simulated 2BW rate is what a running stream does, not a restart after a barrier."""
+"""The benchmark's simulated 2BW rate is what a running stream does, not a restart after a barrier;
+its contender selection keeps each of ours with its torch counterpart."""
 
 from __future__ import annotations
 
@@ -12,7 +13,18 @@ from lightning_pipe.schedules.simulate import simulate
 from tests.launch import ROOT
 
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "examples")]
-from bench_pipelines import running_rate  # noqa: E402
+from bench_pipelines import (  # noqa: E402
+    OURS,
+    SAME,
+    SCHEDULES,
+    TORCH,
+    _name,
+    _schedule_list,
+    counterparts,
+    page_name,
+    running_rate,
+    selected,
+)
 
 COMPUTE = (Kind.FORWARD, Kind.BACKWARD, Kind.INPUT_GRAD, Kind.WEIGHT_GRAD)
 
@@ -90,3 +102,42 @@ def test_running_rate_leaves_out_the_refill_after_a_barrier(depth: int, m: int) 
         running = max(running_rate(depth, m, split, 8, cost))
         assert running == pytest.approx(3 * m)  # F + I + W (or F + B) per microbatch, no bubble
         assert _restarted_rate(depth, m, split, 8, cost) > running * 1.01
+
+
+def _all_names() -> list[str]:
+    return ["one process", *(f"torch {k}" for k in TORCH), *(_name(*o) for o in OURS)]
+
+
+def test_every_one_of_ours_has_a_torch_counterpart_of_the_same_stages_per_rank() -> None:
+    from bench_pipelines import VIRTUAL
+
+    assert set(SAME) == set(OURS)
+    for schedule, _, virtual, _ in OURS:
+        assert schedule in SCHEDULES
+    for ours, kind in SAME.items():
+        assert kind in TORCH and VIRTUAL.get(kind, 1) == ours[2]
+    assert SAME[("zbv", True, 2, None)] == "zbv" and TORCH["zbv"] == "ScheduleZBVZeroBubble"
+    assert SAME[("dualpipev", True, 2, None)] == "dualpipev" and TORCH["dualpipev"] == "ScheduleDualPipeV"
+
+
+def test_contenders_select_ours_of_those_schedules_their_counterparts_and_one_process() -> None:
+    names = _all_names()
+    keep = selected(names, contenders=["zbv", "dualpipev"])
+    ours = {_name("zbv", True, 2), _name("dualpipev", True, 2)}
+    assert keep == {"one process", "torch zbv", "torch dualpipev", *ours}
+    assert counterparts(sorted(keep)) == {
+        _name("zbv", True, 2): "torch zbv",
+        _name("dualpipev", True, 2): "torch dualpipev",
+    }
+    assert selected(names) == set(names)  # no filter: every contender
+    assert set(counterparts(names)) == {_name(*o) for o in OURS}
+
+
+def test_a_subset_has_its_own_page_and_unknown_schedules_are_refused() -> None:
+    import argparse
+
+    assert page_name([]) == "bench_pipelines"
+    assert page_name(_schedule_list("zbv,dualpipev")) == "bench_pipelines_zbv_dualpipev"
+    for bad in ("zbv,nope", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _schedule_list(bad)
