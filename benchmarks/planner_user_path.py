@@ -285,8 +285,9 @@ def to_train(rankings: Sequence[dict[str, Any]], count: int, stale: bool = False
     """The first ranking's top ``count // 2`` feasible plans and ``count - count // 2`` more spread
     evenly over the rest of its feasible plans (a model is judged over its whole range, not only its
     near-equal top), then every run's chosen plan not among them, and with ``stale`` the first
-    ranking's best 2BW plan. Plans the ranking predicts the
-    same step for as a chosen one of the same layout (GPipe and 1F1B at one microbatch) are skipped.
+    ranking's best 2BW plan. The top and the spread take one plan per layout (its best-ranked
+    schedule): a layout's schedules are often predicted, and measured, within a few percent of
+    each other, so ranking them against each other ranks noise.
 
     Every plan carries the first ranking's predictions where that ranking lists it, so that the
     layouts of a group are compared with one profile's predictions.
@@ -295,7 +296,7 @@ def to_train(rankings: Sequence[dict[str, Any]], count: int, stale: bool = False
     first = {plan_key(p): p for p in rankings[0]["plans"]}
     distinct: list[dict[str, Any]] = []
     for p in feasible:
-        if not any(_same_program(p, q) for q in distinct):
+        if not any(_same_layout(p, q) for q in distinct):
             distinct.append(p)
     top = distinct[: count // 2]
     rest = distinct[len(top) :]
@@ -314,12 +315,12 @@ def to_train(rankings: Sequence[dict[str, Any]], count: int, stale: bool = False
     return chosen
 
 
-def _same_program(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Two plans of one layout predicted the same step (e.g. GPipe and 1F1B at one microbatch)."""
-    layout = ("width", "depth", "virtual_stages", "microbatches", "microbatch_size", "partition", "recompute")
-    layout += ("data_parallel", "reshard_after_forward")
-    model = "model_step_seconds" if "model_step_seconds" in a and "model_step_seconds" in b else "step_seconds"
-    return all(a.get(k) == b.get(k) for k in layout) and abs(a[model] - b[model]) < 1e-12
+def _same_layout(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Two plans of one layout: the same replicas, stages, placement, partition, recompute and
+    microbatches, whatever their schedules and split backward."""
+    layout = ("width", "depth", "virtual_stages", "placement", "inner", "microbatches", "microbatch_size")
+    layout += ("partition", "recompute", "data_parallel", "reshard_after_forward")
+    return all(a.get(k) == b.get(k) for k in layout)
 
 
 def measure_group(work: Workload, devices: int, opts: Options) -> dict[str, Any]:

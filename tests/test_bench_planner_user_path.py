@@ -60,7 +60,7 @@ def test_measured_step_is_the_slowest_ranks_and_leaves_out_the_tracked_step() ->
 
 def test_to_train_takes_the_top_plans_then_plans_spread_over_the_ranking_then_other_runs_choices() -> None:
     plans = [_row(m=m, step=0.1 * m) for m in (1, 2, 4, 8, 16)]
-    twin = {**plans[0], "schedule": "gpipe"}  # the same program as the best (one microbatch): not trained twice
+    twin = {**plans[0], "schedule": "gpipe", "step_seconds": 0.11}  # the best's layout: not trained twice
     first = {"plans": [plans[0], twin] + plans[1:]}
     other = {"plans": [_row(m=16, step=0.05), _row(m=1)], "chosen": 1}
     trained = to_train([first, other], 4)

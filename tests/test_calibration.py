@@ -16,7 +16,7 @@ from tests.test_planner import _uniform
 #: executor's overhead per action is the profiler's own measurement, kept).
 TRUE = {
     "compute_scale": 1.3,
-    "send_overhead": 0.0002,
+    "send_seconds_per_byte": 2e-9,  # beyond the profiled posting of a small message, kept
     "optimizer_scale": 0.8,
     "allreduce_scale": 3.0,
     "step_overhead": 0.005,
@@ -54,6 +54,9 @@ def test_calibration_recovers_the_scales_and_overhead_that_made_the_traces() -> 
     other = PipelinePlan(width=4, depth=1, microbatches=2, schedule="1f1b", split_backward=True, partition=(4,))
     assert predict.predict_step(fitted, other, 1)[0] == pytest.approx(predict.predict_step(job, other, 1)[0])
     assert predict.predict_step(profile, other, 1)[0] < 0.9 * predict.predict_step(job, other, 1)[0]
+    # Sends of another size: posting plus the fitted cost of each byte.
+    deeper = PipelinePlan(width=1, depth=4, microbatches=8, schedule="1f1b", partition=(1, 1, 1, 1))
+    assert predict.predict_step(fitted, deeper, 4)[0] == pytest.approx(predict.predict_step(job, deeper, 4)[0])
     # Refitting starts from the profile's own numbers, not an earlier fit's.
     again = calibrate(fitted, ran)
     assert again.compute_scale == pytest.approx(TRUE["compute_scale"])

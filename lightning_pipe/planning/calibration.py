@@ -59,6 +59,13 @@ def fitted_scale(points: Sequence[tuple[float, float]], intercept: float) -> flo
     return sxy / sxx if sxx > 0 and sxy > 0 else 1.0
 
 
+def send_seconds_per_byte(sends: Sequence[tuple[int, float]], posting: float) -> float:
+    """The median over traced ``(payload bytes, seconds)`` sends of the seconds beyond ``posting``
+    (a small message's) per byte; at least 0, and 0 without sends."""
+    rates = [(seconds - posting) / nbytes for nbytes, seconds in sends if nbytes > 0]
+    return max(statistics.median(rates), 0.0) if rates else 0.0
+
+
 def unfitted(profile: Profile) -> Profile:
     """``profile`` as profiled: no scale, no step overhead, and the executor's per-action and
     per-send overheads its profile measured (a fit replaces them with the trials')."""
@@ -71,6 +78,7 @@ def unfitted(profile: Profile) -> Profile:
         step_overhead=0.0,
         action_overhead=profiled.get("profiled_action_overhead", profile.action_overhead),
         send_overhead=profiled.get("profiled_send_overhead", profile.send_overhead),
+        send_seconds_per_byte=0.0,
     )
 
 
@@ -87,8 +95,11 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
       modelled all-gather (:func:`~lightning_pipe.planning.costs.sharded_seconds`) is taken off
       both sides.
     - Optimizer step and all-reduce: the traced seconds of their actions over the model's.
-    - Sends: the median traced seconds of posting one (receives wait on their senders, so they
-      are not fitted).
+    - Sends: the profiled posting of a small message is the intercept; each traced send's
+      seconds beyond it over its payload's bytes gives a cost per byte, their median the fitted
+      one (:func:`send_seconds_per_byte`), so that the trials' large messages do not price the
+      small ones of plans with many microbatches. Receives wait on their senders, so they are
+      not fitted.
     - Then the step overhead: the median over trials of measured minus predicted step, at least 0.
 
     Where a trial with DDP replicas ran, trials with FSDP replicas are left out of the fit: FSDP's
@@ -102,7 +113,7 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
     base = unfitted(profile)
     compute: list[tuple[float, float]] = []
     sums = {"optimizer": [0.0, 0.0], "allreduce": [0.0, 0.0]}
-    sends: list[float] = []
+    sends: list[tuple[int, float]] = []
     for trial in trials:
         stages = stage_costs(base, trial.plan, trial.microbatch_size)
         cost = action_cost(base, trial.plan, stages)
@@ -116,14 +127,15 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
                     gather = sharded_seconds(base, trial.plan, stages[action.stage], action)
                     compute.append(((cost(action) - base.action_overhead - gather) * slower, seconds - gather))
                 elif key == "send":
-                    sends.append(seconds)
+                    st = stages[action.stage]
+                    sends.append((st.output_bytes if action.kind is Kind.SEND_ACT else st.input_bytes, seconds))
                 elif key is not None and cost(action) > 0:
                     sums[key][0] += seconds
                     sums[key][1] += cost(action) * slower
     fitted = dataclasses.replace(
         base,
         compute_scale=fitted_scale(compute, base.action_overhead),
-        send_overhead=statistics.median(sends) if sends else base.send_overhead,
+        send_seconds_per_byte=send_seconds_per_byte(sends, base.send_overhead),
         optimizer_scale=_fitted_scale(*sums["optimizer"]),
         allreduce_scale=_fitted_scale(*sums["allreduce"]),
     )
@@ -143,6 +155,7 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
         "compute_scale": fitted.compute_scale,
         "action_overhead": fitted.action_overhead,
         "send_overhead": fitted.send_overhead,
+        "send_seconds_per_byte": fitted.send_seconds_per_byte,
         "optimizer_scale": fitted.optimizer_scale,
         "allreduce_scale": fitted.allreduce_scale,
         "step_overhead": overhead,

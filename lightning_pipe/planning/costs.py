@@ -353,7 +353,8 @@ def action_cost(profile: Profile, plan: PipelinePlan, stages: Sequence[StageCost
             seconds = getattr(st, compute[a.kind]) * profile.compute_scale + profile.action_overhead
             return seconds + sharded_seconds(profile, plan, st, a) if fsdp else seconds
         if a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
-            return profile.send_overhead
+            payload = st.output_bytes if a.kind is Kind.SEND_ACT else st.input_bytes
+            return profile.send_overhead + payload * profile.send_seconds_per_byte
         if a.kind is Kind.RECV_ACT:
             return _transfer(profile, st.input_bytes)
         if a.kind is Kind.RECV_GRAD:

@@ -162,6 +162,9 @@ class Profile:
         send_overhead: seconds a rank spends posting one transfer (header and payload sends;
             the transfer itself goes on while it computes), charged to each send action; on CPU
             measured right after computing, as :attr:`link_latency`.
+        send_seconds_per_byte: seconds each byte of a send's payload adds to its posting (the
+            transport takes part of a large payload in before the send returns), fitted from
+            trial runs (:func:`~lightning_pipe.planning.calibration.calibrate`); 0: not fitted.
         loads_global_batch: every rank loads the whole global batch and trains on its replica's
             rows (``PipelineStrategy.enable_reconfiguration``), so holds all of it.
         cores: effective CPU cores the job's ranks share (CPU jobs on one host; ``None``: each rank
@@ -201,6 +204,7 @@ class Profile:
     link_bandwidth: float = float("inf")
     allreduce_bandwidth: float = 0.0
     send_overhead: float = 0.0
+    send_seconds_per_byte: float = 0.0
     exchange_latency: float = 0.0
     loads_global_batch: bool = False
     cores: Optional[float] = None
