@@ -9,7 +9,7 @@ import pytest
 from lightning_pipe import PipelinePlan
 from lightning_pipe.lightning.plan_cli import choice_noise, layout, measured_first, trial_ranking
 from lightning_pipe.planning import costs, predict, programs, search
-from lightning_pipe.planning.calibration import Trial, calibrate, fitted_scale, trial_spread, trial_step
+from lightning_pipe.planning.calibration import Trial, calibrate, fitted_line, fitted_scale, trial_spread, trial_step
 from tests.test_planner import _uniform
 
 #: The job as it really runs: what the profile misses, to be recovered by the fit (the
@@ -223,3 +223,26 @@ def test_a_trial_scales_the_model_step_of_the_plans_of_its_layout_only() -> None
         assert charged[(p.plan, p.microbatch_size)] == pytest.approx(2 * p.step_time)
     for p in other:
         assert charged[(p.plan, p.microbatch_size)] == p.step_time
+
+
+def test_fitted_line_is_least_squares_with_both_terms_at_least_zero() -> None:
+    assert fitted_line([(1.0, 5.0), (2.0, 8.0), (4.0, 14.0)]) == pytest.approx((2.0, 3.0))
+    assert fitted_line([(2.0, 6.0), (2.0, 8.0)]) == pytest.approx((0.0, 3.5))  # one size: the ratio of sums
+    assert fitted_line([(1.0, 1.0), (3.0, 9.0)]) == pytest.approx((0.0, 10 / 4))  # would cross below 0
+    assert fitted_line([(1.0, 6.0), (3.0, 4.0)]) == pytest.approx((5.0, 0.0))  # no growth: a latency
+    assert fitted_line([]) == (0.0, 1.0)
+
+
+def test_the_all_reduce_is_fitted_as_latency_and_scale_at_each_stages_fastest_replica() -> None:
+    # Stages of different sizes give the line two points; one replica of each stage waited for
+    # the other at the all-reduce (its traced seconds longer): the fit reads the other.
+    profile = _profile()
+    job = dataclasses.replace(profile, allreduce_scale=2.0, allreduce_latency=0.004)
+    plan = PipelinePlan(width=2, depth=2, microbatches=4, schedule="1f1b", partition=(1, 3))
+    trial = _traced(job, plan, 1)
+    waited = tuple(
+        {k: v + (0.01 if k.endswith("AR") and rank >= 2 else 0.0) for k, v in actions.items()}
+        for rank, actions in enumerate(trial.actions)
+    )
+    fitted = calibrate(profile, [dataclasses.replace(trial, actions=waited)])
+    assert (fitted.allreduce_latency, fitted.allreduce_scale) == pytest.approx((0.004, 2.0))

@@ -88,7 +88,8 @@ def test_two_bw_first_stage_holds_one_batch_of_gradients_unless_weights_are_tied
     }
     assert got["none"] == got["within stage 0"]
     assert got["across"] == got["unknown"]
-    assert got["across"][0] - got["none"][0] == 3 * grads  # stage 0's three blocks' gradients, once
+    # stage 0's three blocks' gradients, once, and their squared norm waiting with them for the step
+    assert got["across"][0] - got["none"][0] == 3 * grads + memory.GRADIENT_NORM_BYTES
     assert got["across"][1] == got["none"][1]
     # The profiler finds ties: blocks 0 and 3 of this chain share the first block's weight.
     blocks = [torch.nn.Linear(2, 2) for _ in range(3)]

@@ -520,7 +520,8 @@ class AutoPlanner(Callback):
         shared = f"ranks sharing {profile.cores:.2f} effective cores; " if profile.cores is not None else ""
         fit = (
             f"{shared}fitted: compute x{profile.compute_scale:.2f}, optimizer step x{profile.optimizer_scale:.2f}, "
-            f"all-reduce x{profile.allreduce_scale:.2f}, {profile.step_overhead * 1e3:.1f} ms a step outside the "
+            f"all-reduce x{profile.allreduce_scale:.2f} + {profile.allreduce_latency * 1e3:.2f} ms, "
+            f"{profile.step_overhead * 1e3:.1f} ms a step outside the "
             "program\n"
         )
         text = (

@@ -325,7 +325,8 @@ def calibration_note(profile: Profile) -> str:
     return (
         f"fitted to {len(c['trials'])} trial run(s): compute x{c['compute_scale']:.2f} + "
         f"{c['action_overhead'] * 1e3:.2f} ms an action, optimizer step "
-        f"x{c['optimizer_scale']:.2f}, all-reduce x{c['allreduce_scale']:.2f}, "
+        f"x{c['optimizer_scale']:.2f}, all-reduce x{c['allreduce_scale']:.2f} + "
+        f"{c.get('allreduce_latency', 0.0) * 1e3:.2f} ms, "
         f"{c['step_overhead'] * 1e3:.1f} ms a step outside the program"
     )
 

@@ -59,6 +59,24 @@ def fitted_scale(points: Sequence[tuple[float, float]], intercept: float) -> flo
     return sxy / sxx if sxx > 0 and sxy > 0 else 1.0
 
 
+def fitted_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Intercept and slope, both at least 0, of the least-squares line through ``(modeled, traced)``
+    points; through the origin (the ratio of sums) where the points have one ``modeled`` value
+    or the free line would cross below 0; ``(0, 1)`` without data."""
+    if not points:
+        return 0.0, 1.0
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    if sxx > 1e-12 * max(mx * mx, 1e-30):
+        slope = sum((x - mx) * (y - my) for x, y in points) / sxx
+        if slope >= 0 and my - slope * mx >= 0:
+            return my - slope * mx, slope
+        if slope < 0:  # no growth with size: a latency alone
+            return my, 0.0
+    return 0.0, _fitted_scale(sum(y for _, y in points), sum(x for x, _ in points))
+
+
 def send_seconds_per_byte(sends: Sequence[tuple[int, float]], posting: float) -> float:
     """The median over traced ``(payload bytes, seconds)`` sends of the seconds beyond ``posting``
     (a small message's) per byte; at least 0, and 0 without sends."""
@@ -75,6 +93,7 @@ def unfitted(profile: Profile) -> Profile:
         compute_scale=1.0,
         optimizer_scale=1.0,
         allreduce_scale=1.0,
+        allreduce_latency=0.0,
         step_overhead=0.0,
         action_overhead=profiled.get("profiled_action_overhead", profile.action_overhead),
         send_overhead=profiled.get("profiled_send_overhead", profile.send_overhead),
@@ -94,7 +113,11 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
       it from the blocks' seconds. An FSDP trial's forwards and backwards also all-gather: the
       modelled all-gather (:func:`~lightning_pipe.planning.costs.sharded_seconds`) is taken off
       both sides.
-    - Optimizer step and all-reduce: the traced seconds of their actions over the model's.
+    - Optimizer step and all-reduce: the traced seconds of their actions over the model's, each
+      action at its fastest replica: the replicas of a stage all-reduce together, and the global
+      norm the step reads joins every stage, so each waits there for the last to arrive, which
+      waits least. The all-reduce is a line through its actions' ``(model, traced)`` points
+      (:func:`fitted_line`): a latency each and a scale of the ring's seconds.
     - Sends: the profiled posting of a small message is the intercept; each traced send's
       seconds beyond it over its payload's bytes gives a cost per byte, their median the fitted
       one (:func:`send_seconds_per_byte`), so that the trials' large messages do not price the
@@ -112,12 +135,14 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
     trials = [t for t in trials if not sharded(t.plan)] or list(trials)
     base = unfitted(profile)
     compute: list[tuple[float, float]] = []
-    sums = {"optimizer": [0.0, 0.0], "allreduce": [0.0, 0.0]}
+    sums = {"optimizer": [0.0, 0.0]}
+    allreduces: list[tuple[float, float]] = []
     sends: list[tuple[int, float]] = []
     for trial in trials:
         stages = stage_costs(base, trial.plan, trial.microbatch_size)
         cost = action_cost(base, trial.plan, stages)
         shared = slowdowns(base, trial.plan, cost)
+        collective: dict[str, tuple[str, float, float]] = {}  # per action: its fastest replica's seconds
         for rank in trial.actions:
             for text, seconds in rank.items():
                 action = Action.parse(text)
@@ -130,14 +155,22 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
                     st = stages[action.stage]
                     sends.append((st.output_bytes if action.kind is Kind.SEND_ACT else st.input_bytes, seconds))
                 elif key is not None and cost(action) > 0:
-                    sums[key][0] += seconds
-                    sums[key][1] += cost(action) * slower
+                    fastest = min(seconds, collective.get(text, (key, seconds))[1])
+                    collective[text] = (key, fastest, cost(action) * slower)
+        for key, seconds, modeled in collective.values():
+            if key == "allreduce":
+                allreduces.append((modeled, seconds))
+            else:
+                sums[key][0] += seconds
+                sums[key][1] += modeled
+    allreduce_latency, allreduce_scale = fitted_line(allreduces)
     fitted = dataclasses.replace(
         base,
         compute_scale=fitted_scale(compute, base.action_overhead),
         send_seconds_per_byte=send_seconds_per_byte(sends, base.send_overhead),
         optimizer_scale=_fitted_scale(*sums["optimizer"]),
-        allreduce_scale=_fitted_scale(*sums["allreduce"]),
+        allreduce_scale=allreduce_scale,
+        allreduce_latency=allreduce_latency,
     )
     residuals = [t.step - predict_step(fitted, t.plan, t.microbatch_size)[0] for t in trials]
     overhead = max(statistics.median(residuals), 0.0)
@@ -158,6 +191,7 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
         "send_seconds_per_byte": fitted.send_seconds_per_byte,
         "optimizer_scale": fitted.optimizer_scale,
         "allreduce_scale": fitted.allreduce_scale,
+        "allreduce_latency": fitted.allreduce_latency,
         "step_overhead": overhead,
         "profiled_action_overhead": base.action_overhead,
         "profiled_send_overhead": base.send_overhead,

@@ -363,7 +363,7 @@ def action_cost(profile: Profile, plan: PipelinePlan, stages: Sequence[StageCost
             return sharded_seconds(profile, plan, st, a)
         if a.kind is Kind.ALL_REDUCE and plan.width > 1 and profile.allreduce_bandwidth:
             ring = 2 * (plan.width - 1) / plan.width * st.gradient_bytes / profile.allreduce_bandwidth
-            return ring * profile.allreduce_scale
+            return ring * profile.allreduce_scale + profile.allreduce_latency
         if a.kind is Kind.OPTIMIZER_STEP:
             copy = profile.version_copy if versions > 1 else 0.0  # 2BW copies the newest version first
             return (

@@ -191,6 +191,9 @@ class Profile:
         optimizer_scale: the job's optimizer step over :attr:`optimizer_step` (fitted likewise).
         allreduce_scale: the job's gradient all-reduce waits over the ring model's seconds at
             :attr:`allreduce_bandwidth` (fitted likewise).
+        allreduce_latency: seconds each all-reduce takes beyond its scaled ring seconds (fitted
+            likewise; on a CPU host whose cores the ranks share, milliseconds: every hop of the
+            ring waits for its rank to be scheduled).
         step_overhead: seconds a step of the job takes beyond its program's actions (the
             training loop, its hooks and data loading; fitted likewise, 0: not fitted).
     """
@@ -216,6 +219,7 @@ class Profile:
     compute_scale: float = 1.0
     optimizer_scale: float = 1.0
     allreduce_scale: float = 1.0
+    allreduce_latency: float = 0.0
     step_overhead: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
 
