@@ -123,13 +123,6 @@ class PipelinePlan:
                 "plain copies of the stage's weights; use schedule='1f1b' (or 'gpipe', or virtual_stages > 1) "
                 "with data_parallel='fsdp', or data_parallel='ddp' with 2BW"
             )
-        if self.split_backward:
-            raise ValueError(
-                "data_parallel='fsdp' does not run split_backward=True: a deferred W adds weight gradients "
-                "after the backward FSDP hooks into, on the gathered weights FSDP frees after it; use "
-                "split_backward=False with data_parallel='fsdp' (interleaved 1F1B, virtual_stages > 1, "
-                "also shrinks the bubble), or data_parallel='ddp' with split backward"
-            )
 
     def _check_placement(self) -> None:
         placement = self.split_placement
