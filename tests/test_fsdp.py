@@ -107,6 +107,7 @@ RUNS = [
     (2, 1, "1f1b", 1, False, True),
     (2, 2, "1f1b", 1, True, True),
     (2, 2, "1f1b", 2, True, True),
+    (2, 2, "zbv", 2, True, True),
 ]
 
 
@@ -114,7 +115,7 @@ RECOMPUTED = RUNS[0]
 
 
 def _name(width: int, depth: int, schedule: str, virtual: int, reshard: bool, split: bool = False) -> str:
-    kind = "interleaved" if virtual > 1 else schedule
+    kind = "interleaved" if virtual > 1 and schedule == "1f1b" else schedule
     rc = "_rc" if (width, depth, schedule, virtual, reshard, split) == RECOMPUTED else ""
     return f"fsdp_{width}x{depth}_{kind}{'_split' if split else ''}{'' if reshard else '_zero2'}{rc}"
 
