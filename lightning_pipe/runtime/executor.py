@@ -323,7 +323,9 @@ class Executor:
         if not deferring or not st.train or not any(x.requires_grad for x in inputs):
             return nullcontext()
         stage = self._stage(a)
-        store = st.deferred[a.stage, a.microbatch] = DeferredGrads(weights or stage.leaves)
+        # With FSDP replicas the blocks run on gathered parameters, which exist from each block's first all-gather.
+        own = stage.leaves if stage.sharded is not None else stage.parameters()
+        store = st.deferred[a.stage, a.microbatch] = DeferredGrads(weights or own)
         return DeferWeightGrads(store)
 
     def _version(self, a: Action, st: StepState) -> None:
