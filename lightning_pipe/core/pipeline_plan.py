@@ -64,7 +64,8 @@ class PipelinePlan:
             and optimizer state sharded over the replicas (FSDP2's ``fully_shard`` on each
             block, over the mesh's "data_parallel" dimension), parameters all-gathered for
             each block's forward and backward, gradients reduce-scattered once per batch.
-            GPipe, 1F1B and interleaved 1F1B; not 2BW or split backward.
+            GPipe, 1F1B and interleaved 1F1B, with or without split backward (a stage stays
+            gathered from an I until its W: runtime/sharding.py), and ZB-V; not 2BW.
         reshard_after_forward: with ``data_parallel="fsdp"``, free each block's gathered
             parameters after its forward and gather them again for its backward (ZeRO-3's
             memory, default); ``False`` keeps them gathered from a block's first forward to the
