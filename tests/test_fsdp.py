@@ -34,6 +34,7 @@ def fit_sharded(
     blocks: int = 4,
     steps: int = STEPS,
     recompute: bool = False,
+    split_backward: bool = False,
 ) -> dict[str, Any]:
     """Fit ToyChain through the Trainer with gradient clipping, validate once at the end; return
     what this rank holds (its stage's weights gathered whole) and how they are sharded."""
@@ -53,6 +54,7 @@ def fit_sharded(
         partition="uniform",
         virtual_stages=virtual,
         recompute=recompute,
+        split_backward=split_backward,
         data_parallel=data_parallel,
         reshard_after_forward=reshard_after_forward,
         gradient_clip_val=CLIP,
@@ -92,31 +94,37 @@ def fit_sharded(
     }
 
 
-#: (w, d, schedule, virtual stages, reshard after forward): every FSDP fit, one short fit each
-#: (the first recomputes its activations).
+#: (w, d, schedule, virtual stages, reshard after forward, split backward): every FSDP fit, one
+#: short fit each (the first recomputes its activations). Split backward: 1F1B split is ZB-H1
+#: (Zero Bubble), whose W's wait in the steady state while later forwards reshard (ZeRO-3).
 RUNS = [
-    (2, 1, "gpipe", 1, True),
-    (2, 1, "1f1b", 1, False),
-    (2, 2, "gpipe", 1, True),
-    (2, 2, "1f1b", 1, False),
-    (2, 2, "1f1b", 2, True),
-    (4, 1, "1f1b", 1, True),
+    (2, 1, "gpipe", 1, True, False),
+    (2, 1, "1f1b", 1, False, False),
+    (2, 2, "gpipe", 1, True, False),
+    (2, 2, "1f1b", 1, False, False),
+    (2, 2, "1f1b", 2, True, False),
+    (4, 1, "1f1b", 1, True, False),
+    (2, 1, "1f1b", 1, False, True),
+    (2, 2, "1f1b", 1, True, True),
+    (2, 2, "1f1b", 2, True, True),
+    (2, 2, "zbv", 2, True, True),
 ]
 
 
 RECOMPUTED = RUNS[0]
 
 
-def _name(width: int, depth: int, schedule: str, virtual: int, reshard: bool) -> str:
-    kind = "interleaved" if virtual > 1 else schedule
-    rc = "_rc" if (width, depth, schedule, virtual, reshard) == RECOMPUTED else ""
-    return f"fsdp_{width}x{depth}_{kind}{'' if reshard else '_zero2'}{rc}"
+def _name(width: int, depth: int, schedule: str, virtual: int, reshard: bool, split: bool = False) -> str:
+    kind = "interleaved" if virtual > 1 and schedule == "1f1b" else schedule
+    rc = "_rc" if (width, depth, schedule, virtual, reshard, split) == RECOMPUTED else ""
+    return f"fsdp_{width}x{depth}_{kind}{'_split' if split else ''}{'' if reshard else '_zero2'}{rc}"
 
 
-for _w, _d, _s, _v, _r in RUNS:
+for _run in RUNS:
+    _w, _d, _s, _v, _r, _split = _run
     scenario(
         _w * _d,
-        _name(_w, _d, _s, _v, _r),
+        _name(*_run),
         fit_sharded,
         _d,
         _s,
@@ -125,7 +133,8 @@ for _w, _d, _s, _v, _r in RUNS:
         _r,
         6 if _v > 1 else 4,
         STEPS,
-        (_w, _d, _s, _v, _r) == RECOMPUTED,
+        _run == RECOMPUTED,
+        _split,
     )
 
 
@@ -143,17 +152,18 @@ def _reference(batches: list[Any], blocks: int, clip: Any = CLIP) -> tuple[dict,
     return reference_train(model, batches, clip=clip), model
 
 
-@pytest.mark.parametrize("width,depth,schedule,virtual,reshard", RUNS)
+@pytest.mark.parametrize("width,depth,schedule,virtual,reshard,split", RUNS, ids=[_name(*run) for run in RUNS])
 def test_fsdp_fit_matches_single_process(
-    launched, width: int, depth: int, schedule: str, virtual: int, reshard: bool
+    launched, width: int, depth: int, schedule: str, virtual: int, reshard: bool, split: bool
 ) -> None:
     blocks = 6 if virtual > 1 else 4
-    ranks = launched(width * depth).ok(_name(width, depth, schedule, virtual, reshard))
+    ranks = launched(width * depth).ok(_name(width, depth, schedule, virtual, reshard, split))
     batches = _batches(ranks, width, depth)
     want, model = _reference(batches, blocks)
     for r, rank in enumerate(ranks):
         assert rank["plan"].data_parallel == "fsdp" and rank["plan"].reshard_after_forward == reshard
-        assert all(rank["plan"].recompute) == ((width, depth, schedule, virtual, reshard) == RECOMPUTED)
+        assert rank["plan"].split_backward == split
+        assert all(rank["plan"].recompute) == ((width, depth, schedule, virtual, reshard, split) == RECOMPUTED)
         assert_close_dicts(rank["params"], {k: want[k] for k in rank["params"]}, rtol=1e-5)
         # Every weight of a stage is a DTensor shard: dim 0 split over the w replicas.
         assert all(rank["sharded"].values())
@@ -186,11 +196,22 @@ def test_fsdp_device_mesh_names_replicas_and_pipelines(launched) -> None:
         assert rank["pipeline"] == [r - r % 2, r - r % 2 + 1]
 
 
-def test_plan_refuses_fsdp_with_two_bw_and_split_backward() -> None:
+def test_plan_refuses_fsdp_with_two_bw_and_runs_it_with_split_backward() -> None:
     with pytest.raises(ValueError, match="data_parallel='fsdp' does not run schedule '2bw'.*schedule='1f1b'"):
         PipelinePlan(width=2, depth=2, microbatches=4, schedule="2bw", data_parallel="fsdp")
-    with pytest.raises(ValueError, match="does not run split_backward=True.*split_backward=False"):
-        PipelinePlan(width=2, depth=2, microbatches=4, split_backward=True, data_parallel="fsdp")
+    with pytest.raises(ValueError, match="data_parallel='fsdp' does not run schedule '2bw'"):
+        PipelinePlan(width=2, depth=2, microbatches=4, schedule="2bw", split_backward=True, data_parallel="fsdp")
+    for schedule, virtual in (("1f1b", 1), ("1f1b", 2), ("zbv", 2)):
+        plan = PipelinePlan(
+            width=2,
+            depth=2,
+            microbatches=4,
+            schedule=schedule,
+            virtual_stages=virtual,
+            split_backward=True,
+            data_parallel="fsdp",
+        )
+        assert plan.split_backward and plan.data_parallel == "fsdp"
     with pytest.raises(ValueError, match="unknown data_parallel 'zero'"):
         PipelinePlan(data_parallel="zero")
     with pytest.raises(ValueError, match="reshard_after_forward only applies with data_parallel='fsdp'"):
@@ -226,17 +247,33 @@ def _stored_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
+def _gathered(engine: Any) -> list[bool]:
+    """Whether each FSDP block of the engine's stages holds its weights gathered now."""
+    from torch.distributed.fsdp import fully_shard
+
+    groups = [fully_shard.state(m)._fsdp_param_group for st in engine.stages for m in st.sharded.modules]
+    return [g.is_unsharded for g in groups]
+
+
 def _sharded_step(rank: int, world: int, depth: int) -> dict[str, Any]:
-    """One layout under DDP and FSDP replicas: per-rank bytes of weights + gradients + Adam state
-    after a step, reduce-scatters and all-gathers per step, and the weights after the steps."""
+    """One layout under DDP and FSDP replicas (at depth 2 also FSDP with split backward, ZB-H1):
+    per-rank bytes of weights + gradients + Adam state after a step, reduce-scatters and
+    all-gathers per step, and the weights after the steps; under split backward, at each W
+    whether the stage's blocks were gathered and how many linear calls it finished, and
+    whether the blocks were resharded after each step."""
     import torch.distributed as dist
 
     from lightning_pipe import PipelineGroups, Topology, place
     from lightning_pipe.lightning.monitor import memory_bytes
+    from lightning_pipe.runtime import executor
+    from lightning_pipe.runtime.sharding import ShardedStage
 
     topo = Topology(world, depth)
     out: dict[str, Any] = {}
-    for key, data_parallel, reshard in (("ddp", "ddp", True), ("fsdp", "fsdp", True), ("zero2", "fsdp", False)):
+    runs = [("ddp", "ddp", True, False), ("fsdp", "fsdp", True, False), ("zero2", "fsdp", False, False)]
+    if depth == 2:
+        runs.append(("split", "fsdp", True, True))
+    for key, data_parallel, reshard, split_backward in runs:
         groups = PipelineGroups.build(topo, rank)
         torch.manual_seed(0)
         model = Wide()
@@ -248,11 +285,14 @@ def _sharded_step(rank: int, world: int, depth: int) -> dict[str, Any]:
             partition="uniform",
             data_parallel=data_parallel,
             reshard_after_forward=reshard,
+            split_backward=split_backward,
         )
         engine = place(model, plan, rank, groups=groups, gradient_clip_val=CLIP)
         opt = torch.optim.Adam(model.parameters(), lr=model.lr)
         counts = {"reduce_scatter": 0, "all_gather": 0}
         patched = {"reduce_scatter": dist.reduce_scatter_single, "all_gather": dist.all_gather_single}
+        weight_grads, at_w, after_step, before_gather = executor.split.weight_grads, [], [], []
+        gather = ShardedStage.gather
 
         def counting(kind: str) -> Any:
             def call(*args: Any, **kwargs: Any) -> Any:
@@ -261,7 +301,16 @@ def _sharded_step(rank: int, world: int, depth: int) -> dict[str, Any]:
 
             return call
 
+        def watched_w(work: Any, *args: Any) -> Any:
+            at_w.append((all(_gathered(engine)), len(work.deferred.calls) if work.deferred is not None else 0))
+            return weight_grads(work, *args)
+
+        def watched_gather(sharded: ShardedStage) -> None:
+            before_gather.append(all(_gathered(engine)))
+            gather(sharded)
+
         dist.reduce_scatter_single, dist.all_gather_single = counting("reduce_scatter"), counting("all_gather")
+        executor.split.weight_grads, ShardedStage.gather = watched_w, watched_gather  # type: ignore[method-assign]
         try:
             for step in range(STEPS):
                 x, y = make_data(BATCH * topo.width, seed=step)
@@ -269,8 +318,11 @@ def _sharded_step(rank: int, world: int, depth: int) -> dict[str, Any]:
                 engine.train_step(
                     (x.chunk(topo.width)[topo.replica_of(rank)], y.chunk(topo.width)[topo.replica_of(rank)]), opt
                 )
+                if data_parallel == "fsdp":
+                    after_step.append(_gathered(engine))
         finally:
             dist.reduce_scatter_single, dist.all_gather_single = patched["reduce_scatter"], patched["all_gather"]
+            executor.split.weight_grads, ShardedStage.gather = weight_grads, gather  # type: ignore[method-assign]
         params = engine.parameters()
         state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
         out[key] = {
@@ -281,6 +333,9 @@ def _sharded_step(rank: int, world: int, depth: int) -> dict[str, Any]:
             "counts": {k: v / STEPS for k, v in counts.items()},
             "monitor": memory_bytes(engine, [opt]) - engine.last_peak_stash_bytes,  # PipelineMonitor's count
             "params": {n: _full(p.detach()).clone() for n, p in model.named_parameters()},
+            "at_w": at_w,
+            "before_gather": before_gather,
+            "after_step": after_step,
         }
         engine.close()
         groups.destroy()
@@ -320,6 +375,29 @@ def test_fsdp_stores_one_wth_and_reduces_once_per_step(launched, width: int, dep
         # The same training every way.
         assert_close_dicts(fsdp["params"], ddp["params"], rtol=1e-5)
         assert_close_dicts(zero2["params"], ddp["params"], rtol=1e-5)
+        assert all(not any(gathered) for gathered in fsdp["after_step"])  # ZeRO-3: resharded between steps
+        assert all(not any(gathered) for gathered in zero2["after_step"])  # ZeRO-2 too, at the reduce-scatter
+
+
+def test_fsdp_split_backward_gathers_for_w_and_reduces_once_per_step(launched) -> None:
+    # ZB-H1 (1F1B split) at (2, 2), ZeRO-3: W adds weight gradients after I, outside FSDP's hooks.
+    for stage, rank in enumerate(launched(4).ok("fsdp_memory_2x2")[:2]):
+        split, fsdp = rank["split"], rank["fsdp"]
+        # One reduce-scatter per block and step, as without split backward: none fires at an I or a W.
+        assert split["counts"]["reduce_scatter"] == fsdp["counts"]["reduce_scatter"] == 2
+        # Every W ran on its stage's gathered weights: on stage 1 kept gathered from its I (no
+        # forward runs between them here), on stage 0 (an empty I: W is its whole backward)
+        # gathered again after the forward resharded them (ZeRO-3).
+        assert len(split["at_w"]) == STEPS * M and all(gathered for gathered, _ in split["at_w"])
+        assert split["before_gather"] == [stage == 1] * (STEPS * M)
+        assert split["counts"]["all_gather"] <= fsdp["counts"]["all_gather"]
+        # Past stage 0 each W finishes its microbatch's two linear calls, deferred from the forward
+        # (runtime/autograd/deferred_weights.py); stage 0's W is its whole backward (no input gradient).
+        assert [calls for _, calls in split["at_w"]] == [2 * stage] * (STEPS * M)
+        # After the step's last W, ZeRO-3 frees the gathered weights again.
+        assert all(not any(gathered) for gathered in split["after_step"])
+        assert split["weights"] == fsdp["weights"] and split["grads"] == fsdp["grads"]
+        assert_close_dicts(split["params"], rank["ddp"]["params"], rtol=1e-5)
 
 
 # -- checkpoints: FSDP -> DDP and DDP -> FSDP under another (w, d) ------------------------------

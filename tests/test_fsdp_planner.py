@@ -155,3 +155,25 @@ def test_plan_written_trains_fsdp() -> None:
     p = predict.predict(_profile(), plan, 2)
     assert "fsdp (ZeRO-2)" in table([p], 1)
     assert "FSDP replicas (kept gathered: ZeRO-2)" in plan.describe()
+
+
+def test_fsdp_split_backward_priced_as_the_runtime_gathers() -> None:
+    """ZeRO-3 with split backward: an I gathers its stage and keeps it for its W (twice on a
+    recomputed stage), the first stage's W gathers instead (its I is empty); the memory model
+    holds the whole stage gathered (runtime/sharding.py, ShardedStage)."""
+    profile = _profile(n=4)
+    plan = PipelinePlan(2, 2, 4, "1f1b", split_backward=True, data_parallel="fsdp", partition=(2, 2))
+    assert [costs.gathers(plan, Action(s, k, 0)) for s in (0, 1) for k in (Kind.INPUT_GRAD, Kind.WEIGHT_GRAD)] == [
+        0.0,
+        1.0,
+        1.0,
+        0.0,
+    ]
+    assert costs.gathers(plan.replace(recompute=True), Action(1, Kind.INPUT_GRAD, 0)) == 2.0
+    zero2 = plan.replace(reshard_after_forward=False)
+    assert [costs.gathers(zero2, Action(1, k, 0)) for k in (Kind.INPUT_GRAD, Kind.WEIGHT_GRAD)] == [0.0, 0.0]
+    assert predict.sharding(profile, plan, 1).gathered_bytes == 2 * PARAMS  # both blocks of the stage
+    assert predict.sharding(profile, plan.replace(split_backward=False, partition=(1, 3)), 1).gathered_bytes == (
+        2 * PARAMS  # the two largest of three blocks
+    )
+    assert not search.offers_fsdp(profile, plan)  # the search keeps split backward on DDP replicas

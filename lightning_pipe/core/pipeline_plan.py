@@ -64,7 +64,8 @@ class PipelinePlan:
             and optimizer state sharded over the replicas (FSDP2's ``fully_shard`` on each
             block, over the mesh's "data_parallel" dimension), parameters all-gathered for
             each block's forward and backward, gradients reduce-scattered once per batch.
-            GPipe, 1F1B and interleaved 1F1B; not 2BW or split backward.
+            GPipe, 1F1B and interleaved 1F1B, with or without split backward (a stage stays
+            gathered from an I until its W: runtime/sharding.py), and ZB-V; not 2BW.
         reshard_after_forward: with ``data_parallel="fsdp"``, free each block's gathered
             parameters after its forward and gather them again for its backward (ZeRO-3's
             memory, default); ``False`` keeps them gathered from a block's first forward to the
@@ -122,13 +123,6 @@ class PipelinePlan:
                 f"data_parallel='fsdp' does not run schedule {self.schedule!r}: its two weight versions are "
                 "plain copies of the stage's weights; use schedule='1f1b' (or 'gpipe', or virtual_stages > 1) "
                 "with data_parallel='fsdp', or data_parallel='ddp' with 2BW"
-            )
-        if self.split_backward:
-            raise ValueError(
-                "data_parallel='fsdp' does not run split_backward=True: a deferred W adds weight gradients "
-                "after the backward FSDP hooks into, on the gathered weights FSDP frees after it; use "
-                "split_backward=False with data_parallel='fsdp' (interleaved 1F1B, virtual_stages > 1, "
-                "also shrinks the bubble), or data_parallel='ddp' with split backward"
             )
 
     def _check_placement(self) -> None:

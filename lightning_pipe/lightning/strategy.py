@@ -117,8 +117,9 @@ class PipelineStrategy(DDPStrategy):
             so its weights, gradients and optimizer state (built by ``configure_optimizers``
             over the sharded parameters) are split ``w`` ways; parameters are all-gathered
             for each block's forward and backward, and gradients reduce-scattered once per
-            batch, after its last backward. GPipe, 1F1B and interleaved 1F1B; 2BW and split
-            backward are refused. Parameters tied across stages are refused.
+            batch, after its last backward (under split backward, after its last W). GPipe,
+            1F1B and interleaved 1F1B, with or without split backward, and ZB-V; 2BW is
+            refused. Parameters tied across stages are refused.
         reshard_after_forward: with ``data_parallel="fsdp"``: free a block's gathered
             parameters after each forward (ZeRO-3 memory, default), or keep them gathered until
             the batch's gradients are reduced (``False``: ZeRO-2 memory, fewer all-gathers).

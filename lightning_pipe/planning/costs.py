@@ -288,11 +288,22 @@ def gathers(plan: PipelinePlan, a: Action) -> float:
     block's first forward to the AR action's reduce-scatter: one all-gather per block and step,
     which the runtime runs in the stage's first forward; the simulator prices an action by its
     stage and kind, not by its microbatch, so the model spreads it over the step's ``m``
-    forwards (the same seconds per step on each rank)."""
+    forwards (the same seconds per step on each rank).
+
+    Split backward under ZeRO-3 (runtime/sharding.py, ``ShardedStage``): an I gathers the
+    stage (twice on a recomputed stage: its rerun forward reshards, as any forward does) and
+    keeps it gathered for its W; on the first stage, whose I is empty, the W gathers, being its
+    whole backward. Where a forward runs between an I and its W, it reshards the stage and that W
+    gathers again: the model does not charge that gather (the simulator prices an action by its
+    stage and kind, not by what ran before it)."""
     if not sharded(plan):
         return 0.0
     if plan.reshard_after_forward:
-        return 1.0 if a.kind in (Kind.FORWARD, Kind.BACKWARD) else 0.0
+        if a.kind in (Kind.FORWARD, Kind.BACKWARD):
+            return 1.0
+        if a.kind is Kind.INPUT_GRAD and a.stage > 0:
+            return 2.0 if plan.recompute[a.stage] else 1.0
+        return 1.0 if a.kind is Kind.WEIGHT_GRAD and a.stage == 0 else 0.0
     return 1 / plan.microbatches if a.kind is Kind.FORWARD else 0.0
 
 

@@ -31,7 +31,8 @@ class Sharding:
     Attributes:
         width: replicas the stage's weights, optimizer state and reduced gradients are split over.
         gathered_bytes: the weights gathered whole beside the shards under ZeRO-3:
-            the two largest blocks' (the running block and the one its all-gather prefetches).
+            the two largest blocks' (the running block and the one its all-gather prefetches);
+            under split backward every block's (a stage stays gathered from an I until its W).
         kept_gathered: ZeRO-2 (``reshard_after_forward=False``): every block's weights stay
             gathered from its first forward to the reduce-scatter.
     """

@@ -178,11 +178,14 @@ def predict_memory(
 def sharding(profile: Profile, plan: PipelinePlan, stage: int) -> Optional[Sharding]:
     """How stage ``stage`` is sharded over its replicas (``data_parallel="fsdp"`` with ``w > 1``), else ``None``.
 
-    An interleaved plan's ranks are predicted as under DDP (its sharded terms are not modelled)."""
+    An interleaved plan's ranks are predicted as under DDP (its sharded terms are not modelled).
+    Under split backward the stage's blocks stay gathered together from an I until its W
+    (runtime/sharding.py, ``ShardedStage``): ZeRO-3 then holds every block's weights gathered."""
     if plan.data_parallel != "fsdp" or plan.width == 1:
         return None
     sizes = sorted((profile.blocks[i].parameter_bytes for i in plan.stage_ranges()[stage]), reverse=True)
-    return Sharding(plan.width, sum(sizes[:2]), kept_gathered=not plan.reshard_after_forward)
+    gathered = sum(sizes) if plan.split_backward else sum(sizes[:2])
+    return Sharding(plan.width, gathered, kept_gathered=not plan.reshard_after_forward)
 
 
 def _all_split(plan: PipelinePlan) -> bool:

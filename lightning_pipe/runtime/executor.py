@@ -322,7 +322,10 @@ class Executor:
         deferring = a.stage in self._deferring and (a.stage, a.microbatch) not in self._whole
         if not deferring or not st.train or not any(x.requires_grad for x in inputs):
             return nullcontext()
-        store = st.deferred[a.stage, a.microbatch] = DeferredGrads(weights or self._stage(a).parameters())
+        stage = self._stage(a)
+        # With FSDP replicas the blocks run on gathered parameters, which exist from each block's first all-gather.
+        own = stage.leaves if stage.sharded is not None else stage.parameters()
+        store = st.deferred[a.stage, a.microbatch] = DeferredGrads(weights or own)
         return DeferWeightGrads(store)
 
     def _version(self, a: Action, st: StepState) -> None:
@@ -368,6 +371,8 @@ class Executor:
         self._keep_input_grads(a, st, floats, [x.grad for x in floats])
         st.stash(-1)
         st.release(key)
+        if self._whole:  # a whole backward in a split run (drain): the stage's W's may be done
+            self._release_gathered(a, st)
 
     def _replayed_roots(self, a: Action, st: StepState) -> tuple[list[Tensor], list[Optional[Tensor]]]:
         """Split backward with recompute: run a microbatch's forward again, with its graph,
@@ -395,6 +400,8 @@ class Executor:
         floats = [x for x in st.inputs.pop(key) if x.is_floating_point()]
         needing = [x for x in floats if x.requires_grad]
         deferred = st.deferred.pop(key, None)
+        if self._stage(a).sharded is not None:
+            self._stage(a).sharded.hold()  # the blocks stay gathered for this microbatch's W
         found, work = (
             split.input_grads(roots, grads, needing, deferred) if roots else ([], split.WeightWork([], [], []))
         )
@@ -411,9 +418,20 @@ class Executor:
         key = (a.stage, a.microbatch)
         # Each deferred weight reported as its gradient is complete: a bucket adopts it before the next exists.
         report = self.hooks.weights_accumulated
+        sharded = self._stage(a).sharded
+        if sharded is not None:  # W runs outside FSDP's hooks, on the gathered weights its forward ran on
+            sharded.gather()
         report(split.weight_grads(st.weight_work.pop(key), report, self.hooks.weights_to_accumulate))
         st.stash(-1)
         st.release(key)
+        self._release_gathered(a, st)
+
+    def _release_gathered(self, a: Action, st: StepState) -> None:
+        """FSDP replicas: after a stage's last pending W, its blocks reshard (ZeRO-3; see
+        :class:`~lightning_pipe.runtime.sharding.ShardedStage`)."""
+        sharded = self._stage(a).sharded
+        if sharded is not None and not any(s == a.stage for s, _ in st.weight_work):
+            sharded.release()
 
     # -- communication ---------------------------------------------------------------------
     def _send(self, tensors: Tensors, dst: Optional[int], st: StepState, kind: Kind) -> None:

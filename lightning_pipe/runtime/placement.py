@@ -12,7 +12,7 @@ from torch.optim import Optimizer
 
 from lightning_pipe.core.partition import block_cost
 from lightning_pipe.core.pipeline_plan import PipelinePlan
-from lightning_pipe.runtime.sharding import local, shard_blocks
+from lightning_pipe.runtime.sharding import ShardedStage, local, shard_blocks
 from lightning_pipe.runtime.stage import Stage
 from lightning_pipe.runtime.ties import (
     Tie,
@@ -184,7 +184,16 @@ class Placement:
             self._shard(plan, sorted(mine), replica_mesh)
         self.plan, self.stage_index = plan, position
         return [
-            Stage([self.blocks[i] for i in ranges[s]], ranges[s].start, plan.recompute[s], tuple(self.ties), index=s)
+            Stage(
+                [self.blocks[i] for i in ranges[s]],
+                ranges[s].start,
+                plan.recompute[s],
+                tuple(self.ties),
+                index=s,
+                sharded=ShardedStage([self.blocks[i] for i in ranges[s]], plan.reshard_after_forward)
+                if sharding
+                else None,
+            )
             for s in plan.stages_of(position)
         ]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -70,3 +70,61 @@ class ShardedGradients:
                     for group in member._fsdp_param_groups:
                         group.post_backward()
                 state._root_post_backward_final_callback()
+
+
+class ShardedStage:
+    """A stage's FSDP blocks under split backward: gathered for each W, resharded once no W is pending.
+
+    I runs through FSDP's hooks as any backward does: a block's pre-backward gathers its weights,
+    its post-backward runs with gradient sync off. W (split backward: 2BP; Zero Bubble) computes
+    the weight gradients later, from what I captured, outside those hooks, on the gathered
+    parameters the forward ran on: so, as torch's pipelining stage keeps a stage gathered from
+    its first backward (``set_reshard_after_backward(False)``), a block stays gathered from an I
+    until the stage has no W pending (:meth:`hold`), W gathers any block a forward resharded in
+    between (:meth:`gather`; ZeRO-3 reshards after every forward), and the W or full backward
+    that leaves no W pending reshards them (:meth:`release`; under ZeRO-2 they stay gathered
+    until the reduce-scatter, as without split backward). W's gradients land on the gathered
+    parameters' ``.grad``, where FSDP accumulates a backward's, and :class:`ShardedGradients`
+    reduce-scatters them once per batch.
+
+    Args:
+        blocks: the stage's blocks, each wrapped by ``fully_shard``.
+        reshard_after_forward: the blocks' setting (ZeRO-3: ``True``; ZeRO-2: ``False``).
+    """
+
+    def __init__(self, blocks: Sequence[nn.Module], reshard_after_forward: bool) -> None:
+        self.modules = [b for b in blocks if isinstance(b, FSDPModule)]
+        self.reshard_after_forward = reshard_after_forward
+        self._params: Optional[dict[int, Any]] = None  # id of a sharded parameter -> its FSDPParam
+
+    def hold(self) -> None:
+        """Before an I: its blocks' post-backward keeps them gathered for the W that follows."""
+        for module in self.modules:
+            module.set_reshard_after_backward(False)
+
+    def gather(self) -> None:
+        """Before a W: all-gather every block a forward resharded since its I (a no-op for the others)."""
+        for module in self.modules:
+            module.unshard()
+
+    def release(self) -> None:
+        """No W of the stage is pending: under ZeRO-3 free the gathered weights (kept under ZeRO-2)."""
+        if not self.reshard_after_forward:
+            return
+        for module in self.modules:
+            module.set_reshard_after_backward(True)
+            module.reshard()
+
+    def leaves(self, params: Sequence[Tensor]) -> list[Tensor]:
+        """What autograd records for each of ``params`` (the blocks' sharded parameters): its
+        gathered (unsharded) parameter, which the blocks run on, once the first all-gather made it
+        (FSDP keeps that tensor for good, freeing and refilling its storage); else the parameter."""
+        if self._params is None:
+            self._params = {
+                id(fp.sharded_param): fp
+                for module in self.modules
+                for group in fully_shard.state(module)._fsdp_param_groups  # type: ignore[attr-defined]
+                for fp in group.fsdp_params
+            }
+        found = (self._params.get(id(p)) for p in params)
+        return [getattr(fp, "_unsharded_param", p) if fp is not None else p for fp, p in zip(found, params)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from contextlib import contextmanager, nullcontext
 from functools import partial
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -14,6 +14,9 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.hooks import RemovableHandle
 
 from lightning_pipe.runtime.autograd.deferred_weights import deferrable_weights_only
+
+if TYPE_CHECKING:
+    from lightning_pipe.runtime.sharding import ShardedStage
 
 Tensors = tuple[Tensor, ...]
 
@@ -41,12 +44,21 @@ class Stage:
         ties: every parameter of the layout that blocks on several stages share
             (:class:`~lightning_pipe.runtime.ties.Tie`), this stage's or not.
         index: the stage's position in the chain of stages.
+        sharded: with FSDP replicas, the blocks' sharding (``fully_shard`` wrapped them already):
+            split backward gathers them for W through it.
     """
 
     def __init__(
-        self, blocks: Sequence[nn.Module], first_index: int, recompute: bool = False, ties: tuple = (), index: int = 0
+        self,
+        blocks: Sequence[nn.Module],
+        first_index: int,
+        recompute: bool = False,
+        ties: tuple = (),
+        index: int = 0,
+        sharded: Optional["ShardedStage"] = None,
     ) -> None:
         self.blocks = list(blocks)
+        self.sharded = sharded
         self.first_index = first_index
         self.index = index
         self.recompute = recompute
@@ -80,6 +92,11 @@ class Stage:
     def parameters(self) -> list[nn.Parameter]:
         """Trainable parameters of this stage, without duplicates."""
         return self._params
+
+    def leaves(self) -> list[Tensor]:
+        """The tensors autograd records for :meth:`parameters`: the parameters themselves, or with
+        FSDP replicas their gathered forms (:meth:`~lightning_pipe.runtime.sharding.ShardedStage.leaves`)."""
+        return self.sharded.leaves(self._params) if self.sharded is not None else self._params
 
     def _call(self, i: int, weights: Optional[list[Tensor]], x: Tensors) -> Any:
         block = self.blocks[i]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -67,21 +67,34 @@ class DeferredGrads:
 
     Args:
         weights: the stage's trainable tensors this microbatch's forward runs on (its weight
-            version): I asks autograd for those that a deferred call does not cover.
+            version): I asks autograd for those that a deferred call does not cover. A callable
+            gives them as they are at each call: with FSDP replicas a block runs on its gathered
+            parameters, which exist only from the block's first all-gather on.
     """
 
-    def __init__(self, weights: Sequence[Tensor]) -> None:
-        self.weights = [w for w in weights if w.requires_grad]
-        self._ids = {id(w) for w in self.weights}
+    def __init__(self, weights: Union[Sequence[Tensor], Callable[[], Sequence[Tensor]]]) -> None:
+        self._resolve = weights if callable(weights) else None
+        self._weights = [w for w in (weights() if callable(weights) else weights) if w.requires_grad]
+        self._ids = {id(w) for w in self._weights}
         self.forwarded = 0  # calls the forward deferred
         self.calls: list[_Call] = []
         self.immediate = False  # add each call's weight gradients as it is recorded (a backward with nothing to defer)
         self._done: dict[int, Tensor] = {}
 
+    @property
+    def weights(self) -> list[Tensor]:
+        """The stage's trainable tensors, as they are now."""
+        if self._resolve is not None:
+            self._weights = [w for w in self._resolve() if w.requires_grad]
+            self._ids = {id(w) for w in self._weights}
+        return self._weights
+
     def covers(self, weight: Tensor, bias: Optional[Tensor]) -> bool:
         """Whether a call on ``weight`` and ``bias`` can defer: a weight of the stage (not, say, a
         received activation), a bias of the stage or constant, neither with gradient hooks
         (autograd would call them with no gradient)."""
+        if id(weight) not in self._ids and self._resolve is not None:
+            self.weights  # noqa: B018 - a block gathered since: its parameters resolved again
         if id(weight) not in self._ids or weight._backward_hooks:
             return False
         return bias is None or not bias.requires_grad or (id(bias) in self._ids and not bias._backward_hooks)
