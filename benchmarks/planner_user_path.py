@@ -451,7 +451,22 @@ def stability(group: dict[str, Any]) -> str:
         for k, (lo, hi) in zip(keys, spreads)
     ]
     lines.append(f"  The choices' predictions lie within each other's spread: {'yes' if overlap else 'no'}.")
+    noted = [f"±{r['noise']:.1%}" for r in rankings if "noise" in r]
+    lines.append(
+        f"  Every plan command's table puts every run's choice within the noise of its best ({', '.join(noted)}): "
+        f"{'yes' if choices_within_noise(rankings, keys) else 'no'}."
+    )
     return "\n".join(lines)
+
+
+def choices_within_noise(rankings: Sequence[dict[str, Any]], keys: Sequence[tuple]) -> bool:
+    """Whether every ranking marks each of the plans ``keys`` (the runs' choices) as predicted
+    within the noise of its best plan's step (the plan command's ``within_noise``)."""
+    for ranking in rankings:
+        marked = {plan_key(p) for p in ranking["plans"] if p.get("within_noise")}
+        if not set(keys) <= marked:
+            return False
+    return True
 
 
 def group_section(group: dict[str, Any]) -> tuple[str, str]:

@@ -9,6 +9,7 @@ import yaml
 from benchmarks.planner_user_path import (
     WORKLOADS,
     Options,
+    choices_within_noise,
     fit_config,
     measured_step,
     memory_ok,
@@ -116,3 +117,12 @@ def test_fit_config_is_the_users_config_with_the_plans_strategy_arguments(tmp_pa
     assert init["partition"] == [2, 4] and init["recompute"] == [True, False] and init["split_placement"] == "drain"
     assert init["global_batch_size"] == 32 and init["microbatches"] == 2
     PipelineStrategy(**init)
+
+
+def test_choices_are_within_the_noise_only_where_every_plan_command_says_so() -> None:
+    a, b = _row(m=1), _row(m=2)
+    both = {"plans": [{**a, "within_noise": True}, {**b, "within_noise": True}]}
+    one = {"plans": [{**a, "within_noise": True}, {**b, "within_noise": False}]}
+    keys = [plan_key(a), plan_key(b)]
+    assert choices_within_noise([both, both], keys)
+    assert not choices_within_noise([both, one], keys)

@@ -30,6 +30,18 @@ def test_plans_within_the_noise_yield_to_the_one_with_less_memory() -> None:
     assert search.choose(ranked, 0.0).plan.depth == 1  # no noise: the fastest
 
 
+def test_the_ranking_json_marks_the_plans_within_the_noise_of_the_best() -> None:
+    import json
+
+    from lightning_pipe.lightning.plan_cli import ranking_json
+
+    ranked = search.rank([_prediction(1, 1.00, 300), _prediction(2, 1.04, 100), _prediction(4, 1.06, 50)])
+    out = json.loads(ranking_json(ranked, 4, 32, ranked[1], noise=0.05))
+    # within 5% of the best's step, written out: 1.04 <= 1.05 < 1.06
+    assert [p["within_noise"] for p in out["plans"]] == [True, True, False] and out["noise"] == 0.05
+    assert [p["within_noise"] for p in json.loads(ranking_json(ranked, 4, 32))["plans"]] == [True, False, False]
+
+
 def test_a_plan_that_does_not_fit_is_never_chosen() -> None:
     ranked = search.rank([_prediction(1, 1.00, 300, limit=200), _prediction(2, 1.02, 100, limit=200)])
     assert search.choose(ranked, 0.05).plan.depth == 2

@@ -355,6 +355,7 @@ def table(
     spread: Optional[dict[PipelinePlan, float]] = None,
     trials: Optional[dict[tuple[PipelinePlan, int], float]] = None,
     ran: Optional[Collection[tuple[PipelinePlan, int]]] = None,
+    noise: float = 0.0,
 ) -> str:
     """The ranked plans as a markdown table (the best ``top`` feasible, then a few infeasible); ``spread``:
     each plan's predicted step's spread over the rounds of profiling (:func:`prediction_spread`);
@@ -425,15 +426,18 @@ def ranking_json(
     spread: Optional[dict[PipelinePlan, float]] = None,
     trials: Optional[dict[tuple[PipelinePlan, int], float]] = None,
     ran: Optional[Collection[tuple[PipelinePlan, int]]] = None,
+    noise: float = 0.0,
 ) -> str:
     """Every ranked plan as JSON, in the table's order: its plan fields, microbatch size, predicted
     step seconds (and their spread over the rounds of profiling, where measured) and peak bytes per
     pipeline rank, and whether it fits the budget; ``chosen``: the index of the plan written as YAML;
     ``trials``: the plans charged by a trial (``model_step_seconds`` the fitted model's), ``ran``
     those that ran one (``trial``: ``step_seconds`` measured; default: all of them), the others
-    scaled by their layout's (``layout_trial``)."""
+    scaled by their layout's (``layout_trial``); ``noise``: how far the best plan's step can be off
+    (:func:`choice_noise`; ``within_noise``: the plans predicted within it of the best's step)."""
     spread, trials = spread or {}, trials or {}
     ran = set(trials) if ran is None else set(ran)
+    close = {id(p) for p in search.within_noise(ranked, noise)}
     rows = [
         {
             "width": p.plan.width,
@@ -457,11 +461,13 @@ def ranking_json(
             "trial": (p.plan, p.microbatch_size) in ran,
             "layout_trial": (p.plan, p.microbatch_size) in trials and (p.plan, p.microbatch_size) not in ran,
             "model_step_seconds": trials.get((p.plan, p.microbatch_size), p.step_time),
+            "within_noise": id(p) in close,
         }
         for p in ranked
     ]
     index = next((i for i, p in enumerate(ranked) if p is chosen), None)
-    return json.dumps({"devices": devices, "global_batch": global_batch, "chosen": index, "plans": rows}, indent=1)
+    head = {"devices": devices, "global_batch": global_batch, "chosen": index, "noise": noise}
+    return json.dumps({**head, "plans": rows}, indent=1)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -571,9 +577,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(table(ranked, args.top, noise, trials, trial_spreads))
     top_noise = choice_noise(ranked, noise, trial_spreads)
     best = search.choose(ranked, top_noise)
+    close = search.within_noise(ranked, top_noise)
+    if len(close) > 1:
+        print(
+            f"\nthe first {len(close)} feasible plans are predicted within the noise of the best one's step "
+            f"(±{top_noise:.1%}): these measurements cannot tell them apart"
+        )
     if args.ranking_json is not None:
         args.ranking_json.write_text(
-            ranking_json(ranked, args.devices, global_batch, best, noise, trials, trial_spreads)
+            ranking_json(ranked, args.devices, global_batch, best, noise, trials, trial_spreads, noise=top_noise)
         )
     if best is None:
         print("no plan fits the memory budget", file=sys.stderr)
