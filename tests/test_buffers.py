@@ -49,7 +49,7 @@ class NormChain(ToyChain):
 def _one_thread() -> Iterator[None]:
     """Compute as the launched workers do, on one intra-op thread (torchrun sets OMP_NUM_THREADS=1).
     Two threads split a kernel's sums differently, and BatchNorm amplifies that: on an AVX-512
-    host the parameters drifted 4e-6 from a one-thread run in 3 steps (2026-11-25), against the
+    host the parameters can drift by a few 1e-6 from a one-thread run in 3 steps, against the
     pipeline's bit-exact match of the one-thread reference."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

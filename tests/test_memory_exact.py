@@ -184,19 +184,16 @@ def ratios(launched: Any) -> list[tuple[str, PipelinePlan, int, int, int, int]]:
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_memory_is_predicted_within_two_percent_and_never_under(launched, name: str) -> None:
-    # Issue 48's target: every rank of every layout, 1.00 <= predicted / tracked <= 1.02. Before
-    # it, this chain measured 1.04-1.08 on split backward's later stages, 0.89 on a replicated last
-    # stage (W's products beside its bucket), one microbatch activation under on split backward's
-    # first stage, 0.98 on 2BW + split + recompute, 0.998 on interleaved ranks (see the commits).
-    # LogitsChain's last stage under split backward: a block's I runs beside the saved tensors of
-    # the blocks not yet run; counted beside the whole graph (the head's freed logits-sized
-    # tensors among it) that stage comes out 11 to 13% over.
-    # Two stages per rank on 4 processes (interleaved 1F1B, ZB-V), before buffers were counted
-    # at the layout their receive was posted for: 1.03 to 1.18 over where stages of different
-    # widths share a link; before a stage's saved output was kept beside its earlier blocks'
-    # backwards, one output under (0.995); before an I's input gradient and its packed message
-    # were counted at its end, a header under on ZB-V; before the gradients handed over at the
-    # V's turn were counted while they wait, up to three activations under on looped BFS.
+    # Issue 48's target: every rank of every layout, 1.00 <= predicted / tracked <= 1.02. What the
+    # families exercise: split backward's later stages (W's products beside a replicated stage's
+    # bucket) and its first stage (one microbatch activation more); 2BW with split and recompute;
+    # LogitsChain's last stage under split backward, where a block's I runs beside the saved
+    # tensors of the blocks not yet run (counted beside the whole graph, with the head's freed
+    # logits-sized tensors, that stage comes out 11 to 13% over); two stages per rank on 4
+    # processes (interleaved 1F1B, ZB-V), whose buffers are counted at the layout their receive
+    # was posted for (stages of different widths share a link), a stage's saved output kept
+    # beside its earlier blocks' backwards, an I's input gradient and its packed message at its
+    # end, and the gradients handed over at the V's turn while they wait (looped BFS).
     misses = [
         (model, plan.describe(), rank, stage, predicted, measured, round(predicted / measured, 4))
         for model, plan, rank, stage, predicted, measured in ratios(launched)
