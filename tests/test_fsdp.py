@@ -406,11 +406,10 @@ class _TiedPair(ToyChain):
         self.blocks[1].fc.weight = self.blocks[0].fc.weight
 
 
-def test_fsdp_refuses_tied_weights_autoplanner_and_reconfigure() -> None:
+def test_fsdp_refuses_tied_weights_and_the_autoplanner() -> None:
     from types import SimpleNamespace
 
     from lightning_pipe import AutoPlanner, PipelineStrategy
-    from lightning_pipe.lightning.reconfigure import reconfigure
     from lightning_pipe.runtime.placement import Placement
 
     plan = PipelinePlan(width=2, depth=1, microbatches=2, data_parallel="fsdp")
@@ -421,9 +420,6 @@ def test_fsdp_refuses_tied_weights_autoplanner_and_reconfigure() -> None:
     trainer = SimpleNamespace(strategy=strategy, max_steps=10)
     with pytest.raises(ValueError, match="AutoPlanner plans and moves DDP replicas only"):
         AutoPlanner().setup(trainer, None, "fit")  # type: ignore[arg-type]
-    running = SimpleNamespace(lightning_module=object(), plan=plan, placement=SimpleNamespace(resolved=lambda p: p))
-    with pytest.raises(ValueError, match="reconfigure does not move FSDP replicas.*resume from it"):
-        reconfigure(running, plan.replace(data_parallel="ddp"))  # type: ignore[arg-type]
 
 
 def test_data_parallel_reads_from_yaml_for_the_strategy_and_the_plan() -> None:

@@ -89,6 +89,87 @@ for _target in TARGETS:
     scenario(4, f"reconfigure_{_target}", _fit_switching, _target)
 
 
+#: DDP to FSDP, FSDP to FSDP under another (w, d) and ZeRO stage, FSDP to DDP: the plan after each step.
+FSDP_SWITCHES = {
+    1: PipelinePlan(2, 2, 4, "1f1b", partition="uniform", data_parallel="fsdp"),
+    2: PipelinePlan(4, 1, 2, "gpipe", data_parallel="fsdp", reshard_after_forward=False),
+    3: PipelinePlan(2, 2, 4, "1f1b", partition="uniform"),
+}
+FSDP_STEPS = 5
+
+
+class SwitchEach(L.Callback):
+    """Lets the strategy reconfigure, and moves the job to ``plans[step]`` after each listed step;
+    records the plan each step ran on and whether its blocks were FSDP-wrapped."""
+
+    def __init__(self, plans: dict[int, PipelinePlan]) -> None:
+        self.todo = plans
+        self.plans: list[PipelinePlan] = []
+        self.sharded: list[bool] = []
+
+    def setup(self, trainer: L.Trainer, pl_module: Any, stage: str) -> None:
+        trainer.strategy.enable_reconfiguration()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.plans.append(trainer.strategy.plan)
+        self.sharded.append(trainer.strategy.placement.sharded)
+        if trainer.global_step in self.todo:
+            trainer.strategy.reconfigure(self.todo[trainer.global_step])
+
+
+def _fit_switching_fsdp(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    model, recorder, switch = ToyChain(), Recorder(), SwitchEach(FSDP_SWITCHES)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        max_steps=FSDP_STEPS,
+        max_epochs=-1,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        enable_checkpointing=False,
+        callbacks=[recorder, switch],
+        strategy=PipelineStrategy(plan=START, global_batch_size=GLOBAL, timeout=timedelta(seconds=60)),
+    )
+    trainer.fit(model, DataLoader(Indexed(GLOBAL * FSDP_STEPS, 0), batch_size=GLOBAL))
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "dtensors": [n for n, p in model.named_parameters() if isinstance(p, DTensor)],
+        "indices": recorder.indices,
+        "plans": [(p.width, p.depth, p.data_parallel, p.reshard_after_forward) for p in switch.plans],
+        "sharded": switch.sharded,
+    }
+
+
+scenario(4, "reconfigure_fsdp", _fit_switching_fsdp)
+
+
+def test_switch_between_ddp_and_fsdp_replicas_matches_single_process(launched) -> None:
+    # (1, 4) DDP, then (2, 2) FSDP ZeRO-3, (4, 1) FSDP ZeRO-2 and (2, 2) DDP: each switch gathers the
+    # stage's shards of weights and Adam state, moves them and shards them again where the new plan does.
+    ranks = launched(4).ok("reconfigure_fsdp")
+    for rank in ranks:
+        assert rank["plans"] == [(1, 4, "ddp", True), (2, 2, "fsdp", True), (4, 1, "fsdp", False)] + [
+            (2, 2, "ddp", True)
+        ] * (FSDP_STEPS - 3)
+        assert rank["sharded"] == [False, True, True] + [False] * (FSDP_STEPS - 3)
+        assert rank["dtensors"] == [] and rank["indices"] == ranks[0]["indices"]
+    merged: dict[str, torch.Tensor] = {}
+    for rank in ranks:
+        for name, value in rank["params"].items():
+            if name in merged:  # DDP replicas of a stage hold the same weights
+                torch.testing.assert_close(value, merged[name], rtol=0, atol=0)
+            merged[name] = value
+    torch.manual_seed(0)
+    want = reference_train(ToyChain(), _batches(ranks[0]["indices"], FSDP_STEPS))
+    assert_close_dicts(merged, want, rtol=1e-5)
+
+
 def _fit_one_step(model: Any, plan: PipelinePlan, world: int) -> int:
     trainer = L.Trainer(
         accelerator="cpu",
