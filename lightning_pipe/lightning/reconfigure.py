@@ -70,8 +70,10 @@ def reconfigure(strategy: Reconfigurable, plan: PipelinePlan) -> PipelinePlan:
             "strategy.enable_reconfiguration() before the data is set up (AutoPlanner does it)"
         )
     strategy.drain()
-    exported = strategy.placement.export_state(strategy.single_optimizer())
-    flat = reshard.gathered({f"{part}.{k}": v for part in _PARTS for k, v in exported[part].items()})
+    optimizer = strategy.single_optimizer()
+    # An optimizer that has not stepped holds no state to move; torch's export would create it by a zero step.
+    exported = strategy.placement.export_state(optimizer if optimizer.state else None)
+    flat = reshard.gathered({f"{part}.{k}": v for part in _PARTS for k, v in exported.get(part, {}).items()})
     schedulers = [config.scheduler.state_dict() for config in module.trainer.lr_scheduler_configs]
     moved = reshard.exchange(
         flat,

@@ -289,7 +289,8 @@ class Placement:
         """Load this rank's parameters, buffers and optimizer state from ``state`` (keyed as :meth:`export_state`).
 
         ``state`` may hold other stages' names too; only this rank's are read. Gradients left
-        by an earlier step are dropped.
+        by an earlier step are dropped. Optimizer state without any per-parameter entry (no
+        step taken yet) leaves ``optimizer`` as it is.
 
         Raises:
             KeyError / ValueError: naming the first weights of this stage that are missing or shaped otherwise.
@@ -309,6 +310,10 @@ class Placement:
             p.grad = None  # state only for parameters without one, and would load none
         if optimizer is not None and "optimizer" in state:
             flat = _own_optimizer_keys(state["optimizer"], {self._aliases.get(k, k) for k in own})
+            if not any(k.startswith("state.") for k in flat):
+                # Nothing stepped yet (a move before the first step): the fresh optimizer is that state.
+                # Loading it would have torch initialise the state by a zero step, counting one step.
+                return
             back = {kept: alias for alias, kept in self._aliases.items() if alias in own}  # this rank's name for it
             params = dict(self.module.named_parameters())
             renamed = {_renamed(k, back): v for k, v in flat.items()}
