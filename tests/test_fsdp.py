@@ -417,6 +417,18 @@ def test_fsdp_refuses_tied_weights() -> None:
     assert strategy.data_parallel == "fsdp" and PipelineStrategy().data_parallel == "ddp"
 
 
+def test_autoplanner_accepts_a_job_that_starts_with_fsdp() -> None:
+    # Its profile runs the same plan with DDP replicas and moves back (tests/test_reconfigure.py,
+    # the HeavyChain scenario, profiles a running FSDP plan so).
+    from types import SimpleNamespace
+
+    from lightning_pipe import AutoPlanner, PipelineStrategy
+
+    strategy = PipelineStrategy(data_parallel="fsdp", microbatches=2)
+    AutoPlanner().setup(SimpleNamespace(strategy=strategy, max_steps=10), None, "fit")  # type: ignore[arg-type]
+    assert strategy.loads_global_batches and strategy.data_parallel == "fsdp"
+
+
 def test_data_parallel_reads_from_yaml_for_the_strategy_and_the_plan() -> None:
     # LightningCLI reads the strategy's init_args (and a plan=) through jsonargparse.
     import yaml
