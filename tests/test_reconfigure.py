@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.data import DataLoader
 
 from lightning_pipe import PipelinePlan, PipelineStrategy
-from tests.models import ToyChain, assert_close_dicts, load_plain, reference_train
+from tests.models import HIDDEN, ToyChain, assert_close_dicts, load_plain, reference_train
 from tests.scripts.train_toy import Indexed, Recorder, WithScheduler
 from tests.shared import live_groups, scenario, scenario_dir
 
@@ -87,6 +87,87 @@ def _fit_switching(rank: int, world: int, target: str) -> dict[str, Any]:
 
 for _target in TARGETS:
     scenario(4, f"reconfigure_{_target}", _fit_switching, _target)
+
+
+#: DDP to FSDP, FSDP to FSDP under another (w, d) and ZeRO stage, FSDP to DDP: the plan after each step.
+FSDP_SWITCHES = {
+    1: PipelinePlan(2, 2, 4, "1f1b", partition="uniform", data_parallel="fsdp"),
+    2: PipelinePlan(4, 1, 2, "gpipe", data_parallel="fsdp", reshard_after_forward=False),
+    3: PipelinePlan(2, 2, 4, "1f1b", partition="uniform"),
+}
+FSDP_STEPS = 5
+
+
+class SwitchEach(L.Callback):
+    """Lets the strategy reconfigure, and moves the job to ``plans[step]`` after each listed step;
+    records the plan each step ran on and whether its blocks were FSDP-wrapped."""
+
+    def __init__(self, plans: dict[int, PipelinePlan]) -> None:
+        self.todo = plans
+        self.plans: list[PipelinePlan] = []
+        self.sharded: list[bool] = []
+
+    def setup(self, trainer: L.Trainer, pl_module: Any, stage: str) -> None:
+        trainer.strategy.enable_reconfiguration()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.plans.append(trainer.strategy.plan)
+        self.sharded.append(trainer.strategy.placement.sharded)
+        if trainer.global_step in self.todo:
+            trainer.strategy.reconfigure(self.todo[trainer.global_step])
+
+
+def _fit_switching_fsdp(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    model, recorder, switch = ToyChain(), Recorder(), SwitchEach(FSDP_SWITCHES)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        max_steps=FSDP_STEPS,
+        max_epochs=-1,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        enable_checkpointing=False,
+        callbacks=[recorder, switch],
+        strategy=PipelineStrategy(plan=START, global_batch_size=GLOBAL, timeout=timedelta(seconds=60)),
+    )
+    trainer.fit(model, DataLoader(Indexed(GLOBAL * FSDP_STEPS, 0), batch_size=GLOBAL))
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "dtensors": [n for n, p in model.named_parameters() if isinstance(p, DTensor)],
+        "indices": recorder.indices,
+        "plans": [(p.width, p.depth, p.data_parallel, p.reshard_after_forward) for p in switch.plans],
+        "sharded": switch.sharded,
+    }
+
+
+scenario(4, "reconfigure_fsdp", _fit_switching_fsdp)
+
+
+def test_switch_between_ddp_and_fsdp_replicas_matches_single_process(launched) -> None:
+    # (1, 4) DDP, then (2, 2) FSDP ZeRO-3, (4, 1) FSDP ZeRO-2 and (2, 2) DDP: each switch gathers the
+    # stage's shards of weights and Adam state, moves them and shards them again where the new plan does.
+    ranks = launched(4).ok("reconfigure_fsdp")
+    for rank in ranks:
+        assert rank["plans"] == [(1, 4, "ddp", True), (2, 2, "fsdp", True), (4, 1, "fsdp", False)] + [
+            (2, 2, "ddp", True)
+        ] * (FSDP_STEPS - 3)
+        assert rank["sharded"] == [False, True, True] + [False] * (FSDP_STEPS - 3)
+        assert rank["dtensors"] == [] and rank["indices"] == ranks[0]["indices"]
+    merged: dict[str, torch.Tensor] = {}
+    for rank in ranks:
+        for name, value in rank["params"].items():
+            if name in merged:  # DDP replicas of a stage hold the same weights
+                torch.testing.assert_close(value, merged[name], rtol=0, atol=0)
+            merged[name] = value
+    torch.manual_seed(0)
+    want = reference_train(ToyChain(), _batches(ranks[0]["indices"], FSDP_STEPS))
+    assert_close_dicts(merged, want, rtol=1e-5)
 
 
 def _fit_one_step(model: Any, plan: PipelinePlan, world: int) -> int:
@@ -802,6 +883,108 @@ class PlanAtStart(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self.plans.append(trainer.strategy.plan)
+
+
+class WideResidual(torch.nn.Module):
+    """A residual block through ``HEAVY_WIDTH`` hidden units: its 135 KB of weights, and Adam's 270 KB beside
+    them, are nearly all the model's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(HIDDEN, HEAVY_WIDTH), torch.nn.Linear(HEAVY_WIDTH, HIDDEN)
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return h + self.down(torch.tanh(self.up(h))) * mask.unsqueeze(-1).to(h.dtype), mask
+
+
+class HeavyChain(ToyChain):
+    """ToyChain with one wide block that no pipeline stage can split: its stage's Adam state is the model's.
+
+    Adam's ``eps`` is :data:`HEAVY_EPS`: among the wide block's 33k weights some gradient is near
+    zero, where Adam's ``g / (|g| + eps)`` turns the last-bit differences of summing a batch in
+    another order (per replica, then averaged) into differences of the update itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks[1] = WideResidual()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=self.lr, eps=HEAVY_EPS)
+
+
+HEAVY_WIDTH, HEAVY_EPS = 1024, 1e-3
+#: Bytes per device, 510 kB after the AutoPlanner's 15% headroom: HeavyChain's plans at a global
+#: batch of 16 on 4 ranks were predicted to peak at 456 to 459 kB under FSDP (4, 1) (both ZeRO
+#: stages), 561 kB under FSDP (2, 2), and 680 to 695 kB under every DDP plan (the wide block's
+#: stage holds its weights, gradients and Adam state whole).
+HEAVY_MEMORY = 600_000
+HEAVY_STEPS = 4  # 2 profiled, 2 after the decision
+
+
+def _whole(param: torch.Tensor) -> torch.Tensor:
+    """A copy of ``param``'s whole value: an FSDP shard (a DTensor) gathered over its replicas (a collective)."""
+    from torch.distributed.tensor import DTensor
+
+    return (param.full_tensor() if isinstance(param, DTensor) else param).detach().clone()
+
+
+def _fit_auto_fsdp(rank: int, world: int) -> dict[str, Any]:
+    from lightning_pipe import AutoPlanner
+
+    torch.manual_seed(0)
+    model, recorder, seen = HeavyChain(), Recorder(), PlanAtStart()
+    auto = AutoPlanner(memory=HEAVY_MEMORY, profile_steps=2, min_gain=0.0, virtual_stages=(1,))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        max_steps=HEAVY_STEPS,
+        max_epochs=-1,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        enable_checkpointing=False,
+        callbacks=[recorder, auto, seen],  # seen after the AutoPlanner: the plan each step ran on
+        strategy=PipelineStrategy(plan=START, global_batch_size=GLOBAL, timeout=timedelta(seconds=60)),
+    )
+    trainer.fit(model, DataLoader(Indexed(GLOBAL * HEAVY_STEPS, 0), batch_size=GLOBAL))
+    return {
+        "params": {n: _whole(p) for n, p in model.named_parameters()},
+        "indices": recorder.indices,
+        "plans": seen.plans,
+        "decisions": [
+            (d["step"], d["current"].plan, d["current"].feasible, d["chosen"].plan, d["reason"]) for d in auto.decisions
+        ],
+        "offered": [d["table"] for d in auto.decisions],
+    }
+
+
+scenario(4, "autoplan_fsdp", _fit_auto_fsdp)
+
+
+def test_autoplanner_moves_a_job_whose_adam_state_fits_only_fsdp_replicas(launched) -> None:
+    # Under the budget the (1, 4) DDP start does not fit, nor does any DDP plan: the AutoPlanner
+    # moves the job to FSDP replicas before its first step, profiles them (on the same plan with
+    # DDP replicas, and back), and decides again among FSDP plans. Training stays exact.
+    ranks = launched(4).ok("autoplan_fsdp")
+    for rank in ranks:
+        assert rank["decisions"] == ranks[0]["decisions"] and rank["plans"] == ranks[0]["plans"]
+    (start, current, fits, chosen, reason), (step, running, _, kept, _) = ranks[0]["decisions"]
+    assert start == 0 and current == START.replace(partition=(2, 2, 1, 1)) and not fits, reason
+    assert "does not fit" in reason
+    assert (chosen.width, chosen.depth, chosen.data_parallel) == (4, 1, "fsdp"), chosen
+    assert step == 2 and running == chosen and kept.data_parallel == "fsdp", kept
+    assert all(p.data_parallel == "fsdp" for p in ranks[0]["plans"]), ranks[0]["plans"]
+    assert "FSDP replicas" in ranks[0]["offered"][0]
+    merged: dict[str, torch.Tensor] = {}
+    for rank in ranks:
+        merged.update(rank["params"])
+    torch.manual_seed(0)
+    model = HeavyChain()
+    opt = torch.optim.Adam(model.parameters(), lr=model.lr, eps=HEAVY_EPS)
+    want = reference_train(model, _batches(ranks[0]["indices"], HEAVY_STEPS), opt=opt)
+    assert_close_dicts(merged, want, rtol=1e-5)
 
 
 def _fit_resume(rank: int, world: int) -> dict[str, Any]:

@@ -39,11 +39,12 @@ class AutoPlanner(Callback):
     steps measured (contention, the executor's own costs). The plan space covers every
     ``(w, d)`` with ``w * d`` = the job's processes, every microbatch size with the global batch
     fixed, every schedule (2BW only with ``allow_stale``), interleaving (``virtual_stages``), split
-    backward, recompute per stage and the partition (time-balanced, and MadPipe's under a memory
-    budget). Every rank loads the global batch and trains on its replica's rows, so a width
-    change keeps the samples of every global batch and the batches of every epoch: the global
-    batch is ``PipelineStrategy(global_batch_size=...)``, or else the starting layout's (the
-    training DataLoader's batch size times the starting width; the decision report says so).
+    backward, recompute per stage, the partition (time-balanced, and MadPipe's under a memory
+    budget) and, under a memory budget, FSDP replicas (``data_parallel="fsdp"``) beside DDP ones.
+    Every rank loads the global batch and trains on its replica's rows, so a width change keeps
+    the samples of every global batch and the batches of every epoch: the global batch is
+    ``PipelineStrategy(global_batch_size=...)``, or else the starting layout's (the training
+    DataLoader's batch size times the starting width; the decision report says so).
 
     The profiled steps run under the strategy's layout or, when the user gave none, under a safe
     start: recompute on every stage and one sample per microbatch.
@@ -159,11 +160,6 @@ class AutoPlanner(Callback):
                     f"AutoPlanner needs Trainer(strategy=PipelineStrategy(...)), got {type(trainer.strategy).__name__}"
                 )
             _check_steps(self.profile_steps, trainer.max_steps)
-            if trainer.strategy.data_parallel == "fsdp":
-                raise ValueError(
-                    "AutoPlanner plans and moves DDP replicas only: remove data_parallel='fsdp' from "
-                    "PipelineStrategy to use it, or plan offline (python -m lightning_pipe.plan)"
-                )
             trainer.strategy.enable_reconfiguration()
             if not trainer.strategy.layout_given:
                 self._start_safely(trainer.strategy)
@@ -263,19 +259,38 @@ class AutoPlanner(Callback):
         return mean("F"), backward, mean("OPT")
 
     def _stage_profile(self, trainer: Trainer, module: Any) -> list[tuple[int, list[BlockProfile], float]]:
-        """Each of this rank's stages' calibrated block profiles and optimizer-step seconds (first replicas only)."""
+        """Each of this rank's stages' calibrated block profiles and optimizer-step seconds (first replicas only).
+
+        Blocks are profiled whole, as the planner models them: under FSDP replicas the job moves
+        to the same plan with DDP replicas for the profile and back (exact moves, see
+        :func:`~lightning_pipe.lightning.reconfigure.reconfigure`), since one replica cannot run a
+        sharded block alone (its all-gathers need every replica)."""
         strategy = trainer.strategy
-        engine, plan = strategy.engine, strategy.plan
-        if plan.topology.replica_of(strategy.global_rank) != 0:
-            return []
-        return [
-            self._profile_one(trainer, module, st, position.is_last)
-            for st, position in zip(engine.stages, engine.positions)
-        ]
+        running = strategy.plan
+        sharded = _sharded(running)
+        if sharded:
+            strategy.reconfigure(running.replace(data_parallel="ddp", reshard_after_forward=True))
+        try:
+            engine = strategy.engine
+            if running.topology.replica_of(strategy.global_rank) != 0:
+                return []
+            return [
+                self._profile_one(trainer, module, st, position.is_last, running)
+                for st, position in zip(engine.stages, engine.positions)
+            ]
+        finally:
+            if sharded:
+                strategy.reconfigure(running)
 
     def _profile_one(
-        self, trainer: Trainer, module: Any, st: Any, is_last: bool
+        self, trainer: Trainer, module: Any, st: Any, is_last: bool, running: PipelinePlan
     ) -> tuple[int, list[BlockProfile], float]:
+        """``st``'s blocks profiled on its captured inputs, scaled to the F and B seconds the
+        profiled steps measured, and its measured optimizer-step seconds, under ``running``.
+
+        Under FSDP replicas the measured F and B hold the all-gathers the planner charges on its
+        own, so the blocks keep their profiled times (the trial of the running plan fits the
+        model, :meth:`_fitted`), and the step, over a ``1/w`` shard, counts ``w`` times."""
         captured = self._captured[st.index]
         inputs = _profile_inputs(captured)
         rows = self._batch
@@ -288,11 +303,11 @@ class AutoPlanner(Callback):
                 st.blocks, st.first_index, inputs, loss, 2, factory, trainer.strategy.root_device, known
             )
         forward, backward, step = self._measured(st.index)
+        if _sharded(running):
+            forward, backward, step = 0.0, 0.0, step * running.width
         return (
             st.index,
-            _calibrated(
-                profiles, batch_size(captured[0]), trainer.strategy.plan.recompute[st.index], forward, backward
-            ),
+            _calibrated(profiles, batch_size(captured[0]), running.recompute[st.index], forward, backward),
             step,
         )
 
@@ -410,7 +425,7 @@ class AutoPlanner(Callback):
                 self.allow_stale,
                 partitions=[plan.partition],
                 virtual_stages=self.virtual_stages,
-                fsdp=False,  # reconfigure moves DDP replicas only
+                fsdp=None,  # FSDP replicas offered under a memory budget, as by the plan command
             )
         dist.broadcast_object_list(found, src=0)
         ranked = found[0]
@@ -625,6 +640,11 @@ def _matmuls(a: Tensor, b: Tensor, times: int) -> None:
 def _rows(batch: Any, start: int, size: int) -> Any:
     """``size`` samples of ``batch`` from row ``start`` (microbatches are contiguous rows)."""
     return tree_map(lambda t: t[start : start + size] if isinstance(t, Tensor) and t.dim() > 0 else t, batch)
+
+
+def _sharded(plan: PipelinePlan) -> bool:
+    """Whether ``plan``'s replicas hold FSDP shards (``data_parallel="fsdp"`` with replicas to shard over)."""
+    return plan.data_parallel == "fsdp" and plan.width > 1
 
 
 def _calibrated(

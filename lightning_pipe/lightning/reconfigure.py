@@ -46,33 +46,34 @@ def reconfigure(strategy: Reconfigurable, plan: PipelinePlan) -> PipelinePlan:
     counters carried over) and imports the state. ``trainer.global_step``, loggers and
     callbacks go on.
 
+    FSDP replicas (``data_parallel="fsdp"``) move too, before or after: each stage's shards of
+    weights and Adam state are gathered over its old replicas into whole tensors, moved as DDP
+    state is, and split again over the new stage's replicas when imported (the blocks are
+    unwrapped from ``fully_shard`` and wrapped anew). For that moment a rank holds its old
+    stage's whole weights and optimizer state, as a DDP replica does.
+
     Returns:
         The plan now in use (partition resolved).
 
     Raises:
-        ValueError: for a plan of another process count, a new width without
-            :meth:`~lightning_pipe.PipelineStrategy.enable_reconfiguration`, or FSDP replicas
-            (``data_parallel="fsdp"``) before or after.
+        ValueError: for a plan of another process count, or a new width without
+            :meth:`~lightning_pipe.PipelineStrategy.enable_reconfiguration`.
     """
     module = strategy.lightning_module
     if module is None:
         raise RuntimeError("PipelineStrategy has no LightningModule attached yet")
     old, new = strategy.plan, strategy.placement.resolved(plan)
     new.check_world_size(old.world_size)
-    if "fsdp" in (old.data_parallel, new.data_parallel):
-        raise ValueError(
-            f"reconfigure does not move FSDP replicas (from data_parallel={old.data_parallel!r} to "
-            f"{new.data_parallel!r}): fully_shard turns the blocks into sharded modules for good; save a "
-            "checkpoint and resume from it under the new plan (any layout loads it)"
-        )
     if new.width != old.width and not strategy.loads_global_batches:
         raise ValueError(
             f"changing the width from {old.width} to {new.width} during fit needs "
             "strategy.enable_reconfiguration() before the data is set up (AutoPlanner does it)"
         )
     strategy.drain()
-    exported = strategy.placement.export_state(strategy.single_optimizer())
-    flat = {f"{part}.{k}": v for part in _PARTS for k, v in exported[part].items()}
+    optimizer = strategy.single_optimizer()
+    # An optimizer that has not stepped holds no state to move; torch's export would create it by a zero step.
+    exported = strategy.placement.export_state(optimizer if optimizer.state else None)
+    flat = reshard.gathered({f"{part}.{k}": v for part in _PARTS for k, v in exported.get(part, {}).items()})
     schedulers = [config.scheduler.state_dict() for config in module.trainer.lr_scheduler_configs]
     moved = reshard.exchange(
         flat,

@@ -463,13 +463,17 @@ class PipelineStrategy(DDPStrategy):
         return reconfigure(self, plan)
 
     def place(self, plan: PipelinePlan) -> None:
-        """Rebuild the process groups for ``plan`` and place its stages and engine on this rank
-        (the old layout's engine closed and its placement undone first)."""
+        """Place ``plan``'s stages and engine on this rank (the old layout's engine closed and its
+        placement undone first), with the process groups of its ``(w, d)`` layout: the old
+        layout's where the layout is the same (another schedule, partition or ``data_parallel``),
+        else new ones."""
         module = self._module_checked(self.lightning_module)
+        kept = self._groups is not None and self._plan is not None and self._plan.topology == plan.topology
         self._plan = plan
-        if self._groups is not None:
-            self._groups.destroy()
-        self._groups = PipelineGroups.build(plan.topology, self.global_rank, self.root_device.type)
+        if not kept:
+            if self._groups is not None:
+                self._groups.destroy()
+            self._groups = PipelineGroups.build(plan.topology, self.global_rank, self.root_device.type)
         module._pipeline_engine = self._place(module)
 
     def single_optimizer(self) -> Optimizer:

@@ -24,6 +24,7 @@ from lightning_pipe.runtime.ties import (
     shared_slots,
     untie_remote,
 )
+from lightning_pipe.runtime.unshard import unshard_block
 
 if TYPE_CHECKING:
     from lightning_pipe.runtime.engine import PipelineEngine
@@ -131,7 +132,7 @@ class Placement:
         self.shared_blocks = shared_blocks(module, self.blocks)  # before any placement unties them
         self._shared_slots = shared_slots(self.blocks)  # tied again by undo(), whatever this rank dropped
         self._untied: list[tuple[nn.Module, str, nn.Parameter]] = []
-        self.sharded = False  # this rank's blocks were wrapped by fully_shard (data_parallel="fsdp")
+        self._sharded: list[int] = []  # this rank's blocks wrapped by fully_shard (data_parallel="fsdp")
 
     def apply(
         self, plan: PipelinePlan, rank: int, device: Optional[torch.device] = None, replica_mesh: Optional[Any] = None
@@ -148,17 +149,12 @@ class Placement:
                 blocks are sharded over it (:func:`~lightning_pipe.runtime.sharding.shard_blocks`).
 
         Raises:
-            RuntimeError: if a plan is already applied (undo it first), or the blocks were sharded by an earlier one.
+            RuntimeError: if a plan is already applied (undo it first).
             ValueError: if the partition does not fit the chain, a parameter is shared across
                 stages, or (FSDP) shared between blocks, or no ``replica_mesh`` is given.
         """
         if self.plan is not None:
             raise RuntimeError("a plan is already placed on this module; call undo() before applying another")
-        if self.sharded:
-            raise RuntimeError(
-                "this model's blocks were sharded by data_parallel='fsdp' and cannot be placed again in this "
-                "process; save a checkpoint and load it into a freshly built model under the new layout"
-            )
         plan = self.resolved(plan)
         ranges = plan.stage_ranges()
         if ranges[-1].stop != len(self.blocks):
@@ -212,7 +208,12 @@ class Placement:
     def _shard(self, plan: PipelinePlan, mine: list[int], replica_mesh: Any) -> None:
         """Wrap this rank's blocks with ``fully_shard`` over ``replica_mesh``."""
         shard_blocks([self.blocks[i] for i in mine], replica_mesh, plan.reshard_after_forward)
-        self.sharded = True
+        self._sharded = mine
+
+    @property
+    def sharded(self) -> bool:
+        """Whether this rank's blocks are wrapped by ``fully_shard`` (a placed ``data_parallel="fsdp"`` plan)."""
+        return bool(self._sharded)
 
     def _place_block(self, i: int, remote_stage: Optional[int], device: torch.device) -> None:
         parent, name = self._parents[i]
@@ -242,7 +243,16 @@ class Placement:
         return found
 
     def undo(self) -> None:
-        """Put every original block back into the module (blocks of other stages hold no weights)."""
+        """Put every original block back into the module (blocks of other stages hold no weights).
+
+        Blocks an FSDP plan sharded are unwrapped (:func:`~lightning_pipe.runtime.unshard.unshard_block`)
+        and hold no weights either: like blocks of other stages, the next plan allocates them and
+        :meth:`import_state` fills them (export the state, gathered, first).
+        """
+        for i in self._sharded:
+            unshard_block(self.blocks[i])
+            self._dropped.add(i)
+        self._sharded = []
         retie(self._untied)
         self._untied = []
         share_again(self._shared_slots)
@@ -288,7 +298,8 @@ class Placement:
         """Load this rank's parameters, buffers and optimizer state from ``state`` (keyed as :meth:`export_state`).
 
         ``state`` may hold other stages' names too; only this rank's are read. Gradients left
-        by an earlier step are dropped.
+        by an earlier step are dropped. Optimizer state without any per-parameter entry (no
+        step taken yet) leaves ``optimizer`` as it is.
 
         Raises:
             KeyError / ValueError: naming the first weights of this stage that are missing or shaped otherwise.
@@ -308,6 +319,10 @@ class Placement:
             p.grad = None  # state only for parameters without one, and would load none
         if optimizer is not None and "optimizer" in state:
             flat = _own_optimizer_keys(state["optimizer"], {self._aliases.get(k, k) for k in own})
+            if not any(k.startswith("state.") for k in flat):
+                # Nothing stepped yet (a move before the first step): the fresh optimizer is that state.
+                # Loading it would have torch initialise the state by a zero step, counting one step.
+                return
             back = {kept: alias for alias, kept in self._aliases.items() if alias in own}  # this rank's name for it
             params = dict(self.module.named_parameters())
             renamed = {_renamed(k, back): v for k, v in flat.items()}

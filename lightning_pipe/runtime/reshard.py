@@ -6,7 +6,9 @@ belongs to the block that owns ``<name>``. A rank whose new stage holds a block 
 not receives that block's keys from the old stage's replica of the same index (modulo the old
 width); keys it already holds stay where they are, uncopied. Every rank computes the same list of
 transfers from the two plans, so no coordinator is needed: one gather of key descriptions from
-each old stage's first replica, then one ``batch_isend_irecv``.
+each old stage's first replica, then one ``batch_isend_irecv``. FSDP shards (DTensors) move as
+whole tensors: :func:`gathered` first gathers them over their replicas, and the new layout's
+placement splits them again over its own replicas.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from lightning_pipe.core.pipeline_plan import PipelinePlan
 
@@ -29,6 +32,16 @@ def key_name(key: str) -> str:
         return key[len("model.") :]
     inner = key[len("optimizer.") :]
     return inner[inner.index(".") + 1 : inner.rindex(".")]
+
+
+def gathered(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` with every DTensor (an FSDP shard of a parameter or of its optimizer state)
+    replaced by its whole tensor; other values are kept as they are.
+
+    A collective over each DTensor's mesh: the replicas of a stage hold the same keys and gather
+    them in the same (sorted) order, each stage over its own replica group.
+    """
+    return {k: state[k].full_tensor() if isinstance(state[k], DTensor) else state[k] for k in sorted(state)}
 
 
 def stage_of_block(plan: PipelinePlan) -> list[int]:
