@@ -699,8 +699,8 @@ def test_autoplanner_leaves_a_plan_over_the_budget_before_its_first_step(launche
 #: AutoPlanner profiled a block at twice the microbatch (above a recomputed stage's step) and ran
 #: trial optimizer steps beside the job's optimizer state (DenseChain's weights).
 #:
-#: Each with the most its job may hold against its steps: 3% in general (1.000-1.002 measured on
-#: 2026-11-26; 1.05 while the capturing step kept its first microbatch's input to the end). 25% for
+#: Each with the most its job may hold against its steps: 3% in general (the capturing step keeps
+#: only its last microbatch's inputs, the AutoPlanner's profiling holds little else). 25% for
 #: DenseChain's one-block stage, whose 1 MiB of weights dwarf its activations: the check before
 #: the first step still runs one trial optimizer step per block (no optimizer state exists yet),
 #: and the copy of the block's weights it keeps on the host is the same memory on a CPU device
@@ -834,27 +834,19 @@ def test_predicted_stage_memory_bounds_what_every_stage_measures(launched) -> No
     # against the planner's prediction for that stage. A prediction under the measurement lets
     # the AutoPlanner exceed a budget; 2% below is the tracker's noise (a few KiB). Over by at
     # most 11%: split backward's captured gradients are counted for every pending microbatch
-    # but the running one, an upper bound (measured 2 to 6% over at d = 4; 10.4% on the last
-    # stage since receives are posted just before a send to the peer where one comes first, 2026-11-25: its measured
-    # peak fell by the one input receive, 15.5 KiB, no longer posted then, while the bound's own
-    # worst moment, a different one, still has it posted, exactly as the executor does; the
-    # prediction is unchanged, the plain 1F1B stages here still match to the byte). An interleaved rank
+    # but the running one, an upper bound (2 to 6% over at d = 4; about 10% on the last stage,
+    # whose worst moment in the bound still has an input receive posted that the executor's
+    # worst moment does not; the plain 1F1B stages here match to the byte). An interleaved rank
     # without split backward within 3%: its buffers are counted per moment, its posted receives
-    # at the size of the stage that reads each (before 2026-11-25 one receive per neighbour rank,
-    # always; counted per stage they came out 2.4 to 4.8% over at (1, 4), measured; at (2, 2)
-    # the rank-0 ack buffer is 2.5% over).
+    # at the size of the stage that reads each.
     # DenseChain (linear blocks): its stages after the first free their graph at I (deferred linear
-    # weight gradients), which the model counts. On its first stage W is the whole backward: until
-    # 2026-11-25 one autograd call whose new gradients all existed before any was added, measured
-    # 1.144x the prediction at (1, 4) and 1.138x at (2, 2) under 2BW (an under-prediction); now a
-    # plain backward that adds each as it goes, 1.001x and 1.000x. At (1, 4) under 2BW, whose
-    # placement holds a W across windows: 0.992 to 1.001 (2026-11-26; 0.947 on the last stage with
-    # the placement before it, ZB-H1's per window). ConvDenseChain: the same with convolutions, whose
-    # weight gradients split backward defers since 2026-11-26. Their I peaks above a full backward's
-    # workspace (the output gradients kept for W build up while the graph is still being freed):
-    # before the profile measured that peak, stage 1 measured 1.058x its prediction. A block's I
-    # peak is counted beside the saved tensors of the blocks not yet run, the later blocks' kept
-    # tensors, its incoming gradient and the microbatch's output (the I's root): 0.9996 to 0.9997.
+    # weight gradients), which the model counts. On its first stage W is the whole backward, a
+    # plain backward that adds each gradient as it goes; under 2BW at (1, 4) its placement holds a
+    # W across windows. ConvDenseChain: the same with convolutions, whose weight gradients split
+    # backward defers. Their I peaks above a full backward's workspace (the output gradients kept
+    # for W build up while the graph is still being freed), which the profile measures. A block's
+    # I peak is counted beside the saved tensors of the blocks not yet run, the later blocks' kept
+    # tensors, its incoming gradient and the microbatch's output (the I's root).
     for rank in launched(4).ok("planner_memory_spot_check"):
         for row in rank:
             ratio = row["measured"] / row["predicted"]
