@@ -55,23 +55,33 @@ class SwitchAt(L.Callback):
         self.plans.append(trainer.strategy.plan)
 
 
-def _fit_switching(rank: int, world: int, target: str) -> dict[str, Any]:
-    torch.manual_seed(0)
-    model = WithScheduler() if target == "1f1b" else ToyChain()
-    recorder, switch = Recorder(), SwitchAt(SWITCH, TARGETS[target])
-    out = scenario_dir()
-    trainer = L.Trainer(
+def _trainer(**settings: Any) -> L.Trainer:
+    """A CPU Trainer without sanity checks, validation, progress bar, summary, logger or
+    checkpoints (``settings`` add to or override these)."""
+    quiet = dict(
         accelerator="cpu",
-        devices=world,
-        max_steps=STEPS,
         max_epochs=-1,
         num_sanity_val_steps=0,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_val_batches=0,
+        enable_checkpointing=False,
+    )
+    return L.Trainer(**{**quiet, **settings})
+
+
+def _fit_switching(rank: int, world: int, target: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = WithScheduler() if target == "1f1b" else ToyChain()
+    recorder, switch = Recorder(), SwitchAt(SWITCH, TARGETS[target])
+    out = scenario_dir()
+    trainer = _trainer(
+        devices=world,
+        max_steps=STEPS,
         callbacks=[recorder, switch, L.pytorch.callbacks.ModelCheckpoint(dirpath=out / "ckpt", save_last=True)],
         strategy=PipelineStrategy(plan=START, global_batch_size=GLOBAL, timeout=timedelta(seconds=60)),
+        enable_checkpointing=True,
     )
     trainer.fit(model, DataLoader(Indexed(GLOBAL * STEPS, 0), batch_size=GLOBAL))
     return {
@@ -122,17 +132,9 @@ def _fit_switching_fsdp(rank: int, world: int) -> dict[str, Any]:
 
     torch.manual_seed(0)
     model, recorder, switch = ToyChain(), Recorder(), SwitchEach(FSDP_SWITCHES)
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = _trainer(
         devices=world,
         max_steps=FSDP_STEPS,
-        max_epochs=-1,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        enable_checkpointing=False,
         callbacks=[recorder, switch],
         strategy=PipelineStrategy(plan=START, global_batch_size=GLOBAL, timeout=timedelta(seconds=60)),
     )
@@ -171,17 +173,9 @@ def test_switch_between_ddp_and_fsdp_replicas_matches_single_process(launched) -
 
 
 def _fit_one_step(model: Any, plan: PipelinePlan, world: int) -> int:
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = _trainer(
         devices=world,
         max_steps=1,
-        max_epochs=-1,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        enable_checkpointing=False,
         strategy=PipelineStrategy(plan=plan, timeout=timedelta(seconds=60)),
     )
     trainer.fit(model, DataLoader(Indexed(GLOBAL, 0), batch_size=GLOBAL // plan.width))
@@ -309,16 +303,9 @@ def _fit_auto(rank: int, world: int, memory: Any) -> dict[str, Any]:
     torch.manual_seed(0)
     auto = AutoPlanner(memory=memory, profile_steps=3, min_gain=0.0, recheck_every_n_steps=1)
     model, recorder = ToyChain(), Recorder()
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = _trainer(
         devices=world,
         max_steps=STEPS + 2,
-        max_epochs=-1,
-        num_sanity_val_steps=0,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        enable_checkpointing=False,
         callbacks=[recorder, auto],
         logger=L.pytorch.loggers.TensorBoardLogger(scenario_dir() / "tb", name="run"),
         strategy=PipelineStrategy(plan=POOR_START, global_batch_size=GLOBAL, timeout=timedelta(seconds=60)),
@@ -395,17 +382,9 @@ def _fit_auto_interleaved(rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(0)
     auto = AutoPlanner(profile_steps=3, min_gain=0.0, recheck_every_n_steps=1, virtual_stages=(2,))
     model, recorder = ToyChain(), Recorder()
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = _trainer(
         devices=world,
         max_steps=STEPS + 2,
-        max_epochs=-1,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        enable_checkpointing=False,
         callbacks=[recorder, auto],
         strategy=PipelineStrategy(plan=INTERLEAVED_START, global_batch_size=GLOBAL, timeout=timedelta(seconds=60)),
     )
@@ -630,17 +609,9 @@ class JobPeak(L.Callback):
 
 def _fit_wide(plan: PipelinePlan, steps: int, callbacks: list[Any], model: type = WideChain) -> L.Trainer:
     torch.manual_seed(0)
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = _trainer(
         devices=4,
         max_steps=steps,
-        max_epochs=-1,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        enable_checkpointing=False,
         callbacks=callbacks,
         strategy=PipelineStrategy(plan=plan, global_batch_size=WIDE_BATCH, timeout=timedelta(seconds=60)),
     )
@@ -926,18 +897,10 @@ def _fit_auto_fsdp(rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model, recorder, seen = HeavyChain(), Recorder(), PlanAtStart()
     auto = AutoPlanner(memory=HEAVY_MEMORY, profile_steps=2, min_gain=0.0, virtual_stages=(1,))
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = _trainer(
         devices=world,
         max_steps=HEAVY_STEPS,
-        max_epochs=-1,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        enable_checkpointing=False,
-        callbacks=[recorder, auto, seen],  # seen after the AutoPlanner: the plan each step ran on
+        callbacks=[recorder, auto, seen],  # seen after the AutoPlanner: the plan each step ran on,
         strategy=PipelineStrategy(plan=START, global_batch_size=GLOBAL, timeout=timedelta(seconds=60)),
     )
     trainer.fit(model, DataLoader(Indexed(GLOBAL * HEAVY_STEPS, 0), batch_size=GLOBAL))
@@ -988,18 +951,12 @@ def _fit_resume(rank: int, world: int) -> dict[str, Any]:
         torch.manual_seed(0)
         model, recorder, seen = ToyChain(), Recorder(), PlanAtStart()
         auto = AutoPlanner(profile_steps=3, min_gain=0.0)
-        trainer = L.Trainer(
-            accelerator="cpu",
+        trainer = _trainer(
             devices=world,
             max_steps=steps,
-            max_epochs=-1,
-            num_sanity_val_steps=0,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            limit_val_batches=0,
             callbacks=[recorder, seen, auto, L.pytorch.callbacks.ModelCheckpoint(dirpath=out / "ckpt", save_last=True)],
             strategy=PipelineStrategy(plan=POOR_START, global_batch_size=GLOBAL, timeout=timedelta(seconds=60)),
+            enable_checkpointing=True,
         )
         trainer.fit(model, DataLoader(Indexed(GLOBAL * (STEPS + 2), 0), batch_size=GLOBAL), ckpt_path=resume)
         records.append(
@@ -1056,17 +1013,9 @@ def _fit_no_layout(rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model, recorder, seen = ToyChain(), Recorder(), PlanAtStart()
     auto = AutoPlanner(profile_steps=2, min_gain=0.0)
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = _trainer(
         devices=world,
         max_steps=4,
-        max_epochs=-1,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        enable_checkpointing=False,
         callbacks=[recorder, seen, auto],
         strategy=PipelineStrategy(global_batch_size=GLOBAL, timeout=timedelta(seconds=60)),
     )
