@@ -492,7 +492,14 @@ def overview(groups: Sequence[dict[str, Any]]) -> str:
     rows = []
     for g in groups:
         s = summary(g)
-        same = len({plan_key(r["plans"][r.get("chosen") or 0]) for r in g["rankings"]}) == 1
+        choices = list(dict.fromkeys(plan_key(r["plans"][r.get("chosen") or 0]) for r in g["rankings"]))
+        same = (
+            "yes"
+            if len(choices) == 1
+            else "no, within the noise"
+            if choices_within_noise(g["rankings"], choices)
+            else "no"
+        )
         rows.append(
             [
                 g["workload"],
@@ -505,7 +512,7 @@ def overview(groups: Sequence[dict[str, Any]]) -> str:
                 f"{s['spearman']:.2f}",
                 "yes" if s["memory_ok"] else "no",
                 f"{s['top5_within']}/{s['top5']}",
-                f"{'yes' if same else 'no'} ({len(g['rankings'])} runs)",
+                f"{same} ({len(g['rankings'])} runs)",
             ]
         )
     header = ["workload", "processes", "layouts", "median abs step error", "of layouts no trial ran"]
