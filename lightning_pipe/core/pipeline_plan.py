@@ -94,6 +94,7 @@ class PipelinePlan:
             raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
         object.__setattr__(self, "schedule", get(self.schedule).name)  # an alias names the same plan
         self.spec.check(self.depth, self.microbatches, self.virtual_stages, self.placement)
+        self.spec.check_split(self.split_backward, self.virtual_stages)
         object.__setattr__(self, "placement", self.spec.placement(self.virtual_stages, self.placement))
         self._normalise_recompute()
         self._normalise_partition()
