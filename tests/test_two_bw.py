@@ -152,6 +152,18 @@ def test_interleaved_steady_state_has_no_flush_bubble(depth: int, m: int, virtua
     assert flush == per_step + 2 * (depth - 1)
 
 
+def test_gradient_sets_follow_each_ranks_program() -> None:
+    # A stage holds two batches' gradients where its backwards of the next batch start before its
+    # rank's deferred step: d=2, v=2, m=2 rank 1 (stages 1, 3) runs 3B of batch t before its OPT
+    # for t-1, 1B after it; rank 0 steps right after its all-reduce. One stage per rank: the first
+    # stage one, the others two (planning/costs.gradient_sets).
+    from lightning_pipe.planning.programs import gradient_sets
+
+    assert gradient_sets(PipelinePlan(1, 2, 2, "2bw", virtual_stages=2, partition=[1] * 4)) == [1, 1, 1, 2]
+    assert gradient_sets(PipelinePlan(1, 2, 2, "2bw", partition=[1] * 2)) == [1, 2]
+    assert gradient_sets(PipelinePlan(1, 2, 2, "1f1b", virtual_stages=2, partition=[1] * 4)) == [1] * 4
+
+
 def test_interleaved_two_bw_refusals_name_what_to_use() -> None:
     with pytest.raises(ValueError, match="use microbatches >= 8"):
         PipelinePlan(depth=4, microbatches=4, schedule="2bw", virtual_stages=2)
