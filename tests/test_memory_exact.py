@@ -76,7 +76,20 @@ def _interleaved_world4() -> list[PipelinePlan]:
     ]
 
 
-PLANS = {2: _matrix(1, 2) + _interleaved(), 4: _matrix(1, 4) + _matrix(2, 2) + _interleaved_world4()}
+def _interleaved_two_bw() -> dict[int, list[PipelinePlan]]:
+    """Interleaved 2BW, two stages per rank: two weight versions of each stage, and on each rank
+    the stages whose next batch's backwards start before the rank's deferred step hold two
+    batches' gradients (rank 0 steps right after its all-reduce); on 2 ranks and on 4."""
+    return {
+        2: [PipelinePlan(1, 2, 2, "2bw", partition=PARTITIONS[4], virtual_stages=2)],
+        4: [PipelinePlan(1, 4, 8, "2bw", partition=PARTITIONS[8], virtual_stages=2)],
+    }
+
+
+PLANS = {
+    2: _matrix(1, 2) + _interleaved() + _interleaved_two_bw()[2],
+    4: _matrix(1, 4) + _matrix(2, 2) + _interleaved_world4() + _interleaved_two_bw()[4],
+}
 
 #: Split backward on :class:`LogitsChain`, ZB-H1's placement and the drained one: the last stage's
 #: I frees the graph block by block, the head's logits-sized tensors (the loss's saved
@@ -116,6 +129,7 @@ def microbatch_size(name: str) -> int:
 def family(plan: PipelinePlan) -> str:
     """The schedule family a plan's test checks it under."""
     name = plan.schedule if plan.virtual_stages == 1 else "interleaved" if plan.schedule == "1f1b" else plan.schedule
+    name = "interleaved-2bw" if plan.virtual_stages > 1 and plan.spec.streams else name
     if plan.split_backward:
         name += "-drain" if plan.split_placement == "drain" else "-split"
     return name

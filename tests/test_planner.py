@@ -181,7 +181,12 @@ def test_search_covers_every_layout_and_schedule_and_ranks_by_predicted_throughp
     one = [name for name in SCHEDULE_NAMES if name not in several[1:]]
     assert seen == set(
         (*layout, name, split) for layout, name, split in itertools.product(plain, one, [False, True])
-    ) | set((*layout, name, split) for layout, name, split in itertools.product(interleaved, several, [False, True]))
+    ) | set(
+        (*layout, name, split) for layout, name, split in itertools.product(interleaved, several, [False, True])
+    ) | {
+        (*layout, "2bw", False)
+        for layout in interleaved  # interleaved 2BW: not with split backward
+    }
     drained = {(p.plan.schedule, p.plan.virtual_stages) for p in ranked if p.plan.split_placement == "drain"}
     assert drained == {("1f1b", 1)} and all(p.plan.split_backward for p in ranked if p.plan.split_placement)
     assert all(

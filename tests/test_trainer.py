@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from lightning_pipe.schedules import get as get_schedule
 from tests.launch import SCRIPTS, launch
 from tests.models import ToyChain, assert_close_dicts, load_plain, make_data, reference_grads, reference_train
 from tests.scripts.train_toy import FIT_DEFAULTS, fit_toy
@@ -76,6 +77,25 @@ for _w, _d in LAYOUTS:
             _rc,
             _split,
         )
+
+
+def _interleaved_two_bw_microbatches(depth: int) -> int:
+    """The fewest microbatches interleaved 2BW runs at two stages per rank (a multiple of ``d``
+    with ``2 m >= 2 (d - 1) + d``: ``d`` at ``d = 2``, ``2 d`` beyond)."""
+    return next(m for m in range(depth, 4 * depth, depth) if get_schedule("2bw").runs(depth, m, 2))
+
+
+for _w, _d in LAYOUTS:  # interleaved 2BW: two stages per rank, the stream never flushed
+    scenario(
+        _w * _d,
+        f"toy_{_w}x{_d}_interleaved_2bw",
+        partial(fit_toy, virtual=2, blocks=INTERLEAVED_BLOCKS, microbatches=_interleaved_two_bw_microbatches(_d)),
+        _d,
+        "2bw",
+        False,
+        False,
+        True,
+    )
 
 
 def _v_runs(width: int, depth: int) -> list[tuple[str, str, bool, Optional[str]]]:
@@ -247,6 +267,23 @@ def test_fit_interleaved_matches_single_process(launched, width: int, depth: int
         path = launched(width * depth).dir(f"toy_{width}x{depth}_{tag}") / "ckpt" / "last.ckpt"
         restored = load_plain(ToyChain, path, depth=INTERLEAVED_BLOCKS)
         assert_close_dicts(dict(restored.named_parameters()), want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("width,depth", LAYOUTS)
+def test_fit_interleaved_two_bw_follows_delayed_rule(launched, width: int, depth: int) -> None:
+    # Two stages per rank, each rank's interleaved stream never flushed: parameters after fit
+    # (drained at the end), validation, predict, losses, LR steps and the last checkpoint all
+    # follow the PipeDream-2BW rule W(t+1) = W(t) - lr * grad f(W(t-1)).
+    tag = "interleaved_2bw"
+    ranks = _ranks(launched, width, depth, tag)
+    m = _interleaved_two_bw_microbatches(depth)
+    assert all(r["plan"].schedule == "2bw" and r["plan"].virtual_stages == 2 for r in ranks)
+    assert all(r["plan"].stage_placement == "loop" and r["plan"].microbatches == m for r in ranks)
+    want = _check_run(ranks, width, depth, step_lr=True, delay=1, blocks=INTERLEAVED_BLOCKS)
+    assert ranks[0]["lrs"] == pytest.approx([1e-2 * 0.5 ** (t // 2) for t in range(STEPS)])
+    path = launched(width * depth).dir(f"toy_{width}x{depth}_{tag}") / "ckpt" / "last.ckpt"
+    restored = load_plain(ToyChain, path, depth=INTERLEAVED_BLOCKS)
+    assert_close_dicts(dict(restored.named_parameters()), want, rtol=1e-5)
 
 
 @pytest.mark.parametrize("width,depth", LAYOUTS)

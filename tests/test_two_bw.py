@@ -9,7 +9,17 @@ import pytest
 import torch
 
 from lightning_pipe import PipelineGroups, PipelinePlan, Topology, place
-from lightning_pipe.schedules import Kind, build_schedule, format_actions, two_bw, two_bw_run, verify
+from lightning_pipe.schedules import (
+    Kind,
+    build_schedule,
+    format_actions,
+    get,
+    receive_order,
+    two_bw,
+    two_bw_arrivals,
+    two_bw_run,
+    verify,
+)
 from lightning_pipe.schedules.simulate import simulate, unit_costs
 from tests.models import ToyChain, assert_close_dicts, make_data, make_optimizer, reference_train
 from tests.shared import scenario, scenario_per_layout
@@ -34,21 +44,25 @@ def test_golden_two_stage_windows() -> None:
 
 
 def _replay_versions(actions: list, m: int) -> int:
-    """Replay one stage's actions with the seed's rule, independent of the runtime: batch b runs
-    on slot b % 2; the step for batch b writes version b+1 into that slot. Checks every
-    microbatch k (0-indexed) runs F and B on version max(floor(k/m) - 1, 0) and returns the
-    most versions alive at once."""
+    """Replay one rank's actions with the seed's rule, independent of the runtime: batch b runs
+    on slot b % 2; the step for batch b writes version b+1 into that slot (one slot pair per
+    rank, over all its stages; each stage's V sets the slot that stage's forwards read). Checks
+    every microbatch k (0-indexed) runs F and B on version max(floor(k/m) - 1, 0) on every
+    stage and returns the most versions alive at once."""
     slot_version: dict[int, int] = {0: 0, 1: 0}
-    forward_slot, steps, seen, peak = 0, 0, {}, 1
+    forward_slot: dict[int, int] = {}
+    steps, seen, peak = 0, {}, 1
     for a in actions:
+        key = (a.stage, a.microbatch)
         if a.kind is Kind.VERSION:
-            forward_slot = (a.microbatch // m) % 2
+            forward_slot[a.stage] = (a.microbatch // m) % 2
         elif a.kind is Kind.FORWARD:
-            seen[a.microbatch] = (forward_slot, slot_version[forward_slot])
-            assert slot_version[forward_slot] == max(a.microbatch // m - 1, 0), f"F{a.microbatch} on wrong version"
+            slot = forward_slot[a.stage]
+            seen[key] = (slot, slot_version[slot])
+            assert slot_version[slot] == max(a.microbatch // m - 1, 0), f"{a} on wrong version"
         elif a.kind is Kind.BACKWARD:
-            slot, version = seen[a.microbatch]
-            assert slot_version[slot] == version, f"B{a.microbatch} ran on a version changed since its forward"
+            slot, version = seen[key]
+            assert slot_version[slot] == version, f"{a} ran on a version changed since its forward"
         elif a.kind is Kind.OPTIMIZER_STEP:
             slot_version[steps % 2] = steps + 1
             steps += 1
@@ -67,6 +81,103 @@ def test_two_bw_programs_are_valid_and_keep_two_versions(depth: int, early: bool
                 assert _replay_versions(actions, m) <= 2
                 assert sum(a.kind is Kind.OPTIMIZER_STEP for a in actions) == steps
             assert simulate(program, unit_costs()).peak_stash == [depth - s for s in range(depth)]
+
+
+def test_golden_interleaved_windows() -> None:
+    # The diagram of interleaved 2BW in schedules/two_bw.py, written out: d=2, v=2, m=2.
+    shown = {Kind.FORWARD, Kind.BACKWARD, Kind.VERSION, Kind.ALL_REDUCE, Kind.OPTIMIZER_STEP}
+    program = two_bw_run(2, 2, 1, virtual=2)
+    assert [format_actions([a for a in acts if a.kind in shown]) for acts in program] == [
+        "0V0 0F0 0F1 2V0 2F0 2F1 2B0 2B1 0B0 0B1 0AR 0OPT",
+        "1V0 1F0 1F1 3V0 3F0 3B0 3F1 3B1 1B0 1B1 1AR 1OPT",
+    ]
+
+
+def _interleaved_layouts() -> list[tuple[int, int, int]]:
+    """(d, m, v) of interleaved 2BW: v = 2 and 3, each of the two smallest m it runs."""
+    layouts = []
+    for depth in range(2, 6):
+        for virtual in (2, 3):
+            runs = [m for m in range(depth, 5 * depth, depth) if get("2bw").runs(depth, m, virtual)]
+            layouts += [(depth, m, virtual) for m in runs[:2]]
+    return layouts
+
+
+@pytest.mark.parametrize("depth,m,virtual", _interleaved_layouts())
+@pytest.mark.parametrize("early", [True, False])
+def test_interleaved_programs_are_valid_and_keep_two_versions(depth: int, m: int, virtual: int, early: bool) -> None:
+    for steps in (1, 2, 4):
+        program = two_bw_run(depth, m, steps, early=early, virtual=virtual)
+        verify(program, steps * m, virtual=virtual)  # each F and B once per stage, ordered, deadlock-free
+        for rank, actions in enumerate(program):
+            assert _replay_versions(actions, m) <= 2  # never a third weight version
+            stages = {a.stage for a in actions if a.kind is Kind.FORWARD}
+            versions = [a for a in actions if a.kind is Kind.VERSION]
+            assert [(a.stage, a.microbatch) for a in versions] == [
+                (s, t * m) for t in range(steps) for s in sorted(stages)
+            ], "a V at each batch's first forward on every stage"
+            assert sum(a.kind is Kind.OPTIMIZER_STEP for a in actions) == steps
+            assert sum(a.kind is Kind.ALL_REDUCE for a in actions) == steps
+
+
+@pytest.mark.parametrize("depth,m,virtual", _interleaved_layouts())
+def test_interleaved_window_arrivals_follow_the_senders_order(depth: int, m: int, virtual: int) -> None:
+    # A window's receives, per neighbour in the order it sends them, continue one another
+    # window after window: together they are the whole stream's order (runtime/comm/mailbox.py
+    # reads each neighbour's messages in that order).
+    steps = 6
+    run = two_bw_run(depth, m, steps, virtual=virtual)
+    for rank in range(depth):
+        got: dict[int, list] = {}
+        parts = [two_bw_arrivals(rank, depth, m, t, virtual=virtual) for t in range(steps)]
+        parts.append(two_bw_arrivals(rank, depth, m, steps - 1, drain=True, virtual=virtual))
+        for part in parts:
+            for src, keys in part.items():
+                got.setdefault(src, []).extend(keys)
+        assert got == receive_order(run, rank)
+
+
+@pytest.mark.parametrize("depth,m,virtual", _interleaved_layouts())
+def test_interleaved_steady_state_has_no_flush_bubble(depth: int, m: int, virtual: int) -> None:
+    # With unit costs a rank's step is m v forwards and m v backwards of a stage: interleaved
+    # 2BW's steady-state window takes exactly that, where interleaved 1F1B's flushed step adds
+    # its bubble, (d - 1)(F + B).
+    n = 8
+    per_step = (
+        simulate(two_bw_run(depth, m, 2 * n, virtual=virtual), unit_costs()).makespan
+        - simulate(two_bw_run(depth, m, n, virtual=virtual), unit_costs()).makespan
+    ) / n
+    flush = simulate(build_schedule("1f1b", depth, m, virtual=virtual), unit_costs()).makespan
+    assert per_step == 2 * m * virtual
+    assert flush == per_step + 2 * (depth - 1)
+
+
+def test_gradient_sets_follow_each_ranks_program() -> None:
+    # A stage holds two batches' gradients where its backwards of the next batch start before its
+    # rank's deferred step: d=2, v=2, m=2 rank 1 (stages 1, 3) runs 3B of batch t before its OPT
+    # for t-1, 1B after it; rank 0 steps right after its all-reduce. One stage per rank: the first
+    # stage one, the others two (planning/costs.gradient_sets).
+    from lightning_pipe.planning.programs import gradient_sets
+
+    assert gradient_sets(PipelinePlan(1, 2, 2, "2bw", virtual_stages=2, partition=[1] * 4)) == [1, 1, 1, 2]
+    assert gradient_sets(PipelinePlan(1, 2, 2, "2bw", partition=[1] * 2)) == [1, 2]
+    assert gradient_sets(PipelinePlan(1, 2, 2, "1f1b", virtual_stages=2, partition=[1] * 4)) == [1] * 4
+
+
+def test_interleaved_two_bw_refusals_name_what_to_use() -> None:
+    with pytest.raises(ValueError, match="use microbatches >= 8"):
+        PipelinePlan(depth=4, microbatches=4, schedule="2bw", virtual_stages=2)
+    with pytest.raises(ValueError, match="does not run split_backward=True.*use split_backward=False"):
+        PipelinePlan(depth=2, microbatches=2, schedule="2bw", virtual_stages=2, split_backward=True)
+    with pytest.raises(ValueError, match="does not run split_backward=True"):
+        two_bw_run(2, 2, 1, split=True, virtual=2)
+    with pytest.raises(ValueError, match="not 'v': use placement='loop'"):
+        PipelinePlan(depth=2, microbatches=2, schedule="2bw", virtual_stages=2, placement="v")
+    with pytest.raises(ValueError, match="multiple of it"):
+        PipelinePlan(depth=2, microbatches=3, schedule="2bw", virtual_stages=2)
+    with pytest.raises(ValueError, match="build it with two_bw_window"):
+        build_schedule("2bw", 2, 2, virtual=2)
+    assert not get("2bw").runs(2, 2, 2, split=True) and get("2bw").runs(2, 2, 2)
 
 
 def test_fewer_microbatches_than_stages_is_refused() -> None:

@@ -107,7 +107,9 @@ class PipelineStrategy(DDPStrategy):
             With ``schedule="1f1b"`` the schedule is interleaved 1F1B (Megatron-LM's): the
             bubble is ``v`` times smaller for ``v`` times the messages; it needs ``microbatches``
             a multiple of ``d``, and with ``split_backward`` each rank places its W's as ZB-H1
-            does. ``schedule="looped_bfs"`` runs any ``v``; "zbv" and "dualpipev" need ``v = 2``.
+            does. With ``schedule="2bw"`` it is interleaved 2BW (each rank's interleaved stream
+            never flushed; ``m`` a multiple of ``d`` with ``m v >= 2 (d-1) + (v-1) d``, no split
+            backward). ``schedule="looped_bfs"`` runs any ``v``; "zbv" and "dualpipev" need ``v = 2``.
         placement: which rank runs which stage with ``virtual_stages > 1``: "loop" (rank ``r``:
             stages ``r, r + d, ...``) or "v" (rank ``r``: stages ``r`` and ``2d - 1 - r``, the
             V of ZB-V and DualPipeV); ``None`` for the schedule's own (schedules/layout.py).

@@ -403,12 +403,12 @@ def batch_bytes(profile: Profile, plan: PipelinePlan, microbatch_size: int) -> i
 
 
 def gradient_sets(profile: Profile, plan: PipelinePlan, stage: int) -> int:
-    """Batches' gradients ``stage`` holds at once: 2 under 2BW, except on the first stage, which
-    steps right after its all-reduce unless weights are tied across stages (schedules/two_bw.py;
-    unknown ties, ``profile.shared_blocks is None``, count as tied)."""
+    """Batches' gradients ``stage`` holds at once: 2 under 2BW, except on the first rank's stages,
+    which step right after the rank's all-reduce unless weights are tied across stages
+    (schedules/two_bw.py; unknown ties, ``profile.shared_blocks is None``, count as tied)."""
     if plan.spec.gradient_sets == 1:
         return 1
-    if stage > 0 or plan.depth == 1 or profile.shared_blocks is None:
+    if plan.rank_of_stage(stage) > 0 or plan.depth == 1 or profile.shared_blocks is None:
         return 2
     stage_of = {b: s for s, blocks in enumerate(plan.stage_ranges()) for b in blocks}
     tied = any(len({stage_of[b] for b in group}) > 1 for group in profile.shared_blocks)

@@ -305,6 +305,7 @@ class _VirtualChain:
         self.ranges, self.b, self.cap = ranges, microbatch_size, bucket_cap(plan)
         self.held, self.depth, self.stages = stage_held(plan), plan.depth, plan.stages
         self.batch = batch_bytes(ranges.profile, plan, microbatch_size)
+        self.versions = weight_versions(plan)  # interleaved 2BW: two, each with its gradients (an upper bound)
         samples = ranges.samples(microbatch_size)
         self._elapsed = [0.0, *itertools.accumulate(x.forward + x.backward for x in samples)]
 
@@ -312,7 +313,7 @@ class _VirtualChain:
         return self._elapsed[stop] - self._elapsed[start]
 
     def memory(self, start: int, stop: int, stage: int) -> int:
-        """Peak bytes of blocks ``start .. stop-1`` as ``stage`` (one weight version, as
+        """Peak bytes of blocks ``start .. stop-1`` as ``stage`` (the plan's weight versions, as
         rank_peak_bytes counts); the batch is counted with the rank's first stage only."""
         first_round = stage < self.depth
         return self.ranges.peak(
@@ -321,7 +322,7 @@ class _VirtualChain:
             self.b,
             self.cap,
             self.held[stage],
-            1,
+            self.versions,
             stage == 0,
             stage == self.stages - 1,
             self.batch if first_round else 0,

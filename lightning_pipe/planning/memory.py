@@ -378,14 +378,17 @@ def resting_bytes(
     last: bool,
     split: bool = False,
     handed: bool = False,
+    versions: int = 1,
+    gradient_sets: int = 1,
 ) -> int:
-    """Tensor bytes of a stage whose rank runs another of its stages: its weights, optimizer
-    state and (once they exist) gradients, its held microbatches' saved tensors, inputs and kept
-    outputs, and its pending microbatches' captured gradients (and, with recompute, their
-    rebuilt graphs). Its buffers are counted per moment (:func:`sent_bytes`)."""
+    """Tensor bytes of a stage whose rank runs another of its stages: its weights (``versions``
+    of them, 2 under 2BW), optimizer state and (once they exist) gradients (``gradient_sets``
+    batches' worth), its held microbatches' saved tensors, inputs and kept outputs, and its
+    pending microbatches' captured gradients (and, with recompute, their rebuilt graphs). Its
+    buffers are counted per moment (:func:`sent_bytes`)."""
     h, p, _ = point
     one = st.stash_bytes if recompute else 0
-    state = st.weight_bytes + st.optimizer_bytes + (st.gradient_bytes if grads else 0)
+    state = versions * st.weight_bytes + st.optimizer_bytes + (gradient_sets * st.gradient_bytes if grads else 0)
     kept = (
         received_input_bytes(st, first, handed)
         + (0 if recompute else st.stash_bytes)
@@ -426,8 +429,10 @@ def rank_peak_bytes(
     step_bytes: Optional[int] = None,
     handed: Optional[Sequence[bool]] = None,
     hands: Optional[Sequence[bool]] = None,
+    versions: int = 1,
+    gradient_sets: Optional[Sequence[int]] = None,
 ) -> int:
-    """Peak tensor bytes of a rank that runs several stages (one weight version): at each of its
+    """Peak tensor bytes of a rank that runs several stages: at each of its
     :func:`rank_moments`, the running stage's :func:`stage_memory_terms` at that moment but its
     buffers, plus every other stage's :func:`resting_bytes`, plus every stage's buffers at that
     moment (its unacknowledged sends and the receives posted for it, :func:`sent_bytes`), plus the batch.
@@ -438,12 +443,15 @@ def rank_peak_bytes(
     upper bound beyond). ``step_bytes``: the temporaries of the rank's optimizer step over all
     its stages (default: their stages' sum). ``handed`` (``hands``): per stage, whether its input
     is handed over by the previous stage on this rank (its output to the next), the V placement's
-    turn (:func:`stage_memory_terms`).
+    turn (:func:`stage_memory_terms`). ``versions``: weight versions of every stage (2 under
+    interleaved 2BW, PipeDream-2BW paper, section 3.1); ``gradient_sets``: per stage, the
+    batches' gradients it holds at once (default one each).
 
     Each moment's buffers come by stage and by the layout their receive was posted for
     (:func:`~lightning_pipe.planning.held.buffered_layouts`, counted by :func:`layout_bytes`), or
     by stage alone (:data:`Sent`, each at its stage's sizes)."""
     handed, hands = handed or [False] * len(stages), hands or [False] * len(stages)
+    sets = list(gradient_sets) if gradient_sets is not None else [1] * len(stages)
     running: dict[tuple[int, str, tuple[int, int]], int] = {}
     resting: dict[tuple[int, tuple[int, int], bool], int] = {}
     best = 0
@@ -464,10 +472,11 @@ def rank_peak_bytes(
             terms = stage_memory_terms(
                 stages[c],
                 HeldCounts(**{kind: (point,)}),
-                1,
+                versions,
                 recompute[c],
                 first[c],
                 last[c],
+                gradient_sets=sets[c],
                 split=split,
                 handed=handed[c],
                 hands=hands[c],
@@ -481,7 +490,7 @@ def rank_peak_bytes(
             if o != c:
                 if (o, point[:2], g) not in resting:
                     resting[o, point[:2], g] = resting_bytes(
-                        stages[o], point, g, recompute[o], first[o], last[o], split, handed[o]
+                        stages[o], point, g, recompute[o], first[o], last[o], split, handed[o], versions, sets[o]
                     )
                 total += resting[o, point[:2], g]
         best = max(best, total)

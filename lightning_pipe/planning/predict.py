@@ -20,6 +20,7 @@ from lightning_pipe.planning.held import HeldCounts
 from lightning_pipe.planning.memory import Sharding, rank_peak_bytes, stage_peak_bytes
 from lightning_pipe.planning.profile import BlockSample, Profile
 from lightning_pipe.planning.programs import compiled_program, flat_program, held, moments, program_key
+from lightning_pipe.planning.programs import gradient_sets as program_gradient_sets
 from lightning_pipe.schedules import Action, Kind
 from lightning_pipe.schedules.simulate import CompiledProgram, Exchange, SharedCores, shared_run
 
@@ -153,6 +154,8 @@ def predict_memory(
                 step_bytes(profile, [profile.blocks[i] for s in mine for i in ranges[s]]),
                 [s - 1 in mine for s in mine],
                 [s + 1 in mine for s in mine],
+                versions,
+                [_rank_gradient_sets(profile, plan, s) for s in mine],
             )
             + profile.device_bytes
             for mine, walked in zip(map(plan.stages_of, range(plan.depth)), moments(plan))
@@ -173,6 +176,17 @@ def predict_memory(
         + profile.device_bytes
         for s, st in enumerate(costs)
     ]
+
+
+def _rank_gradient_sets(profile: Profile, plan: PipelinePlan, stage: int) -> int:
+    """Batches' gradients stage ``stage`` of an interleaved plan holds at once: as its rank's
+    program holds them (:func:`~lightning_pipe.planning.programs.gradient_sets`, rank 0 stepping
+    right after its all-reduce), or two on rank 0 when it steps at the window's end instead
+    (weights tied across stages, :func:`~lightning_pipe.planning.costs.gradient_sets`)."""
+    if plan.spec.gradient_sets == 1:
+        return 1
+    late = plan.rank_of_stage(stage) == 0 and gradient_sets(profile, plan, stage) == 2  # tied: rank 0 steps late
+    return 2 if late else program_gradient_sets(plan)[stage]
 
 
 def sharding(profile: Profile, plan: PipelinePlan, stage: int) -> Optional[Sharding]:

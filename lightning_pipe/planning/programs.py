@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 from lightning_pipe.core.pipeline_plan import PipelinePlan
 from lightning_pipe.planning.held import HeldCounts, Moment, buffered_layouts, program_held_counts, rank_moments
-from lightning_pipe.schedules import Action, build_schedule, two_bw_drain, two_bw_window
+from lightning_pipe.schedules import Action, Kind, build_schedule, two_bw_drain, two_bw_window
 from lightning_pipe.schedules.flat import FlatProgram, flatten
 from lightning_pipe.schedules.layout import rank_stages
 from lightning_pipe.schedules.registry import get
@@ -48,15 +48,15 @@ def _program(
     stage_placement: str = "loop",
 ) -> list[list[Action]]:
     if get(schedule).streams:  # two_bw_run, from windows shared between the runs of 2 and 3 windows
-        parts = [_two_bw_part(depth, m, t, split, False) for t in range(steps)]
-        parts.append(_two_bw_part(depth, m, steps - 1, split, True))
+        parts = [_two_bw_part(depth, m, t, split, False, virtual) for t in range(steps)]
+        parts.append(_two_bw_part(depth, m, steps - 1, split, True, virtual))
         return [list(itertools.chain.from_iterable(part[s] for part in parts)) for s in range(depth)]
     return build_schedule(schedule, depth, m, split, max_pending, virtual, placement, stage_placement)
 
 
 @functools.lru_cache(maxsize=1024)
-def _two_bw_part(depth: int, m: int, step: int, split: bool, drain: bool) -> list[list[Action]]:
-    return (two_bw_drain if drain else two_bw_window)(depth, m, step, split)
+def _two_bw_part(depth: int, m: int, step: int, split: bool, drain: bool, virtual: int = 1) -> list[list[Action]]:
+    return (two_bw_drain if drain else two_bw_window)(depth, m, step, split, virtual=virtual)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -95,9 +95,9 @@ def held(plan: PipelinePlan) -> list[HeldCounts]:
 @functools.lru_cache(maxsize=1024)
 def _moments(*key: Any) -> list[tuple[Moment, ...]]:
     depth, virtual, placement, program, flat = key[1], key[-2], key[-1], _program(*key), _flat(*key)
-    sent = buffered_layouts(flat)
+    sent, warm = buffered_layouts(flat), get(key[0]).streams
     return [
-        rank_moments(actions, rank_stages(r, depth, virtual, placement), sent[flat.rank(r)])
+        rank_moments(actions, rank_stages(r, depth, virtual, placement), sent[flat.rank(r)], warm)
         for r, actions in enumerate(program)
     ]
 
@@ -105,10 +105,39 @@ def _moments(*key: Any) -> list[tuple[Moment, ...]]:
 def clear_caches() -> None:
     """Forget every program, compiled program and count cached by earlier searches: the next
     search builds them again (as the first search of a process does)."""
-    for cached in (_program, _two_bw_part, compiled_program, _flat, _held, _moments):
+    for cached in (_program, _two_bw_part, compiled_program, _flat, _held, _moments, _gradient_sets):
         cached.cache_clear()
 
 
 def moments(plan: PipelinePlan) -> list[tuple[Moment, ...]]:
-    """Every pipeline rank's distinct moments over all its stages (:func:`~.held.rank_moments`; cached)."""
-    return _moments(*program_key(plan, 1))
+    """Every pipeline rank's distinct moments over all its stages (:func:`~.held.rank_moments`; cached).
+    Interleaved 2BW: over three windows and the drain, every stage's gradients existing from the
+    start (the stream's steady state, as :func:`held` walks one-stage 2BW)."""
+    return _moments(*program_key(plan, 3 if plan.spec.streams else 1))
+
+
+def gradient_sets(plan: PipelinePlan) -> list[int]:
+    """Per stage, the most batches' gradients it holds at once over a 2BW stream of three windows
+    and the drain (1 for a flushed schedule): a stage's gradient of batch ``t`` exists from its
+    first backward (or W) of the batch to its rank's optimizer step for ``t``. Under interleaved
+    2BW a rank's stages differ: the one whose backwards of the next batch start before the
+    rank's deferred step holds two, the others one (cached)."""
+    return list(_gradient_sets(*program_key(plan, 3 if plan.spec.streams else 1)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _gradient_sets(*key: Any) -> tuple[int, ...]:
+    m, out = key[2], {}
+    for actions in _program(*key):
+        held: dict[int, set[int]] = {}
+        stepped = 0
+        for a in actions:
+            if a.kind is Kind.BACKWARD or a.kind is Kind.WEIGHT_GRAD:
+                batches = held.setdefault(a.stage, set())
+                batches.add(a.microbatch // m)
+                out[a.stage] = max(out.get(a.stage, 1), len(batches))
+            elif a.kind is Kind.OPTIMIZER_STEP:
+                for batches in held.values():
+                    batches.discard(stepped)
+                stepped += 1
+    return tuple(out.get(s, 1) for s in range(max(out, default=-1) + 1))

@@ -74,7 +74,7 @@ def candidates(
             continue
         for b in (b for b in range(1, global_batch + 1) if global_batch % (width * b) == 0):
             m = global_batch // (width * b)
-            if not get(name).runs(depth, m, virtual):
+            if not get(name).runs(depth, m, virtual, split=split):
                 continue
             plan = PipelinePlan(
                 width,

@@ -27,6 +27,7 @@ from lightning_pipe.schedules import (
     build_inference,
     build_schedule,
     receive_order,
+    two_bw_arrivals,
     two_bw_run,
     two_bw_stage_drain,
     two_bw_stage_window,
@@ -136,9 +137,12 @@ class PipelineEngine:
         self._programs: dict[tuple[bool, int], tuple[list[Action], dict[int, list[Action]]]] = {}
         self._restart()
         if self.streaming:
+            v = plan.virtual_stages
             verify(
-                two_bw_run(plan.depth, plan.microbatches, 3, plan.split_backward, self.early_step),
+                two_bw_run(plan.depth, plan.microbatches, 3, plan.split_backward, self.early_step, v),
                 3 * plan.microbatches,
+                virtual=v,
+                placement=plan.stage_placement,
             )
 
     @property
@@ -248,10 +252,22 @@ class PipelineEngine:
         return self._programs[key]
 
     def _window(self) -> tuple[list[Action], Optional[dict[int, list[Action]]]]:
-        if self.streaming:  # a window's receives are read in the order its neighbours send them
-            d, m, split = self.topology.depth, self.microbatches, self.split_backward
-            return two_bw_stage_window(self.stage_index, d, m, self._batches, split, self.early_step), None
+        if self.streaming:
+            d, m, split, v = self.topology.depth, self.microbatches, self.split_backward, self.plan.virtual_stages
+            window = two_bw_stage_window(self.stage_index, d, m, self._batches, split, self.early_step, v)
+            return window, self._stream_arrivals(self._batches, drain=False)
         return self._program(True, self.microbatches)
+
+    def _stream_arrivals(self, step: int, drain: bool) -> Optional[dict[int, list[Action]]]:
+        """Interleaved 2BW: per source rank, the window's (or drain's) receives in the order that
+        rank sends them. One stage per rank: ``None``, as each neighbour sends one kind of
+        message, read in the order it is sent."""
+        v = self.plan.virtual_stages
+        if v == 1:
+            return None
+        d, m, replica = self.topology.depth, self.microbatches, self.topology.replica_of(self.rank)
+        order = two_bw_arrivals(self.stage_index, d, m, step, drain, self.early_step, v)
+        return {self.topology.rank_of(replica, q): keys for q, keys in order.items()}
 
     def _hooks(self) -> Hooks:
         return Hooks(
@@ -265,12 +281,16 @@ class PipelineEngine:
             self.update.gradients_to_accumulate,
         )
 
-    def _weights_of(self, first_microbatch: int) -> Optional[list[Tensor]]:
-        """The weight version the batch starting at ``first_microbatch`` runs on (2BW's V action)."""
+    def _weights_of(self, first_microbatch: int, stage: int) -> Optional[list[Tensor]]:
+        """The weight version stage ``stage`` runs the batch starting at ``first_microbatch`` on
+        (2BW's V action), aligned with that stage's parameters; ``None``: its own parameters."""
         batch = first_microbatch // self.microbatches
         weights = self.versions.weights(batch)
         self.update.watch(self.versions.grads_of(batch))
-        return weights
+        if weights is None or len(self.stages) == 1:
+            return weights
+        slot = {id(p): w for p, w in zip(self._parameters, weights)}
+        return [slot[id(p)] for p in next(st for st in self.stages if st.index == stage).parameters()]
 
     def _train(
         self,
@@ -430,9 +450,9 @@ class PipelineEngine:
         """2BW: run the remaining backwards, the last all-reduce and step; collapse the weight versions."""
         last = self._batches - 1
         d, m, split = self.topology.depth, self.microbatches, self.split_backward
-        program = two_bw_stage_drain(self.stage_index, d, m, last, split, self.early_step)
+        program = two_bw_stage_drain(self.stage_index, d, m, last, split, self.early_step, self.plan.virtual_stages)
         with torch.inference_mode(False), torch.enable_grad():  # Lightning may call this from evaluation
-            self._train(program, wait=True)
+            self._train(program, wait=True, arrivals=self._stream_arrivals(last, drain=True))
         self.versions.collapse(self._optimizer, self._batches - 1)
         self._restart()
 

@@ -49,7 +49,7 @@ class Hooks:
     loss: Callable[[Any, Any], Tensor]
     all_reduce: Callable[[], None] = lambda: None
     optimizer_step: Callable[[], Optional[float]] = lambda: None
-    weights: Callable[[int], Optional[list[Tensor]]] = lambda first_microbatch: None
+    weights: Callable[[int, int], Optional[list[Tensor]]] = lambda first_microbatch, stage: None
     loss_done: Callable[[Tensor], None] = lambda loss_sum: None
     weights_accumulated: Callable[[list[Tensor]], None] = lambda weights: None
     weights_to_accumulate: Callable[[list[Tensor]], None] = lambda weights: None
@@ -66,7 +66,7 @@ class StepState:
     microbatches: dict[int, Any]
     shares: dict[int, float]
     train: bool = True
-    weights: Optional[list[Tensor]] = None
+    weights: dict[int, Optional[list[Tensor]]] = field(default_factory=dict)  # by stage: its V's version
     inputs: dict[Key, Tensors] = field(default_factory=dict)
     outputs: dict[Key, Tensors] = field(default_factory=dict)
     losses: dict[Key, Tensor] = field(default_factory=dict)
@@ -282,13 +282,13 @@ class Executor:
             st.inputs[key] = inputs
         replay = a.stage in self._replayed and st.train and key not in self._whole
         if replay:  # the graph is built once, by I's recomputation, and W reuses it
-            st.replay[key] = Replay.capture(st.weights, self.device)
-        stage = self._stage(a)
+            st.replay[key] = Replay.capture(st.weights.get(a.stage), self.device)
+        stage, weights = self._stage(a), st.weights.get(a.stage)
         with (
             saved_bytes(stage.parameters()) if self.account and st.train else nullcontext([0]) as counted,
-            torch.no_grad() if replay else self._deferred_weights(a, st, st.weights, inputs),
+            torch.no_grad() if replay else self._deferred_weights(a, st, weights, inputs),
         ):
-            outputs = stage(inputs, st.weights)
+            outputs = stage(inputs, weights)
         if st.train:
             st.stash(1)
             st.hold(key, counted[0])
@@ -329,7 +329,7 @@ class Executor:
         return DeferWeightGrads(store)
 
     def _version(self, a: Action, st: StepState) -> None:
-        st.weights = self.hooks.weights(a.microbatch)
+        st.weights[a.stage] = self.hooks.weights(a.microbatch, a.stage)
 
     def _loss(self, outputs: Tensors, mb: Any) -> Tensor:
         loss = self.hooks.loss(_unwrap(outputs), mb)

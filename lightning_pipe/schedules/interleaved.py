@@ -50,7 +50,9 @@ def _chunk_and_microbatch(k: int, depth: int, virtual: int, forward: bool) -> tu
     return (chunk if forward else virtual - 1 - chunk), round_ * depth + within % depth
 
 
-def _action(rank: int, depth: int, virtual: int, k: int, kind: Kind) -> Action:
+def compute_action(rank: int, depth: int, virtual: int, k: int, kind: Kind) -> Action:
+    """Rank ``rank``'s ``k``-th forward (or backward) in the interleaved order; ``k`` may run past
+    one step's ``m v``, as interleaved 2BW's never-flushed stream does (schedules/two_bw.py)."""
     chunk, microbatch = _chunk_and_microbatch(k, depth, virtual, kind is Kind.FORWARD)
     return action(chunk * depth + rank, kind, microbatch)
 
@@ -60,13 +62,13 @@ def interleaved_one_f_one_b(rank: int, depth: int, microbatches: int, virtual: i
     check(depth, microbatches, virtual)
     total = microbatches * virtual
     warmup = min(2 * (depth - 1 - rank) + (virtual - 1) * depth, total)
-    out = [_action(rank, depth, virtual, k, Kind.FORWARD) for k in range(warmup)]
+    out = [compute_action(rank, depth, virtual, k, Kind.FORWARD) for k in range(warmup)]
     for k in range(total - warmup):
         out += [
-            _action(rank, depth, virtual, warmup + k, Kind.FORWARD),
-            _action(rank, depth, virtual, k, Kind.BACKWARD),
+            compute_action(rank, depth, virtual, warmup + k, Kind.FORWARD),
+            compute_action(rank, depth, virtual, k, Kind.BACKWARD),
         ]
-    out += [_action(rank, depth, virtual, k, Kind.BACKWARD) for k in range(total - warmup, total)]
+    out += [compute_action(rank, depth, virtual, k, Kind.BACKWARD) for k in range(total - warmup, total)]
     return out
 
 
@@ -98,4 +100,4 @@ def looped_bfs(rank: int, depth: int, microbatches: int, virtual: int, placement
 
 def forwards(rank: int, depth: int, microbatches: int, virtual: int) -> list[Action]:
     """Rank ``rank``'s forwards in the interleaved order, for inference."""
-    return [_action(rank, depth, virtual, k, Kind.FORWARD) for k in range(microbatches * virtual)]
+    return [compute_action(rank, depth, virtual, k, Kind.FORWARD) for k in range(microbatches * virtual)]

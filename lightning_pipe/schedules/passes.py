@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from functools import partial
 from typing import Optional, Sequence
 
@@ -105,6 +106,8 @@ def build_schedule(
             schedules/layout.py); default the schedule's own.
     """
     spec = get(name)
+    if spec.streams:
+        flushed_generator(name)  # raises: a stream is built window by window
     spec.check(depth, microbatches, virtual, stage_placement)
     shape = spec.placement(virtual, stage_placement)
     if virtual == 1 and spec.generator is not None:
@@ -155,12 +158,29 @@ def _split_2bw(
     return carry_split([before, part], microbatches, steps_before)[1] if split else part
 
 
+def _check_2bw(split: bool, virtual: int) -> None:
+    """Refuse split backward with interleaved 2BW (``schedules/registry.py``); its windows check
+    ``(d, m, v)`` themselves (``two_bw.check_interleaved``)."""
+    get("2bw").check_split(split, virtual)
+
+
 def two_bw_stage_window(
-    stage: int, depth: int, microbatches: int, step: int, split: bool = False, early: bool = True
+    stage: int,
+    depth: int,
+    microbatches: int,
+    step: int,
+    split: bool = False,
+    early: bool = True,
+    virtual: int = 1,
 ) -> list[Action]:
     """Stage ``stage``'s full 2BW program for training step ``step`` (its list in
     :func:`two_bw_window`; a rank builds only its own each step); ``early``: stage 0 steps right
-    after its all-reduce (see schedules/two_bw.py)."""
+    after its all-reduce (see schedules/two_bw.py). With ``virtual > 1``, pipeline rank
+    ``stage``'s interleaved 2BW program over its stages (loop placement)."""
+    _check_2bw(split, virtual)
+    if virtual > 1:
+        part = two_bw.rank_window(stage, depth, microbatches, step, virtual, early)
+        return add_communication(part, depth * virtual, stage_ranks(depth, virtual))
     before = two_bw.window(stage, depth, microbatches, step - 1, early) if split and step else []
     part = _split_2bw(
         two_bw.window(stage, depth, microbatches, step, early), before, microbatches, max(step - 2, 0), split
@@ -168,16 +188,28 @@ def two_bw_stage_window(
     return add_communication(part, depth)
 
 
-def two_bw_window(depth: int, microbatches: int, step: int, split: bool = False, early: bool = True) -> Schedule:
-    """Full 2BW program of every stage for training step ``step`` (:func:`two_bw_stage_window`)."""
-    return [two_bw_stage_window(s, depth, microbatches, step, split, early) for s in range(depth)]
+def two_bw_window(
+    depth: int, microbatches: int, step: int, split: bool = False, early: bool = True, virtual: int = 1
+) -> Schedule:
+    """Full 2BW program of every rank for training step ``step`` (:func:`two_bw_stage_window`)."""
+    return [two_bw_stage_window(s, depth, microbatches, step, split, early, virtual) for s in range(depth)]
 
 
 def two_bw_stage_drain(
-    stage: int, depth: int, microbatches: int, last_step: int, split: bool = False, early: bool = True
+    stage: int,
+    depth: int,
+    microbatches: int,
+    last_step: int,
+    split: bool = False,
+    early: bool = True,
+    virtual: int = 1,
 ) -> list[Action]:
     """Stage ``stage``'s full 2BW program that finishes the stream after ``last_step`` (its list in
-    :func:`two_bw_drain`)."""
+    :func:`two_bw_drain`); with ``virtual > 1``, pipeline rank ``stage``'s over its stages."""
+    _check_2bw(split, virtual)
+    if virtual > 1:
+        part = two_bw.rank_drain(stage, depth, microbatches, last_step, virtual)
+        return add_communication(part, depth * virtual, stage_ranks(depth, virtual))
     before = two_bw.window(stage, depth, microbatches, last_step, early) if split else []
     part = _split_2bw(
         two_bw.drain(stage, depth, microbatches, last_step), before, microbatches, max(last_step - 1, 0), split
@@ -185,13 +217,60 @@ def two_bw_stage_drain(
     return add_communication(part, depth)
 
 
-def two_bw_drain(depth: int, microbatches: int, last_step: int, split: bool = False, early: bool = True) -> Schedule:
-    """Full 2BW program of every stage that finishes the stream after ``last_step`` (:func:`two_bw_stage_drain`)."""
-    return [two_bw_stage_drain(s, depth, microbatches, last_step, split, early) for s in range(depth)]
+def two_bw_drain(
+    depth: int, microbatches: int, last_step: int, split: bool = False, early: bool = True, virtual: int = 1
+) -> Schedule:
+    """Full 2BW program of every rank that finishes the stream after ``last_step`` (:func:`two_bw_stage_drain`)."""
+    return [two_bw_stage_drain(s, depth, microbatches, last_step, split, early, virtual) for s in range(depth)]
 
 
-def two_bw_run(depth: int, microbatches: int, steps: int, split: bool = False, early: bool = True) -> Schedule:
-    """``steps`` consecutive 2BW windows and the drain, concatenated per stage (for checks)."""
-    parts = [two_bw_window(depth, microbatches, t, split, early) for t in range(steps)]
-    parts.append(two_bw_drain(depth, microbatches, steps - 1, split, early))
+def two_bw_run(
+    depth: int, microbatches: int, steps: int, split: bool = False, early: bool = True, virtual: int = 1
+) -> Schedule:
+    """``steps`` consecutive 2BW windows and the drain, concatenated per rank (for checks)."""
+    parts = [two_bw_window(depth, microbatches, t, split, early, virtual) for t in range(steps)]
+    parts.append(two_bw_drain(depth, microbatches, steps - 1, split, early, virtual))
     return [[a for part in parts for a in part[s]] for s in range(depth)]
+
+
+#: Windows on either side of a 2BW window whose sends may reach it: a neighbour's window runs at
+#: most this many windows ahead of or behind this rank's (checked over whole runs in tests/test_two_bw.py).
+_REACH = 2
+
+
+def two_bw_arrivals(
+    rank: int,
+    depth: int,
+    microbatches: int,
+    step: int,
+    drain: bool = False,
+    early: bool = True,
+    virtual: int = 1,
+) -> dict[int, list[Action]]:
+    """Pipeline rank ``rank``'s receives in its 2BW window ``step`` (or, ``drain``, in the drain
+    after it), per source rank in the order that rank sends them (:func:`receive_order` over the
+    stream around the window). Interleaved 2BW at ``d = 2`` needs it: there two ranks send each
+    other activations and gradients, which arrive in the sender's order, not the reader's.
+
+    The stream repeats itself, shifted by ``m`` microbatches a window, from its second window on:
+    the order is found once per ``(rank, window or drain)`` and shifted."""
+    base = min(step, _REACH + 1)
+    shift = (step - base) * microbatches
+    order = _arrivals(rank, depth, microbatches, base, drain, early, virtual)
+    if not shift:
+        return {src: list(keys) for src, keys in order.items()}
+    return {src: [action(a.stage, a.kind, a.microbatch + shift) for a in keys] for src, keys in order.items()}
+
+
+@functools.lru_cache(maxsize=256)
+def _arrivals(
+    rank: int, depth: int, microbatches: int, step: int, drain: bool, early: bool, virtual: int
+) -> dict[int, tuple[Action, ...]]:
+    first, last = max(step - _REACH, 0), step + (0 if drain else _REACH)
+    parts = [two_bw_window(depth, microbatches, t, False, early, virtual) for t in range(first, last + 1)]
+    if drain:
+        parts.append(two_bw_drain(depth, microbatches, step, False, early, virtual))
+    stream = [[a for part in parts for a in part[r]] for r in range(depth)]
+    own = parts[-1][rank] if drain else parts[step - first][rank]
+    mine = {a for a in own if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD)}
+    return {src: tuple(a for a in keys if a in mine) for src, keys in receive_order(stream, rank).items()}

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from lightning_pipe.schedules import interleaved, v_shape
+from lightning_pipe.schedules import interleaved, two_bw, v_shape
 from lightning_pipe.schedules.actions import Action
 from lightning_pipe.schedules.generators import Generator, gpipe, one_f_one_b
 from lightning_pipe.schedules.layout import check_placement
@@ -40,7 +40,8 @@ class ScheduleSpec:
         w_placement: where split backward puts the W's by default (``schedules/w_placement.py``).
         fixed_placement: the W placement is part of the schedule: ``split_placement`` and
             ``split_max_pending`` do not apply.
-        interleaves: runs ``virtual_stages > 1``, each rank's program written by ``rank_generator``.
+        interleaves: runs ``virtual_stages > 1``, each rank's program written by ``rank_generator``
+            (2BW's by its own windows, ``schedules/two_bw.py``).
         rank_generator: one rank's compute actions with ``virtual_stages > 1`` (Megatron-LM's
             interleaved 1F1B for ``"1f1b"``).
         placements: the stage placements it runs with ``virtual_stages > 1``
@@ -58,6 +59,8 @@ class ScheduleSpec:
         microbatches_at_least_depth: needs ``m >= d`` (2BW: otherwise a third weight version
             would be in flight).
         aliases: other names accepted for it (torch.distributed.pipelining's class names).
+        interleaved_split: runs split backward with ``virtual_stages > 1`` (not interleaved 2BW,
+            whose ``"carry"`` W placement follows one stage per rank).
     """
 
     name: str
@@ -80,6 +83,7 @@ class ScheduleSpec:
     microbatches_at_least: int = 0
     rounds: bool = True
     one_stage: Optional[str] = None
+    interleaved_split: bool = True
 
     def check(self, depth: int, microbatches: int, virtual: int = 1, placement: Optional[str] = None) -> None:
         """Raise a clear ``ValueError`` unless it runs ``microbatches`` on ``depth`` ranks of
@@ -104,7 +108,8 @@ class ScheduleSpec:
             check_placement(placement)
             if virtual > 1 and placement not in self.placements:
                 raise ValueError(
-                    f"schedule {self.name!r} runs the stage placements {list(self.placements)}, not {placement!r}"
+                    f"schedule {self.name!r} runs the stage placements {list(self.placements)}, not {placement!r}: "
+                    f"use placement={self.placements[0]!r}"
                 )
         interleaved.check(depth, microbatches, virtual if self.rounds else 1)
         if virtual > 1 and depth < 2:
@@ -114,16 +119,36 @@ class ScheduleSpec:
                 f"schedule {self.name!r} needs microbatches >= {self.microbatches_at_least} x pipeline_depth "
                 f"(one per stage of the V; got m={microbatches}, d={depth})"
             )
+        if self.streams and virtual > 1:
+            two_bw.check_interleaved(depth, microbatches, virtual)
         if self.microbatches_at_least_depth and microbatches < depth:
             raise ValueError(
                 f"schedule {self.name!r} needs microbatches >= pipeline_depth (got m={microbatches}, d={depth}); "
                 "with fewer, in-flight microbatches would need a third weight version"
             )
 
-    def runs(self, depth: int, microbatches: int, virtual: int = 1, placement: Optional[str] = None) -> bool:
-        """Whether :meth:`check` accepts ``(depth, microbatches, virtual, placement)``."""
+    def check_split(self, split: bool, virtual: int = 1) -> None:
+        """Raise a clear ``ValueError`` unless it runs ``split`` backward at ``virtual`` stages per rank."""
+        if split and virtual > 1 and not self.interleaved_split:
+            raise ValueError(
+                f"schedule {self.name!r} with virtual_stages={virtual} does not run split_backward=True: "
+                f"its W placement follows one stage per rank; use split_backward=False, virtual_stages=1 "
+                f"for {self.name!r} with split backward, or schedule='1f1b' (interleaved, split)"
+            )
+
+    def runs(
+        self,
+        depth: int,
+        microbatches: int,
+        virtual: int = 1,
+        placement: Optional[str] = None,
+        split: bool = False,
+    ) -> bool:
+        """Whether :meth:`check` accepts ``(depth, microbatches, virtual, placement)`` and
+        :meth:`check_split` ``split``."""
         try:
             self.check(depth, microbatches, virtual, placement)
+            self.check_split(split, virtual)
         except ValueError:
             return False
         return True
@@ -201,9 +226,11 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         ),
         ScheduleSpec(
             "2bw",
-            "PipeDream-2BW: 1F1B streamed across steps, two weight versions, 1-stale updates",
+            "PipeDream-2BW: 1F1B (or interleaved 1F1B) streamed across steps, two weight versions, 1-stale updates",
             None,
             streams=True,
+            interleaves=True,
+            interleaved_split=False,
             weight_versions=2,
             gradient_sets=2,
             stale=True,

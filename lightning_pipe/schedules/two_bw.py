@@ -25,10 +25,27 @@ d=2, m=2, two steps then a drain, stage 0 (``W=1``) and stage 1 (``W=0``)::
 
     stage 0: [0V0 0F0 0F1 0B0] [0V2 0F2 0B1 0AR 0OPT 0F3 0B2] [0B3 0AR 0OPT]
     stage 1: [1V0 1F0 1B0 1F1 1B1 1AR] [1V2 1F2 1B2 1F3 1B3 1AR 1OPT] [1OPT]
+
+Interleaved 2BW (``virtual_stages = v > 1``, loop placement): rank ``r`` runs the never-flushed
+stream of Megatron-LM's interleaved 1F1B (schedules/interleaved.py) over its stages ``r, r + d,
+...``: forwards in rounds of ``d`` microbatches per stage, warm-up ``W = 2 (d-1-r) + (v-1) d``
+forwards, then pairs ``F(W+i) B(i)`` in the rank's own forward and backward order. Batch ``t``
+is the rank's forwards ``t m v .. (t+1) m v - 1`` (``m`` a multiple of ``d``), so window ``t``
+runs them, each stage's ``V(t*m)`` right before that stage's first forward of the batch. The
+two weight versions, the AR after the rank's last backward of a batch, the deferred ``OPT`` (rank
+0 ``early``) and the drain follow the rules above, one weight version per rank holding every
+stage's weights. A batch's backwards must end before the next batch's forwards begin (they run
+on the version its step writes): ``m v >= 2 (d-1) + (v-1) d``, rank 0's warm-up.
+
+d=2, v=2, m=2, one step then a drain, rank 0 (stages 0, 2; ``W=4``) and rank 1 (stages 1, 3; ``W=2``)::
+
+    rank 0: [0V0 0F0 0F1 2V0 2F0 2F1] [2B0 2B1 0B0 0B1 0AR 0OPT]
+    rank 1: [1V0 1F0 1F1 3V0 3F0 3B0 3F1 3B1] [1B0 1B1 1AR 1OPT]
 """
 
 from __future__ import annotations
 
+from lightning_pipe.schedules import interleaved
 from lightning_pipe.schedules.actions import Action, Kind, action
 
 
@@ -68,3 +85,58 @@ def drain(stage: int, depth: int, microbatches: int, last_step: int) -> list[Act
     warmup = depth - 1 - stage
     tail = [a for k in range(end - warmup, end) for a in _backward(stage, k, microbatches)]
     return tail + [action(stage, Kind.OPTIMIZER_STEP)]
+
+
+def interleaved_warmup(rank: int, depth: int, virtual: int) -> int:
+    """Forwards rank ``rank`` runs before its first backward (Megatron-LM's interleaved 1F1B)."""
+    return 2 * (depth - 1 - rank) + (virtual - 1) * depth
+
+
+def check_interleaved(depth: int, microbatches: int, virtual: int) -> None:
+    """Interleaved 2BW needs rounds of ``d`` microbatches and ``m v >= 2 (d-1) + (v-1) d``:
+    otherwise rank 0 would run the next batch's forwards, on the weights the step it has not
+    yet run writes, before this batch's backwards (a third weight version)."""
+    interleaved.check(depth, microbatches, virtual)
+    warmup = interleaved_warmup(0, depth, virtual)
+    if microbatches * virtual < warmup:
+        need = next(m for m in range(depth, warmup + depth + 1, depth) if m * virtual >= warmup)
+        raise ValueError(
+            f"interleaved 2BW needs microbatches x virtual_stages >= 2 (pipeline_depth - 1) + "
+            f"(virtual_stages - 1) pipeline_depth = {warmup}, rank 0's warm-up (got m={microbatches}, "
+            f"d={depth}, v={virtual}): with fewer, in-flight microbatches would need a third weight version; "
+            f"use microbatches >= {need}"
+        )
+
+
+def _rank_backward(rank: int, depth: int, microbatches: int, virtual: int, k: int, step_now: bool) -> list[Action]:
+    """The rank's ``k``-th backward, then its AR (and with ``step_now`` its OPT) after a batch's last."""
+    done = k % (microbatches * virtual) == microbatches * virtual - 1
+    closing = [action(rank, Kind.ALL_REDUCE)] + ([action(rank, Kind.OPTIMIZER_STEP)] if step_now else [])
+    return [interleaved.compute_action(rank, depth, virtual, k, Kind.BACKWARD)] + (closing if done else [])
+
+
+def rank_window(rank: int, depth: int, microbatches: int, step: int, virtual: int, early: bool = True) -> list[Action]:
+    """Interleaved 2BW: rank ``rank``'s compute, version, all-reduce and optimizer actions of
+    training step ``step`` over its ``virtual`` stages (see above); ``early``: rank 0 steps right
+    after its all-reduce."""
+    check_interleaved(depth, microbatches, virtual)
+    warmup, per = interleaved_warmup(rank, depth, virtual), microbatches * virtual
+    now = early and rank == 0
+    actions: list[Action] = []
+    for k in range(step * per, (step + 1) * per):
+        forward = interleaved.compute_action(rank, depth, virtual, k, Kind.FORWARD)
+        if forward.microbatch == step * microbatches:  # the stage's first forward of the batch
+            actions.append(action(forward.stage, Kind.VERSION, forward.microbatch))
+        actions.append(forward)
+        if k >= warmup:
+            actions += _rank_backward(rank, depth, microbatches, virtual, k - warmup, now)
+    return actions + ([action(rank, Kind.OPTIMIZER_STEP)] if step >= 1 and not now else [])
+
+
+def rank_drain(rank: int, depth: int, microbatches: int, last_step: int, virtual: int) -> list[Action]:
+    """Interleaved 2BW: finish rank ``rank``'s stream after step ``last_step``: its remaining
+    backwards, AR and OPT."""
+    end = (last_step + 1) * microbatches * virtual
+    warmup = interleaved_warmup(rank, depth, virtual)
+    tail = [a for k in range(end - warmup, end) for a in _rank_backward(rank, depth, microbatches, virtual, k, False)]
+    return tail + [action(rank, Kind.OPTIMIZER_STEP)]

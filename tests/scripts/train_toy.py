@@ -48,8 +48,8 @@ class Recorder(L.Callback):
         self.losses: list[float] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if not self.grads:
-            self.grads = {n: p.grad.clone() for n, p in module.named_parameters()}
+        if not self.indices:  # the first step's (under interleaved 2BW rank 0 has none yet: all in flight)
+            self.grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
         self.indices.append(batch[2].tolist())
         self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
