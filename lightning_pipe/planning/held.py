@@ -516,11 +516,12 @@ def _unique_rows(columns: Sequence[np.ndarray]) -> list[tuple[int, ...]]:
 
 
 def rank_moments(
-    actions: Sequence[Action], stages: Sequence[int], sent: Optional[np.ndarray] = None, warm: bool = False
+    actions: Sequence[Action], stages: Sequence[int], sent: Optional[np.ndarray] = None, streamed: int = 0
 ) -> tuple[Moment, ...]:
     """The distinct moments of one rank's program over its ``stages``, in program order (see
     :func:`_walk`; every stage's counts at each, where :func:`held_counts` keeps one stage's).
-    ``warm``: every stage's gradients exist from the start (a 2BW stream's later windows).
+    ``streamed``: a 2BW stream's microbatches per batch (a moment is warm once its own batch has
+    gradients, see :func:`_walk`).
 
     ``sent``: the rank's rows of :func:`buffered_layouts` (or of :func:`buffered`); with the
     former each stage's counts end with its :func:`handed_gradients`."""
@@ -528,7 +529,7 @@ def rank_moments(
     if sent is not None and sent.ndim == 3 and sent.shape[2] == 4 * len(stages):
         sent = _posted_with_sends(actions, sent)
         sent = np.concatenate((sent, handed_gradients(actions, index)[:, :, None]), axis=2)
-    return tuple(dict.fromkeys(_walk(actions, index.__getitem__, len(stages), warm, sent)))
+    return tuple(dict.fromkeys(_walk(actions, index.__getitem__, len(stages), streamed, sent)))
 
 
 def _posted_with_sends(actions: Sequence[Action], rows: np.ndarray) -> np.ndarray:

@@ -95,9 +95,9 @@ def held(plan: PipelinePlan) -> list[HeldCounts]:
 @functools.lru_cache(maxsize=1024)
 def _moments(*key: Any) -> list[tuple[Moment, ...]]:
     depth, virtual, placement, program, flat = key[1], key[-2], key[-1], _program(*key), _flat(*key)
-    sent, warm = buffered_layouts(flat), get(key[0]).streams
+    sent, streamed = buffered_layouts(flat), key[2] if get(key[0]).streams else 0
     return [
-        rank_moments(actions, rank_stages(r, depth, virtual, placement), sent[flat.rank(r)], warm)
+        rank_moments(actions, rank_stages(r, depth, virtual, placement), sent[flat.rank(r)], streamed)
         for r, actions in enumerate(program)
     ]
 
@@ -111,8 +111,8 @@ def clear_caches() -> None:
 
 def moments(plan: PipelinePlan) -> list[tuple[Moment, ...]]:
     """Every pipeline rank's distinct moments over all its stages (:func:`~.held.rank_moments`; cached).
-    Interleaved 2BW: over three windows and the drain, every stage's gradients existing from the
-    start (the stream's steady state, as :func:`held` walks one-stage 2BW)."""
+    Interleaved 2BW: over three windows and the drain, each moment warm once its own batch has
+    gradients (as :func:`held` walks one-stage 2BW)."""
     return _moments(*program_key(plan, 3 if plan.spec.streams else 1))
 
 
