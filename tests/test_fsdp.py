@@ -622,7 +622,7 @@ def test_memory_model_predicts_fsdp_peaks(launched) -> None:
     # Never under, but for a few small tensors of FSDP's that are not modelled (tens of bytes,
     # 0.1%). ZeRO-2's peak is predicted within 2%. ZeRO-3's tracked peak is not the same from run
     # to run, nor on the replicas of a stage in one run: whether a block's flat all-gather
-    # output is still held (by the collective, until gloo's worker thread lets go of it) when its
+    # output is still alive (it outlives FSDP's reference by a varying time) when its
     # backward computes a weight gradient beside the accumulated one decides it, one weight's
     # bytes (0.66 MB of 9.3 MB at (4, 1)). The model counts that output through the block's
     # forward and backward, so ZeRO-3 is held to [0.999, 1.10] of each rank's peak. Counting
