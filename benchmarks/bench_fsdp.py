@@ -3,8 +3,8 @@
     python benchmarks/bench_fsdp.py                                   # writes docs/results/bench_fsdp.md
     python benchmarks/bench_fsdp.py --layouts 2x1 --rounds 1 --steps 1 --blocks 2 --width 64 --no-page   # a quick check
 
-A model whose optimizer state dominates: a chain of wide residual MLP blocks (two square
-``Linear`` layers each, ``--width`` features) trained with AdamW on a small batch, so weights,
+A model whose optimizer state dominates: a chain of wide MLP blocks (two square ``Linear``
+layers and a ReLU each, ``--width`` features) trained with AdamW on a small batch, so weights,
 gradients and Adam's two moments (16 bytes per parameter) outweigh the activations. Each layout
 ``(w, d)`` (``w`` replicas of a ``d``-stage 1F1B pipeline, ``w * d`` gloo processes on CPU, one
 torch thread each) runs three contenders on the same model and global batch: DDP replicas
@@ -20,6 +20,8 @@ step under bench_pipelines.py's ``PeakTensorBytes`` (every CPU tensor storage at
 each moment: FSDP frees a gathered weight by resizing its storage to 0), beside the memory model's prediction
 for that rank (``predict.predict``, from a profile of the blocks taken before the run), and
 the bytes of weights, reduced gradients and AdamW state the rank keeps between steps.
+The peak falls by less than that state: a stage holds its whole gradients, unsharded, from its
+first backward to the reduce-scatter, and a running block's weights gathered (docs/fsdp.md).
 Rank 0 shows progress (one tick per timed contender).
 """
 
@@ -62,7 +64,7 @@ SCHEDULE = "1f1b"
 
 
 class WideMLP(PipelineMixin, L.LightningModule):
-    """``blocks`` residual MLP blocks of ``width`` features (two square ``Linear`` layers and a
+    """``blocks`` MLP blocks of ``width`` features (two square ``Linear`` layers and a
     ReLU each), a mean-squared-error loss; AdamW. Batches are ``(inputs, targets)``, both ``[n, width]``."""
 
     def __init__(self, blocks: int, width: int) -> None:
@@ -328,7 +330,7 @@ def main() -> None:
         return
     parameters = sum(p.numel() for p in model.parameters())
     intro = (
-        __doc__.split("\n\n", 2)[2].split("\n\nContenders")[0]
+        __doc__.split("\n\n", 2)[2].replace("\nRank 0 shows progress (one tick per timed contender).", "")
         + f"\n\nHere: {work.blocks} blocks of width {work.width} ({parameters / 1e6:.2f}M parameters),"
         f" global batch {work.global_batch} in {work.microbatches} microbatches per replica, {SCHEDULE},"
         f" {args.rounds} rounds of {args.steps} timed steps."
