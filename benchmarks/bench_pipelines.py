@@ -438,7 +438,13 @@ def _paired(ours: Contender, theirs: Contender, batch: Any, pairs: int, steps: i
 
 class PeakTensorBytes(TorchDispatchMode):
     """Peak bytes of the CPU tensor storages alive during a block: ``persistent`` ones (weights,
-    gradients, optimizer state) plus every storage an op creates inside, each until it is freed.
+    gradients, optimizer state; a DTensor's by its local shard) plus every storage an op creates
+    inside, each until it is freed, at its size at each moment.
+
+    Sizes are read at every op, not once when a storage first appears: FSDP frees a gathered
+    weight by resizing its storage to 0 and gathers it again by resizing it back, and no resize
+    of a storage passes the dispatcher. Counted once, at its address, every gather of a ZeRO-3
+    block would count anew and none of its frees would.
 
     Measured the same way for every contender. (torch.distributed._tools.MemTracker refuses
     modules that run once per microbatch, so it cannot measure a pipeline stage.)
@@ -446,33 +452,34 @@ class PeakTensorBytes(TorchDispatchMode):
 
     def __init__(self, persistent: list[Tensor]) -> None:
         super().__init__()
-        self.known: dict[int, int] = {}
-        self.current = self.peak = 0
-        self._refs: list[Any] = []
+        self.alive: dict[int, Any] = {}  # id of a storage -> a weak reference to it
         for t in persistent:  # tracked until freed too: a step may drop what it found (last step's gradients)
-            self._track(_local(t).untyped_storage())
+            self._track(t)
+        self.peak = self.now()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
-            if isinstance(t, Tensor) and t.device.type == "cpu":
-                self._track(t.untyped_storage())
+            if isinstance(t, Tensor):
+                self._track(t)
+        self.peak = max(self.peak, self.now())
         return out
 
-    def _track(self, storage: Any) -> None:
-        try:
-            key, size = storage.data_ptr(), storage.nbytes()
-        except RuntimeError:  # a wrapper subclass (DTensor) has no storage: its local tensor's ops are tracked
-            return
-        if key in self.known or not size:
-            return
-        self.known[key] = size
-        self.current += size
-        self.peak = max(self.peak, self.current)
-        self._refs.append(weakref.ref(storage, lambda _, key=key: self._free(key)))
+    def now(self) -> int:
+        """Bytes of the tracked storages alive now, each at its current size."""
+        return sum(s.nbytes() for s in (ref() for ref in list(self.alive.values())) if s is not None)
 
-    def _free(self, key: int) -> None:
-        self.current -= self.known.pop(key, 0)
+    def _track(self, t: Tensor) -> None:
+        t = _local(t)
+        if t.device.type != "cpu":
+            return
+        try:
+            storage = t.untyped_storage()
+        except RuntimeError:  # a wrapper subclass with no storage: its inner tensors' ops are tracked
+            return
+        key = id(storage)  # the storage object lives as long as its storage: it keeps its id
+        if key not in self.alive:
+            self.alive[key] = weakref.ref(storage, lambda _, key=key: self.alive.pop(key, None))
 
 
 def _local(t: Tensor) -> Tensor:

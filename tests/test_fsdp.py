@@ -568,39 +568,53 @@ class _LiveBytes:
         self.now, self.mode, self.peak = now, Mode(), now()
 
 
-def _fsdp_memory(rank: int, world: int) -> list[tuple[bool, int, int, int]]:
-    """Per ZeRO-3 and ZeRO-2 at (2, 2): this rank's predicted and tracked peak bytes over steps 2
-    and 3, and the prediction for DDP replicas."""
+#: The FSDP plans of the memory model's check, by microbatch size: ZeRO-3 and ZeRO-2 (the
+#: stages' layouts of the existing 2x2 check at 2 samples, and one stage over 4 replicas at 1,
+#: where a block's gathered weights outweigh its activations the most).
+MEMORY_PLANS = {
+    2: [
+        PipelinePlan(2, 2, 4, "1f1b", partition=(5, 5), data_parallel="fsdp", reshard_after_forward=reshard)
+        for reshard in (True, False)
+    ],
+    1: [
+        PipelinePlan(4, 1, 4, "1f1b", partition=(10,), data_parallel="fsdp", reshard_after_forward=reshard)
+        for reshard in (True, False)
+    ],
+}
+
+
+def _fsdp_memory(rank: int, world: int) -> list[tuple[PipelinePlan, int, int, int]]:
+    """Per plan of :data:`MEMORY_PLANS`: this rank's predicted and tracked peak bytes over steps
+    2 and 3, and the prediction for DDP replicas."""
     from lightning_pipe import PipelineGroups, place
     from lightning_pipe.planning import predict
     from lightning_pipe.planning.profiler import profile_blocks
     from lightning_pipe.runtime.comm import p2p
     from tests.models import NonUniformChain, adamw, token_data
 
-    b = 2
-    torch.manual_seed(0)
-    profile = profile_blocks(NonUniformChain(), token_data(8), [b, 2 * b], repeats=1, optimizer=adamw)
+    torch.manual_seed(0)  # one profile, measured at both microbatch sizes
+    profile = profile_blocks(NonUniformChain(), token_data(8), sorted(MEMORY_PLANS), repeats=1, optimizer=adamw)
     rows = []
-    for reshard in (True, False):
-        plan = PipelinePlan(2, 2, 4, "1f1b", partition=(5, 5), data_parallel="fsdp", reshard_after_forward=reshard)
-        torch.manual_seed(0)
-        groups = PipelineGroups.build(plan.topology, rank)
-        engine = place(NonUniformChain(), plan, rank, groups=groups)
-        batch = token_data(plan.microbatches * b, seed=plan.topology.replica_of(rank))
-        params = engine.parameters()
-        opt = adamw(params)
-        p2p.packing.cache_clear()
-        tracker = _LiveBytes(params + list(batch))
-        with tracker.mode:
-            engine.train_step(batch, opt)
-            tracker.peak = tracker.now()
-            for _ in range(2):
+    for b, plans in MEMORY_PLANS.items():
+        for plan in plans:
+            torch.manual_seed(0)
+            groups = PipelineGroups.build(plan.topology, rank)
+            engine = place(NonUniformChain(), plan, rank, groups=groups)
+            batch = token_data(plan.microbatches * b, seed=plan.topology.replica_of(rank))
+            params = engine.parameters()
+            opt = adamw(params)
+            p2p.packing.cache_clear()
+            tracker = _LiveBytes(params + list(batch))
+            with tracker.mode:
                 engine.train_step(batch, opt)
-        s = engine.stage_index
-        ddp = predict.predict(profile, plan.replace(data_parallel="ddp", reshard_after_forward=True), b)
-        rows.append((reshard, predict.predict(profile, plan, b).stage_memory[s], tracker.peak, ddp.stage_memory[s]))
-        engine.close()
-        groups.destroy()
+                tracker.peak = tracker.now()
+                for _ in range(2):
+                    engine.train_step(batch, opt)
+            s = engine.stage_index
+            ddp = predict.predict(profile, plan.replace(data_parallel="ddp", reshard_after_forward=True), b)
+            rows.append((plan, predict.predict(profile, plan, b).stage_memory[s], tracker.peak, ddp.stage_memory[s]))
+            engine.close()
+            groups.destroy()
     return rows
 
 
@@ -608,13 +622,16 @@ scenario(4, "fsdp_memory_model_2x2", _fsdp_memory)
 
 
 def test_memory_model_predicts_fsdp_peaks(launched) -> None:
-    # ZeRO-2's peak is predicted within 2% (at most 0.1% under: a few small tensors of FSDP's are
-    # not modelled, tens of bytes). ZeRO-3's tracked peak is not the same from run to run, nor on
-    # the two replicas of a stage in one run: 4.95-5.29 MB on the first stage, 8.82-9.51 MB on
-    # the last, predicted 5.00 and 9.27 (when gloo's all-gathers complete against the frees of
-    # the blocks before), so it is held to [0.90, 1.10] of each rank's.
+    # Never under, but for a few small tensors of FSDP's that are not modelled (tens of bytes,
+    # 0.1%). ZeRO-2's peak is predicted within 2%. ZeRO-3's tracked peak is not the same from run
+    # to run, nor on the replicas of a stage in one run: whether a block's flat all-gather
+    # output is still alive (it outlives FSDP's reference by a varying time) when its
+    # backward computes a weight gradient beside the accumulated one decides it, one weight's
+    # bytes (0.66 MB of 9.3 MB at (4, 1)). The model counts that output through the block's
+    # forward and backward, so ZeRO-3 is held to [0.999, 1.10] of each rank's peak. Counting
+    # the two largest blocks' weights gathered instead predicted 0.945 of it at (4, 1).
     for rank, rows in enumerate(launched(4).ok("fsdp_memory_model_2x2")):
-        for reshard, predicted, measured, ddp in rows:
-            low, high = (0.90, 1.10) if reshard else (0.999, 1.02)
-            assert low * measured <= predicted <= high * measured, (rank, reshard, predicted, measured)
+        for plan, predicted, measured, ddp in rows:
+            high = 1.10 if plan.reshard_after_forward else 1.02
+            assert 0.999 * measured <= predicted <= high * measured, (rank, plan.describe(), predicted, measured)
             assert predicted < 0.95 * ddp  # sharding lowers the prediction

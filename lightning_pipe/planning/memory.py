@@ -30,16 +30,25 @@ class Sharding:
 
     Attributes:
         width: replicas the stage's weights, optimizer state and reduced gradients are split over.
-        gathered_bytes: the weights gathered whole beside the shards under ZeRO-3:
-            the two largest blocks' (the running block and the one its all-gather prefetches);
-            under split backward every block's (a stage stays gathered from an I until its W).
+        gathered_bytes: the weights gathered beside the shards under ZeRO-3 while a block runs:
+            the largest block's twice, its flat all-gather output and its unsharded parameters
+            copied out of it (FSDP2's ``foreach_all_gather`` and ``foreach_all_gather_copy_out``).
+            FSDP drops the flat output after the copy, but it stays alive into the block's
+            forward and backward by a time that varies from rank to rank and run to run (the
+            gloo collective's work is the likely holder): counted through both. Under split
+            backward every block's (a stage stays gathered from an I until its W).
         kept_gathered: ZeRO-2 (``reshard_after_forward=False``): every block's weights stay
             gathered from its first forward to the reduce-scatter.
+        largest_bytes: the largest block's weights: at the reduce-scatter, each block's
+            gradients are copied into one flat input and scattered into its ``1/w`` shard before
+            its whole gradients go (FSDP2's ``foreach_reduce``); the largest block's flat input
+            and shard are its worst (0: ``gathered_bytes`` instead).
     """
 
     width: int
     gathered_bytes: int
     kept_gathered: bool = False
+    largest_bytes: int = 0
 
 
 #: The global gradient norm's square, a float32 scalar each rank keeps from its all-reduce to the
@@ -100,10 +109,11 @@ def stage_memory_terms(
     output, the gradient that stage's input gradient, neither a message.
 
     ``sharding`` (FSDP replicas, runtime/sharding.py): weights and optimizer state are ``1/w``
-    shards; beside them the weights FSDP gathers: under ZeRO-3 the two largest blocks' (the
-    running block's and the one its all-gather prefetches), under ZeRO-2 every block's; the
+    shards; beside them the weights FSDP gathers: under ZeRO-3 the largest block's twice (its flat
+    all-gather output and its unsharded parameters, :class:`Sharding`), under ZeRO-2 every block's; the
     batch's gradients accumulate whole, unsharded, until the reduce-scatter, where they meet
-    the gathered blocks' flat copy and the ``1/w`` results; the optimizer step holds shards only
+    the largest block's flat copy and its ``1/w`` result (and under ZeRO-2 the other blocks'
+    gathered weights); the optimizer step holds shards only
     (its temporaries ``1/w`` too). Checked against a tracked step in ``tests/test_fsdp.py``.
     """
     weights = versions * st.weight_bytes + st.optimizer_bytes
@@ -116,7 +126,12 @@ def stage_memory_terms(
         weights = shards + (st.weight_bytes if sharding.kept_gathered else block)
         step_state = shards + -(-st.gradient_bytes // w)
         step_workspace = -(-st.optimizer_step_bytes // w) + GRADIENT_NORM_BYTES
-        reduce_scatter = step_state + st.gradient_bytes + block
+        # Each block reshards (ZeRO-2) before its gradients go into the flat input, the gradients
+        # of the blocks before it already shards: the whole gradients, the largest block's flat
+        # input and shard, and under ZeRO-2 the other blocks' gathered weights at most.
+        largest = sharding.largest_bytes or block
+        gathered = st.weight_bytes if sharding.kept_gathered else largest
+        reduce_scatter = shards + st.gradient_bytes + gathered + -(-largest // w)
     if grads > st.gradient_bytes:  # 2BW: the batch before's squared norm waits for its deferred step
         weights, step_state = weights + GRADIENT_NORM_BYTES, step_state + GRADIENT_NORM_BYTES
     # Before a moment's own batch has gradients (its "cold" and "first" moments), the other

@@ -198,8 +198,8 @@ def sharding(profile: Profile, plan: PipelinePlan, stage: int) -> Optional[Shard
     if plan.data_parallel != "fsdp" or plan.width == 1:
         return None
     sizes = sorted((profile.blocks[i].parameter_bytes for i in plan.stage_ranges()[stage]), reverse=True)
-    gathered = sum(sizes) if plan.split_backward else sum(sizes[:2])
-    return Sharding(plan.width, gathered, kept_gathered=not plan.reshard_after_forward)
+    gathered = sum(sizes) if plan.split_backward else 2 * sizes[0]
+    return Sharding(plan.width, gathered, kept_gathered=not plan.reshard_after_forward, largest_bytes=sizes[0])
 
 
 def _all_split(plan: PipelinePlan) -> bool:
