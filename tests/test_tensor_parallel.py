@@ -24,13 +24,14 @@ from lightning_pipe import PipelinePlan, PipelineStrategy
 from lightning_pipe.core.topology import Topology
 from lightning_pipe.runtime.placement import Placement
 from tests.launch import ROOT
-from tests.models import assert_close_dicts, make_data, reference_train
-from tests.shared import scenario
+from tests.models import assert_close_dicts, load_plain, make_data, reference_train
+from tests.shared import scenario, scenario_dir
 
 sys.path.insert(0, str(ROOT / "examples"))
 from tensor_parallel import MLPChain  # noqa: E402
 
 BATCH, STEPS, M, CLIP = 8, 3, 2, 0.05
+CKPT = "tp.ckpt"
 #: (w, d, t): 2 stages of 2 tensor-parallel ranks; 2 replicas of one stage of 2 ranks.
 LAYOUTS = [(1, 2, 2), (2, 1, 2)]
 
@@ -85,6 +86,7 @@ def fit_tensor_parallel(rank: int, world: int, depth: int, tp: int) -> dict[str,
     )
     width = world // (depth * tp)
     trainer.fit(model, DataLoader(Doubles(BATCH * width * STEPS, 0), batch_size=BATCH))
+    trainer.save_checkpoint(scenario_dir() / CKPT)  # a sharded (DCP) directory: each rank its parts
     mesh = trainer.strategy.device_mesh
     params = dict(model.named_parameters())
     return {
@@ -137,6 +139,10 @@ def test_tensor_parallel_fit_matches_single_process(launched, width: int, depth:
         assert rank["tp"] == [r - r % tp + k for k in range(tp)]
         assert rank["loss"] == ranks[r - r % tp]["loss"]  # the parts of a stage replica compute one loss
     assert merged.keys() == want.keys()
+    # Lightning's consolidate tool reads the parts every rank saved into the whole (float32) model.
+    restored = load_plain(MLPChain, launched(width * depth * tp).dir(_name(width, depth, tp)) / CKPT)
+    whole = {k: v.float() for k, v in merged.items()}
+    assert_close_dicts({n: p.detach() for n, p in restored.named_parameters()}, whole, rtol=0, atol=0)
     unclipped = _reference(batches, clip=None)  # clipping was active: without it the run ends elsewhere
     assert max(float((unclipped[k] - want[k]).abs().max()) for k in want) > 1e-4
 
