@@ -94,6 +94,9 @@ class MLPChain(PipelineMixin, L.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> None:
         self.log("train_loss", self.pipeline_step(batch), prog_bar=True)
 
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.pipeline_forward(batch, with_loss=True), sync_dist=True)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=self.lr)
 

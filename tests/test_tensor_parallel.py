@@ -77,7 +77,8 @@ def fit_tensor_parallel(rank: int, world: int, depth: int, tp: int) -> dict[str,
         devices=world,
         strategy=strategy,
         max_steps=STEPS,
-        limit_val_batches=0,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
         logger=False,
         enable_checkpointing=False,
         enable_model_summary=False,
@@ -85,7 +86,8 @@ def fit_tensor_parallel(rank: int, world: int, depth: int, tp: int) -> dict[str,
         callbacks=[samples],
     )
     width = world // (depth * tp)
-    trainer.fit(model, DataLoader(Doubles(BATCH * width * STEPS, 0), batch_size=BATCH))
+    train = DataLoader(Doubles(BATCH * width * STEPS, 0), batch_size=BATCH)
+    trainer.fit(model, train, DataLoader(Doubles(BATCH * width, 99), batch_size=BATCH))
     trainer.save_checkpoint(scenario_dir() / CKPT)  # a sharded (DCP) directory: each rank its parts
     mesh = trainer.strategy.device_mesh
     params = dict(model.named_parameters())
@@ -96,6 +98,7 @@ def fit_tensor_parallel(rank: int, world: int, depth: int, tp: int) -> dict[str,
         "mesh": (mesh.mesh_dim_names, mesh.mesh.tolist()),
         "tp": mesh["tensor_parallel"].mesh.tolist(),
         "loss": float(trainer.callback_metrics["train_loss"]),
+        "val_loss": float(trainer.callback_metrics["val_loss"]),
     }
 
 
@@ -103,9 +106,10 @@ for _w, _d, _t in LAYOUTS:
     scenario(_w * _d * _t, _name(_w, _d, _t), fit_tensor_parallel, _d, _t)
 
 
-def _reference(batches: list[Any], clip: Any = CLIP) -> dict[str, torch.Tensor]:
+def _reference(batches: list[Any], clip: Any = CLIP) -> tuple[dict[str, torch.Tensor], MLPChain]:
     torch.manual_seed(0)
-    return reference_train(MLPChain().double(), batches, clip=clip)  # type: ignore[arg-type]
+    model = MLPChain().double()
+    return reference_train(model, batches, clip=clip), model  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("width,depth,tp", LAYOUTS, ids=[_name(*layout) for layout in LAYOUTS])
@@ -119,7 +123,7 @@ def test_tensor_parallel_fit_matches_single_process(launched, width: int, depth:
     batches = [
         (x[i].double(), y[i]) for i in (torch.tensor(sum((f[step] for f in first), [])) for step in range(STEPS))
     ]
-    want = _reference(batches)
+    want, model = _reference(batches)
     merged: dict[str, torch.Tensor] = {}
     for r, rank in enumerate(ranks):
         assert_close_dicts(rank["params"], {k: want[k] for k in rank["params"]}, rtol=1e-5)
@@ -143,8 +147,13 @@ def test_tensor_parallel_fit_matches_single_process(launched, width: int, depth:
     restored = load_plain(MLPChain, launched(width * depth * tp).dir(_name(width, depth, tp)) / CKPT)
     whole = {k: v.float() for k, v in merged.items()}
     assert_close_dicts({n: p.detach() for n, p in restored.named_parameters()}, whole, rtol=0, atol=0)
-    unclipped = _reference(batches, clip=None)  # clipping was active: without it the run ends elsewhere
+    unclipped, _ = _reference(batches, clip=None)  # clipping was active: without it the run ends elsewhere
     assert max(float((unclipped[k] - want[k]).abs().max()) for k in want) > 1e-4
+    with torch.no_grad():  # the validation at the end of fit: a forward-only pass through the split stages
+        xv, yv = make_data(BATCH * width, 99)
+        val = float(model.pipeline_loss(model(xv.double()), (xv, yv)))
+    for rank in ranks:
+        assert rank["val_loss"] == pytest.approx(val, rel=1e-5)
 
 
 def test_topology_places_tensor_parallel_ranks_innermost() -> None:
