@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from datetime import timedelta
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -25,7 +25,7 @@ from lightning_pipe.core.topology import Topology
 from lightning_pipe.runtime.placement import Placement
 from tests.launch import ROOT
 from tests.models import assert_close_dicts, load_plain, make_data, reference_train
-from tests.shared import scenario, scenario_dir
+from tests.shared import launch_root, scenario, scenario_dir
 
 sys.path.insert(0, str(ROOT / "examples"))
 from tensor_parallel import MLPChain  # noqa: E402
@@ -40,9 +40,10 @@ def _name(width: int, depth: int, tp: int) -> str:
     return f"tp_{width}x{depth}x{tp}"
 
 
-def fit_tensor_parallel(rank: int, world: int, depth: int, tp: int) -> dict[str, Any]:
-    """Fit the example's MLP chain, each MLP block split over its stage's ``tp`` ranks; return this
-    rank's weights (gathered whole), which of them are split, the samples it read and the mesh."""
+def fit_tensor_parallel(rank: int, world: int, depth: int, tp: int, resume: Optional[str] = None) -> dict[str, Any]:
+    """Fit the example's MLP chain, each MLP block split over its stage's ``tp`` ranks, and save a
+    checkpoint; or (``resume``: a checkpoint of the launch) resume from it for one more step.
+    Return this rank's weights (gathered whole), their local shapes, the samples it read and the mesh."""
     import lightning as L
     from torch.distributed.tensor import DTensor
     from torch.utils.data import DataLoader
@@ -76,8 +77,9 @@ def fit_tensor_parallel(rank: int, world: int, depth: int, tp: int) -> dict[str,
         accelerator="cpu",
         devices=world,
         strategy=strategy,
-        max_steps=STEPS,
+        max_steps=STEPS + (resume is not None),
         limit_val_batches=1,
+        val_check_interval=STEPS,  # once, after the fit's last step (before a resumed step)
         num_sanity_val_steps=0,
         logger=False,
         enable_checkpointing=False,
@@ -86,9 +88,13 @@ def fit_tensor_parallel(rank: int, world: int, depth: int, tp: int) -> dict[str,
         callbacks=[samples],
     )
     width = world // (depth * tp)
-    train = DataLoader(Doubles(BATCH * width * STEPS, 0), batch_size=BATCH)
-    trainer.fit(model, train, DataLoader(Doubles(BATCH * width, 99), batch_size=BATCH))
-    trainer.save_checkpoint(scenario_dir() / CKPT)  # a sharded (DCP) directory: each rank its parts
+    train = DataLoader(Doubles(BATCH * width * (STEPS + 1), 0), batch_size=BATCH)
+    val = DataLoader(Doubles(BATCH * width, 99), batch_size=BATCH)
+    if resume is not None:
+        trainer.fit(model, train, val, ckpt_path=str(launch_root() / "world4" / resume / CKPT))
+    else:
+        trainer.fit(model, train, val)
+        trainer.save_checkpoint(scenario_dir() / CKPT)  # a sharded (DCP) directory: each rank its parts
     mesh = trainer.strategy.device_mesh
     params = dict(model.named_parameters())
     return {
@@ -96,20 +102,38 @@ def fit_tensor_parallel(rank: int, world: int, depth: int, tp: int) -> dict[str,
         "local_shape": {n: tuple((p.to_local() if isinstance(p, DTensor) else p).shape) for n, p in params.items()},
         "indices": samples.indices,
         "mesh": (mesh.mesh_dim_names, mesh.mesh.tolist()),
-        "tp": mesh["tensor_parallel"].mesh.tolist(),
+        "tp": mesh["tensor_parallel"].mesh.tolist() if tp > 1 else None,
         "loss": float(trainer.callback_metrics["train_loss"]),
-        "val_loss": float(trainer.callback_metrics["val_loss"]),
+        "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
     }
 
 
 for _w, _d, _t in LAYOUTS:
     scenario(_w * _d * _t, _name(_w, _d, _t), fit_tensor_parallel, _d, _t)
+#: (1, 2, 2)'s checkpoint resumed without tensor parallel, on 2 replicas of the 2 stages.
+scenario(4, "tp_resume_2x2x1", fit_tensor_parallel, 2, 1, _name(*LAYOUTS[0]))
 
 
-def _reference(batches: list[Any], clip: Any = CLIP) -> tuple[dict[str, torch.Tensor], MLPChain]:
+def _reference(
+    batches: list[Any], clip: Any = CLIP, then: Optional[list[Any]] = None
+) -> tuple[dict[str, torch.Tensor], MLPChain]:
+    """One process's weights after ``batches`` (and, with the same optimizer, ``then``)."""
     torch.manual_seed(0)
     model = MLPChain().double()
-    return reference_train(model, batches, clip=clip), model  # type: ignore[arg-type]
+    opt = torch.optim.Adam(model.parameters(), lr=model.lr)
+    want = reference_train(model, batches, clip=clip, opt=opt)  # type: ignore[arg-type]
+    if then:
+        want = reference_train(model, then, clip=clip, opt=opt)  # type: ignore[arg-type]
+    return want, model
+
+
+def _global_batches(ranks: list[dict], width: int, depth: int, tp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each step's union of the samples the replicas read (the first stage's first part of each)."""
+    topology = Topology(width * depth * tp, depth, tensor_parallel=tp)
+    x, y = make_data(BATCH * width * (STEPS + 1), 0)
+    first = [ranks[topology.rank_of(replica, 0)]["indices"] for replica in range(width)]
+    steps = len(first[0])
+    return [(x[i].double(), y[i]) for i in (torch.tensor(sum((f[s] for f in first), [])) for s in range(steps))]
 
 
 @pytest.mark.parametrize("width,depth,tp", LAYOUTS, ids=[_name(*layout) for layout in LAYOUTS])
@@ -118,11 +142,8 @@ def test_tensor_parallel_fit_matches_single_process(launched, width: int, depth:
     topology = Topology(width * depth * tp, depth, tensor_parallel=tp)
     for r, rank in enumerate(ranks):  # every rank of a replica (its stages, their parts) read the replica's samples
         assert rank["indices"] == ranks[topology.rank_of(topology.replica_of(r), 0)]["indices"]
-    x, y = make_data(BATCH * width * STEPS, 0)
-    first = [ranks[topology.rank_of(replica, 0)]["indices"] for replica in range(width)]
-    batches = [
-        (x[i].double(), y[i]) for i in (torch.tensor(sum((f[step] for f in first), [])) for step in range(STEPS))
-    ]
+    batches = _global_batches(ranks, width, depth, tp)
+    assert len(batches) == STEPS
     want, model = _reference(batches)
     merged: dict[str, torch.Tensor] = {}
     for r, rank in enumerate(ranks):
@@ -231,3 +252,15 @@ def test_placement_refuses_weights_tied_across_tensor_parallel_stages() -> None:
     plan = PipelinePlan(width=1, depth=2, tensor_parallel=2, partition=[1, 1])
     with pytest.raises(ValueError, match="tied across stages .*not supported with tensor_parallel=2"):
         Placement(_Tied()).apply(plan, rank=0)
+
+
+def test_tensor_parallel_checkpoint_resumes_without_tensor_parallel(launched) -> None:
+    # (1, 2, 2) saved each weight and its Adam state in parts; (2, 2, 1) loads them whole and trains on.
+    saved = launched(4).ok(_name(*LAYOUTS[0]))
+    ranks = launched(4).ok("tp_resume_2x2x1")
+    resumed = _global_batches(ranks, 2, 2, 1)
+    assert len(resumed) == 1  # the one step after the checkpoint's three
+    want, _ = _reference(_global_batches(saved, *LAYOUTS[0]), then=resumed)
+    for rank in ranks:
+        assert_close_dicts(rank["params"], {k: want[k] for k in rank["params"]}, rtol=1e-5)
+        assert rank["tp"] is None and all(shape == tuple(want[n].shape) for n, shape in rank["local_shape"].items())
