@@ -269,7 +269,7 @@ class PipelineEngine:
             return None
         d, m, replica = self.topology.depth, self.microbatches, self.topology.replica_of(self.rank)
         order = two_bw_arrivals(self.stage_index, d, m, step, drain, self.early_step, v)
-        return {self.topology.rank_of(replica, q): keys for q, keys in order.items()}
+        return {self.topology.rank_of(replica, q, self.lane): keys for q, keys in order.items()}
 
     def _hooks(self) -> Hooks:
         return Hooks(
