@@ -76,8 +76,8 @@ class PipelinePlan:
             on ``width * depth * t`` processes; the ``t`` ranks of a stage replica see the same
             activations and data and split the stage's layers as the module's
             ``configure_stage`` hook says (``torch.distributed.tensor.parallel``). GPipe and
-            1F1B with one stage per rank, DDP replicas, no split backward (see
-            :meth:`_check_tensor_parallel` for what is refused and what to use instead).
+            1F1B with one stage per rank, DDP replicas, no split backward: FSDP, 2BW, split
+            backward and ``virtual_stages > 1`` are refused with ``t > 1``.
     """
 
     width: int = 1
