@@ -31,6 +31,7 @@ MODULES = (
     "tests.test_memory_exact",
     "tests.test_fsdp",
     "tests.test_errors",
+    "tests.test_tensor_parallel",
 )
 
 SCENARIOS: dict[int, dict[str, tuple[Callable[..., Any], tuple]]] = {}

@@ -53,6 +53,7 @@ NOT_RUN = {
         "needs the quickstart's checkpoint, then trains 300 steps"
     ),
     "tensorboard --logdir logs": "a server that runs until stopped",
+    "python examples/tensor_parallel.py": "trains 20 steps on 4 processes (test_tensor_parallel fits its model)",
 }
 
 _FENCE = re.compile(r"^```(\w*)\s*$")

@@ -1,4 +1,4 @@
-"""PipelinePlan: the frozen, validated layout (w, d, m, schedule, split, partition, recompute) every piece reads."""
+"""PipelinePlan: the frozen, validated layout (w, d, t, m, schedule, split, partition, recompute) every piece reads."""
 
 from __future__ import annotations
 
@@ -72,6 +72,12 @@ class PipelinePlan:
             parameters after its forward and gather them again for its backward (ZeRO-3's
             memory, default); ``False`` keeps them gathered from a block's first forward to the
             batch's gradient reduction (ZeRO-2's memory, fewer all-gathers).
+        tensor_parallel: ranks ``t`` each stage replica is split over (default 1): the job runs
+            on ``width * depth * t`` processes; the ``t`` ranks of a stage replica see the same
+            activations and data and split the stage's layers as the module's
+            ``configure_stage`` hook says (``torch.distributed.tensor.parallel``). GPipe and
+            1F1B with one stage per rank, DDP replicas, no split backward: FSDP, 2BW, split
+            backward and ``virtual_stages > 1`` are refused with ``t > 1``.
     """
 
     width: int = 1
@@ -88,9 +94,10 @@ class PipelinePlan:
     placement: Optional[str] = None
     data_parallel: str = "ddp"
     reshard_after_forward: bool = True
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
-        Topology(self.width * self.depth, self.depth, self.inner)  # depth and width >= 1, a known orientation
+        Topology(self.world_size, self.depth, self.inner, self.tensor_parallel)  # all >= 1, a known orientation
         if self.width < 1:
             raise ValueError(f"width must be >= 1, got {self.width}")
         if self.microbatches < 1:
@@ -113,6 +120,32 @@ class PipelinePlan:
                 )
         self._check_placement()
         self._check_data_parallel()
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        """Refuse, with ``tensor_parallel > 1``, what the tensor-parallel runtime does not run: each
+        error names what to use instead."""
+        if self.tensor_parallel == 1:
+            return
+        why = f"tensor_parallel={self.tensor_parallel}"
+        if self.data_parallel == "fsdp":
+            raise ValueError(
+                f"{why} does not run with data_parallel='fsdp' (FSDP and tensor parallel on one stage need a "
+                "2-D sharding this strategy does not build); use data_parallel='ddp' with tensor parallel, or "
+                "tensor_parallel=1 with FSDP"
+            )
+        if self.spec.streams:
+            raise ValueError(
+                f"{why} does not run schedule {self.schedule!r} (its second weight version is a plain copy of "
+                "the stage's weights, not of their tensor-parallel shards); use schedule='1f1b' or 'gpipe'"
+            )
+        if self.split_backward:
+            raise ValueError(
+                f"{why} does not run split_backward=True (the deferred weight gradients are computed on plain "
+                "tensors, not on tensor-parallel shards); use split_backward=False"
+            )
+        if self.virtual_stages > 1:
+            raise ValueError(f"{why} runs one stage per rank; use virtual_stages=1 (schedule='1f1b' or 'gpipe')")
 
     def _check_data_parallel(self) -> None:
         if self.data_parallel not in DATA_PARALLEL:
@@ -184,13 +217,15 @@ class PipelinePlan:
 
     @classmethod
     def for_world(cls, world_size: int, depth: Optional[int] = None, **fields: object) -> "PipelinePlan":
-        """The plan that spreads ``world_size`` processes over ``depth`` stages (default: one pipeline).
+        """The plan that spreads ``world_size`` processes over ``depth`` stages (default: one pipeline)
+        of ``fields["tensor_parallel"]`` ranks each (default 1).
 
         Raises:
             ValueError: if ``world_size`` is not a multiple of ``depth``, or any field is invalid.
         """
-        depth = depth or world_size
-        topology = Topology(world_size, depth)
+        tensor_parallel = int(fields.get("tensor_parallel", 1))  # type: ignore[call-overload]
+        depth = depth or max(world_size // tensor_parallel, 1)
+        topology = Topology(world_size, depth, tensor_parallel=tensor_parallel)
         return cls(width=topology.width, depth=depth, **fields)  # type: ignore[arg-type]
 
     @property
@@ -223,8 +258,8 @@ class PipelinePlan:
 
     @property
     def world_size(self) -> int:
-        """Processes the plan needs: ``width * depth``."""
-        return self.width * self.depth
+        """Processes the plan needs: ``width * depth * tensor_parallel``."""
+        return self.width * self.depth * self.tensor_parallel
 
     def check_world_size(self, world_size: int) -> None:
         """Raise a clear error unless this plan runs on ``world_size`` processes.
@@ -238,7 +273,7 @@ class PipelinePlan:
     @property
     def topology(self) -> Topology:
         """Which rank runs which replica of which stage."""
-        return Topology(self.world_size, self.depth, self.inner)
+        return Topology(self.world_size, self.depth, self.inner, self.tensor_parallel)
 
     @property
     def is_resolved(self) -> bool:
@@ -284,6 +319,8 @@ class PipelinePlan:
         virtual += " in a V" if self.stage_placement == "v" else ""
         if self.data_parallel == "fsdp":
             ranks += f", FSDP replicas{'' if self.reshard_after_forward else ' (kept gathered: ZeRO-2)'}"
+        if self.tensor_parallel > 1:
+            ranks += f", each stage over {self.tensor_parallel} tensor-parallel ranks"
         stages = [s for s, on in enumerate(self.recompute) if on]
         recompute = f", recompute stages {stages}" if stages else ""
         return (

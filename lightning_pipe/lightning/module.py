@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from torch import Tensor, nn
 
 from lightning_pipe.runtime.engine import PipelineEngine
 from lightning_pipe.runtime.ties import alias_names
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 class PipelineMixin:
@@ -43,6 +46,33 @@ class PipelineMixin:
     def pipeline_loss(self, output: Any, batch: Any) -> Tensor:
         """Mean-reduced loss of one microbatch, computed on the last stage from the chain's output."""
         raise NotImplementedError(f"{type(self).__name__} must implement pipeline_loss(output, batch)")
+
+    def configure_stage(self, blocks: list[nn.Module], tp_mesh: Optional["DeviceMesh"]) -> None:
+        """Change a stage's blocks on the rank that runs it: apply tensor parallel (or any per-stage change).
+
+        :class:`~lightning_pipe.PipelineStrategy` calls it once for each stage this rank runs,
+        after the stage's blocks are on the device and the other stages' blocks are dropped, and
+        before ``configure_optimizers``, so the optimizer holds the parameters this hook leaves.
+        It plays the role of Lightning's ``configure_model`` under ``ModelParallelStrategy``, for
+        one stage: the whole mesh is ``self.trainer.strategy.device_mesh``.
+
+        Args:
+            blocks: the stage's blocks, in chain order (the entries of :meth:`pipeline_blocks`).
+            tp_mesh: the 1-D DeviceMesh over the ``tensor_parallel`` ranks this stage replica is
+                split over (``device_mesh["tensor_parallel"]``), or ``None`` with
+                ``tensor_parallel=1``. These ranks receive the same activations and the same
+                batch; each block's output must be whole (replicated) on every one of them, as
+                a ``RowwiseParallel`` layer's is, since each rank sends its own copy on to its
+                neighbour stage's rank of the same tensor-parallel index.
+
+        Example::
+
+            def configure_stage(self, blocks, tp_mesh):
+                if tp_mesh is None:
+                    return
+                for block in blocks:
+                    parallelize_module(block, tp_mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        """
 
     def pipeline_inputs(self, batch: Any) -> Any:
         """What stage 0 feeds the first block: by default the batch itself, or its first item."""

@@ -58,7 +58,9 @@ class PipelineStrategy(DDPStrategy):
     """Train a :class:`~lightning_pipe.PipelineMixin` module over ``w x d`` processes.
 
     Each of ``d`` pipeline stages holds a contiguous slice of the model's blocks and is
-    replicated ``w = world_size / d`` times; replicas of a stage average their gradients.
+    replicated ``w = world_size / (d * t)`` times; replicas of a stage average their gradients.
+    With ``tensor_parallel=t > 1`` each replica of a stage runs on ``t`` ranks, which split its
+    layers as the module's :meth:`~lightning_pipe.PipelineMixin.configure_stage` says.
     The layout is a :class:`~lightning_pipe.PipelinePlan`: pass one as ``plan=``, or the
     separate layout arguments below (the plan is then built once the world size is known).
 
@@ -125,6 +127,16 @@ class PipelineStrategy(DDPStrategy):
         reshard_after_forward: with ``data_parallel="fsdp"``: free a block's gathered
             parameters after each forward (ZeRO-3 memory, default), or keep them gathered until
             the batch's gradients are reduced (``False``: ZeRO-2 memory, fewer all-gathers).
+        tensor_parallel: ranks ``t`` each stage replica is split over (default 1; the job then
+            needs ``w * d * t`` processes). The mesh gains a "tensor_parallel" dimension, and
+            the module's ``configure_stage(blocks, tp_mesh)`` hook receives its slice for each
+            stage, after placement and before ``configure_optimizers``, to call
+            ``torch.distributed.tensor.parallel.parallelize_module``. The ``t`` ranks of a
+            stage replica receive the same activations (rank ``k`` of a stage exchanges with
+            rank ``k`` of its neighbours) and read the same batches; gradients are averaged over
+            the ``w`` replicas only, and the clipping norm counts every split parameter's parts
+            once. GPipe and 1F1B, one stage per rank, DDP replicas, no split backward; the
+            AutoPlanner and :meth:`reconfigure` are refused.
         plan: the whole layout as one value, instead of the layout arguments above; its
             ``width * depth`` must equal the number of processes.
         save_distributed_checkpoint: write checkpoints as a torch.distributed.checkpoint
@@ -173,6 +185,7 @@ class PipelineStrategy(DDPStrategy):
         placement: Optional[str] = PipelinePlan.placement,
         data_parallel: str = PipelinePlan.data_parallel,
         reshard_after_forward: bool = PipelinePlan.reshard_after_forward,
+        tensor_parallel: int = PipelinePlan.tensor_parallel,
         plan: Optional[PipelinePlan] = None,
         save_distributed_checkpoint: bool = True,
         global_batch_size: Optional[int] = None,
@@ -202,6 +215,7 @@ class PipelineStrategy(DDPStrategy):
             placement=placement,
             data_parallel=data_parallel,
             reshard_after_forward=reshard_after_forward,
+            tensor_parallel=tensor_parallel,
         )
         self._layout = _check_layout(layout, plan)
         if global_batch_size is not None and global_batch_size < 1:
@@ -260,8 +274,11 @@ class PipelineStrategy(DDPStrategy):
         """The job's DeviceMesh, dimensions ("data_parallel", "pipeline_parallel"): entry ``[r][s]``
         is the rank running replica ``r`` of stage ``s``; ``device_mesh["data_parallel"]`` is this
         rank's stage's replicas (what ``data_parallel="fsdp"`` shards over), and
-        ``device_mesh["pipeline_parallel"]`` its pipeline. Available once the processes are
-        connected; rebuilt when :meth:`reconfigure` changes the layout."""
+        ``device_mesh["pipeline_parallel"]`` its pipeline. With ``tensor_parallel > 1`` a third
+        dimension, "tensor_parallel": entry ``[r][s][k]`` is part ``k`` of replica ``r`` of stage
+        ``s``, and ``device_mesh["tensor_parallel"]`` the ranks this rank's stage replica is split
+        over. Available once the processes are connected; rebuilt when :meth:`reconfigure`
+        changes the layout."""
         if self._groups is None:
             raise RuntimeError("PipelineStrategy.device_mesh is only available after the processes are set up")
         return self._groups.mesh
@@ -301,11 +318,13 @@ class PipelineStrategy(DDPStrategy):
         if module is not None and getattr(module, "_pipeline_engine", None) is not None:
             raise RuntimeError("the model is already placed; use reconfigure() to change the layout of a running job")
         if self._plan is not None:
+            _refuse_moving_tensor_parallel(self._plan, "a start plan (AutoPlanner, start_with)")
             plan.check_world_size(self._plan.world_size)
-        if self._groups is not None and (plan.width, plan.depth, plan.inner) != (
+        if self._groups is not None and (plan.width, plan.depth, plan.inner, plan.tensor_parallel) != (
             self.plan.width,
             self.plan.depth,
             self.plan.inner,
+            self.plan.tensor_parallel,
         ):
             self._groups.destroy()
             self._groups = PipelineGroups.build(plan.topology, self.global_rank, self.root_device.type)
@@ -319,7 +338,11 @@ class PipelineStrategy(DDPStrategy):
         replica. Without ``global_batch_size``, the global batch is the starting layout's: the
         training DataLoader's batch size times the width when the data is set up
         (:attr:`global_batch_origin` says so).
+
+        Raises:
+            ValueError: with ``tensor_parallel > 1`` (the AutoPlanner and reconfiguration move DDP stages only).
         """
+        _refuse_moving_tensor_parallel(self._requested_plan or self._layout, "reconfiguration (AutoPlanner)")
         self._global_batches = True
 
     @property
@@ -391,7 +414,14 @@ class PipelineStrategy(DDPStrategy):
             for block in placement.blocks:
                 convert_deferred_batch_norm(block, self.plan.microbatches)
         assert self._groups is not None
-        stages = placement.apply(self.plan, self.global_rank, self.root_device, self._groups.replica_mesh)
+        tp_mesh, hook = self._groups.tp_mesh, getattr(module, "configure_stage", None)
+        stages = placement.apply(
+            self.plan,
+            self.global_rank,
+            self.root_device,
+            self._groups.replica_mesh,
+            (lambda blocks: hook(blocks, tp_mesh)) if callable(hook) else None,
+        )
         self._plan = placement.plan
         module._pipeline_placement = placement
         rank_zero_info(placement.summary())
@@ -461,7 +491,12 @@ class PipelineStrategy(DDPStrategy):
 
         Returns:
             The plan now in use (partition resolved).
+
+        Raises:
+            ValueError: with ``tensor_parallel > 1``, in the running plan or in ``plan``.
         """
+        _refuse_moving_tensor_parallel(self.plan, "reconfigure()")
+        _refuse_moving_tensor_parallel(plan, "reconfigure()")
         return reconfigure(self, plan)
 
     def place(self, plan: PipelinePlan) -> None:
@@ -578,8 +613,8 @@ class PipelineStrategy(DDPStrategy):
         shards, gathered there only (other ranks return ``{}``)."""
         if self.save_distributed_checkpoint:
             return shard
-        shard = {k: _checkpoint.whole(v) for k, v in shard.items()}  # FSDP: every replica gathers its stage
-        if self.topology.replica_of(self.global_rank) != 0:
+        shard = {k: _checkpoint.whole(v) for k, v in shard.items()}  # FSDP, TP: every part gathers its stage
+        if self.topology.replica_of(self.global_rank) != 0 or self.topology.tp_index_of(self.global_rank) != 0:
             return {}
         assert self._groups is not None
         ranks = [self.topology.rank_of(0, s) for s in range(self.plan.depth)]
@@ -635,6 +670,22 @@ def _refuse_trainer_options(trainer: Trainer) -> None:
             f"Trainer(gradient_clip_val={trainer.gradient_clip_val}) does not apply to PipelineStrategy (Lightning "
             f"clips only under automatic optimization): pass PipelineStrategy(gradient_clip_val="
             f"{trainer.gradient_clip_val}) instead, which clips to the global norm over all stages"
+        )
+
+
+def _refuse_moving_tensor_parallel(layout: Any, what: str) -> None:
+    """Refuse ``what`` (a change of layout during the run) for a tensor-parallel layout (a
+    :class:`PipelinePlan` or the strategy's layout arguments).
+
+    Raises:
+        ValueError: naming ``what`` and what to do instead.
+    """
+    t = layout.get("tensor_parallel", 1) if isinstance(layout, dict) else layout.tensor_parallel
+    if t > 1:
+        raise ValueError(
+            f"{what} does not apply with tensor_parallel={t}: configure_stage split the stages' layers for good, "
+            "and the AutoPlanner plans and moves whole (DDP) stages only; fix the layout in PipelineStrategy(...) "
+            "(plan offline with python -m lightning_pipe.plan for tensor_parallel=1), or use tensor_parallel=1"
         )
 
 

@@ -94,6 +94,7 @@ class PipelineEngine:
         self.topology = plan.topology
         self.device = device or torch.device("cpu")
         self.stage_index = self.topology.position_of(rank)  # this rank's position in its pipeline
+        self.lane = self.topology.tp_index_of(rank)  # its tensor-parallel index: its neighbours share it
         self.position = self._position()
         self.positions = (
             [self._stage_position(st.index) for st in self.stages] if plan.virtual_stages > 1 else [self.position]
@@ -190,29 +191,29 @@ class PipelineEngine:
         if self.groups is None or self.topology.width == 1:
             return None
         modules = [m for st in self.stages for m in st.modules()]
-        source = self.topology.rank_of(0, self.stage_index)
+        source = self.topology.rank_of(0, self.stage_index, self.lane)
         return BufferBroadcast(modules, self.groups.dp, source, self.rank) or None
 
     def _position(self) -> Position:
         d, s = self.topology.depth, self.stage_index
         replica = self.topology.replica_of(self.rank)
-        prev = self.topology.rank_of(replica, s - 1) if s > 0 else None
-        nxt = self.topology.rank_of(replica, s + 1) if s < d - 1 else None
+        prev = self.topology.rank_of(replica, s - 1, self.lane) if s > 0 else None
+        nxt = self.topology.rank_of(replica, s + 1, self.lane) if s < d - 1 else None
         return Position(s, d, prev, nxt)
 
     def _stage_position(self, stage: int) -> Position:
         """Where virtual stage ``stage`` sits: its neighbours' ranks under the plan's stage
         placement (this rank itself for the V's turn, whose handoff needs no message)."""
         stages, replica, plan = self.plan.stages, self.topology.replica_of(self.rank), self.plan
-        prev = self.topology.rank_of(replica, plan.rank_of_stage(stage - 1)) if stage > 0 else None
-        nxt = self.topology.rank_of(replica, plan.rank_of_stage(stage + 1)) if stage < stages - 1 else None
+        prev = self.topology.rank_of(replica, plan.rank_of_stage(stage - 1), self.lane) if stage > 0 else None
+        nxt = self.topology.rank_of(replica, plan.rank_of_stage(stage + 1), self.lane) if stage < stages - 1 else None
         return Position(stage, stages, prev, nxt)
 
     @property
     def last_rank(self) -> int:
         """Global rank of the last stage of this rank's pipeline (rank 0's under the V placement)."""
         last = self.plan.rank_of_stage(self.plan.stages - 1)
-        return self.topology.rank_of(self.topology.replica_of(self.rank), last)
+        return self.topology.rank_of(self.topology.replica_of(self.rank), last, self.lane)
 
     @property
     def holds_last(self) -> bool:
@@ -246,7 +247,8 @@ class PipelineEngine:
             verify(program, microbatches, train=train, virtual=v, placement=self.plan.stage_placement)
             replica = self.topology.replica_of(self.rank)
             arrivals = {
-                self.topology.rank_of(replica, q): keys for q, keys in receive_order(program, self.stage_index).items()
+                self.topology.rank_of(replica, q, self.lane): keys
+                for q, keys in receive_order(program, self.stage_index).items()
             }
             self._programs[key] = (program[self.stage_index], arrivals)
         return self._programs[key]
@@ -267,7 +269,7 @@ class PipelineEngine:
             return None
         d, m, replica = self.topology.depth, self.microbatches, self.topology.replica_of(self.rank)
         order = two_bw_arrivals(self.stage_index, d, m, step, drain, self.early_step, v)
-        return {self.topology.rank_of(replica, q): keys for q, keys in order.items()}
+        return {self.topology.rank_of(replica, q, self.lane): keys for q, keys in order.items()}
 
     def _hooks(self) -> Hooks:
         return Hooks(

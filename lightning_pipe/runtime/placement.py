@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Container, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Container, Mapping, Optional
 
 import torch
 from torch import nn
@@ -135,7 +135,12 @@ class Placement:
         self._sharded: list[int] = []  # this rank's blocks wrapped by fully_shard (data_parallel="fsdp")
 
     def apply(
-        self, plan: PipelinePlan, rank: int, device: Optional[torch.device] = None, replica_mesh: Optional[Any] = None
+        self,
+        plan: PipelinePlan,
+        rank: int,
+        device: Optional[torch.device] = None,
+        replica_mesh: Optional[Any] = None,
+        configure_stage: Optional[Callable[[list[nn.Module]], None]] = None,
     ) -> list[Stage]:
         """Place ``plan`` on ``rank``: returns the stages it runs (one, or ``virtual_stages`` of
         them in chain order); the module keeps only those stages' blocks.
@@ -147,11 +152,15 @@ class Placement:
             replica_mesh: with ``plan.data_parallel == "fsdp"`` and replicas, the 1-D DeviceMesh
                 of this rank's stage's replicas (:attr:`PipelineGroups.replica_mesh`): the
                 blocks are sharded over it (:func:`~lightning_pipe.runtime.sharding.shard_blocks`).
+            configure_stage: called once with each of this rank's stages' blocks, once they are on
+                ``device`` and before the stage is built, so the stage trains the parameters it
+                leaves (a tensor-parallel plan replaces them by DTensor parts).
 
         Raises:
             RuntimeError: if a plan is already applied (undo it first).
             ValueError: if the partition does not fit the chain, a parameter is shared across
-                stages, or (FSDP) shared between blocks, or no ``replica_mesh`` is given.
+                stages, or (FSDP) shared between blocks, or no ``replica_mesh`` is given, or a
+                parameter is shared across stages with ``tensor_parallel > 1``.
         """
         if self.plan is not None:
             raise RuntimeError("a plan is already placed on this module; call undo() before applying another")
@@ -169,6 +178,12 @@ class Placement:
         device = device or torch.device("cpu")
         by_rank = [[i for s in plan.stages_of(r) for i in ranges[s]] for r in range(plan.depth)]
         self.ties = find_ties(self.module, self.blocks, by_rank)  # between pipeline ranks: one copy per rank
+        if self.ties and plan.tensor_parallel > 1:
+            raise ValueError(
+                f"parameters tied across stages ({', '.join(t.name for t in self.ties[:3])}) are not supported with "
+                f"tensor_parallel={plan.tensor_parallel}; keep tied blocks on one stage (partition=[...]) or use "
+                "tensor_parallel=1"
+            )
         mine = set(by_rank[position])
         self._untied = untie_remote(
             self.blocks, sorted(mine), [i for i in range(len(self.blocks)) if i not in mine], self.ties
@@ -178,6 +193,9 @@ class Placement:
                 self._place_block(i, s if i not in mine else None, device)
         if sharding:
             self._shard(plan, sorted(mine), replica_mesh)
+        if configure_stage is not None:
+            for s in plan.stages_of(position):
+                configure_stage([self.blocks[i] for i in ranges[s]])
         self.plan, self.stage_index = plan, position
         return [
             Stage(

@@ -16,6 +16,7 @@ from lightning_pipe.runtime.buckets import GradientBuckets
 from lightning_pipe.runtime.comm.groups import PipelineGroups
 from lightning_pipe.runtime.sharding import ShardedGradients
 from lightning_pipe.runtime.sharding import local as local_part
+from lightning_pipe.runtime.tensor_parallel import squared_norm
 from lightning_pipe.runtime.ties import TiedGradients
 from lightning_pipe.runtime.versions import WeightVersions
 from lightning_pipe.schedules.timeline import now
@@ -40,6 +41,11 @@ class UpdatePath:
         sharded: with FSDP replicas (``data_parallel="fsdp"``), what reduce-scatters the
             gradients at AR instead of the all-reduce buckets; the parameters and their
             gradients are then shards, and the global norm sums the squares of every shard.
+
+    With tensor-parallel stages (``groups.tp``), the replicas average each rank's part of the
+    gradients in one blocking all-reduce at AR (no buckets: their flat buffers hold whole
+    tensors), and the global norm counts a split gradient's parts over the tensor-parallel
+    ranks and a replicated one once (:func:`~lightning_pipe.runtime.tensor_parallel.squared_norm`).
     """
 
     def __init__(
@@ -78,6 +84,7 @@ class UpdatePath:
         if (
             self.groups is None
             or self.sharded is not None
+            or self.groups.tp is not None
             or self.width == 1
             or not self.bucket_bytes
             or not params
@@ -135,12 +142,8 @@ class UpdatePath:
         if self.ties is not None:
             self.ties.post(params)  # summed by the optimizer step, which counts them in the norm once
             tied = self.ties.tied
-        norms = [
-            torch.linalg.vector_norm(local_part(p.grad.detach()), dtype=torch.float32)
-            for i, p in enumerate(params)
-            if i not in tied
-        ]
-        local = torch.stack(norms).pow(2).sum() if norms else torch.zeros((), device=self.device)
+        grads = [p.grad.detach() for i, p in enumerate(params) if i not in tied]
+        local = squared_norm(grads, self.device, self.groups.tp if self.groups is not None else None)
         if self.sharded is not None and self.groups is not None:  # each replica holds a shard: the stage's sum
             dist.all_reduce(local, group=self.groups.dp)
         norm_group = self.groups.norm if self.groups is not None else None
@@ -151,8 +154,8 @@ class UpdatePath:
         if self.groups is None or self.width == 1:
             return
         by_dtype: dict[torch.dtype, list[Tensor]] = {}
-        for g in grads:
-            by_dtype.setdefault(g.dtype, []).append(g)
+        for g in grads:  # a tensor-parallel part is averaged with the same part of the other replicas
+            by_dtype.setdefault(g.dtype, []).append(local_part(g))
         for group in by_dtype.values():
             flat = _flatten_dense_tensors(group)
             dist.all_reduce(flat, group=self.groups.dp)

@@ -10,19 +10,22 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
 
-from lightning_pipe.core.topology import MESH_DIMS, Topology
+from lightning_pipe.core.topology import MESH_DIMS, TP_DIM, Topology
 from lightning_pipe.runtime.comm.p2p import DIRECT, Channel
 
 
 @dataclass(frozen=True)
 class PipelineGroups:
-    """This rank's process groups for one ``(w, d)`` layout.
+    """This rank's process groups for one ``(w, d, t)`` layout.
 
     Attributes:
         mesh: DeviceMesh with a "data_parallel" (replicas of a stage) and a "pipeline_parallel"
-            (stages of a pipeline) dimension (:data:`~lightning_pipe.core.topology.MESH_DIMS`).
-        dp: the mesh's "data_parallel" group: the replicas of this rank's stage (gradient averaging).
-        pp: the mesh's "pipeline_parallel" group: the stages of this rank's pipeline (loss and output broadcasts).
+            (stages of a pipeline) dimension (:data:`~lightning_pipe.core.topology.MESH_DIMS`),
+            and with ``t > 1`` a "tensor_parallel" one (the ranks a stage replica is split over).
+        dp: the mesh's "data_parallel" group: the replicas of this rank's stage (gradient
+            averaging); with ``t > 1``, of this rank's tensor-parallel part of it.
+        pp: the mesh's "pipeline_parallel" group: the stages of this rank's pipeline (loss and
+            output broadcasts); with ``t > 1``, of its lane (the same tensor-parallel index).
         norm: a second group over the same stages for the asynchronous gradient-norm sums, so
             their order never interleaves with the broadcasts on ``pp`` (2BW posts them at
             different points on different stages).
@@ -32,6 +35,9 @@ class PipelineGroups:
         links: with ``headers``, a group of the devices' backend for each direction of each link
             between neighbouring stages (the last to the first too, for interleaved 1F1B), by
             (sender, receiver) global ranks: the tensors' own streams (see :class:`Channel`).
+        tp: with ``t > 1``, the mesh's "tensor_parallel" group: the ranks this rank's stage
+            replica is split over (the global norm sums sharded gradients over it); ``None``
+            otherwise.
     """
 
     mesh: Any
@@ -40,6 +46,7 @@ class PipelineGroups:
     norm: Optional[Any]
     headers: Optional[Any] = None
     links: Optional[dict[tuple[int, int], Any]] = None
+    tp: Optional[Any] = None
 
     @classmethod
     def build(
@@ -57,17 +64,24 @@ class PipelineGroups:
         headers = dist.new_group(backend="gloo") if side_channel else None
         links = link_groups(topology, rank) if side_channel else None
         data, pipeline = MESH_DIMS
-        return cls(mesh, mesh.get_group(data), mesh.get_group(pipeline), norm, headers, links)
+        tp = mesh.get_group(TP_DIM) if topology.tensor_parallel > 1 else None
+        return cls(mesh, mesh.get_group(data), mesh.get_group(pipeline), norm, headers, links, tp)
 
     def destroy(self) -> None:
         """Destroy this rank's groups of the layout (each holds threads and sockets): once no
         engine uses them. The default group, which a dimension spanning the whole job reuses, stays."""
-        destroy_groups([self.dp, self.pp, self.norm, self.headers, *(self.links or {}).values()])
+        destroy_groups([self.dp, self.pp, self.norm, self.tp, self.headers, *(self.links or {}).values()])
 
     @property
     def replica_mesh(self) -> Any:
         """This rank's 1-D sub-mesh over the replicas of its stage (the mesh's "data_parallel" slice)."""
         return self.mesh[MESH_DIMS[0]]
+
+    @property
+    def tp_mesh(self) -> Optional[Any]:
+        """This rank's 1-D sub-mesh over the ranks its stage replica is split over (the mesh's
+        "tensor_parallel" slice), or ``None`` without tensor parallel."""
+        return self.mesh[TP_DIM] if self.tp is not None else None
 
     @property
     def channel(self) -> Channel:
@@ -76,18 +90,19 @@ class PipelineGroups:
 
 
 def pipeline_group(topology: Topology, rank: int) -> Any:
-    """A new group over the stages of ``rank``'s pipeline, apart from the mesh's "pipeline_parallel" group (a
-    collective: every rank of the job creates every replica's group, in the same order)."""
-    groups = [dist.new_group([topology.rank_of(r, s) for s in range(topology.depth)]) for r in range(topology.width)]
-    return groups[topology.replica_of(rank)]
+    """A new group over the stages of ``rank``'s pipeline (lane), apart from the mesh's "pipeline_parallel"
+    group (a collective: every rank of the job creates every lane's group, in the same order)."""
+    lanes = topology.lanes()
+    groups = [dist.new_group([topology.rank_of(r, s, k) for s in range(topology.depth)]) for r, k in lanes]
+    return groups[lanes.index((topology.replica_of(rank), topology.tp_index_of(rank)))]
 
 
 def link_groups(topology: Topology, rank: int) -> dict[tuple[int, int], Any]:
     """This rank's groups for its links, one per direction, by (sender, receiver) global rank (a
     collective: every rank of the job creates every pipeline's groups, in the same order)."""
     mine = {}
-    for replica in range(topology.width):
-        stages = [topology.rank_of(replica, s) for s in range(topology.depth)]
+    for replica, k in topology.lanes():
+        stages = [topology.rank_of(replica, s, k) for s in range(topology.depth)]
         pairs = dict.fromkeys(
             (a, b) for s, a in enumerate(stages) for b in (stages[s - 1], stages[(s + 1) % len(stages)]) if a != b
         )
