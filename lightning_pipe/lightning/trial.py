@@ -27,7 +27,9 @@ from lightning_pipe.planning.calibration import Trial, median_actions, trial_spr
 
 
 def strategy_init_args(plan: PipelinePlan, global_batch: int) -> dict[str, Any]:
-    """``plan`` as ``trainer.strategy.init_args`` of a LightningCLI config."""
+    """``plan`` as ``trainer.strategy.init_args`` of a LightningCLI config. A 2BW plan runs with
+    ``loss="previous"``: the planner prices 2BW as its never-flushed stream (PipeDream-2BW paper,
+    section 3.1), which a step returning its own loss would synchronise at every window end."""
     init = {
         "schedule": plan.schedule,
         "pipeline_depth": plan.depth,
@@ -39,6 +41,8 @@ def strategy_init_args(plan: PipelinePlan, global_batch: int) -> dict[str, Any]:
         "global_batch_size": global_batch,
         "virtual_stages": plan.virtual_stages,
     }
+    if plan.spec.streams:
+        init["loss"] = "previous"
     if plan.split_placement is not None:
         init["split_placement"] = plan.split_placement
     if plan.stage_placement != "loop":
