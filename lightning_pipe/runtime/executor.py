@@ -13,7 +13,7 @@ from torch import Tensor
 from lightning_pipe.runtime.autograd import backward_split as split
 from lightning_pipe.runtime.autograd.deferred_weights import DeferredGrads, DeferWeightGrads, keeps_saved_tensors
 from lightning_pipe.runtime.comm import p2p
-from lightning_pipe.runtime.comm.abort import failure_message, link_closed, notify_neighbours
+from lightning_pipe.runtime.comm.abort import failure_message, notify_neighbours
 from lightning_pipe.runtime.comm.mailbox import Mailbox, Outbox
 from lightning_pipe.runtime.stage import Stage, Tensors, as_tuple
 from lightning_pipe.schedules.actions import Action, Kind
@@ -264,9 +264,7 @@ class Executor:
             if wait:
                 self._wait(state)
         except BaseException as err:  # noqa: BLE001 - neighbours must hear of every failure
-            notice = self._abort(err)
-            if notice is not None and link_closed(err):  # a peer went away: raise why, as it told us
-                raise notice from err
+            self._abort(err)
             raise
         return state
 
@@ -494,15 +492,14 @@ class Executor:
             box.wait()
 
     # -- failure ---------------------------------------------------------------------------
-    def _abort(self, err: BaseException) -> Optional[p2p.PipelineAbortedError]:
-        """Tell every neighbouring rank of ``err``; the notice one of them sent, if any."""
+    def _abort(self, err: BaseException) -> None:
         peers = {  # a neighbouring stage on this rank itself (the V's turn) is no peer
             peer
             for s, (_, p) in self._chunks.items()
             for peer, there in ((p.prev_rank, s - 1), (p.next_rank, s + 1))
             if there not in self._chunks
         } - {None}
-        return notify_neighbours(
+        notify_neighbours(
             failure_message(err, sorted(self._chunks)),
             peers,
             self._next_send_kind,

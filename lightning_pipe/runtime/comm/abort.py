@@ -37,10 +37,9 @@ def notify_neighbours(
     incoming: Callable[[int], p2p.Incoming],
     timeout: float,
     source: Optional[int] = None,
-) -> Optional[p2p.PipelineAbortedError]:
+) -> None:
     """Send ``message`` to every peer as an abort notice and wait (at most ``timeout`` seconds)
-    until each has it, or has sent one itself; return the first notice a peer sent (``None``:
-    none came), so that a rank whose own error only says a link closed can raise its cause.
+    until each has it, or has sent one itself.
 
     The peer the failure came from (``source``) is told too, though it knows: its wait for a
     notice from this rank then ends at once, not when this rank exits. That reply is never
@@ -66,20 +65,12 @@ def notify_neighbours(
             pass
     if source in posted:
         _REPLIES.extend(posted.pop(source))
-    return _deliver(posted, incoming, time.monotonic() + timeout)
+    _deliver(posted, incoming, time.monotonic() + timeout)
 
 
-def link_closed(err: BaseException) -> bool:
-    """Whether ``err`` is gloo's report of a link whose peer went away (its process ended)."""
-    return any(text in str(err) for text in ("Connection closed by peer", "Connection reset by peer"))
-
-
-def _deliver(
-    posted: dict[int, list[dist.Work]], incoming: Callable[[int], p2p.Incoming], deadline: float
-) -> Optional[p2p.PipelineAbortedError]:
+def _deliver(posted: dict[int, list[dist.Work]], incoming: Callable[[int], p2p.Incoming], deadline: float) -> None:
     """Wait until every neighbour has received its abort notice, or has sent one itself (it is
-    aborting too and may never read ours: waiting for that would take until ``deadline``);
-    return the first such notice of a neighbour's, if any.
+    aborting too and may never read ours: waiting for that would take until ``deadline``).
 
     Gloo reports a transfer complete only once waited on, so each wait runs in a thread. Every
     wait ends by ``deadline`` (``time.monotonic()``) and the threads are not daemons, so the
@@ -88,7 +79,6 @@ def _deliver(
     process ("terminate called without an active exception").
     """
     settled = {peer: threading.Event() for peer in posted}
-    notices: dict[int, p2p.PipelineAbortedError] = {}
 
     def delivered(peer: int) -> None:
         for work in posted[peer]:
@@ -99,8 +89,7 @@ def _deliver(
     def aborting(peer: int, notice: p2p.Incoming) -> None:
         try:
             notice.wait(max(deadline - time.monotonic(), 0.01))
-        except p2p.PipelineAbortedError as err:
-            notices[peer] = err
+        except p2p.PipelineAbortedError:
             settled[peer].set()
         except Exception:  # noqa: BLE001 - a broken link: the notice's own wait decides
             pass
@@ -114,4 +103,3 @@ def _deliver(
         threading.Thread(target=aborting, args=(peer, notice), name=f"abort-notice-from-{peer}").start()
     for event in settled.values():
         event.wait(max(deadline - time.monotonic(), 0.0))
-    return next((notices[peer] for peer in sorted(notices)), None)
