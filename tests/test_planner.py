@@ -451,7 +451,9 @@ class _TrackedBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.alive:
+            if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+                continue  # a wrapper subclass (DTensor): its storage is no memory of its own
+            if t.untyped_storage().data_ptr() not in self.alive:
                 self._track(t.untyped_storage())
                 self.peak = max(self.peak, sum(self.alive.values()))
         return out

@@ -67,6 +67,8 @@ class AutoPlanner(Callback):
         revert_factor: after a switch, go back to the replaced plan when the new one's measured
             step (median of three, slowest rank) exceeds this many times the replaced plan's
             measured step (``None``: never).
+        fsdp: whether FSDP replicas are candidates: ``None`` under a ``memory`` budget only (as
+            the plan command), ``True`` always, ``False`` never (DDP replicas only).
 
     Attributes:
         decisions: one record per decision (step, table of candidates, chosen plan, reason,
@@ -85,6 +87,7 @@ class AutoPlanner(Callback):
         headroom: float = 0.15,
         virtual_stages: Sequence[int] = (1, 2),
         revert_factor: Optional[float] = 2.0,
+        fsdp: Optional[bool] = None,
     ) -> None:
         if profile_steps < 2:
             raise ValueError(f"profile_steps must be >= 2 (the first step is a warm-up), got {profile_steps}")
@@ -94,7 +97,7 @@ class AutoPlanner(Callback):
             raise ValueError(f"headroom must be in [0, 1), got {headroom}")
         if revert_factor is not None and revert_factor < 1:
             raise ValueError(f"revert_factor must be >= 1 or None, got {revert_factor}")
-        self.revert_factor = revert_factor
+        self.revert_factor, self.fsdp = revert_factor, fsdp
         if not virtual_stages or min(virtual_stages) < 1:
             raise ValueError(f"virtual_stages must list stage counts >= 1, got {virtual_stages}")
         self.headroom, self.virtual_stages = headroom, tuple(virtual_stages)
@@ -425,7 +428,7 @@ class AutoPlanner(Callback):
                 self.allow_stale,
                 partitions=[plan.partition],
                 virtual_stages=self.virtual_stages,
-                fsdp=None,  # FSDP replicas offered under a memory budget, as by the plan command
+                fsdp=self.fsdp,  # None: FSDP replicas offered under a memory budget, as by the plan command
             )
         dist.broadcast_object_list(found, src=0)
         ranked = found[0]
