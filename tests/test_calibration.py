@@ -239,10 +239,9 @@ def test_the_all_reduce_is_fitted_as_latency_and_scale_at_each_stages_fastest_re
     profile = _profile()
     job = dataclasses.replace(profile, allreduce_scale=2.0, allreduce_latency=0.004)
     plan = PipelinePlan(width=2, depth=2, microbatches=4, schedule="1f1b", partition=(1, 3))
-    trial = _traced(job, plan, 1)
-    waited = tuple(
-        {k: v + (0.01 if k.endswith("AR") and rank >= 2 else 0.0) for k, v in actions.items()}
-        for rank, actions in enumerate(trial.actions)
+    trial = _traced(job, plan, 1)  # one traced program per pipeline position: replica 0's ranks
+    waited = trial.actions + tuple(  # replica 1's ranks, which waited at each all-reduce
+        {k: v + (0.01 if k.endswith("AR") else 0.0) for k, v in actions.items()} for actions in trial.actions
     )
     fitted = calibrate(profile, [dataclasses.replace(trial, actions=waited)])
     assert (fitted.allreduce_latency, fitted.allreduce_scale) == pytest.approx((0.004, 2.0))
