@@ -245,3 +245,12 @@ def test_the_all_reduce_is_fitted_as_latency_and_scale_at_each_stages_fastest_re
     )
     fitted = calibrate(profile, [dataclasses.replace(trial, actions=waited)])
     assert (fitted.allreduce_latency, fitted.allreduce_scale) == pytest.approx((0.004, 2.0))
+
+
+def test_a_two_bw_plan_runs_and_is_tried_as_the_stream_the_model_prices() -> None:
+    # The time model prices 2BW as its never-flushed stream; a step that returns its own loss
+    # waits for it at every window end, so the written plan (and its trial) returns the previous one.
+    from lightning_pipe.lightning.trial import strategy_init_args
+
+    assert strategy_init_args(PipelinePlan(1, 2, 4, "2bw", partition=(2, 2)), 16)["loss"] == "previous"
+    assert "loss" not in strategy_init_args(PipelinePlan(1, 2, 4, "1f1b", partition=(2, 2)), 16)
