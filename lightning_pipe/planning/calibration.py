@@ -135,14 +135,13 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
     trials = [t for t in trials if not sharded(t.plan)] or list(trials)
     base = unfitted(profile)
     compute: list[tuple[float, float]] = []
-    sums = {"optimizer": [0.0, 0.0]}
-    allreduces: list[tuple[float, float]] = []
+    collectives: dict[str, list[tuple[float, float]]] = {"optimizer": [], "allreduce": []}  # (model, traced)
     sends: list[tuple[int, float]] = []
     for trial in trials:
         stages = stage_costs(base, trial.plan, trial.microbatch_size)
         cost = action_cost(base, trial.plan, stages)
         shared = slowdowns(base, trial.plan, cost)
-        collective: dict[str, tuple[str, float, float]] = {}  # per action: its fastest replica's seconds
+        fastest: dict[str, tuple[str, float, float]] = {}  # per action: its model and fastest replica's seconds
         for rank in trial.actions:
             for text, seconds in rank.items():
                 action = Action.parse(text)
@@ -155,20 +154,17 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
                     st = stages[action.stage]
                     sends.append((st.output_bytes if action.kind is Kind.SEND_ACT else st.input_bytes, seconds))
                 elif key is not None and cost(action) > 0:
-                    fastest = min(seconds, collective.get(text, (key, seconds))[1])
-                    collective[text] = (key, fastest, cost(action) * slower)
-        for key, seconds, modeled in collective.values():
-            if key == "allreduce":
-                allreduces.append((modeled, seconds))
-            else:
-                sums[key][0] += seconds
-                sums[key][1] += modeled
-    allreduce_latency, allreduce_scale = fitted_line(allreduces)
+                    seen = fastest.get(text)
+                    fastest[text] = (key, cost(action) * slower, min(seconds, seen[2]) if seen else seconds)
+        for key, modeled, seconds in fastest.values():
+            collectives[key].append((modeled, seconds))
+    allreduce_latency, allreduce_scale = fitted_line(collectives["allreduce"])
+    optimizer = collectives["optimizer"]
     fitted = dataclasses.replace(
         base,
         compute_scale=fitted_scale(compute, base.action_overhead),
         send_seconds_per_byte=send_seconds_per_byte(sends, base.send_overhead),
-        optimizer_scale=_fitted_scale(*sums["optimizer"]),
+        optimizer_scale=_fitted_scale(sum(y for _, y in optimizer), sum(x for x, _ in optimizer)),
         allreduce_scale=allreduce_scale,
         allreduce_latency=allreduce_latency,
     )

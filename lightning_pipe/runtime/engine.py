@@ -194,26 +194,27 @@ class PipelineEngine:
         source = self.topology.rank_of(0, self.stage_index, self.lane)
         return BufferBroadcast(modules, self.groups.dp, source, self.rank) or None
 
+    def _peer(self, position: int) -> int:
+        """Global rank of pipeline position ``position`` in this rank's pipeline (its replica and lane)."""
+        return self.topology.rank_of(self.topology.replica_of(self.rank), position, self.lane)
+
     def _position(self) -> Position:
         d, s = self.topology.depth, self.stage_index
-        replica = self.topology.replica_of(self.rank)
-        prev = self.topology.rank_of(replica, s - 1, self.lane) if s > 0 else None
-        nxt = self.topology.rank_of(replica, s + 1, self.lane) if s < d - 1 else None
-        return Position(s, d, prev, nxt)
+        return Position(s, d, self._peer(s - 1) if s > 0 else None, self._peer(s + 1) if s < d - 1 else None)
 
     def _stage_position(self, stage: int) -> Position:
         """Where virtual stage ``stage`` sits: its neighbours' ranks under the plan's stage
         placement (this rank itself for the V's turn, whose handoff needs no message)."""
-        stages, replica, plan = self.plan.stages, self.topology.replica_of(self.rank), self.plan
-        prev = self.topology.rank_of(replica, plan.rank_of_stage(stage - 1), self.lane) if stage > 0 else None
-        nxt = self.topology.rank_of(replica, plan.rank_of_stage(stage + 1), self.lane) if stage < stages - 1 else None
+        stages, plan = self.plan.stages, self.plan
+        prev = self._peer(plan.rank_of_stage(stage - 1)) if stage > 0 else None
+        nxt = self._peer(plan.rank_of_stage(stage + 1)) if stage < stages - 1 else None
         return Position(stage, stages, prev, nxt)
 
     @property
     def last_rank(self) -> int:
         """Global rank of the last stage of this rank's pipeline (rank 0's under the V placement)."""
         last = self.plan.rank_of_stage(self.plan.stages - 1)
-        return self.topology.rank_of(self.topology.replica_of(self.rank), last, self.lane)
+        return self._peer(last)
 
     @property
     def holds_last(self) -> bool:
@@ -245,11 +246,7 @@ class PipelineEngine:
                 else build_inference(d, microbatches, v, self.plan.stage_placement)
             )
             verify(program, microbatches, train=train, virtual=v, placement=self.plan.stage_placement)
-            replica = self.topology.replica_of(self.rank)
-            arrivals = {
-                self.topology.rank_of(replica, q, self.lane): keys
-                for q, keys in receive_order(program, self.stage_index).items()
-            }
+            arrivals = {self._peer(q): keys for q, keys in receive_order(program, self.stage_index).items()}
             self._programs[key] = (program[self.stage_index], arrivals)
         return self._programs[key]
 
@@ -267,9 +264,9 @@ class PipelineEngine:
         v = self.plan.virtual_stages
         if v == 1:
             return None
-        d, m, replica = self.topology.depth, self.microbatches, self.topology.replica_of(self.rank)
+        d, m = self.topology.depth, self.microbatches
         order = two_bw_arrivals(self.stage_index, d, m, step, drain, self.early_step, v)
-        return {self.topology.rank_of(replica, q, self.lane): keys for q, keys in order.items()}
+        return {self._peer(q): keys for q, keys in order.items()}
 
     def _hooks(self) -> Hooks:
         return Hooks(

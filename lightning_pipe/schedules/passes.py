@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import functools
-from functools import partial
+from functools import lru_cache, partial
 from typing import Optional, Sequence
 
 from lightning_pipe.schedules import interleaved, two_bw
@@ -262,7 +261,7 @@ def two_bw_arrivals(
     return {src: [action(a.stage, a.kind, a.microbatch + shift) for a in keys] for src, keys in order.items()}
 
 
-@functools.lru_cache(maxsize=256)
+@lru_cache(maxsize=256)
 def _arrivals(
     rank: int, depth: int, microbatches: int, step: int, drain: bool, early: bool, virtual: int
 ) -> dict[int, tuple[Action, ...]]:
