@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import time
 from typing import Any, Optional
 from unittest import mock
 
@@ -220,11 +221,13 @@ def _fail_mid_step(rank: int, world: int, depth: int, virtual: int) -> None:
 
     deliver = abort._deliver
 
-    def deliver_without_deadline(posted: Any, incoming: Any, timeout: float) -> None:
+    def deliver_without_deadline(posted: Any, incoming: Any, deadline: float) -> None:
         # An abort must settle on events only (each notice delivered, or the neighbour's own
         # notice received), never on abort_timeout running out: with no deadline within the
         # hang guard, a rank that waited for it would keep the run going until the guard fails it.
-        deliver(posted, incoming, 100 * HANG_GUARD)
+        # The deadline is a time.monotonic() reading, not a duration: a duration there is a
+        # deadline already past on a host up longer than it, and every wait then lasts 10 ms.
+        deliver(posted, incoming, time.monotonic() + 100 * HANG_GUARD)
 
     abort._deliver = deliver_without_deadline  # this worker process's own copy of the module
     topo = Topology(world, depth)
