@@ -359,7 +359,7 @@ def test_autoplanner_goes_back_when_the_new_plan_measures_revert_factor_times_sl
         autoplan.dist, "all_gather_object", lambda out, mine: out.__setitem__(slice(None), [mine, after])
     )
     moved: list[Any] = []
-    strategy = SimpleNamespace(reconfigure=moved.append)
+    strategy = SimpleNamespace(reconfigure=moved.append, loss="current")
     trainer = SimpleNamespace(strategy=strategy, global_step=9, is_global_zero=False, loggers=[])
     before, switched = PipelinePlan(1, 2, 1, "gpipe"), PipelinePlan(2, 1, 1, "gpipe")
     old, new = SimpleNamespace(plan=before, step_time=0.1), SimpleNamespace(plan=switched, step_time=0.1)
@@ -373,3 +373,25 @@ def test_autoplanner_goes_back_when_the_new_plan_measures_revert_factor_times_sl
     assert auto.decisions[0]["measured_step_s"] == after
     assert auto.decisions[0]["reverted"] is reverted
     assert moved == ([before] if reverted else [])
+
+
+def test_autoplanner_runs_two_bw_with_the_previous_loss_and_gives_the_users_mode_back() -> None:
+    # The planner prices 2BW as its never-flushed stream: a move into 2BW sets loss="previous"
+    # before the new engine is placed; a move (or a revert) out of it restores the configured mode.
+    from types import SimpleNamespace
+
+    from lightning_pipe import AutoPlanner
+
+    placed: list[tuple[str, str]] = []
+    strategy = SimpleNamespace(loss="current")
+    strategy.reconfigure = lambda plan: placed.append((plan.schedule, strategy.loss))
+    auto = AutoPlanner(allow_stale=True)
+    flushed, stale = PipelinePlan(1, 2, 2, "1f1b"), PipelinePlan(1, 2, 2, "2bw")
+    for plan in (stale, flushed, stale):
+        auto._set_loss_mode(strategy, plan)
+        strategy.reconfigure(plan)
+    assert placed == [("2bw", "previous"), ("1f1b", "current"), ("2bw", "previous")]
+    mine = SimpleNamespace(loss="previous")  # a user who asked for it keeps it on any plan
+    auto = AutoPlanner(allow_stale=True)
+    auto._set_loss_mode(mine, flushed)
+    assert mine.loss == "previous"
