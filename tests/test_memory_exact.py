@@ -105,13 +105,16 @@ LOGITS_PLANS = {
 #: Interleaved 1F1B and ZB-V on 4 ranks at 8 samples a microbatch: the messages of stages of
 #: different widths that share a link weigh more beside the rest. 2BW with split backward at
 #: m = d: between a rank's deferred step and its next batch's first W only one batch's gradients
-#: live, where the activations it holds peak.
+#: live, where the activations it holds peak. Interleaved 2BW with replicas: a batch's gradient
+#: bucket spans the rank's stages, so a stage's part of the next batch's exists once another
+#: stage of its rank starts that batch.
 WIDE_PLANS = {
     2: [],
     4: [
         PipelinePlan(1, 4, 4, "1f1b", False, partition=PARTITIONS[8], virtual_stages=2),
         PipelinePlan(1, 4, 8, "zbv", False, partition=PARTITIONS[8], virtual_stages=2),
         PipelinePlan(1, 4, 4, "2bw", True, partition=PARTITIONS[4]),
+        PipelinePlan(2, 2, 2, "2bw", partition=PARTITIONS[4], virtual_stages=2),
     ],
 }
 

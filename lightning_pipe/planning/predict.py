@@ -187,11 +187,19 @@ def _rank_gradient_sets(profile: Profile, plan: PipelinePlan, stage: int) -> int
     """Batches' gradients stage ``stage`` of an interleaved plan holds at once: as its rank's
     program holds them (:func:`~lightning_pipe.planning.programs.gradient_sets`, rank 0 stepping
     right after its all-reduce), or two on rank 0 when it steps at the window's end instead
-    (weights tied across stages, :func:`~lightning_pipe.planning.costs.gradient_sets`)."""
+    (weights tied across stages, :func:`~lightning_pipe.planning.costs.gradient_sets`). With
+    replicas a batch's gradients live in buckets shared by the rank's stages, each whole from its
+    first gradient (runtime/buckets.py): a stage holds as many batches' as any stage of its rank
+    (its part of the next batch's bucket exists once another stage starts that batch)."""
     if plan.spec.gradient_sets == 1:
         return 1
     late = plan.rank_of_stage(stage) == 0 and gradient_sets(profile, plan, stage) == 2  # tied: rank 0 steps late
-    return 2 if late else program_gradient_sets(plan)[stage]
+    if late:
+        return 2
+    sets = program_gradient_sets(plan)
+    if plan.width > 1:  # replicas: a batch's bucket spans the rank's stages, whole from its first gradient
+        return max(sets[s] for s in plan.stages_of(plan.rank_of_stage(stage)))
+    return sets[stage]
 
 
 def sharding(profile: Profile, plan: PipelinePlan, stage: int) -> Optional[Sharding]:
