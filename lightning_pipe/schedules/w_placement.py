@@ -45,6 +45,9 @@ all-reduce and the optimizer step, so it is delayed into time the stage would id
   (schedules/two_bw.py), which waits for every stage's gradient norm: after the next I, the
   stages above would post it a whole F + I + W later (5% slower on the GPT example, measured).
   Stage 0 runs each W right after its I (its input needs no gradient, so its I is empty).
+  On a rank of several stages (interleaved 2BW, loop or V placement) each stage keeps its own
+  W waiting by the same rule (:func:`rank_carry_split`), and the rank's all-reduce of a batch
+  waits for every W of that batch on the rank.
 
 - ``"drain"`` (1F1B's memory; PipelinePlan takes it for 1F1B with one stage per rank): only
   the backwards of the cool-down phase split, each W right
@@ -166,3 +169,88 @@ def _write_weight_grad(written: list[Action], weight_grad: Action, closes_batch:
     written.append(weight_grad)
     if closes_batch:
         written.append(action(weight_grad.stage, Kind.ALL_REDUCE))
+
+
+def rank_carry_split(parts: Sequence[list[Action]], microbatches: int, steps_before: int = 0) -> list[list[Action]]:
+    """:func:`carry_split` over the parts of one rank that runs several stages (interleaved 2BW):
+    each B becomes I; every stage but stage 0 keeps its newest W waiting until its own next I or,
+    where the W holds up its batch's all-reduce, until its own next F. The rank's all-reduce of
+    batch ``b`` (it follows the rank's last backward of ``b``) is written once no W of ``b`` waits
+    on any of its stages, its gradients then whole; an optimizer step that applies batch ``b``
+    (the stream's ``b``-th, counting from ``steps_before``) first writes every W of ``b`` and
+    earlier still waiting.
+
+    Returns:
+        Per part, what is written while it is read (as :func:`carry_split`).
+    """
+    out: list[list[Action]] = [[] for _ in parts]
+    state = _RankCarry(microbatches)
+    stepped = steps_before
+    for written, actions in zip(out, parts):
+        state.written = written
+        for a in actions:
+            if a.kind is Kind.BACKWARD:
+                state.backward(a)
+            elif a.kind is Kind.ALL_REDUCE:
+                state.all_reduce(a)
+            elif a.kind is Kind.OPTIMIZER_STEP:
+                state.flush(stepped)
+                stepped += 1
+                written.append(a)
+            else:
+                written.append(a)
+                if a.kind is Kind.FORWARD:
+                    state.forward(a.stage)
+    return out
+
+
+class _RankCarry:
+    """:func:`rank_carry_split`'s state: each stage's waiting W's and the all-reduces they hold up."""
+
+    def __init__(self, microbatches: int) -> None:
+        self.microbatches = microbatches
+        self.written: list[Action] = []
+        self.waiting: dict[int, list[Action]] = {}  # per stage, oldest first
+        self.reduces: list[tuple[int, Action]] = []  # (batch, its all-reduce) held up by W's
+        self.last_batch = -1  # the batch of the last backward read
+
+    def _batch(self, a: Action) -> int:
+        return a.microbatch // self.microbatches
+
+    def _held(self, batch: int) -> bool:
+        return any(self._batch(w) <= batch for ws in self.waiting.values() for w in ws)
+
+    def _write(self, w: Action) -> None:
+        self.waiting[w.stage].remove(w)
+        self.written.append(w)
+        while self.reduces and not self._held(self.reduces[0][0]):
+            self.written.append(self.reduces.pop(0)[1])
+
+    def backward(self, a: Action) -> None:
+        """An I now; its W waits (stage 0: none waits)."""
+        self.last_batch = self._batch(a)
+        self.written.append(action(a.stage, Kind.INPUT_GRAD, a.microbatch))
+        mine = self.waiting.setdefault(a.stage, [])
+        mine.append(action(a.stage, Kind.WEIGHT_GRAD, a.microbatch))
+        while len(mine) > min(a.stage, 1):
+            self._write(mine[0])
+
+    def all_reduce(self, a: Action) -> None:
+        """Now, or once the last W of its batch is written."""
+        if self._held(self.last_batch):
+            self.reduces.append((self.last_batch, a))
+        else:
+            self.written.append(a)
+
+    def forward(self, stage: int) -> None:
+        """After a stage's F: its W's that hold up an all-reduce."""
+        if self.reduces:
+            for w in [w for w in self.waiting.get(stage, []) if self._batch(w) <= self.reduces[-1][0]]:
+                self._write(w)
+
+    def flush(self, batch: int) -> None:
+        """Before the step that applies ``batch``: every W of it and earlier, oldest first."""
+        for w in sorted(
+            (w for ws in self.waiting.values() for w in ws if self._batch(w) <= batch), key=lambda w: w.microbatch
+        ):
+            self._write(w)
