@@ -112,7 +112,8 @@ class PipelineStrategy(DDPStrategy):
             does. With ``schedule="2bw"`` it is interleaved 2BW (each rank's stream never
             flushed; under the loop placement ``m`` a multiple of ``d`` with
             ``m v >= 2 (d-1) + (v-1) d``, in a V ``v = 2`` and ``m >= 2d - 1``; split backward
-            keeps one W waiting per stage). ``schedule="looped_bfs"`` runs any ``v``; "zbv" and "dualpipev" need ``v = 2``.
+            keeps one W waiting per stage). ``schedule="looped_bfs"`` runs any ``v``; "zbv" and
+            "dualpipev" need ``v = 2``.
         placement: which rank runs which stage with ``virtual_stages > 1``: "loop" (rank ``r``:
             stages ``r, r + d, ...``) or "v" (rank ``r``: stages ``r`` and ``2d - 1 - r``, the
             V of ZB-V and DualPipeV, and of 2BW); ``None`` for the schedule's own (schedules/layout.py).
