@@ -216,6 +216,13 @@ def test_gradient_sets_follow_each_ranks_program() -> None:
     assert gradient_sets(PipelinePlan(1, 2, 2, "2bw", virtual_stages=2, partition=[1] * 4)) == [1, 1, 1, 2]
     assert gradient_sets(PipelinePlan(1, 2, 2, "2bw", partition=[1] * 2)) == [1, 2]
     assert gradient_sets(PipelinePlan(1, 2, 2, "1f1b", virtual_stages=2, partition=[1] * 4)) == [1] * 4
+    # In a V rank 0 holds stage 0 (one set: it steps right after its all-reduce) and the last
+    # stage, whose next batch's backwards run before that step; under split backward its W's
+    # wait past the step (its I's gradients of undeferred weights are counted apart:
+    # planning/memory.resting_bytes). Rank 1's stages 1 and 2 step at the window's end.
+    for split, sets in ((False, [1, 2, 2, 2]), (True, [1, 1, 2, 1])):
+        plan = PipelinePlan(1, 2, 3, "2bw", split, virtual_stages=2, placement="v", partition=[1] * 4)
+        assert gradient_sets(plan) == sets
 
 
 def test_interleaved_two_bw_refusals_name_what_to_use() -> None:
