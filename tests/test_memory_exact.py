@@ -81,9 +81,10 @@ def _interleaved_two_bw() -> dict[int, list[PipelinePlan]]:
     """Interleaved 2BW, two stages per rank: two weight versions of each stage, and on each rank
     the stages whose next batch's backwards start before the rank's deferred step hold two
     batches' gradients (rank 0 steps right after its all-reduce); on 2 ranks and on 4, under the
-    loop placement and in a V (rank r holds stages r and 2d - 1 - r), split backward off and on
-    (each stage keeps its own W waiting: under split a stage may run the next batch's first I
-    before its rank's step, writing the gradients of the weights W does not defer)."""
+    loop placement (split backward on 2 ranks) and in a V (rank r holds stages r and 2d - 1 - r),
+    split backward off and on (each stage keeps its own W waiting: under split a stage may run
+    the next batch's first I before its rank's step, writing the gradients of the weights W does
+    not defer)."""
     plan = functools.partial(PipelinePlan, schedule="2bw", virtual_stages=2)
     return {
         2: [
@@ -94,10 +95,8 @@ def _interleaved_two_bw() -> dict[int, list[PipelinePlan]]:
         ],
         4: [
             plan(1, 4, 8, partition=PARTITIONS[8]),
-            plan(1, 4, 8, split_backward=True, partition=PARTITIONS[8]),
             plan(1, 4, 8, partition=PARTITIONS[8], placement="v"),
             plan(1, 4, 8, split_backward=True, partition=PARTITIONS[8], placement="v"),
-            plan(2, 2, 4, split_backward=True, partition=PARTITIONS[4], placement="v"),
         ],
     }
 
