@@ -88,7 +88,7 @@ def _interleaved_two_bw_microbatches(depth: int, placement: str = "loop") -> int
 
 
 #: Interleaved 2BW runs: (tag, stage placement, split backward). Each stage of a rank keeps its
-#: own W waiting under split backward (schedules/w_placement.py, ``rank_carry_split``).
+#: own W waiting under split backward (schedules/w_placement.py, ``carry_split``).
 INTERLEAVED_TWO_BW = [
     ("interleaved_2bw", "loop", False),
     ("interleaved_2bw_split", "loop", True),

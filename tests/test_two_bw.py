@@ -146,16 +146,21 @@ def test_interleaved_programs_are_valid_and_keep_two_versions(
                         assert waiting[a.stage] <= min(a.stage, 1) + 1, f"{a}: W's waiting"
 
 
-def test_carry_per_stage_is_the_carry_placement_on_one_stage() -> None:
-    # w_placement.rank_carry_split on a rank of one stage places every W as carry_split does.
-    from lightning_pipe.schedules.w_placement import carry_split, rank_carry_split
+@pytest.mark.parametrize("depth,m,virtual,placement", _interleaved_layouts())
+def test_split_interleaved_windows_are_parts_of_one_carried_stream(
+    depth: int, m: int, virtual: int, placement: str
+) -> None:
+    # Each split window (and the drain) is built from the rank's window before it alone; together
+    # they must be what the "carry" placement writes over the rank's whole stream at once.
+    from lightning_pipe.schedules.w_placement import carry_split
 
-    for depth, m, steps in ((2, 2, 3), (3, 4, 3), (4, 4, 4)):
-        for stage in range(depth):
-            parts = [two_bw.window(stage, depth, m, t) for t in range(steps)] + [
-                two_bw.drain(stage, depth, m, steps - 1)
-            ]
-            assert rank_carry_split(parts, m) == carry_split(parts, m)
+    steps, comm = 4, (Kind.SEND_ACT, Kind.SEND_GRAD, Kind.RECV_ACT, Kind.RECV_GRAD)
+    program = two_bw_run(depth, m, steps, split=True, virtual=virtual, placement=placement)
+    plain = two_bw_run(depth, m, steps, virtual=virtual, placement=placement)
+    for rank in range(depth):
+        parts = [[a for a in plain[rank] if a.kind not in comm]]
+        whole = [a for part in carry_split(parts, m) for a in part]
+        assert [a for a in program[rank] if a.kind not in comm] == whole
 
 
 def test_golden_v_windows() -> None:

@@ -11,7 +11,7 @@ from lightning_pipe.schedules.generators import forward_only
 from lightning_pipe.schedules.layout import owners, stage_ranks
 from lightning_pipe.schedules.registry import flushed_generator, get
 from lightning_pipe.schedules.v_shape import join_backward
-from lightning_pipe.schedules.w_placement import carry_split, rank_carry_split, split_backward
+from lightning_pipe.schedules.w_placement import carry_split, split_backward
 
 Schedule = list[list[Action]]
 
@@ -151,9 +151,9 @@ def _bfs_forwards(stage_placement: str):
 def _split_2bw(
     part: list[Action], before: list[Action], microbatches: int, steps_before: int, split: bool
 ) -> list[Action]:
-    """``part`` of a stage's 2BW stream, split by the ``"carry"`` placement (schedules/w_placement.py):
-    the W carried from the part ``before`` it (the previous window, after ``steps_before``
-    optimizer steps) runs in this one."""
+    """``part`` of a rank's 2BW stream (one stage's, or an interleaved rank's), split by the
+    ``"carry"`` placement (schedules/w_placement.py): the W's carried from the part ``before`` it
+    (the previous window, after ``steps_before`` optimizer steps) run in this one."""
     return carry_split([before, part], microbatches, steps_before)[1] if split else part
 
 
@@ -171,14 +171,6 @@ def _rank_drain(rank: int, depth: int, microbatches: int, last_step: int, virtua
     if placement == "v":
         return two_bw.v_drain(rank, depth, microbatches, last_step)
     return two_bw.rank_drain(rank, depth, microbatches, last_step, virtual)
-
-
-def _split_rank(
-    part: list[Action], before: list[Action], microbatches: int, steps_before: int, split: bool
-) -> list[Action]:
-    """``part`` of an interleaved rank's 2BW stream, split by the ``"carry"`` placement per stage
-    (``w_placement.rank_carry_split``), the W's carried from the part ``before`` it run in this one."""
-    return rank_carry_split([before, part], microbatches, steps_before)[1] if split else part
 
 
 def two_bw_stage_window(
@@ -199,7 +191,7 @@ def two_bw_stage_window(
     if virtual > 1:
         window = partial(_rank_window, stage, depth, microbatches, early=early, virtual=virtual, placement=placement)
         before = window(step - 1) if split and step else []
-        part = _split_rank(window(step), before, microbatches, max(step - 2, 0), split)
+        part = _split_2bw(window(step), before, microbatches, max(step - 2, 0), split)
         return add_communication(part, depth * virtual, stage_ranks(depth, virtual, placement))
     before = two_bw.window(stage, depth, microbatches, step - 1, early) if split and step else []
     part = _split_2bw(
@@ -236,7 +228,7 @@ def two_bw_stage_drain(
     ``placement`` gives it."""
     if virtual > 1:
         before = _rank_window(stage, depth, microbatches, last_step, early, virtual, placement) if split else []
-        part = _split_rank(
+        part = _split_2bw(
             _rank_drain(stage, depth, microbatches, last_step, virtual, placement),
             before,
             microbatches,

@@ -35,7 +35,7 @@ runs them, each stage's ``V(t*m)`` right before that stage's first forward of th
 two weight versions, the AR after the rank's last backward of a batch, the deferred ``OPT`` (rank
 0 ``early``) and the drain follow the rules above, one weight version per rank holding every
 stage's weights; with split backward each stage of the rank keeps its own W waiting by the carry
-rule (schedules/w_placement.py, ``rank_carry_split``). A batch's backwards must end before the
+rule (schedules/w_placement.py, ``carry_split``). A batch's backwards must end before the
 next batch's forwards begin (they run on the version its step writes):
 ``m v >= 2 (d-1) + (v-1) d``, rank 0's warm-up.
 
@@ -69,7 +69,7 @@ stream has no such bubble). The weight versions, the AR after the rank's last ba
 batch, the deferred ``OPT`` (rank 0 ``early``: it holds stage 0, which finishes every batch
 last) and the drain follow the rules above. Batch ``t``'s backwards must end in window ``t + 1``,
 before its step: ``m >= 2d - 1``, stage 0's warm-up. Split backward places each stage's W's by
-the carry rule (schedules/w_placement.py, ``rank_carry_split``), as under the loop placement.
+the carry rule (schedules/w_placement.py, ``carry_split``), as under the loop placement.
 
 d=2, m=3, one step then a drain, rank 0 (stages 0, 3; ``L=1``) and rank 1 (stages 1, 2; ``L=0``)::
 
