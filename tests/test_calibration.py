@@ -64,6 +64,35 @@ def test_calibration_recovers_the_scales_and_overhead_that_made_the_traces() -> 
     assert calibrate(profile, []) is profile
 
 
+def test_the_step_overhead_is_fitted_per_layout_and_elsewhere_is_the_median_over_all_trials() -> None:
+    # Three trials whose jobs spend 10 and 12 ms (2 x 2) and 2 ms (1 x 4) a step outside the program.
+    profile = _profile()
+
+    def job(overhead: float):
+        return dataclasses.replace(profile, **{**TRUE, "step_overhead": overhead})
+
+    two_by_two = PipelinePlan(width=2, depth=2, microbatches=4, schedule="1f1b", partition=(2, 2))
+    deep = PipelinePlan(width=1, depth=4, microbatches=4, schedule="gpipe", partition=(1, 1, 1, 1))
+    ran = [
+        _traced(job(0.010), two_by_two, 1),
+        _traced(job(0.012), two_by_two.replace(schedule="gpipe"), 1),
+        _traced(job(0.002), deep, 1),
+    ]
+    fitted = calibrate(profile, ran)
+    assert fitted.layout_overheads == pytest.approx({"2x2": 0.011, "1x4": 0.002})
+    assert fitted.step_overhead == pytest.approx(0.010)  # the median of 10, 12 and 2 ms
+    for plan, overhead in (
+        (two_by_two.replace(microbatches=2), 0.011),
+        (deep.replace(schedule="1f1b"), 0.002),
+        (PipelinePlan(width=4, depth=1, microbatches=2, schedule="1f1b", partition=(4,)), 0.010),
+    ):
+        assert predict.predict_step(fitted, plan, 1)[0] == pytest.approx(
+            predict.predict_step(job(overhead), plan, 1)[0]
+        )
+    # A profile written and read back keeps them.
+    assert type(fitted).from_json(fitted.to_json()).layout_overheads == fitted.layout_overheads
+
+
 def test_the_compute_scale_is_the_least_squares_slope_through_the_measured_overhead() -> None:
     assert fitted_scale([(1.0, 2.5), (2.0, 4.5), (3.0, 6.5)], 0.5) == pytest.approx(2.0)
     # Through the origin: sum(x * y) / sum(x * x), written out.

@@ -118,12 +118,15 @@ LOGITS_PLANS = {
 }
 
 #: Interleaved 1F1B and ZB-V on 4 ranks at 8 samples a microbatch: the messages of stages of
-#: different widths that share a link weigh more beside the rest.
+#: different widths that share a link weigh more beside the rest. 2BW with split backward at
+#: m = d: between a rank's deferred step and its next batch's first W only one batch's gradients
+#: live, where the activations it holds peak.
 WIDE_PLANS = {
     2: [],
     4: [
         PipelinePlan(1, 4, 4, "1f1b", False, partition=PARTITIONS[8], virtual_stages=2),
         PipelinePlan(1, 4, 8, "zbv", False, partition=PARTITIONS[8], virtual_stages=2),
+        PipelinePlan(1, 4, 4, "2bw", True, partition=PARTITIONS[4]),
     ],
 }
 

@@ -591,6 +591,17 @@ def test_a_message_two_ranks_send_each_other_at_once_costs_the_exchange() -> Non
     assert compiled.makespan(costs) == pytest.approx(6.0)
 
 
+def test_two_sends_are_an_exchange_within_one_posting_of_each_other() -> None:
+    # The exchange's extra is its latency beyond a link's; its window one send's posting.
+    profile = dataclasses.replace(_uniform(2), exchange_latency=2e-3, link_latency=1e-4, send_overhead=2e-4)
+    found = predict.exchange(profile)
+    assert found is not None
+    assert (found.window, found.extra) == pytest.approx((2e-4, 1.9e-3))
+    assert found.applies(1.0, 1.0 + 1.5e-4) and not found.applies(1.0, 1.0 + 3e-4)
+    assert predict.exchange(dataclasses.replace(profile, send_overhead=0.0)) is None  # posting not measured
+    assert predict.exchange(dataclasses.replace(profile, exchange_latency=1e-4)) is None  # no slower than a link
+
+
 def test_compiling_a_deadlocked_program_names_the_waiting_ranks() -> None:
     # Rank 0 waits for microbatch 0's gradient before it sends the activation rank 1 needs.
     from lightning_pipe.schedules import parse_actions

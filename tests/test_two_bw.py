@@ -230,6 +230,32 @@ def test_gradient_sets_follow_each_ranks_program() -> None:
         assert gradient_sets(plan) == sets
 
 
+@pytest.mark.parametrize("depth,m", [(2, 2), (4, 4), (4, 8), (3, 5)])
+def test_a_rank_holds_the_batch_befores_gradients_only_until_its_deferred_step(depth: int, m: int) -> None:
+    # Per rank, walked action by action: a batch's gradients exist from its first W (or B) on,
+    # and each OPT steps (and frees) the oldest batch's. An action is "lone" when fewer batches'
+    # gradients live before it than the most the rank ever holds.
+    from lightning_pipe.planning import programs
+    from lightning_pipe.planning.held import lone_gradients
+    from lightning_pipe.schedules.flat import BACKWARD, WEIGHT_GRAD
+
+    plan = PipelinePlan(1, depth, m, "2bw", True, partition=[1] * depth)
+    key = programs.program_key(plan, 3)
+    flat = programs._flat(*key)
+    lone = lone_gradients(flat, (flat.kind == BACKWARD) | (flat.kind == WEIGHT_GRAD), m)
+    for r, actions in enumerate(programs._program(*key)):
+        started: set[int] = set()
+        stepped, live = 0, []
+        for a in actions:
+            live.append(len(started) - stepped)
+            if a.kind in (Kind.BACKWARD, Kind.WEIGHT_GRAD):
+                started.add(a.microbatch // m)
+            stepped += a.kind is Kind.OPTIMIZER_STEP
+        most = max(max(live), len(started) - stepped)
+        expected = [n < most for n in live]
+        assert lone[flat.starts[r] : flat.starts[r + 1]].tolist() == expected, r
+
+
 def test_interleaved_two_bw_refusals_name_what_to_use() -> None:
     with pytest.raises(ValueError, match="use microbatches >= 8"):
         PipelinePlan(depth=4, microbatches=4, schedule="2bw", virtual_stages=2)

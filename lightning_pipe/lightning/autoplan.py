@@ -118,6 +118,7 @@ class AutoPlanner(Callback):
         self._after: Optional[list[float]] = None
         self._step_start = 0.0
         self._prechecked = False
+        self._configured_loss: Optional[str] = None  # the strategy's loss mode before any move into 2BW
         self._resumed_plan: Optional[PipelinePlan] = None
         self._safe_start_pending = False  # the safe start's microbatches, once the data gives the global batch
         self._trainer: Optional[Trainer] = None
@@ -479,6 +480,7 @@ class AutoPlanner(Callback):
         }
         if best is not current:
             start = time.perf_counter()
+            self._set_loss_mode(trainer.strategy, best.plan)
             trainer.strategy.reconfigure(best.plan)
             record["switch_seconds"] = time.perf_counter() - start
         self.decisions.append(record)
@@ -520,10 +522,25 @@ class AutoPlanner(Callback):
             f"{before:.4f} s of the plan it replaced (revert_factor {self.revert_factor}): going back to "
             f"{record['current'].plan.describe()}"
         )
+        self._set_loss_mode(trainer.strategy, record["current"].plan)
         trainer.strategy.reconfigure(record["current"].plan)
         record["reverted"] = True
         self._start_step, self._steps_seen = trainer.global_step, self.profile_steps
         self._actions, self._ends = defaultdict(list), []
+
+    def _set_loss_mode(self, strategy: Any, plan: PipelinePlan) -> None:
+        """The loss mode ``plan`` runs with: ``"previous"`` for 2BW, which the planner prices as its
+        never-flushed stream (PipeDream-2BW paper, section 3.1; a step returning its own loss
+        waits at every window end), else the strategy's own; said once it changes."""
+        if self._configured_loss is None:
+            self._configured_loss = strategy.loss
+        mode = "previous" if plan.spec.streams else self._configured_loss
+        if mode != strategy.loss:
+            rank_zero_info(
+                f"AutoPlanner: {plan.schedule} runs with loss={mode!r}"
+                + (": each step returns the previous step's loss" if mode == "previous" else "")
+            )
+            strategy.loss = mode
 
     def _report(self, trainer: Trainer, record: dict[str, Any]) -> None:
         origin = f"{record['global_batch_origin']}\n" if record["global_batch_origin"] else ""

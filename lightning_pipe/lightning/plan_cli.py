@@ -327,8 +327,13 @@ def calibration_note(profile: Profile) -> str:
         f"{c['action_overhead'] * 1e3:.2f} ms an action, optimizer step "
         f"x{c['optimizer_scale']:.2f}, all-reduce x{c['allreduce_scale']:.2f} + "
         f"{c.get('allreduce_latency', 0.0) * 1e3:.2f} ms, "
-        f"{c['step_overhead'] * 1e3:.1f} ms a step outside the program"
+        f"{c['step_overhead'] * 1e3:.1f} ms a step outside the program{_per_layout(c.get('layout_overheads', {}))}"
     )
+
+
+def _per_layout(overheads: dict[str, float]) -> str:
+    """`` (2x1: 1.1 ms, 1x2: 9.8 ms)``: the step overhead fitted per layout, '' without."""
+    return " (" + ", ".join(f"{k}: {v * 1e3:.1f} ms" for k, v in overheads.items()) + ")" if overheads else ""
 
 
 def conditions_note(profile: Profile) -> str:

@@ -18,7 +18,7 @@ from typing import Mapping, Sequence
 from lightning_pipe.core.pipeline_plan import PipelinePlan
 from lightning_pipe.planning.costs import action_cost, sharded, sharded_seconds, stage_costs
 from lightning_pipe.planning.predict import predict_step, slowdowns
-from lightning_pipe.planning.profile import Profile
+from lightning_pipe.planning.profile import Profile, layout_key
 from lightning_pipe.schedules import Action, Kind
 
 #: The actions whose seconds are the blocks' compute.
@@ -95,6 +95,7 @@ def unfitted(profile: Profile) -> Profile:
         allreduce_scale=1.0,
         allreduce_latency=0.0,
         step_overhead=0.0,
+        layout_overheads={},
         action_overhead=profiled.get("profiled_action_overhead", profile.action_overhead),
         send_overhead=profiled.get("profiled_send_overhead", profile.send_overhead),
         send_seconds_per_byte=0.0,
@@ -123,7 +124,13 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
       one (:func:`send_seconds_per_byte`), so that the trials' large messages do not price the
       small ones of plans with many microbatches. Receives wait on their senders, so they are
       not fitted.
-    - Then the step overhead: the median over trials of measured minus predicted step, at least 0.
+    - Then the step overhead (measured minus predicted step, at least 0): per layout a trial ran
+      (``width`` x ``depth``) the median over its trials (:func:`layout_overheads`), for any
+      other the median over all trials. What a step costs beyond its program (the training
+      loop, the loss broadcast, the processes sharing the host's cores while they run it)
+      depends on the layout's processes: on a 2-core host a 4-process DDP step's residual
+      measured about half a 2 x 2 pipeline's, and a 2-process DDP step's a fifth or less of a
+      1 x 2 pipeline's.
 
     Where a trial with DDP replicas ran, trials with FSDP replicas are left out of the fit: FSDP's
     collectives run in its hooks, inside and around the actions, beyond what the model prices
@@ -170,6 +177,7 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
     )
     residuals = [t.step - predict_step(fitted, t.plan, t.microbatch_size)[0] for t in trials]
     overhead = max(statistics.median(residuals), 0.0)
+    layouts = layout_overheads([t.plan for t in trials], residuals)
     meta = dict(profile.meta)
     meta["calibration"] = {
         "trials": [
@@ -189,10 +197,21 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
         "allreduce_scale": fitted.allreduce_scale,
         "allreduce_latency": fitted.allreduce_latency,
         "step_overhead": overhead,
+        "layout_overheads": layouts,
         "profiled_action_overhead": base.action_overhead,
         "profiled_send_overhead": base.send_overhead,
     }
-    return dataclasses.replace(fitted, step_overhead=overhead, meta=meta)
+    return dataclasses.replace(fitted, step_overhead=overhead, layout_overheads=layouts, meta=meta)
+
+
+def layout_overheads(plans: Sequence[PipelinePlan], residuals: Sequence[float]) -> dict[str, float]:
+    """Per layout of ``plans`` (their trials), the median of its trials' ``residuals`` (measured
+    minus predicted step without overhead), at least 0, keyed by
+    :func:`~lightning_pipe.planning.profile.layout_key`."""
+    by_layout: dict[str, list[float]] = {}
+    for plan, residual in zip(plans, residuals):
+        by_layout.setdefault(layout_key(plan.width, plan.depth), []).append(residual)
+    return {key: max(statistics.median(values), 0.0) for key, values in by_layout.items()}
 
 
 def _category(action: Action) -> str | None:

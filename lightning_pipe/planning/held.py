@@ -406,13 +406,16 @@ def _walk(
     count: int,
     streamed: int = 0,
     sent: Optional[np.ndarray] = None,
+    lean: Optional[Sequence[bool]] = None,
 ) -> Iterator[Moment]:
     """Every moment of a rank's program over ``count`` stages (``position``: a stage's index among
     them): a forward takes a microbatch in, a backward (or, under split backward, its W) lets it
     go; an input gradient moves it to pending until its W. Gradients exist from a stage's
     first backward or W on; with ``streamed`` (2BW's microbatches per batch), a moment is warm
     once its own batch's first backward or W has run (:func:`batch_has_gradients`). ``sent``:
-    the rank's rows of :func:`unacknowledged` (``None``: none counted)."""
+    the rank's rows of :func:`unacknowledged` (``None``: none counted). ``lean``: per action,
+    whether a warm forward or I finds its own batch's gradients alone (:func:`lone_gradients`):
+    it is then counted as a cold one, which carries one batch's."""
     held, pending, grads = [0] * count, [0] * count, [False] * count
     batches: list[set[int]] = [set() for _ in range(count)]
     rows = sent.tolist() if sent is not None else None
@@ -433,6 +436,7 @@ def _walk(
                 pending[c] += 1
             now = tuple(map(tuple, rows[i])) if rows else (NOTHING_SENT,) * count
             warm = grads[c] if not streamed or a.microbatch is None else a.microbatch // streamed in batches[c]
+            warm = warm and not (lean is not None and lean[i])
             yield c, _MOMENT_KINDS[k][warm], tuple(zip(held, pending, now)), tuple(grads)
             if k is b or k is w:
                 grads[c], held[c], pending[c] = True, held[c] - 1, pending[c] - (k is w)
@@ -443,7 +447,8 @@ def _walk(
 def held_counts(actions: Sequence[Action], streamed: int = 0, sent: Optional[np.ndarray] = None) -> HeldCounts:
     """The points of each kind of moment of a one-stage rank's program (see :func:`_walk`)."""
     seen: dict[str, set[Point]] = {name: set() for name in HeldCounts.__dataclass_fields__}
-    for _, kind, points, _ in _walk(actions, lambda stage: 0, 1, streamed, sent):
+    lean = _lean_actions(actions, streamed) if streamed else None
+    for _, kind, points, _ in _walk(actions, lambda stage: 0, 1, streamed, sent, lean):
         seen[kind].add(points[0])
     return HeldCounts(**{name: _dominant(points) for name, points in seen.items()})
 
@@ -470,6 +475,51 @@ def batch_has_gradients(flat: FlatProgram, release: np.ndarray, microbatches: in
     return before - release > 0
 
 
+def lone_gradients(flat: FlatProgram, release: np.ndarray, microbatches: int) -> np.ndarray:
+    """Per action of a streamed (2BW) program, whether fewer batches' gradients live on its rank
+    than the most its program ever holds: batches whose first backward or W ran before it there,
+    less the optimizer steps before it (each steps the oldest: PipeDream-2BW paper, section 3.1,
+    the update of batch ``t - 1`` deferred to batch ``t``'s window). At a warm moment where that
+    count is short, the batch before has been stepped and its gradients are gone: only the
+    moment's own batch's exist, as at a cold moment (which carries the other one's)."""
+    batch = np.where(flat.microbatch >= 0, flat.microbatch // microbatches, -1) + 1
+    key = flat.owner * (int(batch.max(initial=0)) + 1) + batch
+    order = np.lexsort((np.arange(len(key)), key))
+    before = np.empty(len(key), dtype=np.int64)
+    before[order] = _grouped_cumsum(release[order].astype(np.int64), key[order])
+    starts = release & (before - release == 0)  # a batch's first backward or W on its rank
+    steps = flat.kind == OPTIMIZER_STEP
+    live = _cumsum_per_rank(starts, flat.starts) - _cumsum_per_rank(steps, flat.starts) + steps
+    most = np.maximum.reduceat(live, flat.starts[:-1]) if len(live) else live
+    return live - starts < np.repeat(most, np.diff(flat.starts))
+
+
+def _lean(flat: FlatProgram, streamed: int) -> np.ndarray:
+    """Per action of a streamed program of one stage per rank: a forward, or an I past the first
+    stage, that finds only its own batch's gradients (:func:`lone_gradients`). Such a moment
+    holds what a cold one does; a W or a first stage's I (its whole backward) keeps its kind."""
+    kind = flat.kind
+    release = (kind == BACKWARD) | (kind == WEIGHT_GRAD)
+    at = (kind == FORWARD) | ((kind == INPUT_GRAD) & (flat.stage > 0))
+    return lone_gradients(flat, release, streamed) & at
+
+
+def _lean_actions(actions: Sequence[Action], streamed: int) -> list[bool]:
+    """:func:`_lean` walked over one rank's actions (the reference for the arrays)."""
+    started: set[int] = set()
+    stepped, live = 0, []
+    for a in actions:
+        live.append(len(started) - stepped)
+        if a.kind is Kind.BACKWARD or a.kind is Kind.WEIGHT_GRAD:
+            started.add(a.microbatch // streamed)
+        stepped += a.kind is Kind.OPTIMIZER_STEP
+    most = max(live + [len(started) - stepped])
+    return [
+        n < most and (a.kind is Kind.FORWARD or (a.kind is Kind.INPUT_GRAD and a.stage > 0))
+        for n, a in zip(live, actions)
+    ]
+
+
 def program_held_counts(
     program: Sequence[Sequence[Action]], streamed: int = 0, flat: Optional[FlatProgram] = None
 ) -> list[HeldCounts]:
@@ -484,6 +534,8 @@ def program_held_counts(
     held = _cumsum_per_rank(f, starts) - released + release
     pending = _cumsum_per_rank(i, starts) - _cumsum_per_rank(w, starts) + w
     grads = batch_has_gradients(flat, release, streamed) if streamed else released - release > 0
+    if streamed:
+        grads = grads & ~_lean(flat, streamed)
     sent = buffered(flat)[:, 0, :]
     at = np.flatnonzero(f | b | i | w | o)
     columns = [

@@ -30,9 +30,13 @@ _CPU_KINDS = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.INPUT_GRAD, Kind.WEIGH
 
 def exchange(profile: Profile) -> Optional[Exchange]:
     """What a message two ranks send each other at once costs beyond any other, from the
-    profile's links (``None`` where its exchange latency is not above its link latency)."""
+    profile's links (``None`` where its exchange latency is not above its link latency).
+
+    "At once" is while the other rank posts its own send: the two sends end within one posting
+    (:attr:`Profile.send_overhead`) of each other. Two sends further apart find the other rank's
+    receive posted, or that rank computing, as a message sent to a waiting rank does."""
     extra = profile.exchange_latency - profile.link_latency
-    return Exchange(profile.exchange_latency, extra) if extra > 0 else None
+    return Exchange(profile.send_overhead, extra) if extra > 0 and profile.send_overhead > 0 else None
 
 
 def step_time(
@@ -116,12 +120,13 @@ def slowdowns(profile: Profile, plan: PipelinePlan, cost: Callable[[Action], flo
 def predict_step(
     profile: Profile, plan: PipelinePlan, microbatch_size: int, costs: Optional[Sequence[StageCosts]] = None
 ) -> tuple[float, list[HeldCounts]]:
-    """Predicted seconds of one training step (:func:`step_time`, plus the profile's
-    ``step_overhead`` outside the program), and the microbatches each stage holds (:func:`held`;
-    empty for an interleaved plan, whose ranks have :func:`moments`). ``costs``: the plan's
-    :func:`stage_costs`, if already summed."""
+    """Predicted seconds of one training step (:func:`step_time`, plus the profile's step
+    overhead of the plan's layout outside the program, :meth:`Profile.overhead_of`), and the
+    microbatches each stage holds (:func:`held`; empty for an interleaved plan, whose ranks have
+    :func:`moments`). ``costs``: the plan's :func:`stage_costs`, if already summed."""
     cost = action_cost(profile, plan, costs if costs is not None else stage_costs(profile, plan, microbatch_size))
-    seconds = step_time(plan, cost, sharing(profile, plan), exchange(profile)) + profile.step_overhead
+    seconds = step_time(plan, cost, sharing(profile, plan), exchange(profile))
+    seconds += profile.overhead_of(plan.width, plan.depth)
     return seconds, (held(plan) if plan.virtual_stages == 1 else [])
 
 

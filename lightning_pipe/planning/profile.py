@@ -195,7 +195,10 @@ class Profile:
             likewise; on a CPU host whose cores the ranks share, milliseconds: every hop of the
             ring waits for its rank to be scheduled).
         step_overhead: seconds a step of the job takes beyond its program's actions (the
-            training loop, its hooks and data loading; fitted likewise, 0: not fitted).
+            training loop, its hooks and data loading; fitted likewise, 0: not fitted), for a
+            layout no trial ran (:meth:`overhead_of`).
+        layout_overheads: the step overhead fitted per layout of the trials, keyed
+            ``"<width>x<depth>"`` (:meth:`overhead_of`).
     """
 
     blocks: list[BlockProfile]
@@ -221,7 +224,15 @@ class Profile:
     allreduce_scale: float = 1.0
     allreduce_latency: float = 0.0
     step_overhead: float = 0.0
+    layout_overheads: dict[str, float] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+
+    def overhead_of(self, width: int, depth: int) -> float:
+        """Seconds a step of a ``width`` x ``depth`` layout takes beyond its program's actions: as
+        fitted to trials of that layout, else :attr:`step_overhead`. What a step costs outside its
+        program depends on its layout's processes: which collectives they join, how many share
+        the host's cores while each runs its own training loop."""
+        return self.layout_overheads.get(layout_key(width, depth), self.step_overhead)
 
     def to_json(self) -> str:
         """A JSON document of the whole profile."""
@@ -239,6 +250,11 @@ class Profile:
         ]
         data["link_bandwidth"] = float(data["link_bandwidth"])
         return cls(blocks=blocks, **data)
+
+
+def layout_key(width: int, depth: int) -> str:
+    """The key of a ``width`` x ``depth`` layout in :attr:`Profile.layout_overheads`."""
+    return f"{width}x{depth}"
 
 
 def alone(profile: Profile, slowdown: float, processes: int) -> Profile:
