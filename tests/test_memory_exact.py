@@ -12,6 +12,7 @@ under-prediction is how a plan "that fits" runs out of memory).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any
 
@@ -79,10 +80,24 @@ def _interleaved_world4() -> list[PipelinePlan]:
 def _interleaved_two_bw() -> dict[int, list[PipelinePlan]]:
     """Interleaved 2BW, two stages per rank: two weight versions of each stage, and on each rank
     the stages whose next batch's backwards start before the rank's deferred step hold two
-    batches' gradients (rank 0 steps right after its all-reduce); on 2 ranks and on 4."""
+    batches' gradients (rank 0 steps right after its all-reduce); on 2 ranks and on 4, under the
+    loop placement (split backward on 2 ranks) and in a V (rank r holds stages r and 2d - 1 - r),
+    split backward off and on (each stage keeps its own W waiting: under split a stage may run
+    the next batch's first I before its rank's step, writing the gradients of the weights W does
+    not defer)."""
+    plan = functools.partial(PipelinePlan, schedule="2bw", virtual_stages=2)
     return {
-        2: [PipelinePlan(1, 2, 2, "2bw", partition=PARTITIONS[4], virtual_stages=2)],
-        4: [PipelinePlan(1, 4, 8, "2bw", partition=PARTITIONS[8], virtual_stages=2)],
+        2: [
+            plan(1, 2, 2, partition=PARTITIONS[4]),
+            plan(1, 2, 2, split_backward=True, partition=PARTITIONS[4]),
+            plan(1, 2, 3, partition=PARTITIONS[4], placement="v"),
+            plan(1, 2, 3, split_backward=True, partition=PARTITIONS[4], placement="v"),
+        ],
+        4: [
+            plan(1, 4, 8, partition=PARTITIONS[8]),
+            plan(1, 4, 8, partition=PARTITIONS[8], placement="v"),
+            plan(1, 4, 8, split_backward=True, partition=PARTITIONS[8], placement="v"),
+        ],
     }
 
 
@@ -135,7 +150,8 @@ def microbatch_size(name: str) -> int:
 def family(plan: PipelinePlan) -> str:
     """The schedule family a plan's test checks it under."""
     name = plan.schedule if plan.virtual_stages == 1 else "interleaved" if plan.schedule == "1f1b" else plan.schedule
-    name = "interleaved-2bw" if plan.virtual_stages > 1 and plan.spec.streams else name
+    if plan.virtual_stages > 1 and plan.spec.streams:
+        name = "v-2bw" if plan.stage_placement == "v" else "interleaved-2bw"
     if plan.split_backward:
         name += "-drain" if plan.split_placement == "drain" else "-split"
     return name

@@ -174,23 +174,27 @@ def test_search_covers_every_layout_and_schedule_and_ranks_by_predicted_throughp
     profile = _uniform(8)
     limit = 60_000
     ranked = search.search(profile, devices=4, global_batch=16, memory_limit=limit, allow_stale=True)
-    seen = {(p.plan.width, p.plan.depth, p.plan.virtual_stages, p.plan.schedule, p.plan.split_backward) for p in ranked}
+    seen = {
+        (p.plan.width, p.plan.depth, p.plan.virtual_stages, p.plan.schedule, p.plan.split_backward, p.plan.placement)
+        for p in ranked
+    }
     plain = {(4 // d, d, 1) for d in (1, 2, 4)}
     interleaved = {(2, 2, 2), (1, 4, 2)}  # d >= 2 and d * v <= 8 blocks
-    several = ("1f1b", "looped_bfs", "zbv", "dualpipev")  # the schedules of several stages per rank
-    one = [name for name in SCHEDULE_NAMES if name not in several[1:]]
+    several = ("1f1b", "looped_bfs", "zbv", "dualpipev", "2bw")  # the schedules of several stages per rank
+    one = [name for name in SCHEDULE_NAMES if name not in several[1:4]]
+    # Several stages per rank: each schedule in every stage placement it runs (2BW in both, with
+    # split backward too: each stage of a rank keeps its own W waiting).
     assert seen == set(
-        (*layout, name, split) for layout, name, split in itertools.product(plain, one, [False, True])
+        (*layout, name, split, "loop") for layout, name, split in itertools.product(plain, one, [False, True])
     ) | set(
-        (*layout, name, split) for layout, name, split in itertools.product(interleaved, several, [False, True])
-    ) | {
-        (*layout, "2bw", False)
-        for layout in interleaved  # interleaved 2BW: not with split backward
-    }
+        (*layout, name, split, shape)
+        for layout, name, split in itertools.product(interleaved, several, [False, True])
+        for shape in get(name).placements
+    )
     drained = {(p.plan.schedule, p.plan.virtual_stages) for p in ranked if p.plan.split_placement == "drain"}
     assert drained == {("1f1b", 1)} and all(p.plan.split_backward for p in ranked if p.plan.split_placement)
     assert all(
-        (p.plan.microbatches % p.plan.depth == 0 or not p.plan.spec.rounds)
+        (p.plan.microbatches % p.plan.depth == 0 or not p.plan.spec.rounds or p.plan.placement == "v")
         and len(p.plan.partition) == 2 * p.plan.depth
         for p in ranked
         if p.plan.virtual_stages == 2

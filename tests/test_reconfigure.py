@@ -31,9 +31,10 @@ TARGETS = {
     "2bw": PipelinePlan(2, 2, 8, "2bw", partition="uniform"),
     "interleaved": PipelinePlan(2, 2, 8, "1f1b", partition="uniform", virtual_stages=2),
     "zbv": PipelinePlan(2, 2, 8, "zbv", True, partition="uniform", virtual_stages=2),
+    "v_2bw": PipelinePlan(2, 2, 8, "2bw", True, partition="uniform", virtual_stages=2, placement="v"),
 }
 #: Each target's partition of ToyChain's 6 blocks, resolved.
-RESOLVED = {"1f1b": (3, 3), "2bw": (3, 3), "interleaved": (2, 2, 1, 1), "zbv": (2, 2, 1, 1)}
+RESOLVED = {"1f1b": (3, 3), "2bw": (3, 3), "interleaved": (2, 2, 1, 1), "zbv": (2, 2, 1, 1), "v_2bw": (2, 2, 1, 1)}
 
 
 class SwitchAt(L.Callback):
@@ -284,9 +285,11 @@ def test_switch_to_zbv_moves_blocks_to_the_v_and_matches_single_process(launched
     assert_close_dicts(dict(restored.named_parameters()), got, rtol=1e-5)
 
 
-def test_switch_to_2bw_follows_the_2bw_rule_from_the_switch(launched) -> None:
-    ranks = launched(4).ok("reconfigure_2bw")
-    got = _check_layout_and_steps(ranks, "2bw")
+@pytest.mark.parametrize("target", ["2bw", "v_2bw"])
+def test_switch_to_2bw_follows_the_2bw_rule_from_the_switch(launched, target: str) -> None:
+    # One stage per rank, and 2BW in a V with split backward (rank r holds stages r and 2d - 1 - r).
+    ranks = launched(4).ok(f"reconfigure_{target}")
+    got = _check_layout_and_steps(ranks, target)
     batches = _batches(ranks[0]["indices"])
     torch.manual_seed(0)
     model = ToyChain()

@@ -79,23 +79,42 @@ for _w, _d in LAYOUTS:
         )
 
 
-def _interleaved_two_bw_microbatches(depth: int) -> int:
-    """The fewest microbatches interleaved 2BW runs at two stages per rank (a multiple of ``d``
-    with ``2 m >= 2 (d - 1) + d``: ``d`` at ``d = 2``, ``2 d`` beyond)."""
-    return next(m for m in range(depth, 4 * depth, depth) if get_schedule("2bw").runs(depth, m, 2))
+def _interleaved_two_bw_microbatches(depth: int, placement: str = "loop") -> int:
+    """The fewest microbatches interleaved 2BW runs at two stages per rank that split the batch
+    evenly: the loop placement needs a multiple of ``d`` with ``2 m >= 2 (d - 1) + d`` (``d`` at
+    ``d = 2``, ``2 d`` beyond), the V ``m >= 2 d - 1``."""
+    spec = get_schedule("2bw")
+    return next(m for m in (2, 4, 8) if spec.runs(depth, m, 2, placement) and BATCH % m == 0)
+
+
+#: Interleaved 2BW runs: (tag, stage placement, split backward). Each stage of a rank keeps its
+#: own W waiting under split backward (schedules/w_placement.py, ``carry_split``).
+INTERLEAVED_TWO_BW = [
+    ("interleaved_2bw", "loop", False),
+    ("interleaved_2bw_split", "loop", True),
+    ("v_2bw", "v", False),
+    ("v_2bw_split", "v", True),
+]
 
 
 for _w, _d in LAYOUTS:  # interleaved 2BW: two stages per rank, the stream never flushed
-    scenario(
-        _w * _d,
-        f"toy_{_w}x{_d}_interleaved_2bw",
-        partial(fit_toy, virtual=2, blocks=INTERLEAVED_BLOCKS, microbatches=_interleaved_two_bw_microbatches(_d)),
-        _d,
-        "2bw",
-        False,
-        False,
-        True,
-    )
+    for _tag_name, _shape, _split in INTERLEAVED_TWO_BW:
+        scenario(
+            _w * _d,
+            f"toy_{_w}x{_d}_{_tag_name}",
+            partial(
+                fit_toy,
+                virtual=2,
+                blocks=INTERLEAVED_BLOCKS,
+                microbatches=_interleaved_two_bw_microbatches(_d, _shape),
+                stage_placement=_shape,
+            ),
+            _d,
+            "2bw",
+            False,
+            _split,
+            True,
+        )
 
 
 def _v_runs(width: int, depth: int) -> list[tuple[str, str, bool, Optional[str]]]:
@@ -270,15 +289,19 @@ def test_fit_interleaved_matches_single_process(launched, width: int, depth: int
 
 
 @pytest.mark.parametrize("width,depth", LAYOUTS)
-def test_fit_interleaved_two_bw_follows_delayed_rule(launched, width: int, depth: int) -> None:
-    # Two stages per rank, each rank's interleaved stream never flushed: parameters after fit
+@pytest.mark.parametrize("tag,placement,split", INTERLEAVED_TWO_BW)
+def test_fit_interleaved_two_bw_follows_delayed_rule(
+    launched, width: int, depth: int, tag: str, placement: str, split: bool
+) -> None:
+    # Two stages per rank (the loop placement, or the V: rank r holds stages r and 2d - 1 - r),
+    # each rank's stream never flushed, with and without split backward: parameters after fit
     # (drained at the end), validation, predict, losses, LR steps and the last checkpoint all
     # follow the PipeDream-2BW rule W(t+1) = W(t) - lr * grad f(W(t-1)).
-    tag = "interleaved_2bw"
     ranks = _ranks(launched, width, depth, tag)
-    m = _interleaved_two_bw_microbatches(depth)
+    m = _interleaved_two_bw_microbatches(depth, placement)
     assert all(r["plan"].schedule == "2bw" and r["plan"].virtual_stages == 2 for r in ranks)
-    assert all(r["plan"].stage_placement == "loop" and r["plan"].microbatches == m for r in ranks)
+    assert all(r["plan"].stage_placement == placement and r["plan"].microbatches == m for r in ranks)
+    assert all(r["plan"].split_backward == split for r in ranks)
     want = _check_run(ranks, width, depth, step_lr=True, delay=1, blocks=INTERLEAVED_BLOCKS)
     assert ranks[0]["lrs"] == pytest.approx([1e-2 * 0.5 ** (t // 2) for t in range(STEPS)])
     path = launched(width * depth).dir(f"toy_{width}x{depth}_{tag}") / "ckpt" / "last.ckpt"

@@ -60,7 +60,7 @@ def _replay_versions(actions: list, m: int) -> int:
             slot = forward_slot[a.stage]
             seen[key] = (slot, slot_version[slot])
             assert slot_version[slot] == max(a.microbatch // m - 1, 0), f"{a} on wrong version"
-        elif a.kind is Kind.BACKWARD:
+        elif a.kind in (Kind.BACKWARD, Kind.INPUT_GRAD, Kind.WEIGHT_GRAD):
             slot, version = seen[key]
             assert slot_version[slot] == version, f"{a} ran on a version changed since its forward"
         elif a.kind is Kind.OPTIMIZER_STEP:
@@ -93,63 +93,122 @@ def test_golden_interleaved_windows() -> None:
     ]
 
 
-def _interleaved_layouts() -> list[tuple[int, int, int]]:
-    """(d, m, v) of interleaved 2BW: v = 2 and 3, each of the two smallest m it runs."""
+def _interleaved_layouts() -> list[tuple[int, int, int, str]]:
+    """(d, m, v, placement) of interleaved 2BW: the loop placement at v = 2 and 3, the V at v = 2,
+    each at the two smallest m it runs."""
     layouts = []
     for depth in range(2, 6):
-        for virtual in (2, 3):
-            runs = [m for m in range(depth, 5 * depth, depth) if get("2bw").runs(depth, m, virtual)]
-            layouts += [(depth, m, virtual) for m in runs[:2]]
+        for virtual, placement in ((2, "loop"), (3, "loop"), (2, "v")):
+            runs = [m for m in range(depth, 5 * depth) if get("2bw").runs(depth, m, virtual, placement)]
+            layouts += [(depth, m, virtual, placement) for m in runs[:2]]
     return layouts
 
 
-@pytest.mark.parametrize("depth,m,virtual", _interleaved_layouts())
+def _closes_batches(actions: list, m: int) -> None:
+    """Each AR follows every backward (or W) of its batch on the rank."""
+    stages = len({a.stage for a in actions if a.kind is Kind.FORWARD})
+    done: dict[int, int] = {}
+    reduced = 0
+    for a in actions:
+        if a.kind in (Kind.BACKWARD, Kind.WEIGHT_GRAD):
+            done[a.microbatch // m] = done.get(a.microbatch // m, 0) + 1
+            assert a.microbatch // m >= reduced, f"{a} after its batch's all-reduce"
+        elif a.kind is Kind.ALL_REDUCE:
+            assert done.get(reduced) == m * stages, f"all-reduce {reduced} before its batch's gradients are whole"
+            reduced += 1
+
+
+@pytest.mark.parametrize("depth,m,virtual,placement", _interleaved_layouts())
 @pytest.mark.parametrize("early", [True, False])
-def test_interleaved_programs_are_valid_and_keep_two_versions(depth: int, m: int, virtual: int, early: bool) -> None:
+@pytest.mark.parametrize("split", [False, True])
+def test_interleaved_programs_are_valid_and_keep_two_versions(
+    depth: int, m: int, virtual: int, placement: str, early: bool, split: bool
+) -> None:
     for steps in (1, 2, 4):
-        program = two_bw_run(depth, m, steps, early=early, virtual=virtual)
-        verify(program, steps * m, virtual=virtual)  # each F and B once per stage, ordered, deadlock-free
+        program = two_bw_run(depth, m, steps, split=split, early=early, virtual=virtual, placement=placement)
+        # each F and B (or I and W) once per stage, ordered, deadlock-free, the V's turn in order
+        verify(program, steps * m, virtual=virtual, placement=placement)
         for rank, actions in enumerate(program):
-            assert _replay_versions(actions, m) <= 2  # never a third weight version
+            assert _replay_versions(actions, m) <= 2  # never a third weight version, W's included
+            _closes_batches(actions, m)
             stages = {a.stage for a in actions if a.kind is Kind.FORWARD}
             versions = [a for a in actions if a.kind is Kind.VERSION]
-            assert [(a.stage, a.microbatch) for a in versions] == [
-                (s, t * m) for t in range(steps) for s in sorted(stages)
-            ], "a V at each batch's first forward on every stage"
+            assert sorted((a.stage, a.microbatch) for a in versions) == sorted(
+                (s, t * m) for t in range(steps) for s in stages
+            ), "a V at each batch's first forward on every stage"
             assert sum(a.kind is Kind.OPTIMIZER_STEP for a in actions) == steps
             assert sum(a.kind is Kind.ALL_REDUCE for a in actions) == steps
+            if split:  # the carry placement per stage: stage 0 keeps no W waiting, the others one
+                waiting = dict.fromkeys(stages, 0)
+                for a in actions:
+                    if a.kind in (Kind.INPUT_GRAD, Kind.WEIGHT_GRAD):
+                        waiting[a.stage] += 1 if a.kind is Kind.INPUT_GRAD else -1
+                        assert waiting[a.stage] <= min(a.stage, 1) + 1, f"{a}: W's waiting"
 
 
-@pytest.mark.parametrize("depth,m,virtual", _interleaved_layouts())
-def test_interleaved_window_arrivals_follow_the_senders_order(depth: int, m: int, virtual: int) -> None:
+@pytest.mark.parametrize("depth,m,virtual,placement", _interleaved_layouts())
+def test_split_interleaved_windows_are_parts_of_one_carried_stream(
+    depth: int, m: int, virtual: int, placement: str
+) -> None:
+    # Each split window (and the drain) is built from the rank's window before it alone; together
+    # they must be what the "carry" placement writes over the rank's whole stream at once.
+    from lightning_pipe.schedules.w_placement import carry_split
+
+    steps, comm = 4, (Kind.SEND_ACT, Kind.SEND_GRAD, Kind.RECV_ACT, Kind.RECV_GRAD)
+    program = two_bw_run(depth, m, steps, split=True, virtual=virtual, placement=placement)
+    plain = two_bw_run(depth, m, steps, virtual=virtual, placement=placement)
+    for rank in range(depth):
+        parts = [[a for a in plain[rank] if a.kind not in comm]]
+        whole = [a for part in carry_split(parts, m) for a in part]
+        assert [a for a in program[rank] if a.kind not in comm] == whole
+
+
+def test_golden_v_windows() -> None:
+    # The diagram of 2BW in a V in schedules/two_bw.py, written out: d=2, m=3.
+    shown = {Kind.FORWARD, Kind.BACKWARD, Kind.VERSION, Kind.ALL_REDUCE, Kind.OPTIMIZER_STEP}
+    program = two_bw_run(2, 3, 1, virtual=2, placement="v")
+    assert [format_actions([a for a in acts if a.kind in shown]) for acts in program] == [
+        "0V0 0F0 0F1 3V0 3F0 3B0 0F2 3F1 3B1 3F2 3B2 0B0 0B1 0B2 0AR 0OPT",
+        "1V0 1F0 2V0 2F0 1F1 2F1 2B0 1F2 2F2 2B1 1B0 1B1 2B2 1B2 1AR 1OPT",
+    ]
+
+
+@pytest.mark.parametrize("depth,m,virtual,placement", _interleaved_layouts())
+def test_interleaved_window_arrivals_follow_the_senders_order(depth: int, m: int, virtual: int, placement: str) -> None:
     # A window's receives, per neighbour in the order it sends them, continue one another
     # window after window: together they are the whole stream's order (runtime/comm/mailbox.py
     # reads each neighbour's messages in that order).
     steps = 6
-    run = two_bw_run(depth, m, steps, virtual=virtual)
+    run = two_bw_run(depth, m, steps, virtual=virtual, placement=placement)
     for rank in range(depth):
         got: dict[int, list] = {}
-        parts = [two_bw_arrivals(rank, depth, m, t, virtual=virtual) for t in range(steps)]
-        parts.append(two_bw_arrivals(rank, depth, m, steps - 1, drain=True, virtual=virtual))
+        parts = [two_bw_arrivals(rank, depth, m, t, virtual=virtual, placement=placement) for t in range(steps)]
+        parts.append(two_bw_arrivals(rank, depth, m, steps - 1, drain=True, virtual=virtual, placement=placement))
         for part in parts:
             for src, keys in part.items():
                 got.setdefault(src, []).extend(keys)
         assert got == receive_order(run, rank)
 
 
-@pytest.mark.parametrize("depth,m,virtual", _interleaved_layouts())
-def test_interleaved_steady_state_has_no_flush_bubble(depth: int, m: int, virtual: int) -> None:
+@pytest.mark.parametrize("depth,m,virtual,placement", _interleaved_layouts())
+def test_interleaved_steady_state_has_no_flush_bubble(depth: int, m: int, virtual: int, placement: str) -> None:
     # With unit costs a rank's step is m v forwards and m v backwards of a stage: interleaved
-    # 2BW's steady-state window takes exactly that, where interleaved 1F1B's flushed step adds
-    # its bubble, (d - 1)(F + B).
+    # 2BW's steady-state window takes exactly that under the loop placement, where interleaved
+    # 1F1B's flushed step adds its bubble, (d - 1)(F + B). In a V each window takes its lead
+    # anew: 2d - 3 more, one less than flushed ZB-V without split backward (schedules/two_bw.py).
     n = 8
-    per_step = (
-        simulate(two_bw_run(depth, m, 2 * n, virtual=virtual), unit_costs()).makespan
-        - simulate(two_bw_run(depth, m, n, virtual=virtual), unit_costs()).makespan
-    ) / n
+
+    def per_step(split: bool = False) -> float:
+        runs = [two_bw_run(depth, m, k, split, virtual=virtual, placement=placement) for k in (n, 2 * n)]
+        return (simulate(runs[1], unit_costs()).makespan - simulate(runs[0], unit_costs()).makespan) / n
+
+    if placement == "v":
+        flush = simulate(build_schedule("zbv", depth, m, virtual=2), unit_costs()).makespan
+        assert per_step() == 4 * m + 2 * depth - 3 == flush - 1
+        return
     flush = simulate(build_schedule("1f1b", depth, m, virtual=virtual), unit_costs()).makespan
-    assert per_step == 2 * m * virtual
-    assert flush == per_step + 2 * (depth - 1)
+    assert per_step() == 2 * m * virtual
+    assert flush == per_step() + 2 * (depth - 1)
 
 
 def test_gradient_sets_follow_each_ranks_program() -> None:
@@ -162,6 +221,13 @@ def test_gradient_sets_follow_each_ranks_program() -> None:
     assert gradient_sets(PipelinePlan(1, 2, 2, "2bw", virtual_stages=2, partition=[1] * 4)) == [1, 1, 1, 2]
     assert gradient_sets(PipelinePlan(1, 2, 2, "2bw", partition=[1] * 2)) == [1, 2]
     assert gradient_sets(PipelinePlan(1, 2, 2, "1f1b", virtual_stages=2, partition=[1] * 4)) == [1] * 4
+    # In a V rank 0 holds stage 0 (one set: it steps right after its all-reduce) and the last
+    # stage, whose next batch's backwards run before that step; under split backward its W's
+    # wait past the step (its I's gradients of undeferred weights are counted apart:
+    # planning/memory.resting_bytes). Rank 1's stages 1 and 2 step at the window's end.
+    for split, sets in ((False, [1, 2, 2, 2]), (True, [1, 1, 2, 1])):
+        plan = PipelinePlan(1, 2, 3, "2bw", split, virtual_stages=2, placement="v", partition=[1] * 4)
+        assert gradient_sets(plan) == sets
 
 
 @pytest.mark.parametrize("depth,m", [(2, 2), (4, 4), (4, 8), (3, 5)])
@@ -193,17 +259,18 @@ def test_a_rank_holds_the_batch_befores_gradients_only_until_its_deferred_step(d
 def test_interleaved_two_bw_refusals_name_what_to_use() -> None:
     with pytest.raises(ValueError, match="use microbatches >= 8"):
         PipelinePlan(depth=4, microbatches=4, schedule="2bw", virtual_stages=2)
-    with pytest.raises(ValueError, match="does not run split_backward=True.*use split_backward=False"):
-        PipelinePlan(depth=2, microbatches=2, schedule="2bw", virtual_stages=2, split_backward=True)
-    with pytest.raises(ValueError, match="does not run split_backward=True"):
-        two_bw_run(2, 2, 1, split=True, virtual=2)
-    with pytest.raises(ValueError, match="not 'v': use placement='loop'"):
-        PipelinePlan(depth=2, microbatches=2, schedule="2bw", virtual_stages=2, placement="v")
+    with pytest.raises(ValueError, match="2BW in a V needs microbatches >= 2 pipeline_depth - 1 = 7.*>= 7"):
+        PipelinePlan(depth=4, microbatches=6, schedule="2bw", virtual_stages=2, placement="v")
+    with pytest.raises(ValueError, match="2BW in a V runs two stages per rank.*virtual_stages=2"):
+        PipelinePlan(depth=2, microbatches=8, schedule="2bw", virtual_stages=3, placement="v")
     with pytest.raises(ValueError, match="multiple of it"):
         PipelinePlan(depth=2, microbatches=3, schedule="2bw", virtual_stages=2)
     with pytest.raises(ValueError, match="build it with two_bw_window"):
         build_schedule("2bw", 2, 2, virtual=2)
-    assert not get("2bw").runs(2, 2, 2, split=True) and get("2bw").runs(2, 2, 2)
+    assert get("2bw").runs(2, 3, 2, "v") and not get("2bw").runs(2, 2, 2, "v") and get("2bw").runs(2, 2, 2)
+    # Split backward runs at every placement: each stage of a rank keeps its own W waiting.
+    plan = PipelinePlan(depth=2, microbatches=3, schedule="2bw", virtual_stages=2, placement="v", split_backward=True)
+    assert plan.stage_placement == "v" and plan.split_backward
 
 
 def test_fewer_microbatches_than_stages_is_refused() -> None:

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from lightning_pipe import PipelinePlan
-from lightning_pipe.schedules import Kind, build_inference, build_schedule, get, verify
+from lightning_pipe.schedules import Kind, build_inference, build_schedule, get, two_bw_run, verify
 from lightning_pipe.schedules.actions import COMPUTE_KINDS
 from lightning_pipe.schedules.layout import owners, rank_stages, stage_rank
 from lightning_pipe.schedules.simulate import SimResult, simulate
@@ -79,6 +79,27 @@ def test_every_accepted_depth_and_microbatch_count_runs_without_deadlock(name: s
         assert owners(program) == {s: stage_rank(s, d, placement) for s in range(2 * d)}
         verify(build_inference(d, m, 2, placement), m, train=False, virtual=2, placement=placement)
     assert accepted >= len(DEPTHS) * 8
+
+
+@pytest.mark.parametrize("placement", ["loop", "v"])
+def test_every_accepted_two_bw_layout_streams_without_deadlock(placement: str) -> None:
+    # Interleaved 2BW at two stages per rank: every (d, m) the spec accepts streams three windows
+    # and the drain complete, ordered and deadlock-free, with and without split backward; every
+    # other one is refused by the spec and by the windows, naming the microbatches to use.
+    spec, accepted = get("2bw"), 0
+    for d, m in itertools.product(DEPTHS, MICROBATCHES):
+        if not spec.runs(d, m, 2, placement):
+            with pytest.raises(ValueError, match="microbatches"):
+                PipelinePlan(depth=d, microbatches=m, schedule="2bw", virtual_stages=2, placement=placement)
+            with pytest.raises(ValueError, match="microbatches"):
+                two_bw_run(d, m, 1, virtual=2, placement=placement)
+            continue
+        accepted += 1
+        for split in (False, True):
+            program = two_bw_run(d, m, 3, split, virtual=2, placement=placement)
+            verify(program, 3 * m, virtual=2, placement=placement)
+            assert owners(program) == {s: stage_rank(s, d, placement) for s in range(2 * d)}
+    assert accepted >= len(DEPTHS) * 3
 
 
 def test_refusals_are_clear() -> None:

@@ -53,8 +53,9 @@ class PipelinePlan:
             ``microbatches`` a multiple of ``depth``; see ``schedules/interleaved.py``: the
             bubble shrinks ``v`` times for ``v`` times the messages; with ``split_backward``
             each rank places its W's as ZB-H1 does), interleaved 2BW (``schedule="2bw"``: each
-            rank's interleaved stream never flushed, ``m v >= 2 (d-1) + (v-1) d``, no split
-            backward; see ``schedules/two_bw.py``), looped BFS, ZB-V or DualPipeV.
+            rank's stream never flushed; the loop placement needs ``m v >= 2 (d-1) + (v-1) d``,
+            the V ``v = 2`` and ``m >= 2d - 1``; with ``split_backward`` each stage of a rank keeps
+            its own W waiting; see ``schedules/two_bw.py``), looped BFS, ZB-V or DualPipeV.
         split_placement: with ``split_backward``, where the W's go (``schedules/w_placement.py``):
             ``None`` for the schedule's own (ZB-H1 for 1F1B, "bounded" for GPipe, "carry" for 2BW; named,
             it becomes ``None``: the same plan), or one of "end", "cooldown", "zb-h1", "bounded",
@@ -104,7 +105,6 @@ class PipelinePlan:
             raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
         object.__setattr__(self, "schedule", get(self.schedule).name)  # an alias names the same plan
         self.spec.check(self.depth, self.microbatches, self.virtual_stages, self.placement)
-        self.spec.check_split(self.split_backward, self.virtual_stages)
         object.__setattr__(self, "placement", self.spec.placement(self.virtual_stages, self.placement))
         self._normalise_recompute()
         self._normalise_partition()

@@ -109,12 +109,14 @@ class PipelineStrategy(DDPStrategy):
             With ``schedule="1f1b"`` the schedule is interleaved 1F1B (Megatron-LM's): the
             bubble is ``v`` times smaller for ``v`` times the messages; it needs ``microbatches``
             a multiple of ``d``, and with ``split_backward`` each rank places its W's as ZB-H1
-            does. With ``schedule="2bw"`` it is interleaved 2BW (each rank's interleaved stream
-            never flushed; ``m`` a multiple of ``d`` with ``m v >= 2 (d-1) + (v-1) d``, no split
-            backward). ``schedule="looped_bfs"`` runs any ``v``; "zbv" and "dualpipev" need ``v = 2``.
+            does. With ``schedule="2bw"`` it is interleaved 2BW (each rank's stream never
+            flushed; under the loop placement ``m`` a multiple of ``d`` with
+            ``m v >= 2 (d-1) + (v-1) d``, in a V ``v = 2`` and ``m >= 2d - 1``; split backward
+            keeps one W waiting per stage). ``schedule="looped_bfs"`` runs any ``v``; "zbv" and
+            "dualpipev" need ``v = 2``.
         placement: which rank runs which stage with ``virtual_stages > 1``: "loop" (rank ``r``:
             stages ``r, r + d, ...``) or "v" (rank ``r``: stages ``r`` and ``2d - 1 - r``, the
-            V of ZB-V and DualPipeV); ``None`` for the schedule's own (schedules/layout.py).
+            V of ZB-V and DualPipeV, and of 2BW); ``None`` for the schedule's own (schedules/layout.py).
         data_parallel: how the ``w`` replicas of a stage hold it: "ddp" (default), full copies
             whose gradients are all-reduced in buckets; "fsdp", shards: each block of the stage
             is wrapped with FSDP2's ``fully_shard`` over ``device_mesh["data_parallel"]``,

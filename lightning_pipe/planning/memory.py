@@ -400,10 +400,14 @@ def resting_bytes(
     of them, 2 under 2BW), optimizer state and (once they exist) gradients (``gradient_sets``
     batches' worth), its held microbatches' saved tensors, inputs and kept outputs, and its
     pending microbatches' captured gradients (and, with recompute, their rebuilt graphs). Its
-    buffers are counted per moment (:func:`sent_bytes`)."""
+    buffers are counted per moment (:func:`sent_bytes`). A stage with pending microbatches holds
+    the gradients their I's wrote, of the weights W does not defer (``undeferred_gradient_bytes``),
+    which may belong to a batch whose gradients ``gradient_sets`` does not count yet: under
+    interleaved 2BW a stage runs the next batch's first I before its rank's deferred step."""
     h, p, _ = point
     one = st.stash_bytes if recompute else 0
     state = versions * st.weight_bytes + st.optimizer_bytes + (gradient_sets * st.gradient_bytes if grads else 0)
+    state += st.undeferred_gradient_bytes if p else 0
     kept = (
         received_input_bytes(st, first, handed)
         + (0 if recompute else st.stash_bytes)

@@ -48,15 +48,17 @@ def _program(
     stage_placement: str = "loop",
 ) -> list[list[Action]]:
     if get(schedule).streams:  # two_bw_run, from windows shared between the runs of 2 and 3 windows
-        parts = [_two_bw_part(depth, m, t, split, False, virtual) for t in range(steps)]
-        parts.append(_two_bw_part(depth, m, steps - 1, split, True, virtual))
+        parts = [_two_bw_part(depth, m, t, split, False, virtual, stage_placement) for t in range(steps)]
+        parts.append(_two_bw_part(depth, m, steps - 1, split, True, virtual, stage_placement))
         return [list(itertools.chain.from_iterable(part[s] for part in parts)) for s in range(depth)]
     return build_schedule(schedule, depth, m, split, max_pending, virtual, placement, stage_placement)
 
 
 @functools.lru_cache(maxsize=1024)
-def _two_bw_part(depth: int, m: int, step: int, split: bool, drain: bool, virtual: int = 1) -> list[list[Action]]:
-    return (two_bw_drain if drain else two_bw_window)(depth, m, step, split, virtual=virtual)
+def _two_bw_part(
+    depth: int, m: int, step: int, split: bool, drain: bool, virtual: int = 1, stage_placement: str = "loop"
+) -> list[list[Action]]:
+    return (two_bw_drain if drain else two_bw_window)(depth, m, step, split, virtual=virtual, placement=stage_placement)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -51,8 +51,8 @@ def candidates(
     ``m = global_batch / (w * b)`` whole; every registered schedule (2BW only with
     ``allow_stale``: its update is 1-stale; a schedule registered later is covered with no change
     here); each of ``virtual_stages`` stages per rank (above 1: the schedules of several stages
-    per rank, interleaved 1F1B, looped BFS, ZB-V and DualPipeV, each in its own placement, where
-    ``d * v`` blocks and ``m`` allow); split backward off, on, and for 1F1B on in its
+    per rank, interleaved 1F1B, looped BFS, ZB-V, DualPipeV and 2BW, in each stage placement its
+    schedule runs, where ``d * v`` blocks and ``m`` allow); split backward off, on, and for 1F1B on in its
     drain only, one stage per rank (:data:`_SPLITS`); the time-balanced
     partition and, under a memory limit, the memory-aware one
     (:func:`lightning_pipe.planning.madpipe.madpipe_partition`, one or two stages per rank) when they differ;
@@ -72,9 +72,10 @@ def candidates(
     for (width, depth, virtual), name, (split, placement) in itertools.product(layouts, names, _SPLITS):
         if placement == "drain" and not get(name).offers_drain(virtual):
             continue
-        for b in (b for b in range(1, global_batch + 1) if global_batch % (width * b) == 0):
+        shapes = get(name).placements if virtual > 1 else ("loop",)
+        for b, shape in itertools.product(_sizes(global_batch, width), shapes):
             m = global_batch // (width * b)
-            if not get(name).runs(depth, m, virtual, split=split):
+            if not get(name).runs(depth, m, virtual, shape):
                 continue
             plan = PipelinePlan(
                 width,
@@ -85,12 +86,18 @@ def candidates(
                 partition=ranges.balanced(depth * virtual, b),
                 virtual_stages=virtual,
                 split_placement=placement,
+                placement=shape if virtual > 1 else None,
             )
             memory_aware = _memory_aware(ranges, plan, b, memory_limit)
             extra = [p for p in partitions if len(p) == plan.stages]
             for partition in dict.fromkeys([plan.partition, *([memory_aware] if memory_aware else []), *extra]):
                 for replicas in _replicas(profile, plan.replace(partition=partition), fsdp):
                     yield Candidate(replicas, b)
+
+
+def _sizes(global_batch: int, width: int) -> list[int]:
+    """Microbatch sizes ``b`` that split each replica's share of ``global_batch`` into whole microbatches."""
+    return [b for b in range(1, global_batch + 1) if global_batch % (width * b) == 0]
 
 
 def _replicas(profile: Profile, plan: PipelinePlan, fsdp: bool = True) -> Iterator[PipelinePlan]:

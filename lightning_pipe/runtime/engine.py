@@ -140,7 +140,9 @@ class PipelineEngine:
         if self.streaming:
             v = plan.virtual_stages
             verify(
-                two_bw_run(plan.depth, plan.microbatches, 3, plan.split_backward, self.early_step, v),
+                two_bw_run(
+                    plan.depth, plan.microbatches, 3, plan.split_backward, self.early_step, v, plan.stage_placement
+                ),
                 3 * plan.microbatches,
                 virtual=v,
                 placement=plan.stage_placement,
@@ -253,7 +255,9 @@ class PipelineEngine:
     def _window(self) -> tuple[list[Action], Optional[dict[int, list[Action]]]]:
         if self.streaming:
             d, m, split, v = self.topology.depth, self.microbatches, self.split_backward, self.plan.virtual_stages
-            window = two_bw_stage_window(self.stage_index, d, m, self._batches, split, self.early_step, v)
+            window = two_bw_stage_window(
+                self.stage_index, d, m, self._batches, split, self.early_step, v, self.plan.stage_placement
+            )
             return window, self._stream_arrivals(self._batches, drain=False)
         return self._program(True, self.microbatches)
 
@@ -265,7 +269,7 @@ class PipelineEngine:
         if v == 1:
             return None
         d, m = self.topology.depth, self.microbatches
-        order = two_bw_arrivals(self.stage_index, d, m, step, drain, self.early_step, v)
+        order = two_bw_arrivals(self.stage_index, d, m, step, drain, self.early_step, v, self.plan.stage_placement)
         return {self._peer(q): keys for q, keys in order.items()}
 
     def _hooks(self) -> Hooks:
@@ -449,7 +453,8 @@ class PipelineEngine:
         """2BW: run the remaining backwards, the last all-reduce and step; collapse the weight versions."""
         last = self._batches - 1
         d, m, split = self.topology.depth, self.microbatches, self.split_backward
-        program = two_bw_stage_drain(self.stage_index, d, m, last, split, self.early_step, self.plan.virtual_stages)
+        v, placement = self.plan.virtual_stages, self.plan.stage_placement
+        program = two_bw_stage_drain(self.stage_index, d, m, last, split, self.early_step, v, placement)
         with torch.inference_mode(False), torch.enable_grad():  # Lightning may call this from evaluation
             self._train(program, wait=True, arrivals=self._stream_arrivals(last, drain=True))
         self.versions.collapse(self._optimizer, self._batches - 1)

@@ -151,16 +151,26 @@ def _bfs_forwards(stage_placement: str):
 def _split_2bw(
     part: list[Action], before: list[Action], microbatches: int, steps_before: int, split: bool
 ) -> list[Action]:
-    """``part`` of a stage's 2BW stream, split by the ``"carry"`` placement (schedules/w_placement.py):
-    the W carried from the part ``before`` it (the previous window, after ``steps_before``
-    optimizer steps) runs in this one."""
+    """``part`` of a rank's 2BW stream (one stage's, or an interleaved rank's), split by the
+    ``"carry"`` placement (schedules/w_placement.py): the W's carried from the part ``before`` it
+    (the previous window, after ``steps_before`` optimizer steps) run in this one."""
     return carry_split([before, part], microbatches, steps_before)[1] if split else part
 
 
-def _check_2bw(split: bool, virtual: int) -> None:
-    """Refuse split backward with interleaved 2BW (``schedules/registry.py``); its windows check
-    ``(d, m, v)`` themselves (``two_bw.check_interleaved``)."""
-    get("2bw").check_split(split, virtual)
+def _rank_window(
+    rank: int, depth: int, microbatches: int, step: int, early: bool, virtual: int, placement: str
+) -> list[Action]:
+    """Interleaved 2BW: rank ``rank``'s compute actions of window ``step`` under ``placement``."""
+    if placement == "v":
+        return two_bw.v_window(rank, depth, microbatches, step, early)
+    return two_bw.rank_window(rank, depth, microbatches, step, virtual, early)
+
+
+def _rank_drain(rank: int, depth: int, microbatches: int, last_step: int, virtual: int, placement: str) -> list[Action]:
+    """Interleaved 2BW: rank ``rank``'s compute actions of the drain after ``last_step`` under ``placement``."""
+    if placement == "v":
+        return two_bw.v_drain(rank, depth, microbatches, last_step)
+    return two_bw.rank_drain(rank, depth, microbatches, last_step, virtual)
 
 
 def two_bw_stage_window(
@@ -171,15 +181,18 @@ def two_bw_stage_window(
     split: bool = False,
     early: bool = True,
     virtual: int = 1,
+    placement: str = "loop",
 ) -> list[Action]:
     """Stage ``stage``'s full 2BW program for training step ``step`` (its list in
     :func:`two_bw_window`; a rank builds only its own each step); ``early``: stage 0 steps right
     after its all-reduce (see schedules/two_bw.py). With ``virtual > 1``, pipeline rank
-    ``stage``'s interleaved 2BW program over its stages (loop placement)."""
-    _check_2bw(split, virtual)
+    ``stage``'s interleaved 2BW program over the stages ``placement`` gives it (``"loop"`` or
+    ``"v"``, schedules/layout.py)."""
     if virtual > 1:
-        part = two_bw.rank_window(stage, depth, microbatches, step, virtual, early)
-        return add_communication(part, depth * virtual, stage_ranks(depth, virtual))
+        window = partial(_rank_window, stage, depth, microbatches, early=early, virtual=virtual, placement=placement)
+        before = window(step - 1) if split and step else []
+        part = _split_2bw(window(step), before, microbatches, max(step - 2, 0), split)
+        return add_communication(part, depth * virtual, stage_ranks(depth, virtual, placement))
     before = two_bw.window(stage, depth, microbatches, step - 1, early) if split and step else []
     part = _split_2bw(
         two_bw.window(stage, depth, microbatches, step, early), before, microbatches, max(step - 2, 0), split
@@ -188,10 +201,16 @@ def two_bw_stage_window(
 
 
 def two_bw_window(
-    depth: int, microbatches: int, step: int, split: bool = False, early: bool = True, virtual: int = 1
+    depth: int,
+    microbatches: int,
+    step: int,
+    split: bool = False,
+    early: bool = True,
+    virtual: int = 1,
+    placement: str = "loop",
 ) -> Schedule:
     """Full 2BW program of every rank for training step ``step`` (:func:`two_bw_stage_window`)."""
-    return [two_bw_stage_window(s, depth, microbatches, step, split, early, virtual) for s in range(depth)]
+    return [two_bw_stage_window(s, depth, microbatches, step, split, early, virtual, placement) for s in range(depth)]
 
 
 def two_bw_stage_drain(
@@ -202,13 +221,21 @@ def two_bw_stage_drain(
     split: bool = False,
     early: bool = True,
     virtual: int = 1,
+    placement: str = "loop",
 ) -> list[Action]:
     """Stage ``stage``'s full 2BW program that finishes the stream after ``last_step`` (its list in
-    :func:`two_bw_drain`); with ``virtual > 1``, pipeline rank ``stage``'s over its stages."""
-    _check_2bw(split, virtual)
+    :func:`two_bw_drain`); with ``virtual > 1``, pipeline rank ``stage``'s over the stages
+    ``placement`` gives it."""
     if virtual > 1:
-        part = two_bw.rank_drain(stage, depth, microbatches, last_step, virtual)
-        return add_communication(part, depth * virtual, stage_ranks(depth, virtual))
+        before = _rank_window(stage, depth, microbatches, last_step, early, virtual, placement) if split else []
+        part = _split_2bw(
+            _rank_drain(stage, depth, microbatches, last_step, virtual, placement),
+            before,
+            microbatches,
+            max(last_step - 1, 0),
+            split,
+        )
+        return add_communication(part, depth * virtual, stage_ranks(depth, virtual, placement))
     before = two_bw.window(stage, depth, microbatches, last_step, early) if split else []
     part = _split_2bw(
         two_bw.drain(stage, depth, microbatches, last_step), before, microbatches, max(last_step - 1, 0), split
@@ -217,18 +244,32 @@ def two_bw_stage_drain(
 
 
 def two_bw_drain(
-    depth: int, microbatches: int, last_step: int, split: bool = False, early: bool = True, virtual: int = 1
+    depth: int,
+    microbatches: int,
+    last_step: int,
+    split: bool = False,
+    early: bool = True,
+    virtual: int = 1,
+    placement: str = "loop",
 ) -> Schedule:
     """Full 2BW program of every rank that finishes the stream after ``last_step`` (:func:`two_bw_stage_drain`)."""
-    return [two_bw_stage_drain(s, depth, microbatches, last_step, split, early, virtual) for s in range(depth)]
+    return [
+        two_bw_stage_drain(s, depth, microbatches, last_step, split, early, virtual, placement) for s in range(depth)
+    ]
 
 
 def two_bw_run(
-    depth: int, microbatches: int, steps: int, split: bool = False, early: bool = True, virtual: int = 1
+    depth: int,
+    microbatches: int,
+    steps: int,
+    split: bool = False,
+    early: bool = True,
+    virtual: int = 1,
+    placement: str = "loop",
 ) -> Schedule:
     """``steps`` consecutive 2BW windows and the drain, concatenated per rank (for checks)."""
-    parts = [two_bw_window(depth, microbatches, t, split, early, virtual) for t in range(steps)]
-    parts.append(two_bw_drain(depth, microbatches, steps - 1, split, early, virtual))
+    parts = [two_bw_window(depth, microbatches, t, split, early, virtual, placement) for t in range(steps)]
+    parts.append(two_bw_drain(depth, microbatches, steps - 1, split, early, virtual, placement))
     return [[a for part in parts for a in part[s]] for s in range(depth)]
 
 
@@ -245,6 +286,7 @@ def two_bw_arrivals(
     drain: bool = False,
     early: bool = True,
     virtual: int = 1,
+    placement: str = "loop",
 ) -> dict[int, list[Action]]:
     """Pipeline rank ``rank``'s receives in its 2BW window ``step`` (or, ``drain``, in the drain
     after it), per source rank in the order that rank sends them (:func:`receive_order` over the
@@ -255,7 +297,7 @@ def two_bw_arrivals(
     the order is found once per ``(rank, window or drain)`` and shifted."""
     base = min(step, _REACH + 1)
     shift = (step - base) * microbatches
-    order = _arrivals(rank, depth, microbatches, base, drain, early, virtual)
+    order = _arrivals(rank, depth, microbatches, base, drain, early, virtual, placement)
     if not shift:
         return {src: list(keys) for src, keys in order.items()}
     return {src: [action(a.stage, a.kind, a.microbatch + shift) for a in keys] for src, keys in order.items()}
@@ -263,12 +305,12 @@ def two_bw_arrivals(
 
 @lru_cache(maxsize=256)
 def _arrivals(
-    rank: int, depth: int, microbatches: int, step: int, drain: bool, early: bool, virtual: int
+    rank: int, depth: int, microbatches: int, step: int, drain: bool, early: bool, virtual: int, placement: str
 ) -> dict[int, tuple[Action, ...]]:
     first, last = max(step - _REACH, 0), step + (0 if drain else _REACH)
-    parts = [two_bw_window(depth, microbatches, t, False, early, virtual) for t in range(first, last + 1)]
+    parts = [two_bw_window(depth, microbatches, t, False, early, virtual, placement) for t in range(first, last + 1)]
     if drain:
-        parts.append(two_bw_drain(depth, microbatches, step, False, early, virtual))
+        parts.append(two_bw_drain(depth, microbatches, step, False, early, virtual, placement))
     stream = [[a for part in parts for a in part[r]] for r in range(depth)]
     own = parts[-1][rank] if drain else parts[step - first][rank]
     mine = {a for a in own if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD)}

@@ -53,14 +53,12 @@ class ScheduleSpec:
             backward each I becomes the whole B, run where the I ran (``v_shape.join_backward``).
         microbatches_at_least: needs ``m >= microbatches_at_least * d`` (DualPipeV: 2, one
             microbatch per stage of the V).
-        rounds: with ``virtual_stages > 1`` it runs microbatches in rounds of ``d`` (interleaved
-            1F1B: ``m`` a multiple of ``d``).
+        rounds: with ``virtual_stages > 1`` and the loop placement it runs microbatches in rounds
+            of ``d`` (interleaved 1F1B: ``m`` a multiple of ``d``).
         drain_split: offers ``split_placement="drain"`` with one stage per rank.
         microbatches_at_least_depth: needs ``m >= d`` (2BW: otherwise a third weight version
             would be in flight).
         aliases: other names accepted for it (torch.distributed.pipelining's class names).
-        interleaved_split: runs split backward with ``virtual_stages > 1`` (not interleaved 2BW,
-            whose ``"carry"`` W placement follows one stage per rank).
     """
 
     name: str
@@ -83,7 +81,6 @@ class ScheduleSpec:
     microbatches_at_least: int = 0
     rounds: bool = True
     one_stage: Optional[str] = None
-    interleaved_split: bool = True
 
     def check(self, depth: int, microbatches: int, virtual: int = 1, placement: Optional[str] = None) -> None:
         """Raise a clear ``ValueError`` unless it runs ``microbatches`` on ``depth`` ranks of
@@ -111,7 +108,8 @@ class ScheduleSpec:
                     f"schedule {self.name!r} runs the stage placements {list(self.placements)}, not {placement!r}: "
                     f"use placement={self.placements[0]!r}"
                 )
-        interleaved.check(depth, microbatches, virtual if self.rounds else 1)
+        shape = self.placement(virtual, placement)
+        interleaved.check(depth, microbatches, virtual if self.rounds and shape == "loop" else 1)
         if virtual > 1 and depth < 2:
             raise ValueError("virtual_stages > 1 needs pipeline_depth >= 2 (one rank gains nothing from interleaving)")
         if self.microbatches_at_least and microbatches < self.microbatches_at_least * depth:
@@ -120,35 +118,17 @@ class ScheduleSpec:
                 f"(one per stage of the V; got m={microbatches}, d={depth})"
             )
         if self.streams and virtual > 1:
-            two_bw.check_interleaved(depth, microbatches, virtual)
+            (two_bw.check_v if shape == "v" else two_bw.check_interleaved)(depth, microbatches, virtual)
         if self.microbatches_at_least_depth and microbatches < depth:
             raise ValueError(
                 f"schedule {self.name!r} needs microbatches >= pipeline_depth (got m={microbatches}, d={depth}); "
                 "with fewer, in-flight microbatches would need a third weight version"
             )
 
-    def check_split(self, split: bool, virtual: int = 1) -> None:
-        """Raise a clear ``ValueError`` unless it runs ``split`` backward at ``virtual`` stages per rank."""
-        if split and virtual > 1 and not self.interleaved_split:
-            raise ValueError(
-                f"schedule {self.name!r} with virtual_stages={virtual} does not run split_backward=True: "
-                f"its W placement follows one stage per rank; use split_backward=False, virtual_stages=1 "
-                f"for {self.name!r} with split backward, or schedule='1f1b' (interleaved, split)"
-            )
-
-    def runs(
-        self,
-        depth: int,
-        microbatches: int,
-        virtual: int = 1,
-        placement: Optional[str] = None,
-        split: bool = False,
-    ) -> bool:
-        """Whether :meth:`check` accepts ``(depth, microbatches, virtual, placement)`` and
-        :meth:`check_split` ``split``."""
+    def runs(self, depth: int, microbatches: int, virtual: int = 1, placement: Optional[str] = None) -> bool:
+        """Whether :meth:`check` accepts ``(depth, microbatches, virtual, placement)``."""
         try:
             self.check(depth, microbatches, virtual, placement)
-            self.check_split(split, virtual)
         except ValueError:
             return False
         return True
@@ -230,7 +210,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             None,
             streams=True,
             interleaves=True,
-            interleaved_split=False,
+            placements=("loop", "v"),
             weight_versions=2,
             gradient_sets=2,
             stale=True,

@@ -45,6 +45,9 @@ all-reduce and the optimizer step, so it is delayed into time the stage would id
   (schedules/two_bw.py), which waits for every stage's gradient norm: after the next I, the
   stages above would post it a whole F + I + W later (5% slower on the GPT example, measured).
   Stage 0 runs each W right after its I (its input needs no gradient, so its I is empty).
+  On a rank of several stages (interleaved 2BW, loop or V placement) each stage keeps its own
+  W waiting by the same rule, and the rank's all-reduce of a batch waits for every W of that
+  batch on the rank.
 
 - ``"drain"`` (1F1B's memory; PipelinePlan takes it for 1F1B with one stage per rank): only
   the backwards of the cool-down phase split, each W right
@@ -123,46 +126,94 @@ def _split_drain(actions: list[Action]) -> list[Action]:
 
 
 def carry_split(parts: Sequence[list[Action]], microbatches: int, steps_before: int = 0) -> list[list[Action]]:
-    """2BW's ``"carry"`` placement over consecutive parts of one stage's stream (windows, then
-    the drain): each B becomes I; past stage 0 the W waits until the stage's next I has run (one
-    W waiting at most, across windows), a batch's last W only until its next F; each all-reduce
-    moves to right after the W of the backward it followed, and an optimizer step that applies
-    batch ``b`` (the stream's ``b``-th, counting from ``steps_before`` at the first part) waits
-    for batch ``b``'s all-reduce. 2BW's step of batch ``t - 1`` ends window ``t``, where the
-    last stage has read batch ``t``'s all-reduce too: that one stays behind its W.
+    """2BW's ``"carry"`` placement over consecutive parts of one rank's stream (windows, then the
+    drain), over each stage it runs (one, or several under interleaved 2BW): each B becomes I;
+    past stage 0 a stage's W waits until that stage's next I has run (one W waiting at most per
+    stage, across windows), a W that holds up its batch's all-reduce only until the stage's next
+    F. The rank's all-reduce of batch ``b`` (it follows the rank's last backward of ``b``) is
+    written once no W of ``b`` waits on any of its stages, its gradients then whole; an optimizer
+    step that applies batch ``b`` (the stream's ``b``-th, counting from ``steps_before`` at the
+    first part) first writes every W of ``b`` and earlier still waiting. 2BW's step of batch
+    ``t - 1`` ends window ``t``, where the last stage has read batch ``t``'s all-reduce too: that
+    one stays behind its W.
 
     Returns:
         Per part, what is written while it is read. A W still waiting after the last part is
         not written: it belongs to the part after (a window's next window, or its drain). The
         first part's output is complete only when the stream starts with it; from the second
-        on, each is its part of the whole stream's, provided the part before holds a backward.
+        on, each is its part of the whole stream's, provided the part before holds a backward
+        of every stage.
     """
     out: list[list[Action]] = [[] for _ in parts]
-    waiting: list[tuple[Action, bool]] = []  # a W, and whether its batch's all-reduce follows it
+    state = _RankCarry(microbatches)
     stepped = steps_before
     for written, actions in zip(out, parts):
+        state.written = written
         for a in actions:
-            if a.kind is Kind.ALL_REDUCE and waiting:
-                waiting[-1] = (waiting[-1][0], True)
-                continue
-            if a.kind is Kind.OPTIMIZER_STEP:
-                while waiting and waiting[0][0].microbatch // microbatches <= stepped:
-                    _write_weight_grad(written, *waiting.pop(0))
+            if a.kind is Kind.BACKWARD:
+                state.backward(a)
+            elif a.kind is Kind.ALL_REDUCE:
+                state.all_reduce(a)
+            elif a.kind is Kind.OPTIMIZER_STEP:
+                state.flush(stepped)
                 stepped += 1
-            if a.kind is not Kind.BACKWARD:
                 written.append(a)
-                if a.kind is Kind.FORWARD and waiting and waiting[0][1]:
-                    _write_weight_grad(written, *waiting.pop(0))
-                continue
-            written.append(action(a.stage, Kind.INPUT_GRAD, a.microbatch))
-            waiting.append((action(a.stage, Kind.WEIGHT_GRAD, a.microbatch), False))
-            while len(waiting) > min(a.stage, 1):
-                _write_weight_grad(written, *waiting.pop(0))
+            else:
+                written.append(a)
+                if a.kind is Kind.FORWARD:
+                    state.forward(a.stage)
     return out
 
 
-def _write_weight_grad(written: list[Action], weight_grad: Action, closes_batch: bool) -> None:
-    """Write a W and, where it is its batch's last, the all-reduce."""
-    written.append(weight_grad)
-    if closes_batch:
-        written.append(action(weight_grad.stage, Kind.ALL_REDUCE))
+class _RankCarry:
+    """:func:`carry_split`'s state: each stage's waiting W's and the all-reduces they hold up."""
+
+    def __init__(self, microbatches: int) -> None:
+        self.microbatches = microbatches
+        self.written: list[Action] = []
+        self.waiting: dict[int, list[Action]] = {}  # per stage, oldest first
+        self.reduces: list[tuple[int, Action]] = []  # (batch, its all-reduce) held up by W's
+        self.last_batch = -1  # the batch of the last backward read
+
+    def _batch(self, a: Action) -> int:
+        return a.microbatch // self.microbatches
+
+    def _held(self, batch: int) -> bool:
+        return any(self._batch(w) <= batch for ws in self.waiting.values() for w in ws)
+
+    def _write(self, w: Action) -> None:
+        self.waiting[w.stage].remove(w)
+        self.written.append(w)
+        while self.reduces and not self._held(self.reduces[0][0]):
+            self.written.append(self.reduces.pop(0)[1])
+
+    def backward(self, a: Action) -> None:
+        """An I now; its W waits (stage 0: none waits)."""
+        self.last_batch = self._batch(a)
+        self.written.append(action(a.stage, Kind.INPUT_GRAD, a.microbatch))
+        mine = self.waiting.setdefault(a.stage, [])
+        mine.append(action(a.stage, Kind.WEIGHT_GRAD, a.microbatch))
+        while len(mine) > min(a.stage, 1):
+            self._write(mine[0])
+
+    def all_reduce(self, a: Action) -> None:
+        """Now, or once the last W of its batch is written."""
+        if self._held(self.last_batch):
+            self.reduces.append((self.last_batch, a))
+        else:
+            self.written.append(a)
+
+    def forward(self, stage: int) -> None:
+        """After a stage's F: its W's that hold up an all-reduce."""
+        if self.reduces:
+            for w in [w for w in self.waiting.get(stage, []) if self._batch(w) <= self.reduces[-1][0]]:
+                self._write(w)
+
+    def flush(self, batch: int) -> None:
+        """Before the step that applies ``batch``: every W of it and earlier, by microbatch (the
+        later stage's first, as their I's ran)."""
+        for w in sorted(
+            (w for ws in self.waiting.values() for w in ws if self._batch(w) <= batch),
+            key=lambda w: (w.microbatch, -w.stage),
+        ):
+            self._write(w)
