@@ -174,6 +174,6 @@ def test_fsdp_split_backward_priced_as_the_runtime_gathers() -> None:
     assert [costs.gathers(zero2, Action(1, k, 0)) for k in (Kind.INPUT_GRAD, Kind.WEIGHT_GRAD)] == [0.0, 0.0]
     assert predict.sharding(profile, plan, 1).gathered_bytes == 2 * PARAMS  # both blocks of the stage
     assert predict.sharding(profile, plan.replace(split_backward=False, partition=(1, 3)), 1).gathered_bytes == (
-        2 * PARAMS  # the largest of three blocks twice: its flat all-gather output and its parameters
+        PARAMS  # the largest of three blocks (its flat all-gather output is counted at its gather)
     )
     assert not search.offers_fsdp(profile, plan)  # the search keeps split backward on DDP replicas

@@ -57,6 +57,47 @@ class StageCosts:
     # split backward: of ``captured_bytes``, the stage's input (its first block's deferred call keeps it for W)
     captured_input_bytes: int = 0
     mixed_output: bool = False
+    # ZeRO-3 (runtime/sharding.py): the most one microbatch holds beyond its saved tensors while a
+    # block's flat all-gather output is alive, in its forward and in a full backward (_gather_peaks),
+    # and, beyond them and the stage's whole weights, in a deferring I (_input_grad_peak)
+    forward_gather_bytes: int = 0
+    backward_gather_bytes: int = 0
+    input_grad_gather_bytes: int = 0
+
+
+def _gather_peaks(
+    forward_samples: Sequence[BlockSample],
+    samples: Sequence[BlockSample],
+    weights: Sequence[int],
+    last_incoming: int = 0,
+    kept_output: int = 0,
+) -> tuple[int, int]:
+    """The most one microbatch holds beyond its saved tensors (negative where it stays below
+    them) while a block's flat all-gather output is alive under ZeRO-3, in a forward and in a
+    full backward: the output, the block's weights (``weights``, per block), until its copy-out
+    into the unsharded parameters ends (runtime/sharding.py frees it then, before the block
+    computes; the unsharded parameters are the stage's to count). Before block ``j``'s forward:
+    the saved tensors of blocks ``0..j-1`` and its input, the previous block's output (the
+    stage's input is counted with the stage). Before its backward: the saved tensors of blocks
+    ``0..j`` (the blocks after it have freed theirs), the stage output's part the last block
+    saved (kept by the executor, ``kept_output``), and the gradient it starts from, the next
+    block's input gradient (the stage's last block's is counted with the stage, or
+    ``last_incoming``), as in :func:`_backward_peaks`, whose blocks ``samples`` are (with
+    recompute on the last stage, as the loss's backward leaves them; ``forward_samples`` as profiled)."""
+
+    def saved_before(blocks: Sequence[BlockSample]) -> list[int]:  # [j]: blocks 0..j-1, inner inputs once
+        inner = [0] + [max(b.saved_input_bytes - a.saved_output_bytes, 0) for a, b in zip(blocks, blocks[1:])]
+        return [0] + list(itertools.accumulate(x.saved_bytes + i for x, i in zip(blocks, inner)))
+
+    saved = saved_before(forward_samples)
+    inputs = [0] + [x.output_bytes for x in forward_samples[:-1]]
+    forward = max(saved[j] + inputs[j] + w for j, w in enumerate(weights)) - saved[-1]
+    saved = saved_before(samples)
+    incoming = [x.output_bytes for x in samples[:-1]] + [last_incoming]
+    last = len(samples) - 1
+    kept = [kept_output if j < last else 0 for j in range(len(samples))]  # the root, once its block freed it
+    backward = max(saved[j + 1] + kept[j] + incoming[j] + w for j, w in enumerate(weights)) - saved[-1]
+    return forward, backward
 
 
 def _backward_peaks(
@@ -149,7 +190,12 @@ def _inner_inputs(samples: Sequence[BlockSample]) -> int:
     return sum(max(b.saved_input_bytes - a.saved_output_bytes, 0) for a, b in zip(samples, samples[1:]))
 
 
-def _input_grad_peak(samples: Sequence[BlockSample], returned: Sequence[int], kept_output: int = 0) -> int:
+def _input_grad_peak(
+    samples: Sequence[BlockSample],
+    returned: Sequence[int],
+    kept_output: int = 0,
+    workspaces: Optional[Sequence[int]] = None,
+) -> int:
     """A deferring I's peak over the stage's whole graph (negative where it stays below it). It
     runs the blocks last to first, freeing each block's saved tensors as it goes (no
     ``retain_graph``), so while block ``j`` runs the stage holds the saved tensors of blocks
@@ -157,15 +203,17 @@ def _input_grad_peak(samples: Sequence[BlockSample], returned: Sequence[int], ke
     block kept for W, the gradients of the later blocks' other weights (``returned``, per block:
     norms, biases; the autograd call returns them all at its end), the gradient of block ``j``'s
     output unless the block is the stage's last (the stage's model counts that one), and block
-    ``j``'s I temporaries (profiled beside its whole graph); beside the blocks before the last, also
-    ``kept_output`` (:func:`_kept_stage_output`)."""
+    ``j``'s I temporaries (profiled beside its whole graph; ``workspaces``: per block, bytes in
+    their place, as a ZeRO-3 block's flat all-gather output before it runs); beside the blocks
+    before the last, also ``kept_output`` (:func:`_kept_stage_output`)."""
     inner = [0] + [max(b.saved_input_bytes - a.saved_output_bytes, 0) for a, b in zip(samples, samples[1:])]
     saved = [0] + list(itertools.accumulate(x.saved_bytes + i for x, i in zip(samples, inner)))
     kept_after, peak = 0, None
     for i in reversed(range(len(samples))):
         incoming = samples[i].output_bytes if i < len(samples) - 1 else 0  # as in _backward_peaks
         root = kept_output if i < len(samples) - 1 else 0  # the last block's own saved tensors hold it
-        here = saved[i + 1] + root + kept_after + incoming + samples[i].input_grad_workspace_bytes
+        workspace = samples[i].input_grad_workspace_bytes if workspaces is None else workspaces[i]
+        here = saved[i + 1] + root + kept_after + incoming + workspace
         peak = here if peak is None else max(peak, here)
         kept_after += samples[i].captured_bytes + returned[i]
     return (peak or 0) - saved[-1]
@@ -201,6 +249,9 @@ def range_costs(
     backward, incoming = _recomputed(mine) if recompute and mine[-1].loss_bytes else (mine, 0)
     kept = _kept_stage_output(mine, recompute, blocks.stop == len(profile.blocks))
     first_backward, excess = _backward_peaks(backward, [b.gradient_bytes for b in states], bucket_cap, incoming, kept)
+    weights = [b.parameter_bytes for b in states]
+    forward_gather, backward_gather = _gather_peaks(mine, backward, weights, incoming, kept)
+    returned = [b.undeferred_gradient_bytes for b in states]
     recomputing = sum(x.recompute for x in mine) if recompute else 0.0
     # Split backward: stage 0's input needs no gradient, so its I only recomputes (if it does) and
     # its W runs the whole backward (the executor's I finds no input to differentiate).
@@ -233,11 +284,19 @@ def range_costs(
         loss_bytes=mine[-1].loss_bytes,
         loss_saved_bytes=mine[-1].loss_saved_bytes,
         optimizer_step_bytes=step_bytes(profile, states),
-        input_grad_workspace_bytes=_input_grad_peak(mine, [b.undeferred_gradient_bytes for b in states], kept),
+        input_grad_workspace_bytes=_input_grad_peak(mine, returned, kept),
         undeferred_gradient_bytes=sum(b.undeferred_gradient_bytes for b in states),
         mixed_input=first > 0 and profile.blocks[first - 1].mixed_output,
         captured_input_bytes=mine[0].captured_input_bytes,
         mixed_output=states[-1].mixed_output,
+        forward_gather_bytes=forward_gather,
+        backward_gather_bytes=backward_gather,
+        # An I gathers its stage's blocks last to first (FSDP's pre-backward hooks), block j's flat
+        # output and weights beside the later blocks' weights, the earlier ones not gathered yet:
+        # beside the stage's whole weights, its own less the earlier blocks'.
+        input_grad_gather_bytes=_input_grad_peak(
+            mine, returned, kept, [w - before for w, before in zip(weights, itertools.accumulate([0, *weights]))]
+        ),
         # As the executor decides: a stage with an input gradient whose matrices are all linear,
         # convolution or embedding weights.
         frees_graph_at_input_grad=first > 0

@@ -30,25 +30,33 @@ class Sharding:
 
     Attributes:
         width: replicas the stage's weights, optimizer state and reduced gradients are split over.
-        gathered_bytes: the weights gathered beside the shards under ZeRO-3 while a block runs:
-            the largest block's twice, its flat all-gather output and its unsharded parameters
-            copied out of it (FSDP2's ``foreach_all_gather`` and ``foreach_all_gather_copy_out``).
-            FSDP drops the flat output after the copy, but it stays alive into the block's
-            forward and backward by a time that varies from rank to rank and run to run (the
-            gloo collective's work is the likely holder): counted through both. Under split
-            backward every block's (a stage stays gathered from an I until its W).
+        gathered_bytes: the weights gathered beside the shards under ZeRO-3: the largest block's,
+            while it runs (each block's unsharded parameters, from its gather to its reshard);
+            under split backward every block's (a stage stays gathered from an I until its W).
+            Each gather also holds the block's flat all-gather output until its copy-out ends
+            (FSDP2's ``foreach_all_gather`` and ``foreach_all_gather_copy_out``; the runtime
+            frees it then): :func:`~lightning_pipe.planning.costs.range_costs` counts it with
+            each block's gather, :func:`stage_memory_terms` at the moments that gather.
         kept_gathered: ZeRO-2 (``reshard_after_forward=False``): every block's weights stay
             gathered from its first forward to the reduce-scatter.
         largest_bytes: the largest block's weights: at the reduce-scatter, each block's
             gradients are copied into one flat input and scattered into its ``1/w`` shard before
             its whole gradients go (FSDP2's ``foreach_reduce``); the largest block's flat input
             and shard are its worst (0: ``gathered_bytes`` instead).
+        held_for_w: split backward: the stage's blocks stay gathered from an I to its W
+            (``ShardedStage``), ``gathered_bytes`` every block's.
+        gather_all_bytes: split backward under ZeRO-3: the most a W's gather of the stage holds
+            beyond every block's weights (negative where it stays below): it gathers the blocks
+            first to last, block ``j``'s flat output beside the weights of blocks ``0..j``
+            (``ShardedStage.gather``).
     """
 
     width: int
     gathered_bytes: int
     kept_gathered: bool = False
     largest_bytes: int = 0
+    held_for_w: bool = False
+    gather_all_bytes: int = 0
 
 
 #: The global gradient norm's square, a float32 scalar each rank keeps from its all-reduce to the
@@ -109,8 +117,9 @@ def stage_memory_terms(
     output, the gradient that stage's input gradient, neither a message.
 
     ``sharding`` (FSDP replicas, runtime/sharding.py): weights and optimizer state are ``1/w``
-    shards; beside them the weights FSDP gathers: under ZeRO-3 the largest block's twice (its flat
-    all-gather output and its unsharded parameters, :class:`Sharding`), under ZeRO-2 every block's; the
+    shards; beside them the weights FSDP gathers: under ZeRO-3 the largest block's (under split
+    backward every block's), and at each gather, until its copy-out ends, the block's flat
+    all-gather output (:class:`Sharding`), under ZeRO-2 every block's; the
     batch's gradients accumulate whole, unsharded, until the reduce-scatter, where they meet
     the largest block's flat copy and its ``1/w`` result (and under ZeRO-2 the other blocks'
     gathered weights); the optimizer step holds shards only
@@ -171,18 +180,41 @@ def stage_memory_terms(
     # previous stage on the same rank, the V's turn, it goes as it is). Until an I ends, its
     # microbatch keeps the output it runs from (the executor's roots), which a pending one has dropped.
     sent_gradient = 0 if first else st.input_bytes + (0 if handed else HEADER_BYTES + st.input_bytes)
+    root = bws - st.backward_workspace_bytes  # the gradient a backward starts from
+    input_grad_ws, full_input_grad_ws, gather_all = st.input_grad_workspace_bytes, bws, None
+    if sharding is not None and not sharding.kept_gathered:
+        # ZeRO-3: a block's gather holds its flat all-gather output beside its unsharded weights
+        # until the copy-out ends, before the block runs (costs._gather_peaks). Without split
+        # backward the state holds the largest block's weights: in a forward and a full backward
+        # the flat output comes beside the block's own. Under split backward it holds every
+        # block's, gathered from an I to its W, or none since a forward resharded them
+        # (runtime/sharding.py, ``ShardedStage``): a forward gathers one block beside no other; an I
+        # gathers the blocks last to first (``input_grad_gather_bytes``); a W gathers what a
+        # forward resharded, first to last, before it runs (``Sharding.gather_all_bytes``),
+        # beside the running microbatch's captured gradients or, on the first stage, whose W is
+        # the whole backward, beside all it saved.
+        others = st.weight_bytes - sharding.largest_bytes if sharding.held_for_w else 0
+        fws = max(fws, st.forward_gather_bytes - others)
+        if not split:  # full backwards run (every one, or under "drain" those before the last forward)
+            full_ws = max(full_ws, root + st.backward_gather_bytes)
+        if sharding.held_for_w:  # an I that keeps the graph for W gathers as a full backward does
+            input_grad_ws = max(input_grad_ws, st.input_grad_gather_bytes)
+            full_input_grad_ws = max(bws, root + st.backward_gather_bytes)
+            gather_all = sharding.gather_all_bytes
+            if first:
+                full_ws = max(full_ws, root + gather_all)
     split_ws = dropped + (
-        bws
-        - st.backward_workspace_bytes
-        + max(st.input_grad_workspace_bytes, cap + st.undeferred_gradient_bytes + sent_gradient)
+        root + max(input_grad_ws, cap + st.undeferred_gradient_bytes + sent_gradient)
         if st.frees_graph_at_input_grad
-        else bws
+        else full_input_grad_ws
     )
     # Its W adds the products into the gradients (in place where they exist or sit in a bucket;
     # else they become the gradients, counted as state): the running microbatch holds what its I
     # kept, ``cap`` over a held one, and nothing else of note (Zero Bubble's WeightGradStore).
     # Counting an I's workspace for W instead over-predicts (2% on tests/models.py's NonUniformChain).
     weight_ws = cap if st.frees_graph_at_input_grad else bws
+    if gather_all is not None:
+        weight_ws = max(weight_ws, (cap if st.frees_graph_at_input_grad else root) + gather_all)
     # The last number of each: whether one of the pending microbatches is the one running (its I
     # or W; its captured gradients are in the workspace), else every pending one waits with them
     # (a forward or the optimizer step between a microbatch's I and its W: Zero Bubble, 2BW).

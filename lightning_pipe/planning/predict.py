@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -197,9 +198,17 @@ def sharding(profile: Profile, plan: PipelinePlan, stage: int) -> Optional[Shard
     (runtime/sharding.py, ``ShardedStage``): ZeRO-3 then holds every block's weights gathered."""
     if plan.data_parallel != "fsdp" or plan.width == 1:
         return None
-    sizes = sorted((profile.blocks[i].parameter_bytes for i in plan.stage_ranges()[stage]), reverse=True)
-    gathered = sum(sizes) if plan.split_backward else 2 * sizes[0]
-    return Sharding(plan.width, gathered, kept_gathered=not plan.reshard_after_forward, largest_bytes=sizes[0])
+    sizes = [profile.blocks[i].parameter_bytes for i in plan.stage_ranges()[stage]]
+    largest, whole = max(sizes), sum(sizes)
+    in_order = max(before + 2 * size for before, size in zip(itertools.accumulate([0, *sizes]), sizes)) - whole
+    return Sharding(
+        plan.width,
+        whole if plan.split_backward else largest,
+        kept_gathered=not plan.reshard_after_forward,
+        largest_bytes=largest,
+        held_for_w=plan.split_backward,
+        gather_all_bytes=in_order,
+    )
 
 
 def _all_split(plan: PipelinePlan) -> bool:
