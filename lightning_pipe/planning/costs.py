@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
@@ -10,6 +11,7 @@ from typing import Callable, Iterable, Optional, Sequence
 from lightning_pipe.core.partition import balanced
 from lightning_pipe.core.pipeline_plan import PipelinePlan
 from lightning_pipe.planning.profile import BlockProfile, BlockSample, Profile
+from lightning_pipe.planning.programs import _program, program_key
 from lightning_pipe.runtime.buckets import DEFAULT_BUCKET_BYTES
 from lightning_pipe.schedules import Action, Kind
 
@@ -349,21 +351,53 @@ def gathers(plan: PipelinePlan, a: Action) -> float:
     stage and kind, not by its microbatch, so the model spreads it over the step's ``m``
     forwards (the same seconds per step on each rank).
 
-    Split backward under ZeRO-3 (runtime/sharding.py, ``ShardedStage``): an I gathers the
-    stage (twice on a recomputed stage: its rerun forward reshards, as any forward does) and
-    keeps it gathered for its W; on the first stage, whose I is empty, the W gathers, being its
-    whole backward. Where a forward runs between an I and its W, it reshards the stage and that W
-    gathers again: the model does not charge that gather (the simulator prices an action by its
-    stage and kind, not by what ran before it)."""
+    Split backward under ZeRO-3: what each action gathers depends on what ran before it on its
+    stage (:func:`_split_gathers` walks the plan's program)."""
     if not sharded(plan):
         return 0.0
     if plan.reshard_after_forward:
-        if a.kind in (Kind.FORWARD, Kind.BACKWARD):
-            return 1.0
-        if a.kind is Kind.INPUT_GRAD and a.stage > 0:
-            return 2.0 if plan.recompute[a.stage] else 1.0
-        return 1.0 if a.kind is Kind.WEIGHT_GRAD and a.stage == 0 else 0.0
+        if plan.split_backward:
+            return _split_gathers(program_key(plan, 1), tuple(plan.recompute)).get((a.stage, a.kind), 0.0)
+        return 1.0 if a.kind in (Kind.FORWARD, Kind.BACKWARD) else 0.0
     return 1 / plan.microbatches if a.kind is Kind.FORWARD else 0.0
+
+
+@functools.lru_cache(maxsize=256)
+def _split_gathers(key: tuple, recompute: tuple[bool, ...]) -> dict[tuple[int, Kind], float]:
+    """Per stage and kind of action, the all-gathers of the stage's weights one action runs on
+    average, under split backward and ZeRO-3, for the program of :func:`program_key` ``key``.
+
+    Each stage is gathered or not as the runtime leaves it (runtime/sharding.py,
+    ``ShardedStage``, and runtime/executor.py), and an action gathers only a stage that is not:
+    a forward gathers and reshards after it; an I gathers (its recomputed forward first gathers
+    and reshards, so a recomputed stage's I gathers again) and keeps the stage gathered for its
+    W; the first stage's I is empty (its W is the whole backward) and gathers only for its
+    recomputed forward; a W gathers what a forward resharded since its I; a W or a full
+    backward that leaves no W of the stage pending reshards it."""
+    done: dict[tuple[int, Kind], list[int]] = {}
+    for actions in _program(*key):
+        gathered: dict[int, bool] = {}
+        pending: dict[int, int] = {}
+        for a in actions:
+            s, was = a.stage, gathered.get(a.stage, False)
+            if a.kind is Kind.FORWARD:
+                n, gathered[s] = int(not was), False
+            elif a.kind is Kind.INPUT_GRAD:
+                rerun = int(recompute[s] and not was)  # the recomputed forward gathers, then reshards
+                if s == 0:
+                    n, gathered[s] = rerun, was and not recompute[s]
+                else:
+                    n, gathered[s] = (1 + rerun if recompute[s] else int(not was)), True
+                pending[s] = pending.get(s, 0) + 1
+            elif a.kind is Kind.WEIGHT_GRAD:
+                pending[s] = pending.get(s, 1) - 1
+                n, gathered[s] = int(not was), pending[s] > 0
+            elif a.kind is Kind.BACKWARD:
+                n, gathered[s] = int(not was), pending.get(s, 0) > 0
+            else:
+                continue
+            done.setdefault((s, a.kind), []).append(n)
+    return {k: sum(ns) / len(ns) for k, ns in done.items()}
 
 
 def sharded_seconds(profile: Profile, plan: PipelinePlan, st: StageCosts, a: Action) -> float:
