@@ -346,20 +346,10 @@ scenario(4, "fsdp_memory_4x1", _sharded_step, 1)
 scenario(4, "fsdp_memory_2x2", _sharded_step, 2)
 
 
-def _modelled_gathers(plan: PipelinePlan) -> list[float]:
-    """Per stage, the all-gathers of its weights one step of ``plan`` runs by the time model
-    (``costs.gathers`` over the plan's program; each gathers every block of the stage once)."""
-    from lightning_pipe.planning import costs, programs
-
-    per_stage = [0.0] * plan.depth
-    for actions in programs.program(plan):
-        for a in actions:
-            per_stage[a.stage] += costs.gathers(plan, a)
-    return per_stage
-
-
 @pytest.mark.parametrize("width,depth", [(4, 1), (2, 2)])
 def test_fsdp_stores_one_wth_and_reduces_once_per_step(launched, width: int, depth: int) -> None:
+    from lightning_pipe.planning.costs import step_gathers
+
     ranks = launched(width * depth).ok(f"fsdp_memory_{width}x{depth}")
     plan = PipelinePlan(width, depth, M, "1f1b", partition="uniform", data_parallel="fsdp")
     for r, rank in enumerate(ranks):
@@ -380,12 +370,12 @@ def test_fsdp_stores_one_wth_and_reduces_once_per_step(launched, width: int, dep
         blocks = (2 + 2) // depth
         assert fsdp["counts"]["reduce_scatter"] == blocks
         # ZeRO-3: each forward and backward gathers each block, as the time model prices it.
-        assert fsdp["counts"]["all_gather"] == 2 * M * blocks == blocks * _modelled_gathers(plan)[r % depth]
+        assert fsdp["counts"]["all_gather"] == 2 * M * blocks == blocks * step_gathers(plan)[r % depth]
         assert ddp["counts"] == {"reduce_scatter": 0, "all_gather": 0}
         # Kept gathered (ZeRO-2): one all-gather per block and step, the same shards at rest.
         zero2 = rank["zero2"]
         assert zero2["counts"] == {"reduce_scatter": blocks, "all_gather": blocks}
-        assert _modelled_gathers(plan.replace(reshard_after_forward=False))[r % depth] == pytest.approx(1)
+        assert step_gathers(plan.replace(reshard_after_forward=False))[r % depth] == pytest.approx(1)
         assert all(zero2[k] == fsdp[k] for k in ("weights", "grads", "adam"))
         # The same training every way.
         assert_close_dicts(fsdp["params"], ddp["params"], rtol=1e-5)
@@ -395,6 +385,8 @@ def test_fsdp_stores_one_wth_and_reduces_once_per_step(launched, width: int, dep
 
 
 def test_fsdp_split_backward_gathers_for_w_and_reduces_once_per_step(launched) -> None:
+    from lightning_pipe.planning.costs import step_gathers
+
     # ZB-H1 (1F1B split) at (2, 2), ZeRO-3: W adds weight gradients after I, outside FSDP's hooks.
     for stage, rank in enumerate(launched(4).ok("fsdp_memory_2x2")[:2]):
         split, fsdp = rank["split"], rank["fsdp"]
@@ -406,12 +398,11 @@ def test_fsdp_split_backward_gathers_for_w_and_reduces_once_per_step(launched) -
         assert len(split["at_w"]) == STEPS * M and all(gathered for gathered, _ in split["at_w"])
         assert split["before_gather"] == [stage == 1] * (STEPS * M)
         assert split["counts"]["all_gather"] <= fsdp["counts"]["all_gather"]
-        # The time model prices the gathers the runtime ran (costs.gathers): on stage 0 every
-        # forward and W, on stage 1 every I and the first forward (the others find it gathered).
+        # The time model prices the gathers the runtime ran (costs.gathers, per step: step_gathers):
+        # on stage 0 every forward and W, on stage 1 every I and the first forward (the others
+        # find it gathered).
         plan = PipelinePlan(2, 2, M, "1f1b", partition="uniform", split_backward=True, data_parallel="fsdp")
-        assert (
-            split["counts"]["all_gather"] == 2 * _modelled_gathers(plan)[stage] == 2 * (2 * M if stage == 0 else M + 1)
-        )
+        assert split["counts"]["all_gather"] == 2 * step_gathers(plan)[stage] == 2 * (2 * M if stage == 0 else M + 1)
         # Past stage 0 each W finishes its microbatch's two linear calls, deferred from the forward
         # (runtime/autograd/deferred_weights.py); stage 0's W is its whole backward (no input gradient).
         assert [calls for _, calls in split["at_w"]] == [2 * stage] * (STEPS * M)

@@ -185,6 +185,14 @@ def test_fsdp_split_backward_priced_as_the_runtime_gathers() -> None:
             gather = n * share * st[s].weight_bytes / profile.allreduce_bandwidth
             assert cost(Action(s, kind, 0)) - ddp(Action(s, kind, 0)) == pytest.approx(gather), (s, kind)
 
+    # Per step (the traffic's all-gathers): stage 0 gathers at its 4 forwards and 4 W's, stage 1 at
+    # its first forward and 4 I's.
+    assert costs.step_gathers(plan) == [8, 5] and costs.step_gathers(plan.replace(split_backward=False)) == [8, 8]
+    _, moved = costs.traffic(profile, plan, 2)
+    assert moved == pytest.approx(
+        sum(share * (st[s].gradient_bytes + n * st[s].weight_bytes) for s, n in ((0, 8), (1, 5)))
+    )
+
     # The memory model holds the whole stage gathered from an I to its W; without split backward
     # the largest block's weights, its flat all-gather output counted at its gather.
     assert predict.sharding(profile, plan, 1).gathered_bytes == 2 * PARAMS  # both blocks of the stage

@@ -517,8 +517,18 @@ def traffic(profile: Profile, plan: PipelinePlan, microbatch_size: int) -> tuple
     share = (plan.width - 1) / plan.width
     if not sharded(plan):
         return pipeline, sum(2 * share * st.gradient_bytes for st in costs)
-    passes = 2 * plan.microbatches if plan.reshard_after_forward else 1  # all-gathers per block and step
-    return pipeline, sum(share * (st.gradient_bytes + passes * st.weight_bytes) for st in costs)
+    passes = step_gathers(plan)  # all-gathers of each stage's weights per step
+    return pipeline, sum(share * (st.gradient_bytes + n * st.weight_bytes) for st, n in zip(costs, passes))
+
+
+def step_gathers(plan: PipelinePlan) -> list[float]:
+    """Per stage, the all-gathers of its weights one step of ``plan`` runs (:func:`gathers` over
+    its program): ``2 m`` under ZeRO-3 without split backward, 1 under ZeRO-2, 0 unsharded."""
+    per_stage = [0.0] * plan.stages
+    for actions in _program(*program_key(plan, 1)):
+        for a in actions:
+            per_stage[a.stage] += gathers(plan, a)
+    return per_stage
 
 
 def time_balanced(profile: Profile, depth: int, microbatch_size: int) -> tuple[int, ...]:
