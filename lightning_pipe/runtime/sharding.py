@@ -40,13 +40,13 @@ def free_all_gather_output(group: FSDPParamGroup) -> None:
     parameters (``foreach_all_gather`` and ``foreach_all_gather_copy_out``). Its own reference
     to that tensor ends after the copy-out in a backward, at the block's post-forward in a
     forward (kept so that a CUDA copy-out can overlap the next all-gather). But gloo's worker
-    thread keeps the collective's work, which holds the tensor, from the moment the collective
-    completes until the thread takes its next work; how long depends on the thread's scheduling, so
-    without this the tensor's bytes stay alive into the block's compute on some ranks and
-    steps and not on others. Its storage is therefore resized to 0 once the copy-out is done
-    (as FSDP frees the unsharded parameters): a block's weights are held twice during its
-    gather's copy-out only. On CPU collectives and copies are synchronous; on an accelerator
-    the tensor is left to FSDP, which orders its reuse by stream events.
+    thread holds the collective's work, and with it the tensor, past the collective's completion,
+    until it takes its work queue's lock again (``ProcessGroupGloo::runLoop``); how long depends
+    on thread scheduling, so without this the tensor's bytes stay alive into the block's compute
+    on some ranks and steps and not on others. Its storage is therefore resized to 0 once the
+    copy-out is done (as FSDP frees the unsharded parameters): a block's weights are held twice
+    during its gather's copy-out only. On CPU collectives and copies are synchronous; on an
+    accelerator the tensor is left to FSDP, which orders its reuse by stream events.
 
     Args:
         group: a parameter group of a block wrapped by ``fully_shard``; its ``wait_for_unshard``
