@@ -582,7 +582,9 @@ class _LiveBytes:
 
 #: The FSDP plans of the memory model's check, by microbatch size: ZeRO-3 and ZeRO-2 (the
 #: stages' layouts of the existing 2x2 check at 2 samples, with and without split backward, and
-#: one stage over 4 replicas at 1, where a block's gathered weights outweigh its activations the most).
+#: one stage over 4 replicas at 1, where a block's gathered weights outweigh its activations the
+#: most). Split backward under ZeRO-3 also with GPipe, whose I's after the first find the stage
+#: gathered, where ZB-H1's forwards reshard it between I's.
 MEMORY_PLANS = {
     2: [
         PipelinePlan(
@@ -590,7 +592,8 @@ MEMORY_PLANS = {
         )
         for split in (False, True)
         for reshard in (True, False)
-    ],
+    ]
+    + [PipelinePlan(2, 2, 4, "gpipe", partition=(5, 5), split_backward=True, data_parallel="fsdp")],
     1: [
         PipelinePlan(4, 1, 4, "1f1b", partition=(10,), data_parallel="fsdp", reshard_after_forward=reshard)
         for reshard in (True, False)

@@ -185,6 +185,12 @@ def test_fsdp_split_backward_priced_as_the_runtime_gathers() -> None:
             gather = n * share * st[s].weight_bytes / profile.allreduce_bandwidth
             assert cost(Action(s, kind, 0)) - ddp(Action(s, kind, 0)) == pytest.approx(gather), (s, kind)
 
+    # The most microbatches pending at an I that gathers (the memory model holds the stage
+    # gathered at the others): ZB-H1's forwards reshard between I's; under GPipe only the first gathers.
+    assert [costs.gathering_pending(plan, s) for s in (0, 1)] == [0, 2]
+    assert [costs.gathering_pending(plan.replace(schedule="gpipe"), s) for s in (0, 1)] == [0, 1]
+    assert costs.gathering_pending(zero2, 1) == 0
+
     # Per step (the traffic's all-gathers): stage 0 gathers at its 4 forwards and 4 W's, stage 1 at
     # its first forward and 4 I's.
     assert costs.step_gathers(plan) == [8, 5] and costs.step_gathers(plan.replace(split_backward=False)) == [8, 8]

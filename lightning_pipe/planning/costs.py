@@ -357,15 +357,25 @@ def gathers(plan: PipelinePlan, a: Action) -> float:
         return 0.0
     if plan.reshard_after_forward:
         if plan.split_backward:
-            return _split_gathers(program_key(plan, 1), tuple(plan.recompute)).get((a.stage, a.kind), 0.0)
+            return _split_gathers(program_key(plan, 1), tuple(plan.recompute))[0].get((a.stage, a.kind), 0.0)
         return 1.0 if a.kind in (Kind.FORWARD, Kind.BACKWARD) else 0.0
     return 1 / plan.microbatches if a.kind is Kind.FORWARD else 0.0
 
 
+def gathering_pending(plan: PipelinePlan, stage: int) -> int:
+    """Split backward under ZeRO-3: the most microbatches of ``stage`` pending (their I done,
+    their W not; the running one included) at an I that gathers the stage, 0 where none does
+    (:func:`_split_gathers`)."""
+    if not (sharded(plan) and plan.reshard_after_forward and plan.split_backward):
+        return 0
+    return _split_gathers(program_key(plan, 1), tuple(plan.recompute))[1].get(stage, 0)
+
+
 @functools.lru_cache(maxsize=256)
-def _split_gathers(key: tuple, recompute: tuple[bool, ...]) -> dict[tuple[int, Kind], float]:
+def _split_gathers(key: tuple, recompute: tuple[bool, ...]) -> tuple[dict[tuple[int, Kind], float], dict[int, int]]:
     """Per stage and kind of action, the all-gathers of the stage's weights one action runs on
-    average, under split backward and ZeRO-3, for the program of :func:`program_key` ``key``.
+    average, under split backward and ZeRO-3, for the program of :func:`program_key` ``key``;
+    and per stage the most microbatches pending (the running one included) at an I that gathers.
 
     Each stage is gathered or not as the runtime leaves it (runtime/sharding.py,
     ``ShardedStage``, and runtime/executor.py), and an action gathers only a stage that is not:
@@ -375,6 +385,7 @@ def _split_gathers(key: tuple, recompute: tuple[bool, ...]) -> dict[tuple[int, K
     recomputed forward; a W gathers what a forward resharded since its I; a W or a full
     backward that leaves no W of the stage pending reshards it."""
     done: dict[tuple[int, Kind], list[int]] = {}
+    pending_at: dict[int, int] = {}
     for actions in _program(*key):
         gathered: dict[int, bool] = {}
         pending: dict[int, int] = {}
@@ -389,6 +400,8 @@ def _split_gathers(key: tuple, recompute: tuple[bool, ...]) -> dict[tuple[int, K
                 else:
                     n, gathered[s] = (1 + rerun if recompute[s] else int(not was)), True
                 pending[s] = pending.get(s, 0) + 1
+                if n:
+                    pending_at[s] = max(pending_at.get(s, 0), pending[s])
             elif a.kind is Kind.WEIGHT_GRAD:
                 pending[s] = pending.get(s, 1) - 1
                 n, gathered[s] = int(not was), pending[s] > 0
@@ -397,7 +410,7 @@ def _split_gathers(key: tuple, recompute: tuple[bool, ...]) -> dict[tuple[int, K
             else:
                 continue
             done.setdefault((s, a.kind), []).append(n)
-    return {k: sum(ns) / len(ns) for k, ns in done.items()}
+    return {k: sum(ns) / len(ns) for k, ns in done.items()}, pending_at
 
 
 def sharded_seconds(profile: Profile, plan: PipelinePlan, st: StageCosts, a: Action) -> float:

@@ -11,6 +11,8 @@ from lightning_pipe.planning.costs import (
     StageCosts,
     action_cost,
     batch_bytes,
+    gathering_pending,
+    gathers,
     gradient_sets,
     stage_costs,
     step_bytes,
@@ -201,13 +203,15 @@ def sharding(profile: Profile, plan: PipelinePlan, stage: int) -> Optional[Shard
     sizes = [profile.blocks[i].parameter_bytes for i in plan.stage_ranges()[stage]]
     largest, whole = max(sizes), sum(sizes)
     in_order = max(before + 2 * size for before, size in zip(itertools.accumulate([0, *sizes]), sizes)) - whole
+    weight_gathers = plan.split_backward and gathers(plan, Action(stage, Kind.WEIGHT_GRAD, 0)) > 0
     return Sharding(
         plan.width,
         whole if plan.split_backward else largest,
         kept_gathered=not plan.reshard_after_forward,
         largest_bytes=largest,
         held_for_w=plan.split_backward,
-        gather_all_bytes=in_order,
+        gather_all_bytes=in_order if weight_gathers else None,
+        gathering_pending=gathering_pending(plan, stage),
     )
 
 
