@@ -584,7 +584,7 @@ class _LiveBytes:
 #: stages' layouts of the existing 2x2 check at 2 samples, with and without split backward, and
 #: one stage over 4 replicas at 1, where a block's gathered weights outweigh its activations the
 #: most). Split backward under ZeRO-3 also with GPipe, whose I's after the first find the stage
-#: gathered, where ZB-H1's forwards reshard it between I's.
+#: gathered, where ZB-H1's forwards reshard it between I's; and ZeRO-3 with recompute.
 MEMORY_PLANS = {
     2: [
         PipelinePlan(
@@ -593,7 +593,8 @@ MEMORY_PLANS = {
         for split in (False, True)
         for reshard in (True, False)
     ]
-    + [PipelinePlan(2, 2, 4, "gpipe", partition=(5, 5), split_backward=True, data_parallel="fsdp")],
+    + [PipelinePlan(2, 2, 4, "gpipe", partition=(5, 5), split_backward=True, data_parallel="fsdp")]
+    + [PipelinePlan(2, 2, 4, "1f1b", partition=(5, 5), recompute=True, data_parallel="fsdp")],
     1: [
         PipelinePlan(4, 1, 4, "1f1b", partition=(10,), data_parallel="fsdp", reshard_after_forward=reshard)
         for reshard in (True, False)
@@ -645,10 +646,15 @@ def test_memory_model_predicts_fsdp_peaks(launched) -> None:
     # 0.1%). A ZeRO-3 peak comes at a gather, the block's flat all-gather output beside its
     # copied-out weights: the runtime frees that output once copied out, so the replicas of a
     # stage, which run the same shapes, track the same peak.
+    # A recomputed stage's backward under ZeRO-3 gathers every block in its rerun forward, and
+    # each block reshards after its own backward: the model counts the whole stage gathered
+    # through that backward, so it is held to never under and 7% over (1.049 and 1.061 of the
+    # two stages' peaks).
     ranks = launched(4).ok("fsdp_memory_model_2x2")
     for rank, rows in enumerate(ranks):
         for row, (plan, predicted, measured, ddp) in enumerate(rows):
-            assert 0.999 * measured <= predicted <= 1.02 * measured, (rank, plan.describe(), predicted, measured)
+            high = 1.07 if any(plan.recompute) else 1.02
+            assert 0.999 * measured <= predicted <= high * measured, (rank, plan.describe(), predicted, measured)
             assert predicted < 0.95 * ddp  # sharding lowers the prediction
             replica = ranks[rank % plan.depth][row]
             assert measured == replica[2], (rank, plan.describe(), measured, replica[2])

@@ -197,21 +197,24 @@ def sharding(profile: Profile, plan: PipelinePlan, stage: int) -> Optional[Shard
 
     An interleaved plan's ranks are predicted as under DDP (its sharded terms are not modelled).
     Under split backward the stage's blocks stay gathered together from an I until its W
-    (runtime/sharding.py, ``ShardedStage``): ZeRO-3 then holds every block's weights gathered."""
+    (runtime/sharding.py, ``ShardedStage``), and a recomputed stage's backward gathers them all
+    in its recomputed forward: ZeRO-3 then holds every block's weights gathered."""
     if plan.data_parallel != "fsdp" or plan.width == 1:
         return None
     sizes = [profile.blocks[i].parameter_bytes for i in plan.stage_ranges()[stage]]
     largest, whole = max(sizes), sum(sizes)
     in_order = max(before + 2 * size for before, size in zip(itertools.accumulate([0, *sizes]), sizes)) - whole
     weight_gathers = plan.split_backward and gathers(plan, Action(stage, Kind.WEIGHT_GRAD, 0)) > 0
+    recomputed = plan.recompute[stage] and not plan.split_backward
     return Sharding(
         plan.width,
-        whole if plan.split_backward else largest,
+        whole if plan.split_backward or recomputed else largest,
         kept_gathered=not plan.reshard_after_forward,
         largest_bytes=largest,
         held_for_w=plan.split_backward,
-        gather_all_bytes=in_order if weight_gathers else None,
+        gather_all_bytes=in_order if weight_gathers or recomputed else None,
         gathering_pending=gathering_pending(plan, stage),
+        recomputed=recomputed,
     )
 
 
