@@ -603,8 +603,8 @@ MEMORY_PLANS = {
 
 
 def _fsdp_memory(rank: int, world: int) -> list[tuple[PipelinePlan, int, int, int]]:
-    """Per plan of :data:`MEMORY_PLANS`: this rank's predicted and tracked peak bytes over steps
-    2 and 3, and the prediction for DDP replicas."""
+    """Per plan of :data:`MEMORY_PLANS`: this rank's predicted and tracked peak bytes of step 2,
+    and the prediction for DDP replicas."""
     from lightning_pipe import PipelineGroups, place
     from lightning_pipe.planning import predict
     from lightning_pipe.planning.profiler import profile_blocks
@@ -627,8 +627,7 @@ def _fsdp_memory(rank: int, world: int) -> list[tuple[PipelinePlan, int, int, in
             with tracker.mode:
                 engine.train_step(batch, opt)
                 tracker.peak = tracker.now()
-                for _ in range(2):
-                    engine.train_step(batch, opt)
+                engine.train_step(batch, opt)  # every step alike from the second on
             s = engine.stage_index
             ddp = predict.predict(profile, plan.replace(data_parallel="ddp", reshard_after_forward=True), b)
             rows.append((plan, predict.predict(profile, plan, b).stage_memory[s], tracker.peak, ddp.stage_memory[s]))
