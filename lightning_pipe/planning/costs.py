@@ -65,6 +65,9 @@ class StageCosts:
     forward_gather_bytes: int = 0
     backward_gather_bytes: int = 0
     input_grad_gather_bytes: int = 0
+    # ZeRO-3 with recompute: a full backward's peak beyond the stage's whole weights and one
+    # microbatch's saved tensors (_recomputed_gather_peak)
+    recomputed_gather_bytes: int = 0
 
 
 def _gather_peaks(
@@ -100,6 +103,35 @@ def _gather_peaks(
     kept = [kept_output if j < last else 0 for j in range(len(samples))]  # the root, once its block freed it
     backward = max(saved[j + 1] + kept[j] + incoming[j] + w for j, w in enumerate(weights)) - saved[-1]
     return forward, backward
+
+
+def _recomputed_gather_peak(
+    samples: Sequence[BlockSample], weights: Sequence[int], last_incoming: int = 0, kept_output: int = 0
+) -> int:
+    """A recomputed stage's full backward under ZeRO-3: the most it holds beyond its whole
+    weights gathered and one microbatch's saved tensors (negative where it stays below them),
+    the gradient it starts from left out, as in :func:`_backward_peaks`, whose blocks ``samples``
+    are (``weights``: each block's weights).
+
+    The last block's pre-backward gathers it; its first saved tensor reruns the stage's forward
+    inside autograd's backward, where FSDP does not reshard after a block's forward: the rerun
+    gathers blocks ``0..j`` first to last, block ``j``'s flat output beside them, the last
+    block, what the rerun saved so far (the saved tensors of blocks ``0..j-1`` and block
+    ``j``'s input) and the gradient the last block starts from; then block ``j``'s backward
+    runs beside the weights of blocks ``0..j`` (each block reshards after its backward), the
+    saved tensors of blocks ``0..j``, the gradient it starts from and its temporaries."""
+    inner = [0] + [max(b.saved_input_bytes - a.saved_output_bytes, 0) for a, b in zip(samples, samples[1:])]
+    saved = [0] + list(itertools.accumulate(x.saved_bytes + i for x, i in zip(samples, inner)))
+    whole, last = sum(weights), len(samples) - 1
+    prefix = list(itertools.accumulate(weights))  # [j]: blocks 0..j
+    inputs = [0] + [x.output_bytes for x in samples[:-1]]
+    incoming = inputs[1:] + [last_incoming]
+    kept = [kept_output if j < last else 0 for j in range(len(samples))]
+    rerun = [saved[j] + inputs[j] + prefix[j] + weights[j] + weights[last] + last_incoming for j in range(last)]
+    backward = [
+        saved[j + 1] + kept[j] + incoming[j] + x.backward_workspace_bytes + prefix[j] for j, x in enumerate(samples)
+    ]
+    return max(rerun + backward + [2 * weights[last] + last_incoming]) - saved[-1] - whole
 
 
 def _backward_peaks(
@@ -293,6 +325,7 @@ def range_costs(
         mixed_output=states[-1].mixed_output,
         forward_gather_bytes=forward_gather,
         backward_gather_bytes=backward_gather,
+        recomputed_gather_bytes=_recomputed_gather_peak(backward, weights, incoming, kept) if recompute else 0,
         # An I gathers its stage's blocks last to first (FSDP's pre-backward hooks), block j's flat
         # output and weights beside the later blocks' weights, the earlier ones not gathered yet:
         # beside the stage's whole weights, its own less the earlier blocks'.

@@ -48,17 +48,17 @@ class Sharding:
         gather_all_bytes: split backward under ZeRO-3: the most a W's gather of the stage holds
             beyond every block's weights (negative where it stays below): it gathers the blocks
             first to last, block ``j``'s flat output beside the weights of blocks ``0..j``
-            (``ShardedStage.gather``), as a recomputed stage's rerun does (``recomputed``);
-            ``None`` where no W of the program gathers (each finds its stage gathered by an I
-            since the last forward: ``costs.gathers``).
+            (``ShardedStage.gather``); ``None`` where no W of the program gathers (each finds
+            its stage gathered by an I since the last forward: ``costs.gathers``).
         gathering_pending: split backward under ZeRO-3: the most microbatches pending (the
             running one included) at an I that gathers the stage (``costs.gathering_pending``;
             at an I with more pending the stage is gathered already).
         recomputed: ZeRO-3 on a recomputed stage without split backward: its backward reruns
             the forward inside autograd's backward, where FSDP does not reshard after a block's
             forward (``post_forward``), so the rerun gathers the blocks first to last and keeps
-            them for their backwards (``gathered_bytes`` every block's; its forwards, outside a
-            backward, one block at a time).
+            them for their backwards, each resharding after its own
+            (``costs._recomputed_gather_peak``; ``gathered_bytes`` every block's; its forwards,
+            outside a backward, one block at a time).
     """
 
     width: int
@@ -220,8 +220,8 @@ def stage_memory_terms(
         fws = max(fws, st.forward_gather_bytes - others)
         if not split:  # full backwards run (every one, or under "drain" those before the last forward)
             full_ws = max(full_ws, root + st.backward_gather_bytes)
-        if sharding.recomputed and sharding.gather_all_bytes is not None:  # the rerun's gathers
-            full_ws = max(full_ws, root + sharding.gather_all_bytes)
+        if sharding.recomputed:  # the rerun's gathers, and the blocks resharding as the backward goes
+            full_ws = root + st.recomputed_gather_bytes
         if sharding.held_for_w:
             gathering_input_grads, gather_all = sharding.gathering_pending, sharding.gather_all_bytes
             if first and gather_all is not None:

@@ -212,7 +212,7 @@ def sharding(profile: Profile, plan: PipelinePlan, stage: int) -> Optional[Shard
         kept_gathered=not plan.reshard_after_forward,
         largest_bytes=largest,
         held_for_w=plan.split_backward,
-        gather_all_bytes=in_order if weight_gathers or recomputed else None,
+        gather_all_bytes=in_order if weight_gathers else None,
         gathering_pending=gathering_pending(plan, stage),
         recomputed=recomputed,
     )
