@@ -43,7 +43,7 @@ def _brute_force(profile: Profile, devices: int, batch: int, limit: Optional[flo
     for c in search.candidates(profile, devices, batch, memory_limit=limit, fsdp=False):
         assert c.plan.data_parallel == "ddp"
         variants = [c.plan]
-        if c.plan.width > 1 and c.plan.virtual_stages == 1 and not c.plan.split_backward:
+        if c.plan.width > 1 and c.plan.virtual_stages == 1 and not c.plan.spec.streams:
             variants += [c.plan.replace(data_parallel="fsdp", reshard_after_forward=r) for r in (True, False)]
         found += [search.evaluate(profile, search.Candidate(v, c.microbatch_size), limit) for v in variants]
     return found
@@ -99,7 +99,8 @@ def test_search_offers_fsdp_only_where_the_runtime_shards() -> None:
     assert not offered(_profile())  # without a memory limit: DDP only
     plans = offered(_profile(), fsdp=True)
     assert plans and {p.reshard_after_forward for p in plans} == {True, False}
-    assert all(p.width > 1 and p.virtual_stages == 1 and not p.split_backward and not p.spec.streams for p in plans)
+    assert all(p.width > 1 and p.virtual_stages == 1 and not p.spec.streams for p in plans)
+    assert {p.split_backward for p in plans} == {True, False}  # split backward sharded too (ShardedStage)
     assert offered(_profile(), memory_limit=1e12) == plans  # a memory limit offers them
     assert all(not p.spec.streams for p in offered(_profile(), allow_stale=True, fsdp=True))  # 2BW: DDP only
     assert not offered(_profile(shared=[[0, 1]]), fsdp=True)  # tied weights: refused by the runtime
@@ -158,22 +159,50 @@ def test_plan_written_trains_fsdp() -> None:
 
 
 def test_fsdp_split_backward_priced_as_the_runtime_gathers() -> None:
-    """ZeRO-3 with split backward: an I gathers its stage and keeps it for its W (twice on a
-    recomputed stage), the first stage's W gathers instead (its I is empty); the memory model
-    holds the whole stage gathered (runtime/sharding.py, ShardedStage)."""
+    """ZeRO-3 with split backward, ZB-H1 at (2, 2): what each action gathers, walked over the
+    program as the runtime leaves each stage gathered or not (runtime/sharding.py, ShardedStage),
+    averaged over the step's actions of its kind. Stage 0 runs F F I W F I W F I W I W: every
+    forward gathers (the one before resharded it), its I is empty and every W gathers. Stage 1
+    runs F I F I W F I W F I W W: its I keeps it gathered for its W, so the forwards after the
+    first find it gathered (and reshard it: the next I gathers again) and no W gathers."""
     profile = _profile(n=4)
     plan = PipelinePlan(2, 2, 4, "1f1b", split_backward=True, data_parallel="fsdp", partition=(2, 2))
-    assert [costs.gathers(plan, Action(s, k, 0)) for s in (0, 1) for k in (Kind.INPUT_GRAD, Kind.WEIGHT_GRAD)] == [
-        0.0,
-        1.0,
-        1.0,
-        0.0,
+    kinds = (Kind.FORWARD, Kind.INPUT_GRAD, Kind.WEIGHT_GRAD)
+    assert [[costs.gathers(plan, Action(s, k, 0)) for k in kinds] for s in (0, 1)] == [[1, 0, 1], [0.25, 1, 0]]
+    # A recomputed stage's I reruns its forward, which gathers and reshards, then gathers again.
+    assert [[costs.gathers(plan.replace(recompute=True), Action(s, k, 0)) for k in kinds] for s in (0, 1)] == [
+        [1, 1, 1],
+        [0.25, 2, 0],
     ]
-    assert costs.gathers(plan.replace(recompute=True), Action(1, Kind.INPUT_GRAD, 0)) == 2.0
     zero2 = plan.replace(reshard_after_forward=False)
-    assert [costs.gathers(zero2, Action(1, k, 0)) for k in (Kind.INPUT_GRAD, Kind.WEIGHT_GRAD)] == [0.0, 0.0]
+    assert [costs.gathers(zero2, Action(1, k, 0)) for k in kinds] == [1 / 4, 0.0, 0.0]
+    # The step's gathers: the stage's weights (w - 1) / w of them each, at the replicas' bandwidth.
+    share, st = (plan.width - 1) / plan.width, costs.stage_costs(profile, plan, 2)
+    cost = costs.action_cost(profile, plan, st)
+    ddp = costs.action_cost(profile, plan.replace(data_parallel="ddp"), st)
+    for s, per_kind in ((0, (1, 0, 1)), (1, (0.25, 1, 0))):
+        for kind, n in zip(kinds, per_kind):
+            gather = n * share * st[s].weight_bytes / profile.allreduce_bandwidth
+            assert cost(Action(s, kind, 0)) - ddp(Action(s, kind, 0)) == pytest.approx(gather), (s, kind)
+
+    # The most microbatches pending at an I that gathers (the memory model holds the stage
+    # gathered at the others): ZB-H1's forwards reshard between I's; under GPipe only the first gathers.
+    assert [costs.gathering_pending(plan, s) for s in (0, 1)] == [0, 2]
+    assert [costs.gathering_pending(plan.replace(schedule="gpipe"), s) for s in (0, 1)] == [0, 1]
+    assert costs.gathering_pending(zero2, 1) == 0
+
+    # Per step (the traffic's all-gathers): stage 0 gathers at its 4 forwards and 4 W's, stage 1 at
+    # its first forward and 4 I's.
+    assert costs.step_gathers(plan) == [8, 5] and costs.step_gathers(plan.replace(split_backward=False)) == [8, 8]
+    _, moved = costs.traffic(profile, plan, 2)
+    assert moved == pytest.approx(
+        sum(share * (st[s].gradient_bytes + n * st[s].weight_bytes) for s, n in ((0, 8), (1, 5)))
+    )
+
+    # The memory model holds the whole stage gathered from an I to its W; without split backward
+    # the largest block's weights, its flat all-gather output counted at its gather.
     assert predict.sharding(profile, plan, 1).gathered_bytes == 2 * PARAMS  # both blocks of the stage
     assert predict.sharding(profile, plan.replace(split_backward=False, partition=(1, 3)), 1).gathered_bytes == (
-        2 * PARAMS  # the largest of three blocks twice: its flat all-gather output and its parameters
+        PARAMS  # the largest of three blocks
     )
-    assert not search.offers_fsdp(profile, plan)  # the search keeps split backward on DDP replicas
+    assert search.offers_fsdp(profile, plan) and search.offers_fsdp(profile, zero2)

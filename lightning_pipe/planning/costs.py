@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
@@ -10,6 +11,7 @@ from typing import Callable, Iterable, Optional, Sequence
 from lightning_pipe.core.partition import balanced
 from lightning_pipe.core.pipeline_plan import PipelinePlan
 from lightning_pipe.planning.profile import BlockProfile, BlockSample, Profile
+from lightning_pipe.planning.programs import _program, program_key
 from lightning_pipe.runtime.buckets import DEFAULT_BUCKET_BYTES
 from lightning_pipe.schedules import Action, Kind
 
@@ -57,6 +59,79 @@ class StageCosts:
     # split backward: of ``captured_bytes``, the stage's input (its first block's deferred call keeps it for W)
     captured_input_bytes: int = 0
     mixed_output: bool = False
+    # ZeRO-3 (runtime/sharding.py): the most one microbatch holds beyond its saved tensors while a
+    # block's flat all-gather output is alive, in its forward and in a full backward (_gather_peaks),
+    # and, beyond them and the stage's whole weights, in a deferring I (_input_grad_peak)
+    forward_gather_bytes: int = 0
+    backward_gather_bytes: int = 0
+    input_grad_gather_bytes: int = 0
+    # ZeRO-3 with recompute: a full backward's peak beyond the stage's whole weights and one
+    # microbatch's saved tensors (_recomputed_gather_peak)
+    recomputed_gather_bytes: int = 0
+
+
+def _gather_peaks(
+    forward_samples: Sequence[BlockSample],
+    samples: Sequence[BlockSample],
+    weights: Sequence[int],
+    last_incoming: int = 0,
+    kept_output: int = 0,
+) -> tuple[int, int]:
+    """The most one microbatch holds beyond its saved tensors (negative where it stays below
+    them) while a block's flat all-gather output is alive under ZeRO-3, in a forward and in a
+    full backward: the output, the block's weights (``weights``, per block), until its copy-out
+    into the unsharded parameters ends (runtime/sharding.py frees it then, before the block
+    computes; the unsharded parameters are the stage's to count). Before block ``j``'s forward:
+    the saved tensors of blocks ``0..j-1`` and its input, the previous block's output (the
+    stage's input is counted with the stage). Before its backward: the saved tensors of blocks
+    ``0..j`` (the blocks after it have freed theirs), the stage output's part the last block
+    saved (kept by the executor, ``kept_output``), and the gradient it starts from, the next
+    block's input gradient (the stage's last block's is counted with the stage, or
+    ``last_incoming``), as in :func:`_backward_peaks`, whose blocks ``samples`` are (with
+    recompute on the last stage, as the loss's backward leaves them; ``forward_samples`` as profiled)."""
+
+    def saved_before(blocks: Sequence[BlockSample]) -> list[int]:  # [j]: blocks 0..j-1, inner inputs once
+        inner = [0] + [max(b.saved_input_bytes - a.saved_output_bytes, 0) for a, b in zip(blocks, blocks[1:])]
+        return [0] + list(itertools.accumulate(x.saved_bytes + i for x, i in zip(blocks, inner)))
+
+    saved = saved_before(forward_samples)
+    inputs = [0] + [x.output_bytes for x in forward_samples[:-1]]
+    forward = max(saved[j] + inputs[j] + w for j, w in enumerate(weights)) - saved[-1]
+    saved = saved_before(samples)
+    incoming = [x.output_bytes for x in samples[:-1]] + [last_incoming]
+    last = len(samples) - 1
+    kept = [kept_output if j < last else 0 for j in range(len(samples))]  # the root, once its block freed it
+    backward = max(saved[j + 1] + kept[j] + incoming[j] + w for j, w in enumerate(weights)) - saved[-1]
+    return forward, backward
+
+
+def _recomputed_gather_peak(
+    samples: Sequence[BlockSample], weights: Sequence[int], last_incoming: int = 0, kept_output: int = 0
+) -> int:
+    """A recomputed stage's full backward under ZeRO-3: the most it holds beyond its whole
+    weights gathered and one microbatch's saved tensors (negative where it stays below them),
+    the gradient it starts from left out, as in :func:`_backward_peaks`, whose blocks ``samples``
+    are (``weights``: each block's weights).
+
+    The last block's pre-backward gathers it; its first saved tensor reruns the stage's forward
+    inside autograd's backward, where FSDP does not reshard after a block's forward: the rerun
+    gathers blocks ``0..j`` first to last, block ``j``'s flat output beside them, the last
+    block, what the rerun saved so far (the saved tensors of blocks ``0..j-1`` and block
+    ``j``'s input) and the gradient the last block starts from; then block ``j``'s backward
+    runs beside the weights of blocks ``0..j`` (each block reshards after its backward), the
+    saved tensors of blocks ``0..j``, the gradient it starts from and its temporaries."""
+    inner = [0] + [max(b.saved_input_bytes - a.saved_output_bytes, 0) for a, b in zip(samples, samples[1:])]
+    saved = [0] + list(itertools.accumulate(x.saved_bytes + i for x, i in zip(samples, inner)))
+    whole, last = sum(weights), len(samples) - 1
+    prefix = list(itertools.accumulate(weights))  # [j]: blocks 0..j
+    inputs = [0] + [x.output_bytes for x in samples[:-1]]
+    incoming = inputs[1:] + [last_incoming]
+    kept = [kept_output if j < last else 0 for j in range(len(samples))]
+    rerun = [saved[j] + inputs[j] + prefix[j] + weights[j] + weights[last] + last_incoming for j in range(last)]
+    backward = [
+        saved[j + 1] + kept[j] + incoming[j] + x.backward_workspace_bytes + prefix[j] for j, x in enumerate(samples)
+    ]
+    return max(rerun + backward + [2 * weights[last] + last_incoming]) - saved[-1] - whole
 
 
 def _backward_peaks(
@@ -149,7 +224,12 @@ def _inner_inputs(samples: Sequence[BlockSample]) -> int:
     return sum(max(b.saved_input_bytes - a.saved_output_bytes, 0) for a, b in zip(samples, samples[1:]))
 
 
-def _input_grad_peak(samples: Sequence[BlockSample], returned: Sequence[int], kept_output: int = 0) -> int:
+def _input_grad_peak(
+    samples: Sequence[BlockSample],
+    returned: Sequence[int],
+    kept_output: int = 0,
+    workspaces: Optional[Sequence[int]] = None,
+) -> int:
     """A deferring I's peak over the stage's whole graph (negative where it stays below it). It
     runs the blocks last to first, freeing each block's saved tensors as it goes (no
     ``retain_graph``), so while block ``j`` runs the stage holds the saved tensors of blocks
@@ -157,15 +237,17 @@ def _input_grad_peak(samples: Sequence[BlockSample], returned: Sequence[int], ke
     block kept for W, the gradients of the later blocks' other weights (``returned``, per block:
     norms, biases; the autograd call returns them all at its end), the gradient of block ``j``'s
     output unless the block is the stage's last (the stage's model counts that one), and block
-    ``j``'s I temporaries (profiled beside its whole graph); beside the blocks before the last, also
-    ``kept_output`` (:func:`_kept_stage_output`)."""
+    ``j``'s I temporaries (profiled beside its whole graph; ``workspaces``: per block, bytes in
+    their place, as a ZeRO-3 block's flat all-gather output before it runs); beside the blocks
+    before the last, also ``kept_output`` (:func:`_kept_stage_output`)."""
     inner = [0] + [max(b.saved_input_bytes - a.saved_output_bytes, 0) for a, b in zip(samples, samples[1:])]
     saved = [0] + list(itertools.accumulate(x.saved_bytes + i for x, i in zip(samples, inner)))
     kept_after, peak = 0, None
     for i in reversed(range(len(samples))):
         incoming = samples[i].output_bytes if i < len(samples) - 1 else 0  # as in _backward_peaks
         root = kept_output if i < len(samples) - 1 else 0  # the last block's own saved tensors hold it
-        here = saved[i + 1] + root + kept_after + incoming + samples[i].input_grad_workspace_bytes
+        workspace = samples[i].input_grad_workspace_bytes if workspaces is None else workspaces[i]
+        here = saved[i + 1] + root + kept_after + incoming + workspace
         peak = here if peak is None else max(peak, here)
         kept_after += samples[i].captured_bytes + returned[i]
     return (peak or 0) - saved[-1]
@@ -201,6 +283,9 @@ def range_costs(
     backward, incoming = _recomputed(mine) if recompute and mine[-1].loss_bytes else (mine, 0)
     kept = _kept_stage_output(mine, recompute, blocks.stop == len(profile.blocks))
     first_backward, excess = _backward_peaks(backward, [b.gradient_bytes for b in states], bucket_cap, incoming, kept)
+    weights = [b.parameter_bytes for b in states]
+    forward_gather, backward_gather = _gather_peaks(mine, backward, weights, incoming, kept)
+    returned = [b.undeferred_gradient_bytes for b in states]
     recomputing = sum(x.recompute for x in mine) if recompute else 0.0
     # Split backward: stage 0's input needs no gradient, so its I only recomputes (if it does) and
     # its W runs the whole backward (the executor's I finds no input to differentiate).
@@ -233,11 +318,20 @@ def range_costs(
         loss_bytes=mine[-1].loss_bytes,
         loss_saved_bytes=mine[-1].loss_saved_bytes,
         optimizer_step_bytes=step_bytes(profile, states),
-        input_grad_workspace_bytes=_input_grad_peak(mine, [b.undeferred_gradient_bytes for b in states], kept),
+        input_grad_workspace_bytes=_input_grad_peak(mine, returned, kept),
         undeferred_gradient_bytes=sum(b.undeferred_gradient_bytes for b in states),
         mixed_input=first > 0 and profile.blocks[first - 1].mixed_output,
         captured_input_bytes=mine[0].captured_input_bytes,
         mixed_output=states[-1].mixed_output,
+        forward_gather_bytes=forward_gather,
+        backward_gather_bytes=backward_gather,
+        recomputed_gather_bytes=_recomputed_gather_peak(backward, weights, incoming, kept) if recompute else 0,
+        # An I gathers its stage's blocks last to first (FSDP's pre-backward hooks), block j's flat
+        # output and weights beside the later blocks' weights, the earlier ones not gathered yet:
+        # beside the stage's whole weights, its own less the earlier blocks'.
+        input_grad_gather_bytes=_input_grad_peak(
+            mine, returned, kept, [w - before for w, before in zip(weights, itertools.accumulate([0, *weights]))]
+        ),
         # As the executor decides: a stage with an input gradient whose matrices are all linear,
         # convolution or embedding weights.
         frees_graph_at_input_grad=first > 0
@@ -290,21 +384,66 @@ def gathers(plan: PipelinePlan, a: Action) -> float:
     stage and kind, not by its microbatch, so the model spreads it over the step's ``m``
     forwards (the same seconds per step on each rank).
 
-    Split backward under ZeRO-3 (runtime/sharding.py, ``ShardedStage``): an I gathers the
-    stage (twice on a recomputed stage: its rerun forward reshards, as any forward does) and
-    keeps it gathered for its W; on the first stage, whose I is empty, the W gathers, being its
-    whole backward. Where a forward runs between an I and its W, it reshards the stage and that W
-    gathers again: the model does not charge that gather (the simulator prices an action by its
-    stage and kind, not by what ran before it)."""
+    Split backward under ZeRO-3: what each action gathers depends on what ran before it on its
+    stage (:func:`_split_gathers` walks the plan's program)."""
     if not sharded(plan):
         return 0.0
     if plan.reshard_after_forward:
-        if a.kind in (Kind.FORWARD, Kind.BACKWARD):
-            return 1.0
-        if a.kind is Kind.INPUT_GRAD and a.stage > 0:
-            return 2.0 if plan.recompute[a.stage] else 1.0
-        return 1.0 if a.kind is Kind.WEIGHT_GRAD and a.stage == 0 else 0.0
+        if plan.split_backward:
+            return _split_gathers(program_key(plan, 1), tuple(plan.recompute))[0].get((a.stage, a.kind), 0.0)
+        return 1.0 if a.kind in (Kind.FORWARD, Kind.BACKWARD) else 0.0
     return 1 / plan.microbatches if a.kind is Kind.FORWARD else 0.0
+
+
+def gathering_pending(plan: PipelinePlan, stage: int) -> int:
+    """Split backward under ZeRO-3: the most microbatches of ``stage`` pending (their I done,
+    their W not; the running one included) at an I that gathers the stage, 0 where none does
+    (:func:`_split_gathers`)."""
+    if not (sharded(plan) and plan.reshard_after_forward and plan.split_backward):
+        return 0
+    return _split_gathers(program_key(plan, 1), tuple(plan.recompute))[1].get(stage, 0)
+
+
+@functools.lru_cache(maxsize=256)
+def _split_gathers(key: tuple, recompute: tuple[bool, ...]) -> tuple[dict[tuple[int, Kind], float], dict[int, int]]:
+    """Per stage and kind of action, the all-gathers of the stage's weights one action runs on
+    average, under split backward and ZeRO-3, for the program of :func:`program_key` ``key``;
+    and per stage the most microbatches pending (the running one included) at an I that gathers.
+
+    Each stage is gathered or not as the runtime leaves it (runtime/sharding.py,
+    ``ShardedStage``, and runtime/executor.py), and an action gathers only a stage that is not:
+    a forward gathers and reshards after it; an I gathers (its recomputed forward first gathers
+    and reshards, so a recomputed stage's I gathers again) and keeps the stage gathered for its
+    W; the first stage's I is empty (its W is the whole backward) and gathers only for its
+    recomputed forward; a W gathers what a forward resharded since its I; a W or a full
+    backward that leaves no W of the stage pending reshards it."""
+    done: dict[tuple[int, Kind], list[int]] = {}
+    pending_at: dict[int, int] = {}
+    for actions in _program(*key):
+        gathered: dict[int, bool] = {}
+        pending: dict[int, int] = {}
+        for a in actions:
+            s, was = a.stage, gathered.get(a.stage, False)
+            if a.kind is Kind.FORWARD:
+                n, gathered[s] = int(not was), False
+            elif a.kind is Kind.INPUT_GRAD:
+                rerun = int(recompute[s] and not was)  # the recomputed forward gathers, then reshards
+                if s == 0:
+                    n, gathered[s] = rerun, was and not recompute[s]
+                else:
+                    n, gathered[s] = (1 + rerun if recompute[s] else int(not was)), True
+                pending[s] = pending.get(s, 0) + 1
+                if n:
+                    pending_at[s] = max(pending_at.get(s, 0), pending[s])
+            elif a.kind is Kind.WEIGHT_GRAD:
+                pending[s] = pending.get(s, 1) - 1
+                n, gathered[s] = int(not was), pending[s] > 0
+            elif a.kind is Kind.BACKWARD:
+                n, gathered[s] = int(not was), pending.get(s, 0) > 0
+            else:
+                continue
+            done.setdefault((s, a.kind), []).append(n)
+    return {k: sum(ns) / len(ns) for k, ns in done.items()}, pending_at
 
 
 def sharded_seconds(profile: Profile, plan: PipelinePlan, st: StageCosts, a: Action) -> float:
@@ -424,8 +563,18 @@ def traffic(profile: Profile, plan: PipelinePlan, microbatch_size: int) -> tuple
     share = (plan.width - 1) / plan.width
     if not sharded(plan):
         return pipeline, sum(2 * share * st.gradient_bytes for st in costs)
-    passes = 2 * plan.microbatches if plan.reshard_after_forward else 1  # all-gathers per block and step
-    return pipeline, sum(share * (st.gradient_bytes + passes * st.weight_bytes) for st in costs)
+    passes = step_gathers(plan)  # all-gathers of each stage's weights per step
+    return pipeline, sum(share * (st.gradient_bytes + n * st.weight_bytes) for st, n in zip(costs, passes))
+
+
+def step_gathers(plan: PipelinePlan) -> list[float]:
+    """Per stage, the all-gathers of its weights one step of ``plan`` runs (:func:`gathers` over
+    its program): ``2 m`` under ZeRO-3 without split backward, 1 under ZeRO-2, 0 unsharded."""
+    per_stage = [0.0] * plan.stages
+    for actions in _program(*program_key(plan, 1)):
+        for a in actions:
+            per_stage[a.stage] += gathers(plan, a)
+    return per_stage
 
 
 def time_balanced(profile: Profile, depth: int, microbatch_size: int) -> tuple[int, ...]:

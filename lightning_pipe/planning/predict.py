@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -10,6 +11,8 @@ from lightning_pipe.planning.costs import (
     StageCosts,
     action_cost,
     batch_bytes,
+    gathering_pending,
+    gathers,
     gradient_sets,
     stage_costs,
     step_bytes,
@@ -207,12 +210,25 @@ def sharding(profile: Profile, plan: PipelinePlan, stage: int) -> Optional[Shard
 
     An interleaved plan's ranks are predicted as under DDP (its sharded terms are not modelled).
     Under split backward the stage's blocks stay gathered together from an I until its W
-    (runtime/sharding.py, ``ShardedStage``): ZeRO-3 then holds every block's weights gathered."""
+    (runtime/sharding.py, ``ShardedStage``), and a recomputed stage's backward gathers them all
+    in its recomputed forward: ZeRO-3 then holds every block's weights gathered."""
     if plan.data_parallel != "fsdp" or plan.width == 1:
         return None
-    sizes = sorted((profile.blocks[i].parameter_bytes for i in plan.stage_ranges()[stage]), reverse=True)
-    gathered = sum(sizes) if plan.split_backward else 2 * sizes[0]
-    return Sharding(plan.width, gathered, kept_gathered=not plan.reshard_after_forward, largest_bytes=sizes[0])
+    sizes = [profile.blocks[i].parameter_bytes for i in plan.stage_ranges()[stage]]
+    largest, whole = max(sizes), sum(sizes)
+    in_order = max(before + 2 * size for before, size in zip(itertools.accumulate([0, *sizes]), sizes)) - whole
+    weight_gathers = plan.split_backward and gathers(plan, Action(stage, Kind.WEIGHT_GRAD, 0)) > 0
+    recomputed = plan.recompute[stage] and not plan.split_backward
+    return Sharding(
+        plan.width,
+        whole if plan.split_backward or recomputed else largest,
+        kept_gathered=not plan.reshard_after_forward,
+        largest_bytes=largest,
+        held_for_w=plan.split_backward,
+        gather_all_bytes=in_order if weight_gathers else None,
+        gathering_pending=gathering_pending(plan, stage),
+        recomputed=recomputed,
+    )
 
 
 def _all_split(plan: PipelinePlan) -> bool:

@@ -111,17 +111,16 @@ def _replicas(profile: Profile, plan: PipelinePlan, fsdp: bool = True) -> Iterat
 
 def offers_fsdp(profile: Profile, plan: PipelinePlan) -> bool:
     """Whether the search offers ``plan`` with ``data_parallel="fsdp"``: replicas to shard over
-    (``w > 1``); a schedule the runtime shards (not 2BW: PipelinePlan refuses it); no split
-    backward (the memory model prices its stage gathered from an I to its W, but no tracked step
-    checks that, and the time model leaves out the gathers of a W a forward resharded before);
-    one stage per rank (the memory model predicts interleaved FSDP ranks as DDP ones, so they
-    could only rank slower at the same memory); no tied weights, known from the
-    profile (``shared_blocks == []``: the runtime refuses ties, and unknown ties may be some); and a
-    measured replica bandwidth, without which the model could not price FSDP's collectives."""
+    (``w > 1``); a schedule the runtime shards (not 2BW: PipelinePlan refuses it); one stage per
+    rank (the memory model predicts interleaved FSDP ranks as DDP ones, so they could only rank
+    slower at the same memory); no tied weights, known from the profile (``shared_blocks == []``:
+    the runtime refuses ties, and unknown ties may be some); and a measured replica bandwidth,
+    without which the model could not price FSDP's collectives. Split backward included: the
+    memory model holds its stage gathered from an I to its W and counts each gather's flat
+    output, the time model each gather its program runs (``costs.gathers``)."""
     return (
         plan.width > 1
         and plan.virtual_stages == 1
-        and not plan.split_backward
         and not plan.spec.streams
         and profile.shared_blocks == []
         and profile.allreduce_bandwidth > 0

@@ -6,6 +6,7 @@ from typing import Any, Optional, Sequence
 
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from torch.distributed.tensor import DTensor
 
 
@@ -18,6 +19,9 @@ def shard_blocks(blocks: Sequence[nn.Module], mesh: Any, reshard_after_forward: 
     (dim 0 split over the replicas), so an optimizer built over the module's parameters
     afterwards holds its state sharded too.
 
+    Each all-gather's flat output is freed as soon as its copy-out into the unsharded
+    parameters is done (:func:`free_all_gather_output`).
+
     Args:
         blocks: this rank's blocks of one or more stages.
         mesh: the 1-D DeviceMesh of the replicas of those stages.
@@ -25,6 +29,40 @@ def shard_blocks(blocks: Sequence[nn.Module], mesh: Any, reshard_after_forward: 
     """
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        for group in fully_shard.state(block)._fsdp_param_groups:  # type: ignore[attr-defined]
+            free_all_gather_output(group)
+
+
+def free_all_gather_output(group: FSDPParamGroup) -> None:
+    """Free ``group``'s flat all-gather output (on CPU) right after FSDP copies it out.
+
+    FSDP2 gathers a block's shards into one flat tensor and copies it out into the unsharded
+    parameters (``foreach_all_gather`` and ``foreach_all_gather_copy_out``). Its own reference
+    to that tensor ends after the copy-out in a backward, at the block's post-forward in a
+    forward (kept so that a CUDA copy-out can overlap the next all-gather). But gloo's worker
+    thread holds the collective's work, and with it the tensor, past the collective's completion,
+    until it takes its work queue's lock again (``ProcessGroupGloo::runLoop``); how long depends
+    on thread scheduling, so without this the tensor's bytes stay alive into the block's compute
+    on some ranks and steps and not on others. Its storage is therefore resized to 0 once the
+    copy-out is done (as FSDP frees the unsharded parameters): a block's weights are held twice
+    during its gather's copy-out only. On CPU collectives and copies are synchronous; on an
+    accelerator the tensor is left to FSDP, which orders its reuse by stream events.
+
+    Args:
+        group: a parameter group of a block wrapped by ``fully_shard``; its ``wait_for_unshard``
+            (the copy-out) is wrapped, on this instance only.
+    """
+    copy_out = group.wait_for_unshard
+
+    def copy_out_then_free() -> None:
+        result = group._all_gather_result
+        copy_out()
+        if result is None or group._all_gather_process_group.size() == 1:  # no gather (w = 1 reads its shard)
+            return
+        if result.all_gather_output.device.type == "cpu":
+            result.all_gather_output.untyped_storage().resize_(0)
+
+    group.wait_for_unshard = copy_out_then_free  # type: ignore[method-assign]
 
 
 def local(tensor: Tensor) -> Tensor:
