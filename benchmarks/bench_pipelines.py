@@ -5,6 +5,7 @@
     python benchmarks/bench_pipelines.py --depths 4 --rounds 1 --steps 3 --pairs 3   # a shorter run
     python benchmarks/bench_pipelines.py --workload gpt --rounds 1 --pairs 0 --no-page   # a quick check
     python benchmarks/bench_pipelines.py --workload gpt --contenders zbv,dualpipev --pairs 20   # the V schedules
+    python benchmarks/bench_pipelines.py --workload gpt --contenders looped_bfs --pairs 20
 
 The tables, the chart and the page docs/results/bench_pipelines.md (chart beside it) are
 written at the end; ``--no-page`` leaves docs/results/ alone. ``--contenders`` runs our
@@ -91,6 +92,7 @@ OURS = [(s, split, 1, None) for s in ("gpipe", "1f1b", "2bw") for split in (Fals
     ("1f1b", True, 2, None),
     ("zbv", True, 2, None),
     ("dualpipev", True, 2, None),
+    ("looped_bfs", False, 2, None),
 ]
 TORCH = {
     "gpipe": "ScheduleGPipe",
@@ -100,8 +102,9 @@ TORCH = {
     "interleaved zb": "ScheduleInterleavedZeroBubble",
     "zbv": "ScheduleZBVZeroBubble",
     "dualpipev": "ScheduleDualPipeV",
+    "looped_bfs": "ScheduleLoopedBFS",
 }
-VIRTUAL = {"interleaved": 2, "interleaved zb": 2, "zbv": 2, "dualpipev": 2}  # stages per rank; the others run one
+VIRTUAL = {"interleaved": 2, "interleaved zb": 2, "zbv": 2, "dualpipev": 2, "looped_bfs": 2}  # stages per rank; the others run one
 #: Torch schedules whose stages sit in a V: rank ``r`` holds stages ``r`` and ``2d - 1 - r`` (the others loop:
 #: ``r``, ``r + d``, ...). Their first and last stages are both on rank 0.
 V_PLACED = {"zbv", "dualpipev"}
@@ -122,6 +125,7 @@ SAME = {
     ("1f1b", True, 2, None): "interleaved zb",
     ("zbv", True, 2, None): "zbv",
     ("dualpipev", True, 2, None): "dualpipev",
+    ("looped_bfs", False, 2, None): "looped_bfs",
 }
 
 

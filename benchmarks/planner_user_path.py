@@ -97,13 +97,16 @@ class Options:
 class StepRecorder(L.Callback):
     """On every rank: the wall time at each training-step end, and one tracked step's peak tensor bytes.
 
-    Steps ``0 .. tracked_step - 1`` are timed; step ``tracked_step`` runs under a tracker of every
-    CPU tensor storage (slower, so it is not timed). At the end of training each rank writes
-    ``rank<r>.json`` in ``out_dir``.
+    Steps ``0 .. tracked_step - 1`` are timed; steps ``tracked_step`` and ``tracked_step + 1``
+    run under a tracker of every CPU tensor storage (slower, so they are not timed), and the
+    peak is the second one's: what the first leaves alive is counted from the second's start on.
+    A 2BW step starts with the microbatches the one before forwarded still held (its stream is
+    never flushed), which a tracker entered at that step's start could not see. At the end of
+    training each rank writes ``rank<r>.json`` in ``out_dir``.
 
     Args:
         out_dir: Where the per-rank results go.
-        tracked_step: The step run under the tensor tracker.
+        tracked_step: The first step run under the tensor tracker; the next one's peak is kept.
     """
 
     def __init__(self, out_dir: str, tracked_step: int) -> None:
@@ -113,6 +116,12 @@ class StepRecorder(L.Callback):
         self.peak: Optional[int] = None
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if len(self.ends) == self.tracked_step + 1 and self.tracker is not None:
+            self.tracker.peak = self.tracker.now()  # the measured step: from what is alive at its start
+            for t in tree_leaves(batch):
+                if isinstance(t, Tensor):
+                    self.tracker._track(t)
+            return
         if len(self.ends) != self.tracked_step:
             return
         from benchmarks.bench_pipelines import PeakTensorBytes
@@ -126,7 +135,7 @@ class StepRecorder(L.Callback):
         self.tracker.__enter__()
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if self.tracker is not None and self.peak is None:
+        if self.tracker is not None and len(self.ends) == self.tracked_step + 1:
             self.tracker.__exit__(None, None, None)
             self.peak, self.tracker = self.tracker.peak, None  # its references to weights end with it
         self.ends.append(time.perf_counter())
@@ -243,12 +252,12 @@ def fit_config(work: Workload, row: dict[str, Any], ranking: dict[str, Any], opt
         "init_args": {"out_dir": str(out), "tracked_step": opts.steps},
     }
     init = strategy_args(row, ranking["global_batch"])
-    return short_run_config(work.config, init, ranking["devices"], out, recorder, opts.steps + 1)
+    return short_run_config(work.config, init, ranking["devices"], out, recorder, opts.steps + 2)
 
 
 def measured_step(ranks: Sequence[dict[str, Any]], measured: int) -> float:
     """The median over the last ``measured`` timed steps of the slowest rank's step (end to end)."""
-    timed = [r["ends"][:-1] for r in ranks]  # the last end closes the tracked step
+    timed = [r["ends"][:-2] for r in ranks]  # the last two ends close the tracked steps
     per_rank = [[b - a for a, b in zip(ends, ends[1:])] for ends in timed]
     slowest = [max(steps) for steps in zip(*per_rank)]
     return statistics.median(slowest[-measured:])
@@ -556,8 +565,9 @@ def intro(opts: Options) -> str:
         "spread evenly over its ranking, plus its choice) trained through `Trainer.fit` in its own launch (the "
         "workload's script under `fit`, Lightning's launcher, the user's config with the plan's strategy "
         f"arguments). Measured step: the slowest rank's wall time between consecutive step ends, median of the "
-        f"last {opts.measured} of {opts.steps} steps. Measured peak: one more step under a tracker of every CPU "
-        "tensor storage on each rank, the largest over replicas per pipeline rank. Workloads: `gpt` "
+        f"last {opts.measured} of {opts.steps} steps. Measured peak: two more steps under a tracker of every CPU "
+        "tensor storage on each rank (the second's peak, counting what the first left alive: a 2BW step starts "
+        "with the last one's microbatches in flight), the largest over replicas per pipeline rank. Workloads: `gpt` "
         "(configs/gpt_1f1b.yaml with examples/gpt.py: 4 layers, width 128, context 64, global batch 32, AdamW) "
         "and `nonuniform` (benchmarks/nonuniform.yaml with benchmarks/nonuniform.py: about 1M parameters in "
         f"blocks of very different widths and costs, AdamW, generated tokens).{busy}{stale}"

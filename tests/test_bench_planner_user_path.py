@@ -50,10 +50,10 @@ def test_spearman_matches_known_orders_and_ties() -> None:
     assert math.isnan(spearman([1], [1])) and math.isnan(spearman([1, 1], [1, 2]))
 
 
-def test_measured_step_is_the_slowest_ranks_and_leaves_out_the_tracked_step() -> None:
-    fast = {"ends": [0, 1, 2, 3, 4, 100], "position": 0, "peak": 5}
-    slow = {"ends": [0, 1, 3, 4, 6, 100], "position": 1, "peak": 7}
-    # steps of the slowest rank per step: 1, 2, 1, 2; the last end (the tracked step) is not timed
+def test_measured_step_is_the_slowest_ranks_and_leaves_out_the_tracked_steps() -> None:
+    fast = {"ends": [0, 1, 2, 3, 4, 100, 200], "position": 0, "peak": 5}
+    slow = {"ends": [0, 1, 3, 4, 6, 100, 300], "position": 1, "peak": 7}
+    # steps of the slowest rank per step: 1, 2, 1, 2; the last two ends (the tracked steps) are not timed
     assert measured_step([fast, slow], 4) == 1.5 and measured_step([fast, slow], 2) == 1.5
     assert measured_step([fast, slow], 1) == 2
     assert peaks_per_position([fast, slow, {**fast, "peak": 9}], 2) == [9, 7]
@@ -108,7 +108,7 @@ def test_fit_config_is_the_users_config_with_the_plans_strategy_arguments(tmp_pa
     user = yaml.safe_load(WORKLOADS["gpt"].config.read_text())
     assert cfg["model"] == user["model"] and cfg["data"] == user["data"]
     trainer = cfg["trainer"]
-    assert trainer["devices"] == 2 and trainer["max_steps"] == 6 and trainer["logger"] is False
+    assert trainer["devices"] == 2 and trainer["max_steps"] == 7 and trainer["logger"] is False
     assert trainer["default_root_dir"] == str(tmp_path)
     assert [c["class_path"] for c in trainer["callbacks"]] == ["benchmarks.planner_user_path.StepRecorder"]
     assert trainer["callbacks"][0]["init_args"] == {"out_dir": str(tmp_path), "tracked_step": 5}
