@@ -104,7 +104,13 @@ TORCH = {
     "dualpipev": "ScheduleDualPipeV",
     "looped_bfs": "ScheduleLoopedBFS",
 }
-VIRTUAL = {"interleaved": 2, "interleaved zb": 2, "zbv": 2, "dualpipev": 2, "looped_bfs": 2}  # stages per rank; the others run one
+VIRTUAL = {
+    "interleaved": 2,
+    "interleaved zb": 2,
+    "zbv": 2,
+    "dualpipev": 2,
+    "looped_bfs": 2,
+}  # stages per rank; the others run one
 #: Torch schedules whose stages sit in a V: rank ``r`` holds stages ``r`` and ``2d - 1 - r`` (the others loop:
 #: ``r``, ``r + d``, ...). Their first and last stages are both on rank 0.
 V_PLACED = {"zbv", "dualpipev"}
@@ -454,9 +460,14 @@ class PeakTensorBytes(TorchDispatchMode):
     modules that run once per microbatch, so it cannot measure a pipeline stage.)
     """
 
-    def __init__(self, persistent: list[Tensor]) -> None:
+    def __init__(self, persistent: list[Tensor], ignored: Sequence[Tensor] = ()) -> None:
         super().__init__()
         self.alive: dict[int, Any] = {}  # id of a storage -> a weak reference to it
+        self._ignored: dict[int, Any] = {}  # storages never counted: existing ones a view may reach (a dataset's)
+        for t in ignored:
+            storage = _storage(t)
+            if storage is not None:
+                self._ignored[id(storage)] = weakref.ref(storage)
         for t in persistent:  # tracked until freed too: a step may drop what it found (last step's gradients)
             self._track(t)
         self.peak = self.now()
@@ -474,16 +485,27 @@ class PeakTensorBytes(TorchDispatchMode):
         return sum(s.nbytes() for s in (ref() for ref in list(self.alive.values())) if s is not None)
 
     def _track(self, t: Tensor) -> None:
-        t = _local(t)
-        if t.device.type != "cpu":
-            return
-        try:
-            storage = t.untyped_storage()
-        except RuntimeError:  # a wrapper subclass with no storage: its inner tensors' ops are tracked
+        storage = _storage(t)
+        if storage is None:
             return
         key = id(storage)  # the storage object lives as long as its storage: it keeps its id
+        ignored = self._ignored.get(key)
+        if ignored is not None and ignored() is storage:
+            return
         if key not in self.alive:
             self.alive[key] = weakref.ref(storage, lambda _, key=key: self.alive.pop(key, None))
+
+
+def _storage(t: Tensor) -> Optional[Any]:
+    """A CPU tensor's storage (a DTensor's local shard's); ``None`` for another device or a wrapper
+    subclass with no storage (its inner tensors' ops are tracked)."""
+    t = _local(t)
+    if t.device.type != "cpu":
+        return None
+    try:
+        return t.untyped_storage()
+    except RuntimeError:
+        return None
 
 
 def _local(t: Tensor) -> Tensor:

@@ -131,7 +131,8 @@ class StepRecorder(L.Callback):
         held = held_tensors(engine.parameters(), trainer.optimizers)
         # 2BW's second weight version and its gradients live across steps beside the module's own.
         second = [t for slot in engine.versions.slots[1:] if slot for p in slot for t in (p, p.grad) if t is not None]
-        self.tracker = PeakTensorBytes(held + second + [t for t in tree_leaves(batch) if isinstance(t, Tensor)])
+        persistent = held + second + [t for t in tree_leaves(batch) if isinstance(t, Tensor)]
+        self.tracker = PeakTensorBytes(persistent, ignored=_dataset_tensors(trainer.train_dataloader))
         self.tracker.__enter__()
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
@@ -152,6 +153,30 @@ class StepRecorder(L.Callback):
             "threads": torch.get_num_threads(),
         }
         (self.out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def _dataset_tensors(loader: Any, depth: int = 4) -> list[Tensor]:
+    """The tensors the training data loader's dataset holds (attributes, lists, dicts, ``depth``
+    levels down): what the job holds beyond the step, which a view taken inside the tracked steps
+    (the next batch's rows) would otherwise count whole."""
+    found: list[Tensor] = []
+
+    def walk(obj: Any, left: int) -> None:
+        if isinstance(obj, Tensor):
+            found.append(obj)
+        elif left and isinstance(obj, (list, tuple)):
+            for item in obj:
+                walk(item, left - 1)
+        elif left and isinstance(obj, dict):
+            for item in obj.values():
+                walk(item, left - 1)
+        elif left and hasattr(obj, "__dict__"):
+            for item in vars(obj).values():
+                walk(item, left - 1)
+
+    for each in loader if isinstance(loader, (list, tuple)) else [loader]:
+        walk(getattr(each, "dataset", None), depth)
+    return found
 
 
 @contextlib.contextmanager

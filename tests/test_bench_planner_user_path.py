@@ -126,3 +126,26 @@ def test_choices_are_within_the_noise_only_where_every_plan_command_says_so() ->
     keys = [plan_key(a), plan_key(b)]
     assert choices_within_noise([both, both], keys)
     assert not choices_within_noise([both, one], keys)
+
+
+def test_a_view_of_the_datasets_tensor_inside_the_tracked_steps_is_not_counted() -> None:
+    # The next batch's rows are views of the dataset's storage, taken while the tracker runs:
+    # its whole storage would count as created there unless the dataset's tensors are left out.
+    from types import SimpleNamespace
+
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from benchmarks.bench_pipelines import PeakTensorBytes
+    from benchmarks.planner_user_path import _dataset_tensors
+
+    data = torch.zeros(1000, 64)  # 256,000 bytes
+    loader = DataLoader(TensorDataset(data), batch_size=4)
+    nested = SimpleNamespace(dataset=SimpleNamespace(parts={"train": [data]}))
+    assert [t is data for t in _dataset_tensors(loader)] == [True]
+    assert [t is data for t in _dataset_tensors([nested])] == [True]
+    for ignored, counted in (((), 256_000), (_dataset_tensors(loader), 0)):
+        with PeakTensorBytes([], ignored=ignored) as tracker:
+            rows = data[:4]
+            made = rows * 2  # 1,024 bytes of its own
+        assert tracker.peak == counted + made.untyped_storage().nbytes()
