@@ -8,9 +8,10 @@ import pytest
 
 from lightning_pipe import PipelinePlan
 from lightning_pipe.schedules import Kind, build_inference, build_schedule, get, two_bw_run, verify
-from lightning_pipe.schedules.actions import COMPUTE_KINDS
+from lightning_pipe.schedules.actions import COMPUTE_KINDS, ScheduleError
 from lightning_pipe.schedules.layout import owners, rank_stages, stage_rank
 from lightning_pipe.schedules.simulate import SimResult, simulate
+from lightning_pipe.schedules.verify import check_global_norm
 
 DEPTHS = range(2, 7)
 MICROBATCHES = range(1, 17)
@@ -86,7 +87,7 @@ def test_every_accepted_two_bw_layout_streams_without_deadlock(placement: str) -
     # Interleaved 2BW at two stages per rank: every (d, m) the spec accepts streams three windows
     # and the drain complete, ordered and deadlock-free, with and without split backward; every
     # other one is refused by the spec and by the windows, naming the microbatches to use.
-    spec, accepted = get("2bw"), 0
+    spec, accepted, refused = get("2bw"), 0, []
     for d, m in itertools.product(DEPTHS, MICROBATCHES):
         if not spec.runs(d, m, 2, placement):
             with pytest.raises(ValueError, match="microbatches"):
@@ -99,7 +100,34 @@ def test_every_accepted_two_bw_layout_streams_without_deadlock(placement: str) -
             program = two_bw_run(d, m, 3, split, virtual=2, placement=placement)
             verify(program, 3 * m, virtual=2, placement=placement)
             assert owners(program) == {s: stage_rank(s, d, placement) for s in range(2 * d)}
+            # Each optimizer step waits for every rank's all-reduce (the global norm): a plan
+            # whose program deadlocks there is refused, naming it; every other one runs.
+            plan = dict(depth=d, microbatches=m, schedule="2bw", split_backward=split, virtual_stages=2)
+            try:
+                check_global_norm(program)
+            except ScheduleError:
+                with pytest.raises(ValueError, match="would deadlock .*global gradient norm"):
+                    PipelinePlan(**plan, placement=placement, partition=[1] * (2 * d))
+                refused.append((d, m, split))
+            else:
+                PipelinePlan(**plan, placement=placement, partition=[1] * (2 * d))
     assert accepted >= len(DEPTHS) * 3
+    assert all(split for _, _, split in refused)  # without split the all-reduce ends the window's backwards
+
+
+def test_a_step_waiting_for_the_global_norm_deadlocks_a_rank_that_reduces_after_a_receive() -> None:
+    # Rank 0 steps right after its all-reduce; rank 1 all-reduces only after a forward that
+    # needs rank 0's next forward, which comes after rank 0's step: the step's global norm
+    # waits for rank 1's all-reduce, which waits for the step. Rank 1 reducing first runs.
+    from lightning_pipe.schedules import parse_actions
+
+    stuck = [parse_actions("0F0 0B0 0AR 0OPT 0F1"), parse_actions("1F0 1B0 1F1 1AR 1OPT")]
+    with pytest.raises(ScheduleError, match=r"global gradient norm: ranks wait at \{0: '0OPT', 1: '1F1'\}"):
+        check_global_norm(stuck)
+    check_global_norm([parse_actions("0F0 0B0 0AR 0OPT 0F1"), parse_actions("1F0 1B0 1AR 1F1 1OPT")])
+    # The layout this hung through Trainer.fit: 2BW, loop placement, split, d=2, m=4.
+    with pytest.raises(ValueError, match="would deadlock"):
+        PipelinePlan(depth=2, microbatches=4, schedule="2bw", split_backward=True, virtual_stages=2, placement="loop")
 
 
 def test_refusals_are_clear() -> None:

@@ -118,6 +118,10 @@ class PipelinePlan:
                     f"split_max_pending does not apply to schedule {self.schedule!r}: its placement, "
                     f"{self.spec.w_placement!r}, is part of the schedule (schedules/w_placement.py)"
                 )
+        if self.spec.streams and self.virtual_stages > 1 and self.split_backward:
+            from lightning_pipe.schedules.passes import check_two_bw_split
+
+            check_two_bw_split(self.depth, self.microbatches, self.virtual_stages, self.placement)
         self._check_placement()
         self._check_data_parallel()
         self._check_tensor_parallel()

@@ -12,6 +12,7 @@ from lightning_pipe.core.pipeline_plan import PipelinePlan
 from lightning_pipe.planning.madpipe import RangeCosts
 from lightning_pipe.planning.predict import Prediction, predict
 from lightning_pipe.planning.profile import BlockSample, Profile
+from lightning_pipe.schedules.passes import check_two_bw_split
 from lightning_pipe.schedules.registry import SCHEDULE_NAMES, get
 
 
@@ -77,6 +78,8 @@ def candidates(
             m = global_batch // (width * b)
             if not get(name).runs(depth, m, virtual, shape):
                 continue
+            if split and get(name).streams and virtual > 1 and not _two_bw_split_runs(depth, m, virtual, shape):
+                continue
             plan = PipelinePlan(
                 width,
                 depth,
@@ -107,6 +110,15 @@ def _replicas(profile: Profile, plan: PipelinePlan, fsdp: bool = True) -> Iterat
     if fsdp and offers_fsdp(profile, plan):
         yield plan.replace(data_parallel="fsdp", reshard_after_forward=True)
         yield plan.replace(data_parallel="fsdp", reshard_after_forward=False)
+
+
+def _two_bw_split_runs(depth: int, microbatches: int, virtual: int, placement: str) -> bool:
+    """Whether interleaved 2BW with split backward runs there (:func:`check_two_bw_split`)."""
+    try:
+        check_two_bw_split(depth, microbatches, virtual, placement)
+    except ValueError:
+        return False
+    return True
 
 
 def offers_fsdp(profile: Profile, plan: PipelinePlan) -> bool:

@@ -6,7 +6,7 @@ from functools import lru_cache, partial
 from typing import Optional, Sequence
 
 from lightning_pipe.schedules import interleaved, two_bw
-from lightning_pipe.schedules.actions import Action, Kind, action
+from lightning_pipe.schedules.actions import Action, Kind, ScheduleError, action
 from lightning_pipe.schedules.generators import forward_only
 from lightning_pipe.schedules.layout import owners, stage_ranks
 from lightning_pipe.schedules.registry import flushed_generator, get
@@ -256,6 +256,25 @@ def two_bw_drain(
     return [
         two_bw_stage_drain(s, depth, microbatches, last_step, split, early, virtual, placement) for s in range(depth)
     ]
+
+
+@lru_cache(maxsize=256)
+def check_two_bw_split(depth: int, microbatches: int, virtual: int, placement: str) -> None:
+    """Raise a clear ``ValueError`` unless interleaved 2BW with split backward runs ``(depth,
+    microbatches)`` at ``virtual`` stages per rank placed by ``placement``: the carry placement
+    holds a rank's all-reduce until no W of its batch waits, which can put it after a receive
+    whose sender first steps, and that step waits for the global norm, which needs the all-reduce
+    (:func:`~lightning_pipe.schedules.verify.check_global_norm`, over two windows and the drain)."""
+    from lightning_pipe.schedules.verify import check_global_norm
+
+    try:
+        check_global_norm(two_bw_run(depth, microbatches, 2, True, True, virtual, placement))
+    except ScheduleError as err:
+        raise ValueError(
+            f"2BW with split_backward=True at pipeline_depth={depth}, microbatches={microbatches}, "
+            f"virtual_stages={virtual}, placement={placement!r} would deadlock ({err}): use "
+            "split_backward=False, or another placement or number of microbatches"
+        ) from None
 
 
 def two_bw_run(

@@ -75,3 +75,40 @@ def verify(
     except ScheduleError as err:
         raise ScheduleError(f"{err}\n{grid(schedule)}") from None
     simulate(schedule, unit_costs())
+
+
+def check_global_norm(schedule: list[list[Action]]) -> None:
+    """Raise :class:`ScheduleError` if the ranks deadlock once each optimizer step waits for the
+    global gradient norm: a rank's ``j``-th OPT reads every rank's ``j``-th ALL_REDUCE (the
+    clipping norm joins every stage, ``runtime/update.py``), beside the pipeline's own waits (a
+    stage's forward of a microbatch needs the previous stage's, its backward or I the next
+    stage's). The simulator leaves that collective out: this walk adds it."""
+    last = max((a.stage for actions in schedule for a in actions if a.stage is not None), default=0)
+    done: set[tuple[int, str, int]] = set()
+    ptr, reduced, stepped = [0] * len(schedule), [0] * len(schedule), [0] * len(schedule)
+
+    def ready(r: int, a: Action) -> bool:
+        if a.kind is Kind.FORWARD:
+            return a.stage == 0 or (a.stage - 1, "F", a.microbatch) in done
+        if a.kind in (Kind.BACKWARD, Kind.INPUT_GRAD):
+            return a.stage == last or (a.stage + 1, "B", a.microbatch) in done
+        if a.kind is Kind.OPTIMIZER_STEP:
+            return all(n > stepped[r] for n in reduced)
+        return True
+
+    moved = True
+    while moved:
+        moved = False
+        for r, actions in enumerate(schedule):
+            while ptr[r] < len(actions) and ready(r, actions[ptr[r]]):
+                a = actions[ptr[r]]
+                if a.kind is Kind.FORWARD:
+                    done.add((a.stage, "F", a.microbatch))
+                elif a.kind in (Kind.BACKWARD, Kind.INPUT_GRAD):
+                    done.add((a.stage, "B", a.microbatch))
+                reduced[r] += a.kind is Kind.ALL_REDUCE
+                stepped[r] += a.kind is Kind.OPTIMIZER_STEP
+                ptr[r], moved = ptr[r] + 1, True
+    stuck = {r: str(actions[p]) for r, (p, actions) in enumerate(zip(ptr, schedule)) if p < len(actions)}
+    if stuck:
+        raise ScheduleError(f"deadlock at the global gradient norm: ranks wait at {stuck}")
