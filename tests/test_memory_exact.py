@@ -163,7 +163,9 @@ FAMILIES = sorted({family(p) for *_, plans in MODELS.values() for p in plans[2] 
 def _tracked_steps(engine: Any, batch: Any, steps: int = 3) -> int:
     """Peak tensor bytes over steps 2 to ``steps`` of training (AdamW's state exists from the first
     on, 2BW's second weight version from its second): every storage the steps create, tracked from
-    before the first, plus the weights and the batch."""
+    before the first, plus the weights and the batch. A flushed schedule's steps after the first
+    hold the same tensors (nothing crosses a flush), so its callers track step 2 alone; a 2BW
+    stream's third step is its first steady one."""
     from lightning_pipe.runtime.comm import p2p
 
     params = list(engine.parameters())
@@ -196,7 +198,7 @@ def _exact_memory(rank: int, world: int) -> dict[str, list[tuple[int, int, int]]
             torch.manual_seed(0)
             engine = place(model(), plan, rank, groups=PipelineGroups.build(plan.topology, rank))
             batch = data(plan.microbatches * b, seed=plan.topology.replica_of(rank))
-            measured = _tracked_steps(engine, batch)
+            measured = _tracked_steps(engine, batch, steps=3 if plan.spec.streams else 2)
             predicted = predict.predict(profile, plan, b).stage_memory[engine.stage_index]
             rows.append((engine.stage_index, predicted, measured))
         out[name] = rows
