@@ -9,6 +9,7 @@ from typing import Optional, Sequence, Union
 from lightning_pipe.core.partition import partition_sizes, stage_ranges
 from lightning_pipe.core.topology import Topology
 from lightning_pipe.schedules.layout import rank_stages, stage_rank
+from lightning_pipe.schedules.passes import check_two_bw_split
 from lightning_pipe.schedules.registry import ScheduleSpec, get
 from lightning_pipe.schedules.w_placement import PLACEMENTS
 
@@ -119,8 +120,6 @@ class PipelinePlan:
                     f"{self.spec.w_placement!r}, is part of the schedule (schedules/w_placement.py)"
                 )
         if self.spec.streams and self.virtual_stages > 1 and self.split_backward:
-            from lightning_pipe.schedules.passes import check_two_bw_split
-
             check_two_bw_split(self.depth, self.microbatches, self.virtual_stages, self.placement)
         self._check_placement()
         self._check_data_parallel()

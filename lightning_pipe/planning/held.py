@@ -467,12 +467,17 @@ def batch_has_gradients(flat: FlatProgram, release: np.ndarray, microbatches: in
     """Per action of a streamed (2BW) program, whether its batch (``microbatches`` a batch) already
     has gradients on its rank: a backward or W of that batch ran before it there (PipeDream-2BW
     paper, section 3.1: each batch accumulates into its own weight version's gradients)."""
+    return _batch_releases(flat, release, microbatches) - release > 0
+
+
+def _batch_releases(flat: FlatProgram, release: np.ndarray, microbatches: int) -> np.ndarray:
+    """Per action, the ``release`` actions of its batch on its rank up to it (itself included)."""
     batch = np.where(flat.microbatch >= 0, flat.microbatch // microbatches, -1) + 1
     key = flat.owner * (int(batch.max(initial=0)) + 1) + batch
     order = np.lexsort((np.arange(len(key)), key))
     before = np.empty(len(key), dtype=np.int64)
     before[order] = _grouped_cumsum(release[order].astype(np.int64), key[order])
-    return before - release > 0
+    return before
 
 
 def lone_gradients(flat: FlatProgram, release: np.ndarray, microbatches: int) -> np.ndarray:
@@ -482,12 +487,7 @@ def lone_gradients(flat: FlatProgram, release: np.ndarray, microbatches: int) ->
     the update of batch ``t - 1`` deferred to batch ``t``'s window). At a warm moment where that
     count is short, the batch before has been stepped and its gradients are gone: only the
     moment's own batch's exist, as at a cold moment (which carries the other one's)."""
-    batch = np.where(flat.microbatch >= 0, flat.microbatch // microbatches, -1) + 1
-    key = flat.owner * (int(batch.max(initial=0)) + 1) + batch
-    order = np.lexsort((np.arange(len(key)), key))
-    before = np.empty(len(key), dtype=np.int64)
-    before[order] = _grouped_cumsum(release[order].astype(np.int64), key[order])
-    starts = release & (before - release == 0)  # a batch's first backward or W on its rank
+    starts = release & (_batch_releases(flat, release, microbatches) == 1)  # a batch's first backward or W on its rank
     steps = flat.kind == OPTIMIZER_STEP
     live = _cumsum_per_rank(starts, flat.starts) - _cumsum_per_rank(steps, flat.starts) + steps
     most = np.maximum.reduceat(live, flat.starts[:-1]) if len(live) else live

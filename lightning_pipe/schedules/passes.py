@@ -160,14 +160,20 @@ def _split_2bw(
 def _rank_window(
     rank: int, depth: int, microbatches: int, step: int, early: bool, virtual: int, placement: str
 ) -> list[Action]:
-    """Interleaved 2BW: rank ``rank``'s compute actions of window ``step`` under ``placement``."""
+    """2BW: rank ``rank``'s compute actions of window ``step`` (interleaved under ``placement``
+    with ``virtual > 1``)."""
+    if virtual == 1:
+        return two_bw.window(rank, depth, microbatches, step, early)
     if placement == "v":
         return two_bw.v_window(rank, depth, microbatches, step, early)
     return two_bw.rank_window(rank, depth, microbatches, step, virtual, early)
 
 
 def _rank_drain(rank: int, depth: int, microbatches: int, last_step: int, virtual: int, placement: str) -> list[Action]:
-    """Interleaved 2BW: rank ``rank``'s compute actions of the drain after ``last_step`` under ``placement``."""
+    """2BW: rank ``rank``'s compute actions of the drain after ``last_step`` (interleaved under
+    ``placement`` with ``virtual > 1``)."""
+    if virtual == 1:
+        return two_bw.drain(rank, depth, microbatches, last_step)
     if placement == "v":
         return two_bw.v_drain(rank, depth, microbatches, last_step)
     return two_bw.rank_drain(rank, depth, microbatches, last_step, virtual)
@@ -188,16 +194,10 @@ def two_bw_stage_window(
     after its all-reduce (see schedules/two_bw.py). With ``virtual > 1``, pipeline rank
     ``stage``'s interleaved 2BW program over the stages ``placement`` gives it (``"loop"`` or
     ``"v"``, schedules/layout.py)."""
-    if virtual > 1:
-        window = partial(_rank_window, stage, depth, microbatches, early=early, virtual=virtual, placement=placement)
-        before = window(step - 1) if split and step else []
-        part = _split_2bw(window(step), before, microbatches, max(step - 2, 0), split)
-        return add_communication(part, depth * virtual, stage_ranks(depth, virtual, placement))
-    before = two_bw.window(stage, depth, microbatches, step - 1, early) if split and step else []
-    part = _split_2bw(
-        two_bw.window(stage, depth, microbatches, step, early), before, microbatches, max(step - 2, 0), split
-    )
-    return add_communication(part, depth)
+    window = partial(_rank_window, stage, depth, microbatches, early=early, virtual=virtual, placement=placement)
+    before = window(step - 1) if split and step else []
+    part = _split_2bw(window(step), before, microbatches, max(step - 2, 0), split)
+    return add_communication(part, depth * virtual, stage_ranks(depth, virtual, placement))
 
 
 def two_bw_window(
@@ -226,21 +226,10 @@ def two_bw_stage_drain(
     """Stage ``stage``'s full 2BW program that finishes the stream after ``last_step`` (its list in
     :func:`two_bw_drain`); with ``virtual > 1``, pipeline rank ``stage``'s over the stages
     ``placement`` gives it."""
-    if virtual > 1:
-        before = _rank_window(stage, depth, microbatches, last_step, early, virtual, placement) if split else []
-        part = _split_2bw(
-            _rank_drain(stage, depth, microbatches, last_step, virtual, placement),
-            before,
-            microbatches,
-            max(last_step - 1, 0),
-            split,
-        )
-        return add_communication(part, depth * virtual, stage_ranks(depth, virtual, placement))
-    before = two_bw.window(stage, depth, microbatches, last_step, early) if split else []
-    part = _split_2bw(
-        two_bw.drain(stage, depth, microbatches, last_step), before, microbatches, max(last_step - 1, 0), split
-    )
-    return add_communication(part, depth)
+    before = _rank_window(stage, depth, microbatches, last_step, early, virtual, placement) if split else []
+    drain = _rank_drain(stage, depth, microbatches, last_step, virtual, placement)
+    part = _split_2bw(drain, before, microbatches, max(last_step - 1, 0), split)
+    return add_communication(part, depth * virtual, stage_ranks(depth, virtual, placement))
 
 
 def two_bw_drain(
