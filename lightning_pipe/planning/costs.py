@@ -11,7 +11,7 @@ from typing import Callable, Iterable, Optional, Sequence
 from lightning_pipe.core.partition import balanced
 from lightning_pipe.core.pipeline_plan import PipelinePlan
 from lightning_pipe.planning.profile import BlockProfile, BlockSample, Profile
-from lightning_pipe.planning.programs import program
+from lightning_pipe.planning.programs import _program, program_key
 from lightning_pipe.runtime.buckets import DEFAULT_BUCKET_BYTES
 from lightning_pipe.schedules import Action, Kind
 
@@ -390,7 +390,7 @@ def gathers(plan: PipelinePlan, a: Action) -> float:
         return 0.0
     if plan.reshard_after_forward:
         if plan.split_backward:
-            return _split_gathers(plan)[0].get((a.stage, a.kind), 0.0)
+            return _split_gathers(program_key(plan, 1), tuple(plan.recompute))[0].get((a.stage, a.kind), 0.0)
         return 1.0 if a.kind in (Kind.FORWARD, Kind.BACKWARD) else 0.0
     return 1 / plan.microbatches if a.kind is Kind.FORWARD else 0.0
 
@@ -401,13 +401,13 @@ def gathering_pending(plan: PipelinePlan, stage: int) -> int:
     (:func:`_split_gathers`)."""
     if not (sharded(plan) and plan.reshard_after_forward and plan.split_backward):
         return 0
-    return _split_gathers(plan)[1].get(stage, 0)
+    return _split_gathers(program_key(plan, 1), tuple(plan.recompute))[1].get(stage, 0)
 
 
 @functools.lru_cache(maxsize=256)
-def _split_gathers(plan: PipelinePlan) -> tuple[dict[tuple[int, Kind], float], dict[int, int]]:
+def _split_gathers(key: tuple, recompute: tuple[bool, ...]) -> tuple[dict[tuple[int, Kind], float], dict[int, int]]:
     """Per stage and kind of action, the all-gathers of the stage's weights one action runs on
-    average, under split backward and ZeRO-3, for ``plan``'s program;
+    average, under split backward and ZeRO-3, for the program of :func:`program_key` ``key``;
     and per stage the most microbatches pending (the running one included) at an I that gathers.
 
     Each stage is gathered or not as the runtime leaves it (runtime/sharding.py,
@@ -419,8 +419,7 @@ def _split_gathers(plan: PipelinePlan) -> tuple[dict[tuple[int, Kind], float], d
     backward that leaves no W of the stage pending reshards it."""
     done: dict[tuple[int, Kind], list[int]] = {}
     pending_at: dict[int, int] = {}
-    recompute = plan.recompute
-    for actions in program(plan, 1):
+    for actions in _program(*key):
         gathered: dict[int, bool] = {}
         pending: dict[int, int] = {}
         for a in actions:
@@ -572,7 +571,7 @@ def step_gathers(plan: PipelinePlan) -> list[float]:
     """Per stage, the all-gathers of its weights one step of ``plan`` runs (:func:`gathers` over
     its program): ``2 m`` under ZeRO-3 without split backward, 1 under ZeRO-2, 0 unsharded."""
     per_stage = [0.0] * plan.stages
-    for actions in program(plan, 1):
+    for actions in _program(*program_key(plan, 1)):
         for a in actions:
             per_stage[a.stage] += gathers(plan, a)
     return per_stage
