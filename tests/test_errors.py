@@ -153,7 +153,7 @@ def test_autoplanner_refuses_a_fit_shorter_than_its_profiling() -> None:
     ],
 )
 def test_trainer_refuses_misuse_in_one_process(case: str, error: type, message: str) -> None:
-    from tests.scripts.misuse import fit_case
+    from tests.scripts.misuse_cases import fit_case
 
     # Lightning writes MASTER_ADDR/MASTER_PORT into the environment: later launches must not inherit them.
     with mock.patch.dict(os.environ, MASTER_PORT=str(free_port())):

@@ -25,13 +25,17 @@ from tests.launch import ROOT, SCRIPTS
 HANG_GUARD = 240  # seconds: a launch still running then is a hang, and fails
 
 
-def _launch(case: str, folder: Path) -> tuple[dict[int, int], str]:
-    """Fit misuse.py's ``case`` on 2 processes; each rank's exit code (signals as 128 + number) and the output."""
+def _start(case: str, folder: Path) -> subprocess.Popen:
+    """Start fitting misuse.py's ``case`` on 2 processes through Lightning's launcher."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", MISUSE_REPORT_EXIT="1", MISUSE_READY=str(folder))
     cmd = [sys.executable, str(SCRIPTS / "misuse.py"), case, "2"]
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT, start_new_session=True
     )
+
+
+def _finish(case: str, proc: subprocess.Popen) -> tuple[dict[int, int], str]:
+    """Each rank's exit code (signals as 128 + number) and the output of ``case``'s launch, once every rank ended."""
     try:
         output, _ = proc.communicate(timeout=HANG_GUARD)  # until every rank closed the pipe
     except subprocess.TimeoutExpired:
@@ -43,8 +47,16 @@ def _launch(case: str, folder: Path) -> tuple[dict[int, int], str]:
     return codes, output
 
 
-def _check(case: str, folder: Path, code: int, messages: list[str]) -> None:
-    codes, output = _launch(case, folder)
+@pytest.fixture(scope="module")
+def failed_fits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict[int, int], str]]:
+    """The two launches whose stage raises, run at the same time: each waits mostly for the other's
+    process start-up, and their waits are bounded by the 30 s timeout, far above a loaded host's delays."""
+    running = {case: _start(case, tmp_path_factory.mktemp(case)) for case in ("none_first", "dict_last")}
+    return {case: _finish(case, proc) for case, proc in running.items()}
+
+
+def _check(result: tuple[dict[int, int], str], code: int, messages: list[str]) -> None:
+    codes, output = result
     tail = output[-6000:]
     assert codes == {0: code, 1: code}, f"exit codes {codes}, expected {code} on every rank:\n{tail}"
     assert "terminate called" not in output, tail
@@ -52,22 +64,20 @@ def _check(case: str, folder: Path, code: int, messages: list[str]) -> None:
         assert message in output, f"{message!r} not in the output:\n{tail}"
 
 
-def test_an_error_on_stage_0_ends_every_rank_with_1(tmp_path: Path) -> None:
+def test_an_error_on_stage_0_ends_every_rank_with_1(failed_fits) -> None:
     # The failing rank's notice reaches rank 1, which raises it; the user's report: 134 every time.
     message = "pipeline block 2 (Returns) returned NoneType"
     _check(
-        "none_first",
-        tmp_path,
+        failed_fits["none_first"],
         1,
         [f"TypeError: {message}", f"PipelineAbortedError: stage 0 (rank 0) failed: TypeError: {message}"],
     )
 
 
-def test_an_error_on_the_last_stage_ends_every_rank_with_1(tmp_path: Path) -> None:
+def test_an_error_on_the_last_stage_ends_every_rank_with_1(failed_fits) -> None:
     message = "pipeline block 5 (Returns) returned dict"
     _check(
-        "dict_last",
-        tmp_path,
+        failed_fits["dict_last"],
         1,
         [f"TypeError: {message}", f"PipelineAbortedError: stage 1 (rank 1) failed: TypeError: {message}"],
     )
@@ -79,7 +89,7 @@ def test_a_stuck_neighbour_ends_every_rank_with_1_and_says_who_waited_for_what(t
     waited = re.compile(
         r"TimeoutError: stage 0 \(rank 0\) waited \d+ s for the gradients of microbatch 0 from rank 1 \(stage 1\)"
     )
-    codes, output = _launch("hang", tmp_path)
+    codes, output = _finish("hang", _start("hang", tmp_path))
     tail = output[-6000:]
     assert codes == {0: 1, 1: 1}, f"exit codes {codes}, expected 1 on every rank:\n{tail}"
     assert "terminate called" not in output, tail
