@@ -1,5 +1,5 @@
 """How each rank of a 2-process fit through Lightning's launcher ends: 1 with the error on every
-failure path (a stage's error, a neighbour stuck past the timeout); 0 after clean fits (the
+failure path (a stage's error at setup or mid-step, a neighbour stuck past the timeout); 0 after clean fits (the
 suite's shared launches); never SIGABRT (134, "terminate called without an active exception"),
 never a hang.
 
@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed import free_port
 from tests.launch import ROOT, SCRIPTS
 
 HANG_GUARD = 240  # seconds: a launch still running then is a hang, and fails
@@ -28,6 +29,7 @@ HANG_GUARD = 240  # seconds: a launch still running then is a hang, and fails
 def _start(case: str, folder: Path) -> subprocess.Popen:
     """Start fitting misuse.py's ``case`` on 2 processes through Lightning's launcher."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", MISUSE_REPORT_EXIT="1", MISUSE_READY=str(folder))
+    env["MASTER_PORT"] = str(free_port())  # launches running at the same time must not pick the same port
     cmd = [sys.executable, str(SCRIPTS / "misuse.py"), case, "2"]
     return subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT, start_new_session=True
@@ -49,9 +51,9 @@ def _finish(case: str, proc: subprocess.Popen) -> tuple[dict[int, int], str]:
 
 @pytest.fixture(scope="module")
 def failed_fits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict[int, int], str]]:
-    """The two launches whose stage raises, run at the same time: each waits mostly for the other's
+    """The three launches whose stage raises, run at the same time: each waits mostly for the others'
     process start-up, and their waits are bounded by the 30 s timeout, far above a loaded host's delays."""
-    running = {case: _start(case, tmp_path_factory.mktemp(case)) for case in ("none_first", "dict_last")}
+    running = {case: _start(case, tmp_path_factory.mktemp(case)) for case in ("none_first", "dict_last", "mid_step")}
     return {case: _finish(case, proc) for case, proc in running.items()}
 
 
@@ -81,6 +83,21 @@ def test_an_error_on_the_last_stage_ends_every_rank_with_1(failed_fits) -> None:
         1,
         [f"TypeError: {message}", f"PipelineAbortedError: stage 1 (rank 1) failed: TypeError: {message}"],
     )
+
+
+def test_a_rank_failing_mid_step_ends_every_rank_with_its_error(failed_fits) -> None:
+    # One stage each (3 + 3 blocks): the Boom block, the chain's fourth, is on rank 1. Rank 0
+    # must end with rank 1's error carried by the abort notice, not by its process-group timeout
+    # (30 s) or by being left waiting.
+    codes, output = failed_fits["mid_step"]
+    tail = output[-6000:]
+    assert codes == {0: 1, 1: 1}, f"exit codes {codes}, expected 1 on every rank:\n{tail}"
+    # Each rank's uncaught error, as torch prints it: "[rankN]: <type>: <message>".
+    ended = {
+        int(r): line for r, line in re.findall(r"^\[rank(\d)\]: ([\w.]+(?:Error|Exception): .*)$", output, re.MULTILINE)
+    }
+    assert ended.get(1) == "RuntimeError: boom in block", tail
+    assert ended.get(0, "").endswith("PipelineAbortedError: stage 1 (rank 1) failed: RuntimeError: boom in block"), tail
 
 
 def test_a_stuck_neighbour_ends_every_rank_with_1_and_says_who_waited_for_what(tmp_path: Path) -> None:
