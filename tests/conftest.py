@@ -1,12 +1,17 @@
-"""Session fixtures: one shared launch per world size for every multi-process scenario (tests/shared.py)."""
+"""Session fixtures: one shared launch per world size for every multi-process scenario (tests/shared.py),
+run beside the tests from the start of the session."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pickle
+import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import pytest
 
@@ -44,25 +49,76 @@ class Launch:
         return self.folder / name
 
 
+class SharedLaunches:
+    """The shared launches of a session, each run once in a thread beside the tests.
+
+    World 2 runs first and world 4 after it (world 4 resumes checkpoints that world 2 saved).
+    They start before the first test, so the one-process tests and the separate launches run
+    while they do: a launch's waits, and a one-process test's single busy core, leave cores idle
+    that the other fills."""
+
+    WORLDS = (2, 4)
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.done = root, {w: threading.Event() for w in self.WORLDS}
+        self.results: dict[int, Launch] = {}
+        self.running: list[subprocess.Popen] = []
+        self._thread = threading.Thread(target=self._run_all, name="shared-launches", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run_all(self) -> None:
+        for world in self.WORLDS:
+            self.results[world] = run_shared(world, self.root, self.running.append)
+            self.done[world].set()
+
+    def get(self, world: int) -> Launch:
+        """The launch of ``world``, once it ended; a world the thread does not run, run now."""
+        if world not in self.done:
+            self.results[world] = run_shared(world, self.root)
+        else:
+            self.done[world].wait()
+        return self.results[world]
+
+    def stop(self) -> None:
+        """End a launch still running when the session ends (its tests were not selected)."""
+        for proc in self.running:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+
+
+def run_shared(world: int, root: Path, started: Optional[Callable[[subprocess.Popen], None]] = None) -> Launch:
+    """Every scenario of ``world`` in one torchrun; its outcome (a hang: killed after LAUNCH_TIMEOUT)."""
+    start = time.monotonic()
+    args = [str(SCRIPTS / "scenarios.py"), str(root)]
+    try:
+        proc = launch(args, timeout=LAUNCH_TIMEOUT, torchrun=world, check=False, started=started)
+    except subprocess.TimeoutExpired as err:  # kept as the launch's outcome: each test then fails at once
+        proc = subprocess.CompletedProcess(err.cmd, None, err.stdout or "", err.stderr or "")  # type: ignore[arg-type]
+    return Launch(world, root, proc, time.monotonic() - start)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the tests that read the shared launches last (in their own order): every other test runs
+    while the launches do, instead of waiting behind the first test that reads one."""
+    items.sort(key=lambda item: "launched" in getattr(item, "fixturenames", ()))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_launches(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Start the shared launches before the first test when a selected test uses them."""
+    if not any("launched" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        yield None
+        return
+    launches = SharedLaunches(tmp_path_factory.mktemp("launches"))
+    launches.start()
+    yield launches
+    launches.stop()
+
+
 @pytest.fixture(scope="session")
-def launched(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Launch]:
-    """``launched(world)`` runs every scenario of that world size once per session, in one torchrun."""
-    root = tmp_path_factory.mktemp("launches")
-    cache: dict[int, Launch] = {}
-
-    def get(world: int) -> Launch:
-        if world == 4:
-            get(2)  # world 4 resumes checkpoints that world 2 saved
-        if world not in cache:
-            start = time.monotonic()
-            args = [str(SCRIPTS / "scenarios.py"), str(root)]
-            try:
-                proc = launch(args, timeout=LAUNCH_TIMEOUT, torchrun=world, check=False)
-            except (
-                subprocess.TimeoutExpired
-            ) as err:  # kept as the launch's outcome: each test then fails at once, none launches again
-                proc = subprocess.CompletedProcess(err.cmd, None, err.stdout or "", err.stderr or "")  # type: ignore[arg-type]
-            cache[world] = Launch(world, root, proc, time.monotonic() - start)
-        return cache[world]
-
-    return get
+def launched(shared_launches: SharedLaunches) -> Callable[[int], Launch]:
+    """``launched(world)`` is every scenario of that world size, run once per session in one torchrun."""
+    return shared_launches.get

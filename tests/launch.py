@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable, Optional
 
 from tests.distributed import free_port
 
@@ -15,8 +16,15 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"
 
 
-def launch(args: list[str], timeout: float, torchrun: int = 0, check: bool = True) -> subprocess.CompletedProcess:
-    """Run ``python script args`` (or torchrun with ``torchrun`` processes) and fail on error or hang."""
+def launch(
+    args: list[str],
+    timeout: float,
+    torchrun: int = 0,
+    check: bool = True,
+    started: Optional[Callable[[subprocess.Popen], None]] = None,
+) -> subprocess.CompletedProcess:
+    """Run ``python script args`` (or torchrun with ``torchrun`` processes) and fail on error or hang;
+    ``started`` is handed the running process (to stop it from another thread)."""
     prefix = [sys.executable]
     if torchrun:
         prefix += ["-m", "torch.distributed.run", f"--nproc_per_node={torchrun}", f"--master_port={free_port()}"]
@@ -30,6 +38,8 @@ def launch(args: list[str], timeout: float, torchrun: int = 0, check: bool = Tru
         cwd=ROOT,
         start_new_session=True,
     ) as running:
+        if started is not None:
+            started(running)
         try:
             out, err = running.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -66,3 +66,22 @@ def live_groups() -> set[Any]:
 def launch_root() -> Path:
     """The folder holding every launch of the session (``world2/``, ``world4/``, ...)."""
     return Path(os.environ["SCENARIO_ROOT"])
+
+
+def profile_on_rank_0(*args: Any, **kwargs: Any) -> Any:
+    """``profile_blocks(*args, **kwargs)`` run on rank 0 alone, its profile sent to every rank.
+
+    For the memory checks of a scenario: a profile's bytes are the same on every rank, and the
+    other ranks would time the same blocks again only to compete for the host's cores. Rank 0
+    profiles under ``fork_rng``, so every rank leaves with the random state it came with."""
+    import torch
+    import torch.distributed as dist
+
+    from lightning_pipe.planning.profiler import profile_blocks
+
+    sent: list[Any] = [None]
+    if dist.get_rank() == 0:
+        with torch.random.fork_rng():
+            sent[0] = profile_blocks(*args, **kwargs)
+    dist.broadcast_object_list(sent, src=0)
+    return sent[0]

@@ -122,7 +122,7 @@ def test_resume_under_another_layout_matches_single_process(launched, saved: str
 KILL_HANG_GUARD = 300
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # its tests run apart (one reads the shared launches: conftest)
 def killed_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Three launches on one folder ((2,2) 1F1B, 6 steps, checkpoints every 2 steps):
     A is killed at step 3 (mid-epoch, after the step-2 checkpoint); B resumes from "last" and

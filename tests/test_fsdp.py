@@ -607,12 +607,12 @@ def _fsdp_memory(rank: int, world: int) -> list[tuple[PipelinePlan, int, int, in
     and the prediction for DDP replicas."""
     from lightning_pipe import PipelineGroups, place
     from lightning_pipe.planning import predict
-    from lightning_pipe.planning.profiler import profile_blocks
     from lightning_pipe.runtime.comm import p2p
     from tests.models import NonUniformChain, adamw, token_data
+    from tests.shared import profile_on_rank_0
 
     torch.manual_seed(0)  # one profile, measured at both microbatch sizes
-    profile = profile_blocks(NonUniformChain(), token_data(8), sorted(MEMORY_PLANS), repeats=1, optimizer=adamw)
+    profile = profile_on_rank_0(NonUniformChain(), token_data(8), sorted(MEMORY_PLANS), repeats=1, optimizer=adamw)
     rows = []
     for b, plans in MEMORY_PLANS.items():
         for plan in plans:

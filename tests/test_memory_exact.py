@@ -23,7 +23,7 @@ from lightning_pipe import PipelinePlan, place
 from lightning_pipe.planning import predict
 from lightning_pipe.planning.profiler import profile_blocks
 from tests.models import LogitsChain, NonUniformChain, adamw, logits_data, token_data
-from tests.shared import scenario
+from tests.shared import profile_on_rank_0, scenario
 from tests.test_planner import _TrackedBytes
 
 #: Samples a microbatch: the profile is measured at this size (and twice it), so no interpolation.
@@ -192,7 +192,7 @@ def _exact_memory(rank: int, world: int) -> dict[str, list[tuple[int, int, int]]
             continue
         b = microbatch_size(name)
         torch.manual_seed(0)
-        profile = profile_blocks(model(), data(4 * b), [b, 2 * b], repeats=1, optimizer=adamw)
+        profile = profile_on_rank_0(model(), data(4 * b), [b, 2 * b], repeats=1, optimizer=adamw)
         rows = []
         for plan in plans[world]:
             torch.manual_seed(0)

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from lightning_pipe import PipelinePlan, PipelineStrategy
 from tests.models import HIDDEN, ToyChain, assert_close_dicts, load_plain, reference_train
 from tests.scripts.train_toy import Indexed, Recorder, WithScheduler
-from tests.shared import live_groups, scenario, scenario_dir
+from tests.shared import live_groups, profile_on_rank_0, scenario, scenario_dir
 
 GLOBAL, SWITCH, STEPS = 16, 2, 5  # the switch after step 2, then 3 more steps
 START = PipelinePlan(1, 4, 4, "1f1b", partition="uniform")
@@ -778,7 +778,6 @@ DENSE_SPOT_PLANS = [
 
 def _spot_check_memory(rank: int, world: int) -> list[dict[str, Any]]:
     from lightning_pipe.planning import predict
-    from lightning_pipe.planning.profiler import profile_blocks
 
     batch = next(iter(DataLoader(Wide(), batch_size=WIDE_BATCH)))
     rows = []
@@ -787,7 +786,9 @@ def _spot_check_memory(rank: int, world: int) -> list[dict[str, Any]]:
         (DenseChain, DENSE_SPOT_PLANS),
         (ConvDenseChain, DENSE_SPOT_PLANS[:1]),
     ):
-        profile = profile_blocks(model(), batch, [2, 4], repeats=1, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
+        profile = profile_on_rank_0(
+            model(), batch, [2, 4], repeats=1, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2)
+        )
         profile = dataclasses.replace(profile, loads_global_batch=True)
         for plan in plans:
             resolved = plan.replace(partition=tuple([8 // plan.stages] * plan.stages))
