@@ -439,7 +439,7 @@ class Executor:
         """Post ``tensors`` to ``dst``, where a ``kind`` (RECV_ACT or RECV_GRAD) action reads them."""
         assert dst is not None
         self.mailbox.before_send(dst)
-        box = st.sent.get(dst) or st.sent.setdefault(dst, Outbox())
+        box = st.sent.get(dst) or st.sent.setdefault(dst, Outbox(self.channel.polls()))
         transfer = p2p.send_tensors(
             tensors,
             dst,
