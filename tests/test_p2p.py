@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lightning_pipe.runtime.comm import p2p
+from lightning_pipe.runtime.comm.mailbox import Outbox
 
 TUPLES = [
     [torch.randn(3, 4)],
@@ -47,3 +48,32 @@ def test_a_header_for_other_shapes_is_not_described_by_the_packing() -> None:
     assert not layout.describes(p2p.header_fields([torch.randn(3, 4).double()]))
     assert not layout.describes(p2p.header_fields([torch.randn(3, 4), torch.randn(1)]))
     assert layout.describes(p2p.header_fields([torch.randn(3, 4)], ack=5))
+
+
+class _Sent:
+    """A posted send's stand-in: whether it reports completion, and whether it was waited on."""
+
+    def __init__(self, done: bool) -> None:
+        self.done, self.waited, self.asked = done, False, 0
+
+    def wait(self) -> None:
+        self.waited = True
+
+    def is_completed(self) -> bool:
+        self.asked += 1
+        return self.done
+
+
+@pytest.mark.parametrize("polls", [False, True])
+def test_an_outbox_drops_delivered_messages_and_polls_only_where_sends_report_completion(polls: bool) -> None:
+    sent = [_Sent(done=i == 3) for i in range(5)]
+    box = Outbox(polls)
+    for transfer in sent:
+        box.post(transfer)  # type: ignore[arg-type]
+    box.release(2)  # the peer has the first two: waited on (at once) and dropped
+    assert [s.waited for s in sent] == [True, True, False, False, False]
+    kept = [transfer for _, transfer in box.messages]
+    assert kept == (sent[2:3] + sent[4:] if polls else sent[2:])  # a completed one goes only where it is asked
+    assert sum(s.asked for s in sent) == (3 if polls else 0)
+    box.release(5)
+    assert not box.messages and all(s.waited for s in sent if s in kept)

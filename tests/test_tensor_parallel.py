@@ -23,6 +23,7 @@ from torch import nn
 from lightning_pipe import PipelinePlan, PipelineStrategy
 from lightning_pipe.core.topology import Topology
 from lightning_pipe.runtime.placement import Placement
+from lightning_pipe.runtime.tensor_parallel import squared_norm
 from tests.launch import ROOT
 from tests.models import assert_close_dicts, load_plain, make_data, reference_train
 from tests.shared import launch_root, scenario, scenario_dir
@@ -264,3 +265,15 @@ def test_tensor_parallel_checkpoint_resumes_without_tensor_parallel(launched) ->
     for rank in ranks:
         assert_close_dicts(rank["params"], {k: want[k] for k in rank["params"]}, rtol=1e-5)
         assert rank["tp"] is None and all(shape == tuple(want[n].shape) for n, shape in rank["local_shape"].items())
+
+
+def test_the_squared_norm_without_tensor_parallel_is_the_per_tensor_norms_summed_in_order() -> None:
+    # One _foreach_norm per dtype gives each gradient's vector_norm bit for bit on the CPU, summed in the given order.
+    torch.manual_seed(0)
+    grads = [torch.randn(64, 32), torch.randn(7, dtype=torch.float64), torch.randn(33).bfloat16(), torch.randn(5)]
+    want = torch.stack(
+        [torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32)).float() for g in grads]
+    )
+    got = squared_norm(grads, torch.device("cpu"))
+    assert got.dtype == torch.float32 and torch.equal(got, want.pow(2).sum())
+    assert torch.equal(squared_norm([], torch.device("cpu")), torch.zeros(()))

@@ -255,11 +255,12 @@ class Executor:
         self._actions, self._at, self._posted_at = actions, 0, -1
         try:
             self.mailbox.start(actions, self._source, self._destination, arrivals)
+            trace = self.trace  # the clock is read only for a trace
             for self._at, action in enumerate(actions):
-                start = now()
+                start = now() if trace is not None else 0.0
                 ready = self._handlers[action.kind](action, state)  # when its own work began, if it waited first
-                if self.trace is not None:
-                    self.trace.record(action, start if ready is None else ready, now())
+                if trace is not None:
+                    trace.record(action, start if ready is None else ready, now())
                 self.mailbox.advance()
             if wait:
                 self._wait(state)
@@ -339,7 +340,7 @@ class Executor:
                 f"pipeline_loss must return a mean-reduced scalar Tensor (e.g. F.cross_entropy(..., "
                 f"reduction='mean')), got {got}"
             )
-        return loss.reshape(())
+        return loss if loss.dim() == 0 else loss.reshape(())  # a scalar already: no view, nor its backward
 
     def _roots(self, a: Action, st: StepState) -> tuple[list[Tensor], list[Optional[Tensor]]]:
         """What a stage's backward of a microbatch starts from: the loss, or outputs and their gradients."""
@@ -438,7 +439,7 @@ class Executor:
         """Post ``tensors`` to ``dst``, where a ``kind`` (RECV_ACT or RECV_GRAD) action reads them."""
         assert dst is not None
         self.mailbox.before_send(dst)
-        box = st.sent.get(dst) or st.sent.setdefault(dst, Outbox())
+        box = st.sent.get(dst) or st.sent.setdefault(dst, Outbox(self.channel.polls()))
         transfer = p2p.send_tensors(
             tensors,
             dst,

@@ -38,8 +38,25 @@ def squared_norm(grads: Sequence[Tensor], device: torch.device, tp_group: Any = 
 
 
 def _sum_of_squares(grads: Sequence[Tensor], zero: Tensor) -> Tensor:
-    """The float32 sum of ``grads``' squares (this rank's parts), each norm taken in at least float32."""
-    norms = [
-        torch.linalg.vector_norm(local(g), dtype=torch.promote_types(g.dtype, torch.float32)).float() for g in grads
-    ]
-    return torch.stack(norms).pow(2).sum().to(zero.device) if norms else zero.clone()
+    """The float32 sum of ``grads``' squares (this rank's parts), each norm taken in at least float32
+    and the norms summed in ``grads``' order (:func:`_norms`)."""
+    if not grads:
+        return zero.clone()
+    with torch.no_grad():  # a gradient that records a graph (create_graph) adds nothing to it here
+        return torch.stack(_norms([local(g) for g in grads])).pow(2).sum().to(zero.device)
+
+
+def _norms(parts: list[Tensor]) -> list[Tensor]:
+    """Each tensor's float32 L2 norm, in order: one ``torch._foreach_norm`` per dtype, in at least
+    float32. On the CPU it runs each tensor's ``linalg.vector_norm`` (the same values as calling
+    it per tensor); on a GPU one multi-tensor kernel for all, ``clip_grad_norm_``'s, whose norms
+    may differ from ``vector_norm``'s in the last bit."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(parts):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    norms: list[Tensor] = list(parts)
+    for dtype, at in by_dtype.items():
+        found = torch._foreach_norm([parts[i] for i in at], 2, dtype=torch.promote_types(dtype, torch.float32))
+        for i, n in zip(at, found):
+            norms[i] = n if n.dtype == torch.float32 else n.float()
+    return norms

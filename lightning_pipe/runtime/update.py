@@ -142,7 +142,7 @@ class UpdatePath:
         if self.ties is not None:
             self.ties.post(params)  # summed by the optimizer step, which counts them in the norm once
             tied = self.ties.tied
-        grads = [p.grad.detach() for i, p in enumerate(params) if i not in tied]
+        grads = [p.grad for i, p in enumerate(params) if i not in tied]
         local = squared_norm(grads, self.device, self.groups.tp if self.groups is not None else None)
         if self.sharded is not None and self.groups is not None:  # each replica holds a shard: the stage's sum
             dist.all_reduce(local, group=self.groups.dp)

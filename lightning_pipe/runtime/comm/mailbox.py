@@ -44,9 +44,10 @@ class Outbox:
     tensors to its end, and a 2BW stream (which never waits) held them forever.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, polls: bool = True) -> None:
         self.posted = 0
         self.messages: deque[tuple[int, p2p.Transfer]] = deque()
+        self.polls = polls  # whether a send can report completion unwaited: not where headers go over gloo
 
     def post(self, transfer: p2p.Transfer) -> None:
         """Keep one just-posted message."""
@@ -54,14 +55,12 @@ class Outbox:
         self.posted += 1
 
     def release(self, delivered: int) -> None:
-        """Drop the first ``delivered`` messages (the peer has them) and any reported complete."""
-        kept: deque[tuple[int, p2p.Transfer]] = deque()
-        for index, transfer in self.messages:
-            if index < delivered:
-                transfer.wait()
-            elif not transfer.is_completed():
-                kept.append((index, transfer))
-        self.messages = kept
+        """Drop the first ``delivered`` messages (the peer has them) and, where sends report their
+        completion unwaited, any reported complete."""
+        while self.messages and self.messages[0][0] < delivered:  # kept in the order posted
+            self.messages.popleft()[1].wait()
+        if self.polls:
+            self.messages = deque(m for m in self.messages if not m[1].is_completed())
 
     def wait(self) -> None:
         """Wait for every message still kept."""
