@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import functools
 import itertools
-from typing import Any
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from lightning_pipe import PipelinePlan, place
 from lightning_pipe.planning import predict
@@ -122,14 +123,21 @@ LOGITS_PLANS = {
 #: m = d: between a rank's deferred step and its next batch's first W only one batch's gradients
 #: live, where the activations it holds peak. Interleaved 2BW with replicas: a batch's gradient
 #: bucket spans the rank's stages, so a stage's part of the next batch's exists once another
-#: stage of its rank starts that batch.
+#: stage of its rank starts that batch. Interleaved 2BW in a V on 2 ranks: after rank 0's deferred
+#: step its last stage holds its own batch's gradients alone. 2BW with split backward where a
+#: narrow stage sends a wide output (``Resize``): the receive for its next gradient is posted in
+#: the window that reads it, not at the end of the one before. Looped BFS with split backward:
+#: a pending microbatch keeps its input message once, not its input and an input gradient
+#: (on the stage that narrows the width, whose input is three times its output).
 WIDE_PLANS = {
-    2: [],
+    2: [PipelinePlan(1, 2, 4, "2bw", partition=PARTITIONS[4], virtual_stages=2, placement="v")],
     4: [
         PipelinePlan(1, 4, 4, "1f1b", False, partition=PARTITIONS[8], virtual_stages=2),
         PipelinePlan(1, 4, 8, "zbv", False, partition=PARTITIONS[8], virtual_stages=2),
         PipelinePlan(1, 4, 4, "2bw", True, partition=PARTITIONS[4]),
         PipelinePlan(2, 2, 2, "2bw", partition=PARTITIONS[4], virtual_stages=2),
+        PipelinePlan(1, 4, 4, "2bw", True, partition=(5, 1, 1, 3)),
+        PipelinePlan(1, 4, 2, "looped_bfs", True, partition=PARTITIONS[8], virtual_stages=2),
     ],
 }
 
@@ -160,12 +168,14 @@ def family(plan: PipelinePlan) -> str:
 FAMILIES = sorted({family(p) for *_, plans in MODELS.values() for p in plans[2] + plans[4]})
 
 
-def _tracked_steps(engine: Any, batch: Any, steps: int = 3) -> int:
+def _tracked_steps(engine: Any, batch: Any, steps: int = 3, fresh: Optional[Callable[[int], Any]] = None) -> int:
     """Peak tensor bytes over steps 2 to ``steps`` of training (AdamW's state exists from the first
     on, 2BW's second weight version from its second): every storage the steps create, tracked from
     before the first, plus the weights and the batch. A flushed schedule's steps after the first
     hold the same tensors (nothing crosses a flush), so its callers track step 2 alone; a 2BW
-    stream's third step is its first steady one."""
+    stream's third step is its first steady one. ``fresh(k)``: step ``k``'s own batch (from the
+    second step on), made untracked and tracked from that step's start, as a data loader hands
+    one over: a 2BW window starts beside the last batch, whose microbatches are still in flight."""
     from lightning_pipe.runtime.comm import p2p
 
     params = list(engine.parameters())
@@ -174,11 +184,21 @@ def _tracked_steps(engine: Any, batch: Any, steps: int = 3) -> int:
     with _TrackedBytes(params + list(batch)) as tracker:
         engine.train_step(batch, opt)
         tracker.peak = sum(tracker.alive.values())
-        for _ in range(steps - 1):
+        for k in range(1, steps):
+            if fresh is not None:
+                with _disable_current_modes():
+                    batch = fresh(k)
+                for t in batch:
+                    tracker._track(t.untyped_storage())
             engine.train_step(batch, opt)
         peak = tracker.peak
     engine.drain()  # 2BW: nothing left in flight for the next plan's links
     return peak
+
+
+def _batch(data: Callable[..., Any], samples: int, replica: int, step: int) -> Any:
+    """Step ``step``'s batch of ``samples`` for one replica (its own per step and replica)."""
+    return data(samples, seed=replica + 100 * step)
 
 
 def _exact_memory(rank: int, world: int) -> dict[str, list[tuple[int, int, int]]]:
@@ -197,8 +217,9 @@ def _exact_memory(rank: int, world: int) -> dict[str, list[tuple[int, int, int]]
         for plan in plans[world]:
             torch.manual_seed(0)
             engine = place(model(), plan, rank, groups=PipelineGroups.build(plan.topology, rank))
-            batch = data(plan.microbatches * b, seed=plan.topology.replica_of(rank))
-            measured = _tracked_steps(engine, batch, steps=3 if plan.spec.streams else 2)
+            replica = plan.topology.replica_of(rank)
+            fresh = functools.partial(_batch, data, plan.microbatches * b, replica) if plan.spec.streams else None
+            measured = _tracked_steps(engine, _batch(data, plan.microbatches * b, replica, 0), 3 if fresh else 2, fresh)
             predicted = predict.predict(profile, plan, b).stage_memory[engine.stage_index]
             rows.append((engine.stage_index, predicted, measured))
         out[name] = rows

@@ -559,11 +559,14 @@ class StepPeaks:
     _TrackedBytes: every storage created during the step, plus weights, gradients, optimizer state
     and the batch), independent of the planner. ``opener`` enters at a batch's start and ``closer``
     leaves at its end: list them around the AutoPlanner, ``[closer, auto, opener]``, to measure the
-    steps and not the planner's own work between them."""
+    steps and not the planner's own work between them. What the last step's tracker saw counts too
+    while it stays alive (a 2BW stream's microbatches in flight and their batch), held here by weak
+    reference."""
 
     def __init__(self) -> None:
         self.peaks: list[int] = []
         self._tracker: Any = None
+        self._last: list[Any] = []  # weak references to the storages the last step's tracker saw
         peaks = self
 
         class Opener(L.Callback):
@@ -584,8 +587,11 @@ class StepPeaks:
         from tests.test_planner import _TrackedBytes
 
         held = held_tensors(list(pl_module.parameters()), trainer.optimizers)
-        self._tracker = _TrackedBytes(held + [t for t in batch if isinstance(t, torch.Tensor)])
+        tensors = [t for t in batch if isinstance(t, torch.Tensor)]
+        alive = [torch.empty(0, dtype=torch.uint8).set_(s) for s in (ref() for ref in self._last) if s is not None]
+        self._tracker = _TrackedBytes(held + tensors + alive)
         self._tracker.__enter__()
+        self._last = self._tracker.refs
 
 
 class JobPeak(L.Callback):

@@ -25,6 +25,7 @@ from lightning_pipe.schedules.flat import (
 )
 
 OPTIMIZER_STEP = CODES[Kind.OPTIMIZER_STEP]
+VERSION = CODES[Kind.VERSION]
 
 
 #: ``(outputs, gradients)``: a stage's sends not yet acknowledged by their peer (see
@@ -35,7 +36,9 @@ OPTIMIZER_STEP = CODES[Kind.OPTIMIZER_STEP]
 #: backward, which needs the peer's gradient for it, and that message acknowledges it.) Where
 #: headers take a CPU side channel (NCCL) nothing is packed: there these terms, the headers kept
 #: with received inputs and gradients, and a forward's packed copy, are an upper bound.
-Sent = tuple[int, int]
+#: In a 2BW stream a third count follows: the batches before the newest still alive on the rank
+#: (:func:`earlier_batches`).
+Sent = tuple[int, ...]
 
 
 NOTHING_SENT: Sent = (0, 0)
@@ -51,7 +54,8 @@ Point = tuple[int, int, Sent]
 #: among the rank's stages, the kind of moment (a :class:`HeldCounts` field), and per stage of
 #: the rank its :data:`Point` and whether its gradients exist. Walked with
 #: :func:`buffered_layouts` (:func:`rank_moments`), a point's sends are counts by layout and kind,
-#: then the gradients handed over to it (see there), in place of a :data:`Sent`.
+#: then the gradients handed over to it (see there) and the earlier batches alive
+#: (:func:`earlier_batches`), in place of a :data:`Sent`.
 Moment = tuple[int, str, tuple[Point, ...], tuple[bool, ...]]
 
 
@@ -82,7 +86,7 @@ def unacknowledged(flat: FlatProgram) -> np.ndarray:
     return by_layout.sum(axis=2)[..., [SENT_OUTPUT, SENT_GRADIENT]]
 
 
-def posted_receives(flat: FlatProgram) -> np.ndarray:
+def posted_receives(flat: FlatProgram, begins: Optional[np.ndarray] = None) -> np.ndarray:
     """After each action of a program, the receives its rank has posted and not yet read:
     ``[action, position, (outputs, inputs)]``, by the stage that will read each (its position
     among the rank's stages, ``stage // ranks``): a gradient for a stage's output, an activation
@@ -96,21 +100,25 @@ def posted_receives(flat: FlatProgram) -> np.ndarray:
     (runtime/executor.py, ``Executor._post_ahead``). Messages from a neighbour are read in send
     order, each by the first receive action that needs it or a later message. A receive is
     sized for the link's last message of its kind; on a rank of several stages counting it at
-    the size of the stage that reads it is exact when those stages' sizes agree. Over 2BW's windows,
-    which the executor runs as separate programs,
-    a receive posted by a send in the window before its own is an upper bound."""
-    by_layout = _posted_receives_by_layout(flat, _positions(flat))
+    the size of the stage that reads it is exact when those stages' sizes agree.
+
+    ``begins``: per action, whether the executor starts a new program there (2BW's windows and
+    drain, :func:`~lightning_pipe.planning.programs.program_begins`). A program posts only the
+    receives it reads (``Mailbox``), so a message read in a later program than the one before it
+    is posted no earlier than its own program's start (as a rank's first message is)."""
+    by_layout = _posted_receives_by_layout(flat, _positions(flat), begins)
     return by_layout.sum(axis=2)[..., [POSTED_GRADIENT, POSTED_INPUT]]
 
 
-def buffered(flat: FlatProgram) -> np.ndarray:
+def buffered(flat: FlatProgram, begins: Optional[np.ndarray] = None) -> np.ndarray:
     """After each action of a program, what its rank's buffers keep, by stage position as
     :data:`Sent` ``(output-sized, input-sized)`` messages, each with its header: the
-    unacknowledged sends (:func:`unacknowledged`) and the posted receives (:func:`posted_receives`)."""
-    return unacknowledged(flat) + posted_receives(flat)
+    unacknowledged sends (:func:`unacknowledged`) and the posted receives (:func:`posted_receives`,
+    ``begins`` there)."""
+    return unacknowledged(flat) + posted_receives(flat, begins)
 
 
-def buffered_layouts(flat: FlatProgram) -> np.ndarray:
+def buffered_layouts(flat: FlatProgram, begins: Optional[np.ndarray] = None) -> np.ndarray:
     """:func:`buffered` with the layout each message's buffer was made for: after each action,
     ``[action, position, posted * 4 + kind]``, counts of the rank's unacknowledged sends and
     posted receives by the position of the stage that sends or reads each, the position of the
@@ -119,10 +127,10 @@ def buffered_layouts(flat: FlatProgram) -> np.ndarray:
     step after the first) and its kind (:data:`SENT_OUTPUT`, :data:`SENT_GRADIENT`,
     :data:`POSTED_GRADIENT`, :data:`POSTED_INPUT`). On a rank of one stage (or stages whose
     messages agree) ``posted`` is the stage itself; summed over it and read by kind, this is
-    :func:`buffered`."""
+    :func:`buffered` (``begins``: see :func:`posted_receives`)."""
     positions = _positions(flat)
     sends = _unacknowledged_by_layout(flat, positions)
-    receives = _posted_receives_by_layout(flat, positions)
+    receives = _posted_receives_by_layout(flat, positions, begins)
     return (sends + receives).reshape(len(flat.kind), positions, positions * 4)
 
 
@@ -175,10 +183,11 @@ def _unacknowledged_by_layout(flat: FlatProgram, positions: int) -> np.ndarray:
     return _cumsum_per_rank(change, flat.starts)
 
 
-def _posted_receives_by_layout(flat: FlatProgram, positions: int) -> np.ndarray:
+def _posted_receives_by_layout(flat: FlatProgram, positions: int, begins: Optional[np.ndarray] = None) -> np.ndarray:
     """:func:`posted_receives` by ``[action, position, posted, kind]`` (see :func:`buffered_layouts`):
     a receive is posted for the layout of the previous message of its kind from its peer."""
     ranks = flat.ranks
+    program_start = _program_starts(flat, begins)
     change = np.zeros((len(flat.kind), positions, positions, 4), np.int64)
     receive, send = flat.source >= 0, (flat.kind == SEND_ACT) | (flat.kind == SEND_GRAD)
     for r in range(ranks):
@@ -193,10 +202,13 @@ def _posted_receives_by_layout(flat: FlatProgram, positions: int) -> np.ndarray:
             # Message k is read by the first action that needs it or a later one.
             read_at = np.minimum.accumulate(read_at[::-1])[::-1]
             after = np.concatenate(([lo - 1], read_at[:-1]))  # the previous message's read
+            # A program posts no receive it does not read: none before the start of the reading one.
+            start = program_start[np.minimum(read_at, hi - 1)]
+            after = np.maximum(after, start - 1)
             sends = np.append(lo + np.flatnonzero(send[lo:hi] & (peers == peer)), hi)
             next_send = sends[np.searchsorted(sends, after, side="right")]
             next_read = np.append(reads, hi)[np.searchsorted(reads, after, side="right")]
-            posted_at = np.where(next_send < next_read, next_send, np.maximum(after, lo))
+            posted_at = np.where(next_send < next_read, next_send, np.maximum(after, start))
             readers = np.where(reader < hi, reader, read_at)
             known = readers < hi  # every message the program reads
             # Its receive is posted for the previous message of its kind (cyclic).
@@ -213,6 +225,14 @@ def _posted_receives_by_layout(flat: FlatProgram, positions: int) -> np.ndarray:
             np.add.at(change, (posted_at[early], *index), 1)
             np.add.at(change, (read_at[early], *index), -1)
     return _cumsum_per_rank(change, flat.starts)
+
+
+def _program_starts(flat: FlatProgram, begins: Optional[np.ndarray]) -> np.ndarray:
+    """Per action, the index of the first action of the executor program it belongs to: its
+    rank's first, or the latest one ``begins`` marks at or before it."""
+    marks = np.zeros(len(flat.kind), bool) if begins is None else begins.astype(bool).copy()
+    marks[flat.starts[:-1][np.diff(flat.starts) > 0]] = True
+    return np.maximum.accumulate(np.where(marks, np.arange(len(marks)), 0))
 
 
 def _channels(flat: FlatProgram) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -277,11 +297,11 @@ def _uncovered(points: Iterable[Point]) -> list[Point]:
     """``points`` without those another point of the same pending count covers: as many held
     microbatches or more, and as many unacknowledged outputs and gradients or more. At one kind
     of moment and pending count a stage's bytes never fall as those grow."""
-    by_pending: dict[int, list[tuple[int, int, int]]] = {}
-    for h, p, (o, g) in set(points):
-        by_pending.setdefault(p, []).append((h, o, g))
+    by_pending: dict[tuple[int, ...], list[tuple[int, int, int]]] = {}
+    for h, p, (o, g, *rest) in set(points):
+        by_pending.setdefault((p, *rest), []).append((h, o, g))
     kept: list[Point] = []
-    for pending, triples in by_pending.items():
+    for (pending, *rest), triples in by_pending.items():
         # Held most first: a point can only be covered by one before it, if one of those has as
         # many outputs and gradients. Their (outputs, gradients) Pareto front answers that:
         # outputs ascending, gradients descending.
@@ -291,7 +311,7 @@ def _uncovered(points: Iterable[Point]) -> list[Point]:
             i = bisect.bisect_left(front_outputs, o)
             if i < len(front_outputs) and front_gradients[i] >= g:
                 continue
-            kept.append((h, pending, (o, g)))
+            kept.append((h, pending, (o, g, *rest)))
             j = bisect.bisect_right(front_outputs, o)
             k = i  # the front's points this one covers: outputs at most o, gradients at most g
             while k > 0 and front_gradients[k - 1] <= g:
@@ -306,17 +326,17 @@ def _ends_of_segments(points: Iterable[Point]) -> list[Point]:
     stage's bytes are affine in those three (every held microbatch is at least at its backward,
     see :func:`stage_memory_terms`), so such a point is never above both ends. A pipeline's
     drain walks such lines (each backward frees a microbatch and sends its input gradient)."""
-    by_pending: dict[int, set[tuple[int, int, int]]] = {}
-    for h, p, (o, g) in points:
-        by_pending.setdefault(p, set()).add((h, o, g))
+    by_pending: dict[tuple[int, ...], set[tuple[int, int, int]]] = {}
+    for h, p, (o, g, *rest) in points:
+        by_pending.setdefault((p, *rest), set()).add((h, o, g))
     kept: list[Point] = []
-    for pending, triples in by_pending.items():
+    for (pending, *rest), triples in by_pending.items():
         stack: list[tuple[int, int, int]] = []
         for h, o, g in sorted(triples):
             while len(stack) >= 2 and _between(stack[-2], stack[-1], (h, o, g)):
                 stack.pop()
             stack.append((h, o, g))
-        kept += [(h, pending, (o, g)) for h, o, g in stack]
+        kept += [(h, pending, (o, g, *rest)) for h, o, g in stack]
     return kept
 
 
@@ -415,9 +435,12 @@ def _walk(
     once its own batch's first backward or W has run (:func:`batch_has_gradients`). ``sent``:
     the rank's rows of :func:`unacknowledged` (``None``: none counted). ``lean``: per action,
     whether a warm forward or I finds its own batch's gradients alone (:func:`lone_gradients`):
-    it is then counted as a cold one, which carries one batch's."""
+    it is then counted as a cold one, which carries one batch's. With ``streamed`` each stage's
+    entry of the moment's gradients counts the batches whose gradients live there (:func:`live_sets`)."""
     held, pending, grads = [0] * count, [0] * count, [False] * count
     batches: list[set[int]] = [set() for _ in range(count)]
+    live: list[set[int]] = [set() for _ in range(count)]
+    stepped = 0
     rows = sent.tolist() if sent is not None else None
     f, b, ig, w, o = (
         Kind.FORWARD,
@@ -437,17 +460,34 @@ def _walk(
             now = tuple(map(tuple, rows[i])) if rows else (NOTHING_SENT,) * count
             warm = grads[c] if not streamed or a.microbatch is None else a.microbatch // streamed in batches[c]
             warm = warm and not (lean is not None and lean[i])
-            yield c, _MOMENT_KINDS[k][warm], tuple(zip(held, pending, now)), tuple(grads)
+            sets = tuple(map(len, live)) if streamed else tuple(grads)
+            yield c, _MOMENT_KINDS[k][warm], tuple(zip(held, pending, now)), sets
             if k is b or k is w:
                 grads[c], held[c], pending[c] = True, held[c] - 1, pending[c] - (k is w)
                 if streamed:
                     batches[c].add(a.microbatch // streamed)
+                    live[c].add(a.microbatch // streamed)
+            elif k is o and streamed:
+                stepped = live_sets(live, stepped)
+
+
+def live_sets(live: list[set[int]], stepped: int) -> int:
+    """A 2BW rank's optimizer step: it steps the oldest batch's gradients (batch ``stepped``; the
+    update of batch ``t - 1`` deferred to batch ``t``'s window, PipeDream-2BW paper, section 3.1),
+    which then no longer live on any of its stages (``live``: per stage, the batches whose
+    gradients live there). Returns the next batch to step."""
+    for batches in live:
+        batches.discard(stepped)
+    return stepped + 1
 
 
 def held_counts(actions: Sequence[Action], streamed: int = 0, sent: Optional[np.ndarray] = None) -> HeldCounts:
     """The points of each kind of moment of a one-stage rank's program (see :func:`_walk`)."""
     seen: dict[str, set[Point]] = {name: set() for name in HeldCounts.__dataclass_fields__}
     lean = _lean_actions(actions, streamed) if streamed else None
+    if streamed:  # each point's sends followed by the batches before the newest still alive
+        rows = np.zeros((len(actions), 1, 2), np.int64) if sent is None else sent
+        sent = np.concatenate((rows, _earlier_batches_walk(actions, streamed)[:, None, None]), axis=2)
     for _, kind, points, _ in _walk(actions, lambda stage: 0, 1, streamed, sent, lean):
         seen[kind].add(points[0])
     return HeldCounts(**{name: _dominant(points) for name, points in seen.items()})
@@ -478,6 +518,43 @@ def _batch_releases(flat: FlatProgram, release: np.ndarray, microbatches: int) -
     before = np.empty(len(key), dtype=np.int64)
     before[order] = _grouped_cumsum(release[order].astype(np.int64), key[order])
     return before
+
+
+def earlier_batches(flat: FlatProgram, microbatches: int) -> np.ndarray:
+    """Per action of a streamed (2BW) program, the batches before the newest its rank took in that
+    are still alive there. Each window's step takes its batch in (the VERSION actions opening the
+    window, one per stage of the rank); the executor keeps a batch's microbatches, views of it,
+    until the rank's lowest stage has run each one's I or backward (runtime/executor.py
+    ``_keep_input_grads``), and on the first stage its saved tensors (an embedding's indices) keep
+    them until its W, there the whole backward. A window thus starts beside the batch before,
+    alive until its last such action."""
+    kind, starts = flat.kind, flat.starts
+    opens = kind == VERSION
+    admitted = _cumsum_per_rank(opens & (_batch_releases(flat, opens, microbatches) == 1), starts)
+    lowest = np.repeat(np.minimum.reduceat(flat.stage, starts[:-1]), np.diff(starts))
+    releases = np.where(lowest == 0, kind == WEIGHT_GRAD, kind == INPUT_GRAD)
+    frees = (flat.stage == lowest) & ((kind == BACKWARD) | releases)
+    last = frees & (_batch_releases(flat, frees, microbatches) == microbatches)
+    freed = _cumsum_per_rank(last, starts) - last  # batches gone before each action
+    return np.maximum(admitted - freed - 1, 0)
+
+
+def _earlier_batches_walk(actions: Sequence[Action], streamed: int) -> np.ndarray:
+    """:func:`earlier_batches` walked over one rank's actions (the reference for the arrays)."""
+    lowest = min(a.stage for a in actions)
+    freeing = (Kind.BACKWARD, Kind.WEIGHT_GRAD if lowest == 0 else Kind.INPUT_GRAD)
+    admitted: set[int] = set()
+    gone, out = 0, []
+    left: dict[int, int] = {}  # per batch, its microbatches not yet let go
+    for a in actions:
+        if a.kind is Kind.VERSION:
+            admitted.add(a.microbatch // streamed)
+        out.append(max(len(admitted) - gone - 1, 0))
+        if a.stage == lowest and a.kind in freeing:
+            batch = a.microbatch // streamed
+            left[batch] = left.get(batch, streamed) - 1
+            gone += left[batch] == 0
+    return np.array(out, np.int64)
 
 
 def lone_gradients(flat: FlatProgram, release: np.ndarray, microbatches: int) -> np.ndarray:
@@ -521,11 +598,15 @@ def _lean_actions(actions: Sequence[Action], streamed: int) -> list[bool]:
 
 
 def program_held_counts(
-    program: Sequence[Sequence[Action]], streamed: int = 0, flat: Optional[FlatProgram] = None
+    program: Sequence[Sequence[Action]],
+    streamed: int = 0,
+    flat: Optional[FlatProgram] = None,
+    begins: Optional[np.ndarray] = None,
 ) -> list[HeldCounts]:
     """:func:`held_counts` of every rank of a program of one stage per rank, with its
     :func:`buffered` sends and receives: the same walk on arrays (the planner walks millions of actions).
-    ``streamed``: 2BW's microbatches per batch (see :func:`_walk`)."""
+    ``streamed``: 2BW's microbatches per batch (see :func:`_walk`); ``begins``: where the executor
+    starts each of its programs (see :func:`posted_receives`)."""
     flat = flat or flatten(program)
     kind, starts = flat.kind, flat.starts
     f, b, i, w, o = (kind == code for code in (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD, OPTIMIZER_STEP))
@@ -536,7 +617,7 @@ def program_held_counts(
     grads = batch_has_gradients(flat, release, streamed) if streamed else released - release > 0
     if streamed:
         grads = grads & ~_lean(flat, streamed)
-    sent = buffered(flat)[:, 0, :]
+    sent = buffered(flat, begins)[:, 0, :]
     at = np.flatnonzero(f | b | i | w | o)
     columns = [
         flat.owner[at],
@@ -546,9 +627,11 @@ def program_held_counts(
         sent[at, 0],
         sent[at, 1],
     ]
+    if streamed:  # the batches before the newest still alive follow the sends (see :data:`Sent`)
+        columns.append(earlier_batches(flat, streamed)[at])
     seen: list[dict[str, set[Point]]] = [{name: set() for name in _FIELDS} for _ in range(flat.ranks)]
-    for r, moment, h, p, outputs, gradients in _unique_rows(columns):
-        seen[r][_FIELDS[moment]].add((h, p, (outputs, gradients)))
+    for r, moment, h, p, *sends in _unique_rows(columns):
+        seen[r][_FIELDS[moment]].add((h, p, tuple(sends)))
     return [HeldCounts(**{name: _dominant(points) for name, points in mine.items()}) for mine in seen]
 
 
@@ -576,11 +659,15 @@ def rank_moments(
     gradients, see :func:`_walk`).
 
     ``sent``: the rank's rows of :func:`buffered_layouts` (or of :func:`buffered`); with the
-    former each stage's counts end with its :func:`handed_gradients`."""
+    former each stage's counts end with its :func:`handed_gradients`, then (on the first
+    position, in a 2BW stream) the rank's :func:`earlier_batches` alive."""
     index = {s: c for c, s in enumerate(stages)}
     if sent is not None and sent.ndim == 3 and sent.shape[2] == 4 * len(stages):
         sent = _posted_with_sends(actions, sent)
-        sent = np.concatenate((sent, handed_gradients(actions, index)[:, :, None]), axis=2)
+        earlier = np.zeros((len(actions), len(stages)), np.int64)
+        if streamed:  # the rank's earlier batches alive, once: on its first position
+            earlier[:, 0] = _earlier_batches_walk(actions, streamed)
+        sent = np.concatenate((sent, handed_gradients(actions, index)[:, :, None], earlier[:, :, None]), axis=2)
     return tuple(dict.fromkeys(_walk(actions, index.__getitem__, len(stages), streamed, sent)))
 
 

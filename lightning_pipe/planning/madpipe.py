@@ -272,14 +272,15 @@ def _stage_held(plan: PipelinePlan) -> tuple[HeldCounts, ...]:
 def _as_sent(point: Point) -> Point:
     """A rank moment's point with its buffers as one stage's :data:`~.held.Sent` ``(output-sized,
     input-sized)``: a point walked with :func:`~.held.buffered_layouts` counts them by layout and
-    kind, then the gradients handed over to it (output-sized); summed here, each at its own size."""
+    kind, then the gradients handed over to it (output-sized) and the rank's earlier batches alive
+    (2BW), which stay the point's third count; summed here, each at its own size."""
     held, pending, sends = point
-    if len(sends) == 2:
+    if len(sends) <= 3:
         return point
-    counts, handed = sends[:-1], sends[-1]
+    counts, handed, earlier = sends[:-2], sends[-2], sends[-1]
     outputs = sum(n for k, n in enumerate(counts) if k % 4 in (SENT_OUTPUT, POSTED_GRADIENT)) + handed
     inputs = sum(n for k, n in enumerate(counts) if k % 4 in (SENT_GRADIENT, POSTED_INPUT))
-    return held, pending, (outputs, inputs)
+    return held, pending, (outputs, inputs, earlier) if earlier else (outputs, inputs)
 
 
 def stage_held(plan: PipelinePlan) -> tuple[HeldCounts, ...]:

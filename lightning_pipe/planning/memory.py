@@ -71,6 +71,17 @@ class Sharding:
     recomputed: bool = False
 
 
+#: The step's loss every rank holds during a training step, and the last step's, which the
+#: engine keeps for ``loss="previous"`` (float32 scalars, runtime/engine.py ``_previous``).
+STEP_LOSS_BYTES = 8
+
+
+def earlier_batch_bytes(batch_bytes: int) -> int:
+    """Bytes of one batch before the newest that a 2BW rank still holds (:func:`~.held.earlier_batches`):
+    its samples, without the step's losses ``batch_bytes`` counts beside them."""
+    return max(batch_bytes - STEP_LOSS_BYTES, 0)
+
+
 #: The global gradient norm's square, a float32 scalar each rank keeps from its all-reduce to the
 #: optimizer step that reads it (runtime/update.py).
 GRADIENT_NORM_BYTES = 4
@@ -116,7 +127,8 @@ def stage_memory_terms(
       its header; a gradient and an input posted for, each with its header), and the header
       templates of the stage's message layouts (:func:`message_templates`).
     - ``batch``: the replica's batch, which every rank of a pipeline holds during the step, the
-      step's loss and the last step's (and on the last stage the step's running loss sum).
+      step's loss and the last step's (and on the last stage the step's running loss sum); in a
+      2BW stream also each batch before it still alive at the point (its :data:`Sent`'s third count).
     - ``workspace``: the optimizer step's temporaries at the step; else the running block's
       temporaries (largest forward, or on a stage that is not
       last its output's send, header and a copy of the output, if larger; largest backward; a
@@ -193,7 +205,11 @@ def stage_memory_terms(
     # microbatch keeps the output it runs from (the executor's roots), which a pending one has dropped.
     sent_gradient = 0 if first else st.input_bytes + (0 if handed else HEADER_BYTES + st.input_bytes)
     root = bws - st.backward_workspace_bytes  # the gradient a backward starts from
-    kept_at_input_grad = cap + st.undeferred_gradient_bytes + sent_gradient
+    # At an I's end its send packs the input gradient beside everything the I kept, with the send's
+    # own temporaries; where the microbatch keeps its whole input message for W, those are bounded
+    # by one input more (tracked 0.9 KB above the rest on ZB-V's stages at 2 samples a microbatch).
+    send_bound = st.input_bytes if st.frees_graph_at_input_grad and not (first or st.captured_input_bytes) else 0
+    kept_at_input_grad = cap + st.undeferred_gradient_bytes + sent_gradient + send_bound
     split_ws = dropped + (
         root + max(st.input_grad_workspace_bytes, kept_at_input_grad) if st.frees_graph_at_input_grad else bws
     )
@@ -239,10 +255,14 @@ def stage_memory_terms(
     weight_ws = cap if st.frees_graph_at_input_grad else bws
     if gather_all is not None:
         weight_ws = max(weight_ws, (cap if st.frees_graph_at_input_grad else root) + gather_all)
+    # At a cold moment with a microbatch pending beside the running one, that microbatch's I
+    # already wrote the gradients of the weights W does not defer (W creates the rest): the state
+    # holds them beside the batches' sets it carries (:func:`_cold`).
+    early = st.undeferred_gradient_bytes
     # The last number of each: whether one of the pending microbatches is the one running (its I
     # or W; its captured gradients are in the workspace), else every pending one waits with them
     # (a forward or the optimizer step between a microbatch's I and its W: Zero Bubble, 2BW).
-    forwards = [(held.forward_cold, carried, fws, (0, per_held, 0, one, 0), 0)]
+    forwards = _cold(held.forward_cold, carried, early, fws, (0, per_held, 0, one, 0), 0)
     forwards.append((held.forward_warm, weights + grads, fws, (0, per_held, 0, one, 0), 0))
     if released is not None:  # the points with no W pending, apart
         less, released_ws = released
@@ -256,7 +276,7 @@ def stage_memory_terms(
         ]
     input_grads = [
         (held.split_backwards, weights + grads, full_ws if first else split_ws, (0, per_held, 0, 0, one), 1),
-        (held.input_cold, carried, split_ws, (0, per_held, 0, 0, one), 1),
+        *_cold(held.input_cold, carried, early, split_ws, (0, per_held, 0, 0, one), 1),
     ]
     if gathering_input_grads and not first:  # the points of an I that gathers, apart
         input_grads = [
@@ -308,11 +328,12 @@ def stage_memory_terms(
         moments.append(((NO_MICROBATCHES,), reduce_scatter, 0, (0, 0, 0, 0, 0), 0))
     # Totals first, on plain numbers, parts only for the worst point: MadPipe asks millions of times.
     per_output, per_gradient = HEADER_BYTES + st.output_bytes, HEADER_BYTES + st.input_bytes
+    per_batch = earlier_batch_bytes(batch_bytes)
     worst, most = (weights + grads, 0, (0, 0, NOTHING_SENT), (0,) * 5, 0), -1
     for points, state, workspace, (a0, ah, am, ap, a1), runs in moments:
         base, per_h, per_p = state + workspace + a0, ah + out, ap - dropped
         for point in points:
-            h, p, (o, g) = point
+            h, p, (o, g, *earlier) = point
             total = (
                 base
                 + per_h * h
@@ -321,7 +342,7 @@ def stage_memory_terms(
                 + a1 * (p if p > 1 else 1)
                 + cap * (p - runs if p > runs else 0)
             )
-            total += per_output * o + per_gradient * g
+            total += per_output * o + per_gradient * g + (per_batch * earlier[0] if earlier else 0)
             if total > most:
                 worst, most = (state, workspace, point, (a0, ah, am, ap, a1), runs), total
     state, workspace, (h, p, sent), (a0, ah, am, ap, a1), runs = worst
@@ -332,8 +353,19 @@ def stage_memory_terms(
         "outputs": h * out - p * dropped,
         "workspace": workspace,
         "buffers": sent_bytes(st, sent) + message_templates([(st, first, last)]),
-        "batch": batch_bytes + st.loss_bytes,
+        "batch": batch_bytes + st.loss_bytes + per_batch * sum(sent[2:]),
     }
+
+
+def _cold(
+    points: tuple[Point, ...], carried: int, early: int, workspace: int, parts: tuple[int, ...], runs: int
+) -> list[tuple[tuple[Point, ...], int, int, tuple[int, ...], int]]:
+    """A cold moment's entries (its stage's own batch without gradients yet, the state ``carried``):
+    its points with a microbatch pending beside the running one (more than ``runs``) hold the
+    gradients their I's wrote of the weights W does not defer, ``early`` more; the others not."""
+    waiting = tuple(pt for pt in points if pt[1] > runs)
+    rest = tuple(pt for pt in points if pt[1] <= runs)
+    return [(waiting, carried + early, workspace, parts, runs), (rest, carried, workspace, parts, runs)]
 
 
 def _after_input_grad_bytes(st: "StageCosts", held: int, first: bool = False, last: bool = False) -> int:
@@ -346,16 +378,19 @@ def _after_input_grad_bytes(st: "StageCosts", held: int, first: bool = False, la
     output, with its message's header (it did not wait in a gradient's place before its I: the
     receive is read just before the I).
 
-    Where I frees the graph a pending microbatch keeps its input, as received, until its W: inside
-    its message (a header more than the profile's captured bytes count) where a deferred call of
-    the first block keeps it for W; else, with its input gradient, held by no Python object
-    (measured on NonUniformChain's attention and MLP stage at d=4: 13 to 17 KB under at every I and
-    W without them; what holds them is not pinned down, so the bytes are counted as measured)."""
+    Where I frees the graph a pending microbatch keeps its input, as received, until its W, inside
+    its message: a header more than the profile's captured bytes count where a deferred call of
+    the first block keeps it for W, else the whole message (a stage input that only a weight whose
+    gradient I computes reads: its LayerNorm's; tracked at one input per pending microbatch on
+    NonUniformChain's stages and the user path's). Unless the stage is last, the gradient
+    received for its output is kept likewise, inside its message, where the last block's deferred
+    call takes it as its output gradient (a residual block's): a header more (an upper bound elsewhere)."""
     if first:
         return 0 if last else HEADER_BYTES + st.output_bytes
     if st.frees_graph_at_input_grad:
-        kept_input = HEADER_BYTES if st.captured_input_bytes else HEADER_BYTES + 2 * st.input_bytes
-        return st.captured_bytes + kept_input - held
+        kept_input = HEADER_BYTES if st.captured_input_bytes else HEADER_BYTES + st.input_bytes
+        kept_gradient = 0 if last else HEADER_BYTES
+        return st.captured_bytes + kept_input + kept_gradient - held
     return st.captured_bytes
 
 
@@ -389,7 +424,7 @@ def message_templates(stages: Iterable[tuple["StageCosts", bool, bool]]) -> int:
 
 def sent_bytes(st: "StageCosts", sent: Sent) -> int:
     """Bytes a stage's unacknowledged sends keep alive (see :data:`Sent`)."""
-    outputs, gradients = sent
+    outputs, gradients = sent[0], sent[1]
     return outputs * (HEADER_BYTES + st.output_bytes) + gradients * (HEADER_BYTES + st.input_bytes)
 
 
@@ -515,6 +550,13 @@ def _bucketed_moment(kind: str, grads: tuple[bool, ...]) -> tuple[str, tuple[boo
     return kind, (True,) * len(grads) if kind.startswith(("backward", "weight")) else grads
 
 
+def _sets_now(running: int, kind: str, live: Sequence[int]) -> list[int]:
+    """Per stage, the gradient sets a moment's state counts from the batches whose gradients live
+    there (``live``): at a cold moment of the running stage (its own batch without gradients yet)
+    one more, for the set its backward or W makes (:func:`stage_memory_terms` carries the others)."""
+    return [n + (o == running and kind in _WARM) for o, n in enumerate(live)]
+
+
 def rank_peak_bytes(
     stages: Sequence["StageCosts"],
     moments: Sequence[Moment],
@@ -529,6 +571,7 @@ def rank_peak_bytes(
     hands: Optional[Sequence[bool]] = None,
     versions: int = 1,
     gradient_sets: Optional[Sequence[int]] = None,
+    walked_sets: bool = False,
 ) -> int:
     """Peak tensor bytes of a rank that runs several stages: at each of its
     :func:`rank_moments`, the running stage's :func:`stage_memory_terms` at that moment but its
@@ -543,28 +586,35 @@ def rank_peak_bytes(
     is handed over by the previous stage on this rank (its output to the next), the V placement's
     turn (:func:`stage_memory_terms`). ``versions``: weight versions of every stage (2 under
     interleaved 2BW, PipeDream-2BW paper, section 3.1); ``gradient_sets``: per stage, the
-    batches' gradients it holds at once (default one each).
+    batches' gradients it holds at once (default one each), or with ``walked_sets`` (2BW without
+    shared buckets, each rank stepping where its program does) as each moment counts them: per
+    stage the batches whose gradients live there (:func:`~lightning_pipe.planning.held.live_sets`),
+    so a stage whose rank stepped the batch before holds its own batch's alone.
 
     Each moment's buffers come by stage and by the layout their receive was posted for
     (:func:`~lightning_pipe.planning.held.buffered_layouts`, counted by :func:`layout_bytes`), or
-    by stage alone (:data:`Sent`, each at its stage's sizes)."""
+    by stage alone (:data:`Sent`, each at its stage's sizes); the former end with the rank's
+    batches before the newest still alive (2BW, :func:`~lightning_pipe.planning.held.earlier_batches`)."""
     handed, hands = handed or [False] * len(stages), hands or [False] * len(stages)
     sets = list(gradient_sets) if gradient_sets is not None else [1] * len(stages)
-    running: dict[tuple[int, str, tuple[int, int]], int] = {}
-    resting: dict[tuple[int, tuple[int, int], bool], int] = {}
+    running: dict[tuple[int, str, tuple[int, int], int], int] = {}
+    resting: dict[tuple[int, tuple[int, int], bool, int], int] = {}
     best = 0
     outputs = [st.output_bytes for st in stages]
     inputs = [st.input_bytes for st in stages]
 
+    per_batch = earlier_batch_bytes(batch_bytes)
+
     def buffers(o: int, sent: tuple[int, ...]) -> int:
-        if len(sent) == 2:  # by kind only (:data:`Sent`): each at its stage's layout
-            return sent_bytes(stages[o], (sent[0], sent[1]))
-        return layout_bytes(outputs, inputs, o, sent)
+        if len(sent) <= 3:  # by kind only (:data:`Sent`): each at its stage's layout
+            return sent_bytes(stages[o], sent) + per_batch * sum(sent[2:])
+        return layout_bytes(outputs, inputs, o, sent[:-1]) + per_batch * sent[-1]
 
     for c, kind, points, grads in moments:
         if buckets:
             kind, grads = _bucketed_moment(kind, grads)
-        key = (c, kind, points[c][:2])
+        now = _sets_now(c, kind, grads) if walked_sets else sets
+        key = (c, kind, points[c][:2], now[c])
         if key not in running:
             point = (*points[c][:2], NOTHING_SENT)
             terms = stage_memory_terms(
@@ -574,7 +624,7 @@ def rank_peak_bytes(
                 recompute[c],
                 first[c],
                 last[c],
-                gradient_sets=sets[c],
+                gradient_sets=now[c],
                 split=split,
                 handed=handed[c],
                 hands=hands[c],
@@ -586,11 +636,11 @@ def rank_peak_bytes(
             total += whole - stages[c].optimizer_step_bytes
         for o, (point, g) in enumerate(zip(points, grads)):
             if o != c:
-                if (o, point[:2], g) not in resting:
-                    resting[o, point[:2], g] = resting_bytes(
-                        stages[o], point, g, recompute[o], first[o], last[o], split, handed[o], versions, sets[o]
+                if (o, point[:2], g, now[o]) not in resting:
+                    resting[o, point[:2], g, now[o]] = resting_bytes(
+                        stages[o], point, bool(g), recompute[o], first[o], last[o], split, handed[o], versions, now[o]
                     )
-                total += resting[o, point[:2], g]
+                total += resting[o, point[:2], g, now[o]]
         best = max(best, total)
     templates = message_templates(zip(stages, first, last))
     return best + batch_bytes + sum(st.loss_bytes for st in stages) + templates

@@ -164,6 +164,7 @@ def predict_memory(
                 [s + 1 in mine for s in mine],
                 versions,
                 [_rank_gradient_sets(profile, plan, s) for s in mine],
+                _walked_sets(profile, plan),
             )
             + profile.device_bytes
             for mine, walked in zip(map(plan.stages_of, range(plan.depth)), moments(plan))
@@ -203,6 +204,15 @@ def _rank_gradient_sets(profile: Profile, plan: PipelinePlan, stage: int) -> int
     if plan.width > 1:  # replicas: a batch's bucket spans the rank's stages, whole from its first gradient
         return max(sets[s] for s in plan.stages_of(plan.rank_of_stage(stage)))
     return sets[stage]
+
+
+def _walked_sets(profile: Profile, plan: PipelinePlan) -> bool:
+    """Whether an interleaved 2BW plan's moments count the gradient sets alive as its program
+    holds them (``memory.rank_peak_bytes``): without replicas, whose buckets span a rank's
+    stages, and with rank 0 stepping right after its all-reduce (no weights tied across stages)."""
+    return (
+        plan.spec.streams and plan.width == 1 and all(gradient_sets(profile, plan, s) == 1 for s in plan.stages_of(0))
+    )
 
 
 def sharding(profile: Profile, plan: PipelinePlan, stage: int) -> Optional[Sharding]:
