@@ -10,7 +10,6 @@ from typing import Callable, Iterable, Optional, Sequence
 
 from lightning_pipe.core.partition import balanced
 from lightning_pipe.core.pipeline_plan import PipelinePlan
-from lightning_pipe.planning.memory import STEP_LOSS_BYTES
 from lightning_pipe.planning.profile import BlockProfile, BlockSample, Profile
 from lightning_pipe.planning.programs import _program, program_key
 from lightning_pipe.runtime.buckets import DEFAULT_BUCKET_BYTES
@@ -528,6 +527,11 @@ def action_cost(profile: Profile, plan: PipelinePlan, stages: Sequence[StageCost
 def weight_versions(plan: PipelinePlan) -> int:
     """Weight versions the plan's schedule keeps alive."""
     return plan.spec.weight_versions
+
+
+#: The step's loss every rank holds during a training step, and the last step's, which the
+#: engine keeps for ``loss="previous"`` (float32 scalars, runtime/engine.py ``_previous``).
+STEP_LOSS_BYTES = 8
 
 
 def batch_bytes(profile: Profile, plan: PipelinePlan, microbatch_size: int) -> int:

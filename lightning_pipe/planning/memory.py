@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
+from lightning_pipe.planning.costs import STEP_LOSS_BYTES
 from lightning_pipe.planning.held import (
     NOTHING_SENT,
     POSTED_GRADIENT,
@@ -69,11 +70,6 @@ class Sharding:
     gather_all_bytes: Optional[int] = None
     gathering_pending: int = 0
     recomputed: bool = False
-
-
-#: The step's loss every rank holds during a training step, and the last step's, which the
-#: engine keeps for ``loss="previous"`` (float32 scalars, runtime/engine.py ``_previous``).
-STEP_LOSS_BYTES = 8
 
 
 def earlier_batch_bytes(batch_bytes: int) -> int:
