@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from lightning_pipe import PipelinePlan
-from lightning_pipe.lightning.plan_cli import choice_noise, layout, measured_first, trial_ranking
+from lightning_pipe.lightning.plan_cli import choice_noise, layout, measured_first, prediction_spread, trial_ranking
 from lightning_pipe.planning import costs, predict, programs, search
 from lightning_pipe.planning.calibration import Trial, calibrate, fitted_line, fitted_scale, trial_spread, trial_step
 from tests.test_planner import _uniform
@@ -160,6 +160,21 @@ def test_the_choice_trusts_a_measured_best_plan_to_its_trial_spread() -> None:
     ends = [[0.0, 1.0, 2.1, 3.0, 4.0], [0.0, 1.0, 2.0, 3.2, 7.2]]  # steps (1, 1.1, .9, 1) and (1, 1, 1.2, 4)
     # slowest: 1.0, 1.1, 1.2, 4.0: median 1.15, absolute deviations .15, .05, .05, 2.85 -> MAD 0.1
     assert trial_spread(ends, 4) == pytest.approx(1.2533 * 1.4826 * 0.1 / 2 / 1.15)
+
+
+def test_the_prediction_spread_is_its_medians_error_over_the_rounds_one_disturbed_round_aside() -> None:
+    # Three rounds of profiling, the third on a host that ran everything twice as slowly: the
+    # ranking reads their median, so the spread is that median's standard error (written out
+    # here), not the rounds' range, which the disturbed round alone would set.
+    profile = _profile()
+    ranked = search.search(profile, 4, 8, virtual_stages=(1,))[:3]
+    rounds = [profile, dataclasses.replace(profile, compute_scale=1.1), dataclasses.replace(profile, compute_scale=2.0)]
+    spread = prediction_spread(rounds, ranked, None)
+    for p in ranked:
+        steps = sorted(search.evaluate(q, search.Candidate(p.plan, p.microbatch_size)).step_time for q in rounds)
+        median, mad = steps[1], sorted(abs(s - steps[1]) for s in steps)[1]
+        assert spread[p.plan] == pytest.approx(1.2533 * 1.4826 * mad / 3**0.5 / median)
+        assert spread[p.plan] < (steps[2] - steps[0]) / median / 3
 
 
 @pytest.mark.parametrize("recompute", [False, True])

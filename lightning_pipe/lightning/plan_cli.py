@@ -9,7 +9,6 @@ import importlib.util
 import inspect
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 from typing import Any, Callable, Collection, Optional, Sequence
@@ -24,7 +23,7 @@ from lightning_pipe.core.pipeline_plan import PipelinePlan
 from lightning_pipe.core.sizes import parse_size
 from lightning_pipe.lightning.trial import run_trial, strategy_init_args
 from lightning_pipe.planning import predict, search
-from lightning_pipe.planning.calibration import Trial, calibrate
+from lightning_pipe.planning.calibration import Trial, calibrate, median_error
 from lightning_pipe.planning.links import profile_links
 from lightning_pipe.planning.profile import Profile, median_profile
 from lightning_pipe.planning.profiler import profile_concurrently
@@ -193,13 +192,16 @@ STABLE = 0.02
 def prediction_spread(
     profiles: Sequence[Profile], shown: Sequence[predict.Prediction], memory: Optional[float]
 ) -> dict[PipelinePlan, float]:
-    """Each shown plan's spread: (largest - smallest) / median of its predicted step under each round's profile."""
+    """Each shown plan's spread: the standard error of the median of its predicted steps under each
+    round's profile, relative to it (:func:`~lightning_pipe.planning.calibration.median_error`).
+    The ranking's profile is the rounds' median, so this is how far its prediction can move with
+    the rounds' noise; one disturbed round does not widen it, as it would a range."""
     if len(profiles) < 2:
         return {}
     spread = {}
     for p in shown:
         steps = [search.evaluate(q, search.Candidate(p.plan, p.microbatch_size), memory).step_time for q in profiles]
-        spread[p.plan] = (max(steps) - min(steps)) / statistics.median(steps)
+        spread[p.plan] = median_error(steps)
     return spread
 
 

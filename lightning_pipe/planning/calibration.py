@@ -238,16 +238,21 @@ def trial_step(rank_ends: Sequence[Sequence[float]], measured: int) -> float:
 
 
 def trial_spread(rank_ends: Sequence[Sequence[float]], measured: int) -> float:
-    """The standard error of :func:`trial_step`'s median, relative to it: ``1.2533 * 1.4826 * MAD /
-    sqrt(n)`` over the last ``measured`` steps of the slowest rank (the median absolute deviation
-    scaled to a normal sigma, and the median's efficiency), robust to one slow step."""
+    """The standard error of :func:`trial_step`'s median, relative to it, over the last ``measured``
+    steps of the slowest rank (:func:`median_error`)."""
     per_rank = [[b - a for a, b in zip(ends, ends[1:])] for ends in rank_ends]
-    slowest = [max(steps) for steps in zip(*per_rank)][-measured:]
-    if not slowest:
+    return median_error([max(steps) for steps in zip(*per_rank)][-measured:])
+
+
+def median_error(values: Sequence[float]) -> float:
+    """The standard error of ``values``' median, relative to it: ``1.2533 * 1.4826 * MAD / sqrt(n)``
+    (the median absolute deviation scaled to a normal sigma, and the median's efficiency), robust
+    to one outlying value; 0 for no values."""
+    if not values:
         return 0.0
-    median = statistics.median(slowest)
-    mad = statistics.median(abs(x - median) for x in slowest)
-    return 1.2533 * 1.4826 * mad / len(slowest) ** 0.5 / median
+    median = statistics.median(values)
+    mad = statistics.median(abs(x - median) for x in values)
+    return 1.2533 * 1.4826 * mad / len(values) ** 0.5 / median
 
 
 def median_actions(traced: Mapping[str, Sequence[float]]) -> dict[str, float]:
