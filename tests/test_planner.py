@@ -277,6 +277,36 @@ def test_recompute_is_turned_on_only_where_a_stage_would_not_fit() -> None:
     assert chosen.plan.recompute == (True, False) and chosen.feasible
 
 
+def test_plan_cli_measures_links_between_as_many_processes_as_the_job_runs(tmp_path, monkeypatch) -> None:
+    # 4 ranks on this host share its cores: the transfers are measured among 4 processes on the
+    # job's threads each (a message waits for its receiver to get a core back), not between 2.
+    import yaml
+
+    from lightning_pipe.lightning import plan_cli
+
+    class Measured(Exception):
+        pass
+
+    def measured(**kwargs: Any) -> None:
+        raise Measured(kwargs)
+
+    monkeypatch.setattr(plan_cli, "profile_links", measured)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    config = tmp_path / "gpt_tiny.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "trainer": {"devices": 4},
+                "model": {"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 16},
+                "data": {"block_size": 16, "batch_size": 8, "max_bytes": 20000},
+            }
+        )
+    )
+    with pytest.raises(Measured) as raised:
+        plan_cli.main(["--config", str(config), "--script", "examples/gpt.py", "--devices", "4"])
+    assert raised.value.args[0] == {"world": 4, "threads": plan_cli.job_conditions(4, None, "cpu")[1]}
+
+
 def test_plan_cli_profiles_a_config_and_writes_a_plan_the_strategy_accepts(tmp_path, capsys) -> None:
     import yaml
 

@@ -548,8 +548,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     links = {}
     if not args.no_links:
-        print("measuring transfers and all-reduce between 2 local processes ...", flush=True)
-        links = profile_links()
+        # As many local processes as the job runs, each on the job's threads: on a host whose
+        # cores the ranks share, a message waits for its receiver to get a core back.
+        print(f"measuring transfers and all-reduce between {max(processes, 2)} local processes ...", flush=True)
+        links = profile_links(world=max(processes, 2), threads=threads if processes > 1 else 1)
 
     def profiled() -> Profile:
         return dataclasses.replace(profile_config(args.config, args.script, data, sizes, processes, threads), **links)
