@@ -32,6 +32,11 @@ class BlockSample:
     after_gradient_bytes: int = (
         0  # peak bytes alive from its backward's first weight-gradient accumulation on (see ``_workspace``)
     )
+    # The bytes alive at each of its moments (each accumulation, its gradient included, and each new
+    # storage), the same moments at every size. Each is a line in the microbatch size where their
+    # largest is not (a gradient does not grow with it, the activations beside it do):
+    # :meth:`BlockProfile.at` takes the largest of the lines.
+    gradient_moment_bytes: tuple[int, ...] = ()
     cold_backward_bytes: int = 0  # peak temporaries and new gradients of its backward when no gradient exists before it
     loss_saved_bytes: int = (
         0  # the last block: what the loss saves for its backward (part of saved_bytes; outside a recomputed stage)
@@ -112,29 +117,47 @@ _FIELDS = (
 )
 
 
-def _sample(size: int, values: dict[str, float], like: BlockSample) -> BlockSample:
-    """A sample at ``size`` of these ``_FIELDS`` values, ``like``'s in every field that does not depend on the size."""
+def _sample(size: int, values: dict[str, float], like: BlockSample, moments: Sequence[float] = ()) -> BlockSample:
+    """A sample at ``size`` of these ``_FIELDS`` values, ``like``'s in every field that does not depend on the size;
+    ``moments``: its after-gradient peak's parts at ``size``, where profiled (the peak is their largest)."""
+    parts = tuple(int(v) for v in moments)
+    if parts:
+        values = {**values, "after_gradient_bytes": max(parts)}
     return BlockSample(
-        size, **{f: int(v) if f.endswith("bytes") else v for f, v in values.items()}, loss_bytes=like.loss_bytes
-    )  # type: ignore[arg-type]
+        size,
+        **{f: int(v) if f.endswith("bytes") else v for f, v in values.items()},  # type: ignore[arg-type]
+        loss_bytes=like.loss_bytes,
+        gradient_moment_bytes=parts,
+    )
+
+
+def _moments(lo: BlockSample, hi: BlockSample, t: float) -> list[float]:
+    """The after-gradient parts on the lines through ``lo``'s and ``hi``'s (none unless both have the same parts)."""
+    a, b = lo.gradient_moment_bytes, hi.gradient_moment_bytes
+    return [max(x + t * (y - x), 0.0) for x, y in zip(a, b)] if len(a) == len(b) else []
 
 
 def _interpolate(lo: BlockSample, hi: BlockSample, size: int) -> BlockSample:
     t = (size - lo.microbatch_size) / (hi.microbatch_size - lo.microbatch_size)
     values = {f: max(getattr(lo, f) + t * (getattr(hi, f) - getattr(lo, f)), 0.0) for f in _FIELDS}
-    return _sample(size, values, lo)
+    return _sample(size, values, lo, _moments(lo, hi, t))
 
 
 def _scaled(sample: BlockSample, size: int) -> BlockSample:
     r = size / sample.microbatch_size
     values = {f: getattr(sample, f) * r for f in _FIELDS}
-    return _sample(size, values, sample)
+    return _sample(size, values, sample, [v * r for v in sample.gradient_moment_bytes])
+
+
+def _sample_of(fields: dict[str, Any]) -> BlockSample:
+    """A sample from its JSON fields (its moments a tuple, as profiled)."""
+    return BlockSample(**{**fields, "gradient_moment_bytes": tuple(fields.get("gradient_moment_bytes", ()))})
 
 
 def median_sample(samples: list[BlockSample]) -> BlockSample:
     """The field-wise median of ``samples`` (all at one microbatch size)."""
     values = {f: statistics.median(getattr(s, f) for s in samples) for f in _FIELDS}
-    return _sample(samples[0].microbatch_size, values, samples[0])
+    return _sample(samples[0].microbatch_size, values, samples[0], samples[0].gradient_moment_bytes)
 
 
 @dataclass
@@ -245,9 +268,7 @@ class Profile:
         for b in data["blocks"]:  # written before convolutions deferred too
             if "linear_weights" in b:
                 b["deferred_weights"] = b.pop("linear_weights")
-        blocks = [
-            BlockProfile(**{**b, "samples": [BlockSample(**s) for s in b["samples"]]}) for b in data.pop("blocks")
-        ]
+        blocks = [BlockProfile(**{**b, "samples": [_sample_of(s) for s in b["samples"]]}) for b in data.pop("blocks")]
         data["link_bandwidth"] = float(data["link_bandwidth"])
         return cls(blocks=blocks, **data)
 

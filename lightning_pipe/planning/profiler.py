@@ -208,6 +208,7 @@ class _Allocations(TorchDispatchMode):
         self.sizes: dict[int, int] = {}
         self.current = self.peak = self.peak_kept = self.taken = 0  # taken: the bytes of the gradients taken away
         self.peak_since: Optional[int] = None  # the peak from the first :meth:`take` on, once taken
+        self.moments: list[int] = []  # from the first :meth:`take` on, alive at each take and each new storage
         self._taken: dict[
             int, int
         ] = {}  # bytes of each parameter's gradient taken away (the largest, as accumulation keeps one)
@@ -221,6 +222,7 @@ class _Allocations(TorchDispatchMode):
         """Drop ``p.grad``, counting its bytes in :attr:`peak_kept`, and start :attr:`peak_since` (first call only)."""
         if self.peak_since is None:
             self.peak_since = self.current
+        self.moments.append(self.current)
         size = self.sizes.get(p.grad.untyped_storage().data_ptr(), 0) if p.grad is not None else 0
         before = self._taken.get(id(p), 0)
         self._taken[id(p)] = max(before, size)
@@ -241,6 +243,7 @@ class _Allocations(TorchDispatchMode):
                     self.peak_kept = max(self.peak_kept, self.current + self.taken)
                     if self.peak_since is not None:
                         self.peak_since = max(self.peak_since, self.current)
+                        self.moments.append(self.current)
                     self._refs.append(weakref.ref(storage, lambda _, key=key: self._free(key)))
         return out
 
@@ -248,15 +251,18 @@ class _Allocations(TorchDispatchMode):
         self.current -= self.sizes.pop(key, 0)
 
 
-def _workspace(block: nn.Module, x: tuple[Tensor, ...], first: bool, loss: Loss) -> tuple[int, int, int, int]:
+def _workspace(
+    block: nn.Module, x: tuple[Tensor, ...], first: bool, loss: Loss
+) -> tuple[int, int, tuple[int, ...], int]:
     """Bytes a block's passes allocate beyond what it keeps (its output, its saved tensors and the
     gradient its backward starts from), from one forward and backward with each new weight
     gradient taken away once accumulated (as when it is added into an existing gradient, or into
     a replica all-reduce bucket: runtime/buckets.py): the forward's peak temporaries, the
     backward's (the input gradient among them), the peak alive, the block's output excluded,
     from its first weight-gradient accumulation on (saved tensors not freed yet beside the bucket
-    that gradient makes whole; 0 without weight gradients), and the backward's peak had its new
-    gradients stayed (a step's first backward without replicas: temporaries and the gradients)."""
+    that gradient makes whole; 0 without weight gradients) and what is alive at each moment of it
+    (each accumulation and each new storage), and the backward's peak had its new gradients
+    stayed (a step's first backward without replicas: temporaries and the gradients)."""
     block.zero_grad(set_to_none=True)
     with _Allocations() as mem:
         out, (roots, grads) = _forward(block, _inputs_for(x, first), loss, type(block).__name__)
@@ -268,7 +274,9 @@ def _workspace(block: nn.Module, x: tuple[Tensor, ...], first: bool, loss: Loss)
             torch.autograd.backward(roots, grads)
         for handle in handles:
             handle.remove()
-    after_gradient = max(mem.peak_since - outputs, 0) if mem.peak_since is not None else 0
+    after_gradient = (max(mem.peak_since - outputs, 0) if mem.peak_since is not None else 0,) + tuple(
+        max(n - outputs, 0) for n in mem.moments
+    )
     return forward_extra, mem.peak - kept, after_gradient, mem.peak_kept - kept
 
 
@@ -422,9 +430,9 @@ def _profile_chain(
     then every backward in reverse, as a stage runs them (every block's graph alive at once);
     else each block's backward right after its forward, one block's graph at a time."""
     runs: list[list[BlockSample]] = [[] for _ in blocks]
-    workspace = [(0, 0, 0, 0)] * len(blocks)
+    workspace: list[tuple[int, int, tuple[int, ...], int]] = [(0, 0, (0,), 0)] * len(blocks)
     input_grad_workspace = [0] * len(blocks)
-    alone, losses = (0, 0, 0, 0), (0, 0)  # the last block's workspace without the loss; the loss's bytes
+    alone, losses = (0, 0, (0,), 0), (0, 0)  # the last block's workspace without the loss; the loss's bytes
     for run in range(repeats + 1):
         if sync is not None:
             sync()
@@ -455,7 +463,8 @@ def _profile_chain(
             median_sample(measured[1:]),
             forward_workspace_bytes=fw,
             backward_workspace_bytes=bw,
-            after_gradient_bytes=ag,
+            after_gradient_bytes=ag[0],
+            gradient_moment_bytes=ag[1:],
             cold_backward_bytes=cold,
             input_grad_workspace_bytes=iw,
         )
@@ -465,7 +474,7 @@ def _profile_chain(
         samples[-1] = dataclasses.replace(
             samples[-1],
             block_backward_workspace_bytes=alone[1],
-            block_after_gradient_bytes=alone[2],
+            block_after_gradient_bytes=alone[2][0],
             block_cold_backward_bytes=alone[3],
             loss_saved_bytes=losses[0],
             loss_bytes=losses[1],
