@@ -371,6 +371,8 @@ def test_plan_cli_profiles_a_config_and_writes_a_plan_the_strategy_accepts(tmp_p
                 "--no-links",
                 "--virtual-stages",
                 "1",
+                "--profile-rounds",  # the bytes, not the times, decide what fits
+                "1",
                 "--trials",
                 "0",
             ]
