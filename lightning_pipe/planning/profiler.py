@@ -207,7 +207,6 @@ class _Allocations(TorchDispatchMode):
         super().__init__()
         self.sizes: dict[int, int] = {}
         self.current = self.peak = self.peak_kept = self.taken = 0  # taken: the bytes of the gradients taken away
-        self.peak_since: Optional[int] = None  # the peak from the first :meth:`take` on, once taken
         self.moments: list[int] = []  # from the first :meth:`take` on, alive at each take and each new storage
         self._taken: dict[
             int, int
@@ -219,9 +218,7 @@ class _Allocations(TorchDispatchMode):
         self.peak = self.peak_kept = self.current + self.taken
 
     def take(self, p: Tensor) -> None:
-        """Drop ``p.grad``, counting its bytes in :attr:`peak_kept`, and start :attr:`peak_since` (first call only)."""
-        if self.peak_since is None:
-            self.peak_since = self.current
+        """Drop ``p.grad``, counting its bytes in :attr:`peak_kept`, and record this moment in :attr:`moments`."""
         self.moments.append(self.current)
         size = self.sizes.get(p.grad.untyped_storage().data_ptr(), 0) if p.grad is not None else 0
         before = self._taken.get(id(p), 0)
@@ -241,8 +238,7 @@ class _Allocations(TorchDispatchMode):
                     self.current += storage.nbytes()
                     self.peak = max(self.peak, self.current)
                     self.peak_kept = max(self.peak_kept, self.current + self.taken)
-                    if self.peak_since is not None:
-                        self.peak_since = max(self.peak_since, self.current)
+                    if self.moments:  # a gradient was taken: from then on every new storage is a moment
                         self.moments.append(self.current)
                     self._refs.append(weakref.ref(storage, lambda _, key=key: self._free(key)))
         return out
@@ -258,11 +254,12 @@ def _workspace(
     gradient its backward starts from), from one forward and backward with each new weight
     gradient taken away once accumulated (as when it is added into an existing gradient, or into
     a replica all-reduce bucket: runtime/buckets.py): the forward's peak temporaries, the
-    backward's (the input gradient among them), the peak alive, the block's output excluded,
-    from its first weight-gradient accumulation on (saved tensors not freed yet beside the bucket
-    that gradient makes whole; 0 without weight gradients) and what is alive at each moment of it
-    (each accumulation and each new storage), and the backward's peak had its new gradients
-    stayed (a step's first backward without replicas: temporaries and the gradients)."""
+    backward's (the input gradient among them), what is alive, the block's output excluded, at
+    each moment from its first weight-gradient accumulation on (each accumulation and each new
+    storage; their largest is the after-gradient peak: saved tensors not freed yet beside the
+    bucket that gradient makes whole; no moment without weight gradients), and the backward's
+    peak had its new gradients stayed (a step's first backward without replicas: temporaries and
+    the gradients)."""
     block.zero_grad(set_to_none=True)
     with _Allocations() as mem:
         out, (roots, grads) = _forward(block, _inputs_for(x, first), loss, type(block).__name__)
@@ -274,9 +271,7 @@ def _workspace(
             torch.autograd.backward(roots, grads)
         for handle in handles:
             handle.remove()
-    after_gradient = (max(mem.peak_since - outputs, 0) if mem.peak_since is not None else 0,) + tuple(
-        max(n - outputs, 0) for n in mem.moments
-    )
+    after_gradient = tuple(max(n - outputs, 0) for n in mem.moments)
     return forward_extra, mem.peak - kept, after_gradient, mem.peak_kept - kept
 
 
@@ -430,9 +425,9 @@ def _profile_chain(
     then every backward in reverse, as a stage runs them (every block's graph alive at once);
     else each block's backward right after its forward, one block's graph at a time."""
     runs: list[list[BlockSample]] = [[] for _ in blocks]
-    workspace: list[tuple[int, int, tuple[int, ...], int]] = [(0, 0, (0,), 0)] * len(blocks)
+    workspace: list[tuple[int, int, tuple[int, ...], int]] = [(0, 0, (), 0)] * len(blocks)
     input_grad_workspace = [0] * len(blocks)
-    alone, losses = (0, 0, (0,), 0), (0, 0)  # the last block's workspace without the loss; the loss's bytes
+    alone, losses = (0, 0, (), 0), (0, 0)  # the last block's workspace without the loss; the loss's bytes
     for run in range(repeats + 1):
         if sync is not None:
             sync()
@@ -463,8 +458,8 @@ def _profile_chain(
             median_sample(measured[1:]),
             forward_workspace_bytes=fw,
             backward_workspace_bytes=bw,
-            after_gradient_bytes=ag[0],
-            gradient_moment_bytes=ag[1:],
+            after_gradient_bytes=max(ag, default=0),
+            gradient_moment_bytes=ag,
             cold_backward_bytes=cold,
             input_grad_workspace_bytes=iw,
         )
@@ -474,7 +469,7 @@ def _profile_chain(
         samples[-1] = dataclasses.replace(
             samples[-1],
             block_backward_workspace_bytes=alone[1],
-            block_after_gradient_bytes=alone[2][0],
+            block_after_gradient_bytes=max(alone[2], default=0),
             block_cold_backward_bytes=alone[3],
             loss_saved_bytes=losses[0],
             loss_bytes=losses[1],
