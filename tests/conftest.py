@@ -50,12 +50,12 @@ class Launch:
 
 
 class SharedLaunches:
-    """The shared launches of a session, each run once in a thread beside the tests.
+    """The shared launches of a session, each run once in a thread of its own beside the tests.
 
-    World 2 runs first and world 4 after it (world 4 resumes checkpoints that world 2 saved).
-    They start before the first test, so the one-process tests and the separate launches run
-    while they do: a launch's waits, and a one-process test's single busy core, leave cores idle
-    that the other fills."""
+    All world sizes run at once (a scenario that resumes another launch's checkpoint waits for
+    it: ``tests.shared.saved``). They start before the first test, so the one-process tests and
+    the separate launches run while they do: a launch's waits, and a one-process test's single
+    busy core, leave cores idle that the others fill."""
 
     WORLDS = (2, 4)
 
@@ -63,15 +63,17 @@ class SharedLaunches:
         self.root, self.done = root, {w: threading.Event() for w in self.WORLDS}
         self.results: dict[int, Launch] = {}
         self.running: list[subprocess.Popen] = []
-        self._thread = threading.Thread(target=self._run_all, name="shared-launches", daemon=True)
+        self._threads = [
+            threading.Thread(target=self._run, args=(w,), name=f"shared-launch-{w}", daemon=True) for w in self.WORLDS
+        ]
 
     def start(self) -> None:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
 
-    def _run_all(self) -> None:
-        for world in self.WORLDS:
-            self.results[world] = run_shared(world, self.root, self.running.append)
-            self.done[world].set()
+    def _run(self, world: int) -> None:
+        self.results[world] = run_shared(world, self.root, self.running.append)
+        self.done[world].set()
 
     def get(self, world: int) -> Launch:
         """The launch of ``world``, once it ended; a world the thread does not run, run now."""

@@ -4,14 +4,18 @@ A test module registers its scenarios with :func:`scenario` at import time; the
 ``tests/scripts/scenarios.py`` runner imports :data:`MODULES`, runs every scenario of its world
 size in order on the already connected processes, and stores each rank's result; the
 ``launched`` fixture (tests/conftest.py) starts one launch per world size on first use. A test
-adds a scenario, not a launch.
+adds a scenario, not a launch. The launches run at the same time: a scenario that reads what a
+scenario of another world size wrote registers with ``reads`` (it then runs after its launch's
+other scenarios) and waits for it with :func:`saved`.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
+import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 #: Modules whose import registers scenarios (the runner imports them all).
 MODULES = (
@@ -36,13 +40,50 @@ MODULES = (
 
 SCENARIOS: dict[int, dict[str, tuple[Callable[..., Any], tuple]]] = {}
 
+#: The scenarios that read another world size's scenario, by world size: they run last in their launch.
+READERS: dict[int, set[str]] = {}
 
-def scenario(world: int, name: str, fn: Callable[..., Any], *args: Any) -> None:
-    """Register ``fn(rank, world, *args)`` to run on ``world`` processes under ``name``."""
+#: How long :func:`saved` waits for another launch's scenario (a launch that hangs is killed sooner).
+SAVED_TIMEOUT = 600.0
+
+
+def scenario(
+    world: int, name: str, fn: Callable[..., Any], *args: Any, reads: Optional[tuple[int, str]] = None
+) -> None:
+    """Register ``fn(rank, world, *args)`` to run on ``world`` processes under ``name``; ``reads``:
+    the (world size, name) of another launch's scenario whose files it reads (:func:`saved`)."""
     table = SCENARIOS.setdefault(world, {})
     if name in table:
         raise ValueError(f"scenario {name!r} is registered twice for world size {world}")
     table[name] = (fn, args)
+    if reads is not None and reads[0] != world:
+        READERS.setdefault(world, set()).add(name)
+
+
+def in_order(world: int) -> list[str]:
+    """The scenarios of ``world`` in the order they run: registration order, readers of another
+    launch last (by then that launch has most likely written what they read)."""
+    names = list(SCENARIOS.get(world, {}))
+    return sorted(names, key=lambda name: name in READERS.get(world, set()))
+
+
+def saved(world: int, name: str, timeout: float = SAVED_TIMEOUT) -> Path:
+    """The folder of scenario ``name`` of the ``world`` launch, once every rank of it has ended.
+
+    Raises:
+        RuntimeError: that scenario failed on some rank, or did not end within ``timeout`` seconds.
+    """
+    folder = launch_root() / f"world{world}" / name
+    results = [folder / f"rank{rank}.pkl" for rank in range(world)]
+    deadline = time.monotonic() + timeout
+    while not all(path.exists() for path in results):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"scenario {name!r} of world {world} did not end within {timeout:.0f} s")
+        time.sleep(0.2)
+    failed = [r for r, path in enumerate(results) if pickle.loads(path.read_bytes())[0] != "ok"]
+    if failed:
+        raise RuntimeError(f"scenario {name!r} of world {world}, which this one reads, failed on ranks {failed}")
+    return folder
 
 
 def scenario_per_layout(prefix: str, fn: Callable[..., Any], layouts: list[tuple[int, int]]) -> None:

@@ -8,6 +8,7 @@ import runpy
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from tests.launch import SCRIPTS, launch
 from tests.models import ToyChain, assert_close_dicts, make_data, make_optimizer, reference_train
 from tests.scripts.resume_toy import GLOBAL_BATCH, SAMPLES, fit_resumable
 from tests.scripts.train_toy import Indexed
-from tests.shared import launch_root, scenario, scenario_dir
+from tests.shared import launch_root, saved, scenario, scenario_dir
 
 # -- resharded resume ----------------------------------------------------------------------
 
@@ -34,7 +35,7 @@ RUNS: dict[str, tuple] = {
     "reshard_resume_1x4_partition": (4, 4, "1f1b", 4, [1, 2, 2, 1], 4, (2, "reshard_save_1x2_file"), True),
     "reshard_save_2x2_2bw": (4, 2, "2bw", 4, "uniform", 2, None, True),
     "reshard_resume_2x2_2bw": (4, 2, "2bw", 4, "uniform", 4, (4, "reshard_save_2x2_2bw"), True),
-    "uninterrupted_2x2_1f1b": (4, 2, "1f1b", 4, "uniform", 6, None, True),  # the kill tests' reference
+    "uninterrupted_1x2_1f1b": (2, 2, "1f1b", 4, "uniform", 6, None, True),  # the kill tests' reference
 }
 #: Each resumed run's partition of ToyChain's 6 pipeline blocks (embed, 4 residuals, head), resolved:
 #: "uniform" over 2 stages is 3 + 3; a list is kept as given.
@@ -49,12 +50,12 @@ def _fit_run(rank: int, world: int, name: str) -> dict[str, Any]:
     _, depth, schedule, m, partition, steps, source, sharded = RUNS[name]
     ckpt = None
     if source is not None:
-        ckpt = str(launch_root() / f"world{source[0]}" / source[1] / "ckpt" / "epoch=0-step=2.ckpt")
+        ckpt = str(saved(*source) / "ckpt" / "epoch=0-step=2.ckpt")
     return fit_resumable(rank, world, depth, schedule, m, partition, steps, scenario_dir(), ckpt, sharded)
 
 
 for _name, _run in RUNS.items():
-    scenario(_run[0], _name, _fit_run, _name)
+    scenario(_run[0], _name, _fit_run, _name, reads=_run[6])
 
 
 def _epoch_batches(epoch: int = 0) -> list[set[int]]:
@@ -122,31 +123,34 @@ def test_resume_under_another_layout_matches_single_process(launched, saved: str
 KILL_HANG_GUARD = 300
 
 
+def _kill_launch(folder: Path, world: int, extra: list[str]) -> subprocess.CompletedProcess:
+    script = [str(SCRIPTS / "resume_toy.py"), str(folder), "--depth=2", "--steps=6", *extra]
+    try:
+        return launch(script, timeout=KILL_HANG_GUARD, torchrun=world, check=False)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"run {extra} on {world} ranks: some rank never exited (a hang): {err}")
+
+
 @pytest.fixture(scope="session")  # its tests run apart (one reads the shared launches: conftest)
 def killed_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Three launches on one folder ((2,2) 1F1B, 6 steps, checkpoints every 2 steps):
-    A is killed at step 3 (mid-epoch, after the step-2 checkpoint); B resumes from "last" and
-    is killed inside its step-4 save; C resumes from "last" to the end."""
-    folder = tmp_path_factory.mktemp("killed")
-    script = [str(SCRIPTS / "resume_toy.py"), str(folder), "--depth=2", "--steps=6"]
-    runs: dict[str, Any] = {}
-    for name, extra in (("A", ["--kill=train:1:2"]), ("B", ["--ckpt=last", "--kill=save:2:4"]), ("C", ["--ckpt=last"])):
-        try:
-            runs[name] = launch(script + extra, timeout=KILL_HANG_GUARD, torchrun=4, check=False)
-        except subprocess.TimeoutExpired as err:
-            pytest.fail(f"run {name} {extra}: some rank never exited (a hang): {err}")
-        if name == "B":
-            runs["last_after_B"] = torch.load(folder / "ckpt" / "last.ckpt" / "meta.pt", weights_only=False)[
-                "global_step"
-            ]
-            runs["partial_after_B"] = sorted(p.name for p in (folder / "ckpt").iterdir() if p.name.startswith("."))
-            runs["step4_after_B"] = (folder / "ckpt" / "epoch=0-step=4.ckpt").exists()
+    """Three launches of 1F1B over 2 stages, 6 steps, checkpoints every 2 steps:
+    A, (2,2) on 4 ranks, has rank 1 killed as step 3 starts (its pipeline and replica peers in
+    flight); B, (1,2) on 2 ranks, has rank 1 killed inside its step-4 save (after the step-2
+    checkpoint); C resumes B's folder from "last" to the end. A runs beside B and C."""
+    with ThreadPoolExecutor(1) as pool:
+        a = pool.submit(_kill_launch, tmp_path_factory.mktemp("killed_mid_step"), 4, ["--kill=train:1:2"])
+        folder = tmp_path_factory.mktemp("killed_in_save")
+        runs: dict[str, Any] = {"B": _kill_launch(folder, 2, ["--kill=save:1:4"])}
+        runs["last_after_B"] = torch.load(folder / "ckpt" / "last.ckpt" / "meta.pt", weights_only=False)["global_step"]
+        runs["partial_after_B"] = sorted(p.name for p in (folder / "ckpt").iterdir() if p.name.startswith("."))
+        runs["step4_after_B"] = (folder / "ckpt" / "epoch=0-step=4.ckpt").exists()
+        runs["C"] = _kill_launch(folder, 2, ["--ckpt=last"])
+        runs["A"] = a.result()
     runs["C_result"] = (
-        [torch.load(folder / f"result_rank{r}.pt", weights_only=False) for r in range(4)]
+        [torch.load(folder / f"result_rank{r}.pt", weights_only=False) for r in range(2)]
         if runs["C"].returncode == 0
         else None
     )
-    runs["folder"] = folder
     return runs
 
 
@@ -159,37 +163,43 @@ def _exit_codes(stderr: str) -> dict[int, int]:
     }
 
 
-def _exited_on_kill(proc: Any, killed: int) -> None:
+def _exited_on_kill(proc: Any, killed: int, world: int) -> None:
     """The run failed, every rank with it, and only the rank the script killed died by SIGKILL.
 
     A rank that hung after the kill would be left to torchrun, whose teardown sends SIGTERM and,
     to a rank still there 30 s later, SIGKILL: so no other rank may show -9."""
     assert proc.returncode != 0, "the killed run must fail"
     codes = _exit_codes(proc.stderr)
-    assert sorted(codes) == [0, 1, 2, 3] and all(code != 0 for code in codes.values()), (codes, proc.stderr[-3000:])
+    assert sorted(codes) == list(range(world)) and all(code != 0 for code in codes.values()), (
+        codes,
+        proc.stderr[-3000:],
+    )
     assert [rank for rank, code in codes.items() if code == -signal.SIGKILL] == [killed], (codes, proc.stderr[-3000:])
 
 
-def test_kill_mid_epoch_then_resume_is_bit_identical(launched, killed_runs: dict[str, Any]) -> None:
-    _exited_on_kill(killed_runs["A"], killed=1)  # --kill=train:1:2
+def test_kill_mid_step_ends_every_rank(killed_runs: dict[str, Any]) -> None:
+    _exited_on_kill(killed_runs["A"], killed=1, world=4)  # --kill=train:1:2
+
+
+def test_kill_during_save_keeps_the_previous_checkpoint(killed_runs: dict[str, Any]) -> None:
+    _exited_on_kill(killed_runs["B"], killed=1, world=2)  # --kill=save:1:4
+    assert killed_runs["last_after_B"] == 2, "the step-4 save never finished, so 'last' is still step 2's"
+    assert any(name.startswith(".pipeline-partial-") for name in killed_runs["partial_after_B"])
+    assert not killed_runs["step4_after_B"], "the checkpoint whose save was killed must not be visible"
+
+
+def test_resume_after_a_kill_is_bit_identical(launched, killed_runs: dict[str, Any]) -> None:
     proc = killed_runs["C"]
     assert proc.returncode == 0, proc.stderr[-6000:]
-    uninterrupted = launched(4).ok("uninterrupted_2x2_1f1b")
-    for resumed, straight in zip(killed_runs["C_result"], uninterrupted):
+    uninterrupted = launched(2).ok("uninterrupted_1x2_1f1b")
+    for resumed, straight in zip(killed_runs["C_result"], uninterrupted, strict=True):
         assert resumed["global_step"] == straight["global_step"] == 6
         assert sorted(resumed["params"]) == sorted(straight["params"])
         for name, value in straight["params"].items():
             assert torch.equal(resumed["params"][name], value), name
-    # C trained steps 3..6 (from the step-2 checkpoint) on the uninterrupted run's samples.
+    # C trained steps 3..6 (from the step-2 checkpoint, past the partial step-4 save) on the
+    # uninterrupted run's samples.
     assert killed_runs["C_result"][0]["indices"] == uninterrupted[0]["indices"][2:]
-
-
-def test_kill_during_save_keeps_the_previous_checkpoint(killed_runs: dict[str, Any]) -> None:
-    _exited_on_kill(killed_runs["B"], killed=2)  # --kill=save:2:4
-    assert killed_runs["last_after_B"] == 2, "the step-4 save never finished, so 'last' is still step 2's"
-    assert any(name.startswith(".pipeline-partial-") for name in killed_runs["partial_after_B"])
-    assert not killed_runs["step4_after_B"], "the checkpoint whose save was killed must not be visible"
-    assert killed_runs["C"].returncode == 0  # and C resumed from step 2 (checked against the reference above)
 
 
 # -- memory --------------------------------------------------------------------------------

@@ -426,19 +426,19 @@ RESUMES: dict[str, tuple] = {
 
 def _fit_resume(rank: int, world: int, name: str) -> dict[str, Any]:
     from tests.scripts.resume_toy import fit_resumable
-    from tests.shared import launch_root, scenario_dir
+    from tests.shared import saved, scenario_dir
 
     _, depth, schedule, data_parallel, steps, source, *sharded = RESUMES[name]
     ckpt = None
     if source is not None:
-        ckpt = str(launch_root() / f"world{source[0]}" / source[1] / "ckpt" / "epoch=0-step=2.ckpt")
+        ckpt = str(saved(*source) / "ckpt" / "epoch=0-step=2.ckpt")
     return fit_resumable(
         rank, world, depth, schedule, 4, "uniform", steps, scenario_dir(), ckpt, *sharded, data_parallel=data_parallel
     )
 
 
 for _resume, _layout in RESUMES.items():
-    scenario(_layout[0], _resume, _fit_resume, _resume)
+    scenario(_layout[0], _resume, _fit_resume, _resume, reads=_layout[5])
 
 
 @pytest.mark.parametrize(

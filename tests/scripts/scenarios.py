@@ -33,19 +33,23 @@ def main() -> None:
         importlib.import_module(module)
     os.environ["SCENARIO_ROOT"] = str(root)
     only = set(filter(None, os.environ.get("SCENARIOS_ONLY", "").split(",")))  # for debugging one scenario
-    for name, (fn, args) in shared.SCENARIOS.get(world, {}).items():
+    for name in shared.in_order(world):
         if only and name not in only:
             continue
+        fn, args = shared.SCENARIOS[world][name]
         folder = root / f"world{world}" / name
         folder.mkdir(parents=True, exist_ok=True)
         os.environ["SCENARIO_DIR"] = str(folder)
-        start = time.monotonic()
+        start, cpu = time.monotonic(), time.process_time()
         try:
             result = ("ok", fn(rank, world, *args))
         except BaseException as err:  # noqa: BLE001 - reported to the test
             result = ("error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}")
-        (folder / f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
-        print(f"[rank {rank}] {name}: {result[0]} in {time.monotonic() - start:.1f}s", flush=True)
+        written = folder / f".rank{rank}.pkl"
+        written.write_bytes(pickle.dumps(result))
+        written.rename(folder / f"rank{rank}.pkl")  # whole when it appears: another launch may wait for it
+        took = f"{time.monotonic() - start:.1f}s ({time.process_time() - cpu:.1f}s CPU)"
+        print(f"[rank {rank}] {name}: {result[0]} in {took}", flush=True)
         dist.barrier()  # a scenario that failed on one rank only times out here and ends the launch
         destroy_groups(
             shared.live_groups()
