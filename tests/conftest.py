@@ -4,6 +4,7 @@ run beside the tests from the start of the session."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import pickle
 import signal
@@ -100,6 +101,13 @@ def run_shared(world: int, root: Path, started: Optional[Callable[[subprocess.Po
     except subprocess.TimeoutExpired as err:  # kept as the launch's outcome: each test then fails at once
         proc = subprocess.CompletedProcess(err.cmd, None, err.stdout or "", err.stderr or "")  # type: ignore[arg-type]
     return Launch(world, root, proc, time.monotonic() - start)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Keep the objects of every imported module out of the garbage collector's full passes
+    (``gc.freeze``): the tests' own objects are still collected, and a full pass no longer walks
+    torch's and Lightning's."""
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

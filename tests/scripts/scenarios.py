@@ -31,6 +31,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     for module in shared.MODULES:
         importlib.import_module(module)
+    gc.freeze()  # each collection below then scans what the scenarios made, not every imported module's objects
     os.environ["SCENARIO_ROOT"] = str(root)
     only = set(filter(None, os.environ.get("SCENARIOS_ONLY", "").split(",")))  # for debugging one scenario
     for name in shared.in_order(world):
