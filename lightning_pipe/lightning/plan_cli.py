@@ -169,8 +169,9 @@ def stable_profiles(
     profiled: Callable[[], Profile], ranking: Callable[[Profile], list[predict.Prediction]], rounds: int
 ) -> tuple[list[Profile], list[predict.Prediction]]:
     """Profile until the top plans' predicted steps, under the median of the profiles so far, move
-    less than 2% from one round to the next (at least 2 rounds, at most ``rounds``); the profiles
-    and the ranking under their median."""
+    less than 2% from one round to the next (at most ``rounds``; the first comparison is of the
+    medians of 2 and of 3 rounds, so at least 3 when ``rounds`` allows); the profiles and the
+    ranking under their median."""
     profiles = [profiled()]
     ranked = ranking(profiles[0])
     top = [search.Candidate(p.plan, p.microbatch_size) for p in ranked[:5] if p.feasible]
