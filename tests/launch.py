@@ -28,6 +28,7 @@ def launch(
     prefix = [sys.executable]
     if torchrun:
         prefix += ["-m", "torch.distributed.run", f"--nproc_per_node={torchrun}", f"--master_port={free_port()}"]
+    prefix += ["-m", "tests.start"]  # each process imports torch and Lightning with the collector off
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     with subprocess.Popen(
         prefix + args,
