@@ -103,9 +103,17 @@ def _interleaved_two_bw() -> dict[int, list[PipelinePlan]]:
     }
 
 
+def _first_weight_gradient() -> list[PipelinePlan]:
+    """GPipe with split backward on 2 replicas at m = 4d: the last stage peaks at its first W,
+    which makes the replica bucket whole beside the gradients the running microbatch's I wrote of
+    the weights W does not defer (norms), and adds its products into it beside a bias's summed
+    gradient."""
+    return [PipelinePlan(2, 2, 8, "gpipe", True, partition=PARTITIONS[2])]
+
+
 PLANS = {
     2: _matrix(1, 2) + _interleaved() + _interleaved_two_bw()[2],
-    4: _matrix(1, 4) + _matrix(2, 2) + _interleaved_world4() + _interleaved_two_bw()[4],
+    4: _matrix(1, 4) + _matrix(2, 2) + _first_weight_gradient() + _interleaved_world4() + _interleaved_two_bw()[4],
 }
 
 #: Split backward on :class:`LogitsChain`, ZB-H1's placement and the drained one: the last stage's

@@ -96,6 +96,7 @@ def stage_memory_terms(
     handed: bool = False,
     hands: bool = False,
     sharding: Optional[Sharding] = None,
+    buckets: bool = False,
 ) -> dict[str, int]:
     """Peak tensor bytes of one stage, by term, at its worst moment (see :class:`HeldCounts`).
 
@@ -135,6 +136,9 @@ def stage_memory_terms(
     ``split``: every backward of the program is split (I and W). ``handed``/``hands``: the
     previous/next stage runs on the same rank (the V placement's turn): the input is that stage's
     output, the gradient that stage's input gradient, neither a message.
+
+    ``buckets``: the stage's gradients are averaged over its replicas in buckets, each whole from
+    its first gradient (runtime/buckets.py; DDP replicas, ``sharding`` ``None``).
 
     ``sharding`` (FSDP replicas, runtime/sharding.py): weights and optimizer state are ``1/w``
     shards; beside them the weights FSDP gathers: under ZeRO-3 the largest block's (under split
@@ -246,15 +250,21 @@ def stage_memory_terms(
         )
     # Its W adds the products into the gradients (in place where they exist or sit in a bucket;
     # else they become the gradients, counted as state): the running microbatch holds what its I
-    # kept, ``cap`` over a held one, and nothing else of note (Zero Bubble's WeightGradStore).
+    # kept, ``cap`` over a held one, and W's temporaries beside the gradients (a bias's summed
+    # gradient before its add, ``weight_grad_workspace_bytes``; Zero Bubble's WeightGradStore).
     # Counting an I's workspace for W instead over-predicts (2% on tests/models.py's NonUniformChain).
-    weight_ws = cap if st.frees_graph_at_input_grad else bws
+    weight_ws = cap + st.weight_grad_workspace_bytes if st.frees_graph_at_input_grad else bws
     if gather_all is not None:
         weight_ws = max(weight_ws, (cap if st.frees_graph_at_input_grad else root) + gather_all)
     # At a cold moment with a microbatch pending beside the running one, that microbatch's I
     # already wrote the gradients of the weights W does not defer (W creates the rest): the state
     # holds them beside the batches' sets it carries (:func:`_cold`).
     early = st.undeferred_gradient_bytes
+    # With replica buckets the stage's first W makes its bucket whole (zeros) before it adds the
+    # gradients the running microbatch's I wrote of the weights W does not defer, which its work
+    # holds until W copies them in: they stand beside the bucket (without one W adopts them as
+    # the gradients, counted in the state).
+    first_weight_state = weights + grads + (early if buckets else 0)
     # The last number of each: whether one of the pending microbatches is the one running (its I
     # or W; its captured gradients are in the workspace), else every pending one waits with them
     # (a forward or the optimizer step between a microbatch's I and its W: Zero Bubble, 2BW).
@@ -303,7 +313,7 @@ def stage_memory_terms(
         # for it, and with recompute its rebuilt graph); elsewhere a W whose products become the gradients.
         (
             held.weight_first,
-            carried if first else weights + grads,
+            carried if first else first_weight_state,
             bws - st.backward_workspace_bytes if first else weight_ws,
             (received + st.first_backward_bytes + st.loss_bytes - one, 0, per_held, one, 0)
             if first
@@ -486,10 +496,21 @@ def stage_peak_bytes(
     gradient_sets: Optional[int] = None,
     split: bool = False,
     sharding: Optional[Sharding] = None,
+    buckets: bool = False,
 ) -> int:
     """Peak tensor bytes of one stage: the sum of :func:`stage_memory_terms`."""
     terms = stage_memory_terms(
-        st, held, versions, recompute, first, last, batch_bytes, gradient_sets, split, sharding=sharding
+        st,
+        held,
+        versions,
+        recompute,
+        first,
+        last,
+        batch_bytes,
+        gradient_sets,
+        split,
+        sharding=sharding,
+        buckets=buckets,
     )
     return int(sum(terms.values()))
 
@@ -624,6 +645,7 @@ def rank_peak_bytes(
                 split=split,
                 handed=handed[c],
                 hands=hands[c],
+                buckets=buckets,
             )
             running[key] = int(sum(terms.values())) - terms["buffers"] - terms["batch"]
         total = running[key] + sum(buffers(o, point[2]) for o, point in enumerate(points))

@@ -181,6 +181,7 @@ def predict_memory(
             gradient_sets(profile, plan, s),
             _all_split(plan),
             sharding(profile, plan, s),
+            plan.width > 1 and plan.data_parallel != "fsdp",
         )
         + profile.device_bytes
         for s, st in enumerate(costs)
