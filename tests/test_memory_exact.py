@@ -137,7 +137,9 @@ LOGITS_PLANS = {
 #: narrow stage sends a wide output (``Resize``): the receive for its next gradient is posted in
 #: the window that reads it, not at the end of the one before. Looped BFS with split backward:
 #: a pending microbatch keeps its input message once, not its input and an input gradient
-#: (on the stage that narrows the width, whose input is three times its output).
+#: (on the stage that narrows the width, whose input is three times its output). Interleaved 2BW
+#: with replicas and split backward: a batch's bucket, which spans the rank's stages, exists from
+#: its first W on the rank, not from another stage's I of it (an I's gradients wait in its work).
 WIDE_PLANS = {
     2: [PipelinePlan(1, 2, 4, "2bw", partition=PARTITIONS[4], virtual_stages=2, placement="v")],
     4: [
@@ -147,6 +149,7 @@ WIDE_PLANS = {
         PipelinePlan(2, 2, 2, "2bw", partition=PARTITIONS[4], virtual_stages=2),
         PipelinePlan(1, 4, 4, "2bw", True, partition=(5, 1, 1, 3)),
         PipelinePlan(1, 4, 2, "looped_bfs", True, partition=PARTITIONS[8], virtual_stages=2),
+        PipelinePlan(2, 2, 2, "2bw", True, partition=PARTITIONS[4], virtual_stages=2),
     ],
 }
 

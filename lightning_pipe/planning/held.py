@@ -427,6 +427,7 @@ def _walk(
     streamed: int = 0,
     sent: Optional[np.ndarray] = None,
     lean: Optional[Sequence[bool]] = None,
+    shared: bool = False,
 ) -> Iterator[Moment]:
     """Every moment of a rank's program over ``count`` stages (``position``: a stage's index among
     them): a forward takes a microbatch in, a backward (or, under split backward, its W) lets it
@@ -436,10 +437,13 @@ def _walk(
     the rank's rows of :func:`unacknowledged` (``None``: none counted). ``lean``: per action,
     whether a warm forward or I finds its own batch's gradients alone (:func:`lone_gradients`):
     it is then counted as a cold one, which carries one batch's. With ``streamed`` each stage's
-    entry of the moment's gradients counts the batches whose gradients live there (:func:`live_sets`)."""
+    entry of the moment's gradients counts the batches whose gradients live there (:func:`live_sets`).
+    ``shared``: a batch's gradients live in replica buckets its rank's stages share, made whole by
+    the batch's first backward or W on any of them (runtime/buckets.py; an I's gradients wait in
+    its work for W): with ``streamed`` a moment is warm, and each stage's entry counts, as the rank's."""
     held, pending, grads = [0] * count, [0] * count, [False] * count
-    batches: list[set[int]] = [set() for _ in range(count)]
-    live: list[set[int]] = [set() for _ in range(count)]
+    batches: list[set[int]] = [set()] * count if shared else [set() for _ in range(count)]
+    live: list[set[int]] = [set()] * count if shared else [set() for _ in range(count)]
     stepped = 0
     rows = sent.tolist() if sent is not None else None
     f, b, ig, w, o = (
@@ -651,12 +655,16 @@ def _unique_rows(columns: Sequence[np.ndarray]) -> list[tuple[int, ...]]:
 
 
 def rank_moments(
-    actions: Sequence[Action], stages: Sequence[int], sent: Optional[np.ndarray] = None, streamed: int = 0
+    actions: Sequence[Action],
+    stages: Sequence[int],
+    sent: Optional[np.ndarray] = None,
+    streamed: int = 0,
+    shared: bool = False,
 ) -> tuple[Moment, ...]:
     """The distinct moments of one rank's program over its ``stages``, in program order (see
     :func:`_walk`; every stage's counts at each, where :func:`held_counts` keeps one stage's).
     ``streamed``: a 2BW stream's microbatches per batch (a moment is warm once its own batch has
-    gradients, see :func:`_walk`).
+    gradients, see :func:`_walk`; ``shared``: in replica buckets the rank's stages share, see there).
 
     ``sent``: the rank's rows of :func:`buffered_layouts` (or of :func:`buffered`); with the
     former each stage's counts end with its :func:`handed_gradients`, then (on the first
@@ -668,7 +676,7 @@ def rank_moments(
         if streamed:  # the rank's earlier batches alive, once: on its first position
             earlier[:, 0] = _earlier_batches_walk(actions, streamed)
         sent = np.concatenate((sent, handed_gradients(actions, index)[:, :, None], earlier[:, :, None]), axis=2)
-    return tuple(dict.fromkeys(_walk(actions, index.__getitem__, len(stages), streamed, sent)))
+    return tuple(dict.fromkeys(_walk(actions, index.__getitem__, len(stages), streamed, sent, shared=shared)))
 
 
 def _posted_with_sends(actions: Sequence[Action], rows: np.ndarray) -> np.ndarray:

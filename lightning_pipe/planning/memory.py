@@ -567,11 +567,14 @@ def _bucketed_moment(kind: str, grads: tuple[bool, ...]) -> tuple[str, tuple[boo
     return kind, (True,) * len(grads) if kind.startswith(("backward", "weight")) else grads
 
 
-def _sets_now(running: int, kind: str, live: Sequence[int]) -> list[int]:
+def _sets_now(running: int, kind: str, live: Sequence[int], buckets: bool = False) -> list[int]:
     """Per stage, the gradient sets a moment's state counts from the batches whose gradients live
     there (``live``): at a cold moment of the running stage (its own batch without gradients yet)
-    one more, for the set its backward or W makes (:func:`stage_memory_terms` carries the others)."""
-    return [n + (o == running and kind in _WARM) for o, n in enumerate(live)]
+    one more, for the set its backward or W makes (:func:`stage_memory_terms` carries the others).
+    With ``buckets`` (shared by the rank's stages) the backward or W that makes its batch's bucket
+    makes every stage's part of it: one more on each."""
+    makes = buckets and kind in ("backward_first", "weight_first")
+    return [n + ((o == running or makes) and kind in _WARM) for o, n in enumerate(live)]
 
 
 def rank_peak_bytes(
@@ -603,10 +606,11 @@ def rank_peak_bytes(
     is handed over by the previous stage on this rank (its output to the next), the V placement's
     turn (:func:`stage_memory_terms`). ``versions``: weight versions of every stage (2 under
     interleaved 2BW, PipeDream-2BW paper, section 3.1); ``gradient_sets``: per stage, the
-    batches' gradients it holds at once (default one each), or with ``walked_sets`` (2BW without
-    shared buckets, each rank stepping where its program does) as each moment counts them: per
-    stage the batches whose gradients live there (:func:`~lightning_pipe.planning.held.live_sets`),
-    so a stage whose rank stepped the batch before holds its own batch's alone.
+    batches' gradients it holds at once (default one each), or with ``walked_sets`` (2BW, each
+    rank stepping where its program does) as each moment counts them: per stage the batches whose
+    gradients live there (:func:`~lightning_pipe.planning.held.live_sets`), so a stage whose rank
+    stepped the batch before holds its own batch's alone; with ``buckets`` the moments were walked
+    with the rank's shared buckets (``rank_moments``' ``shared``), which they count already.
 
     Each moment's buffers come by stage and by the layout their receive was posted for
     (:func:`~lightning_pipe.planning.held.buffered_layouts`, counted by :func:`layout_bytes`), or
@@ -628,9 +632,9 @@ def rank_peak_bytes(
         return layout_bytes(outputs, inputs, o, sent[:-1]) + per_batch * sent[-1]
 
     for c, kind, points, grads in moments:
-        if buckets:
+        if buckets and not walked_sets:  # walked: the moments count the rank's buckets already
             kind, grads = _bucketed_moment(kind, grads)
-        now = _sets_now(c, kind, grads) if walked_sets else sets
+        now = _sets_now(c, kind, grads, buckets) if walked_sets else sets
         key = (c, kind, points[c][:2], now[c])
         if key not in running:
             point = (*points[c][:2], NOTHING_SENT)
@@ -653,6 +657,7 @@ def rank_peak_bytes(
             whole = sum(st.optimizer_step_bytes for st in stages) if step_bytes is None else step_bytes
             total += whole - stages[c].optimizer_step_bytes
         for o, (point, g) in enumerate(zip(points, grads)):
+            g = now[o] if walked_sets else g  # walked: the sets the moment counts there
             if o != c:
                 if (o, point[:2], g, now[o]) not in resting:
                     resting[o, point[:2], g, now[o]] = resting_bytes(
