@@ -97,6 +97,7 @@ def stage_memory_terms(
     hands: bool = False,
     sharding: Optional[Sharding] = None,
     buckets: bool = False,
+    sends_apart: bool = False,
 ) -> dict[str, int]:
     """Peak tensor bytes of one stage, by term, at its worst moment (see :class:`HeldCounts`).
 
@@ -139,6 +140,8 @@ def stage_memory_terms(
 
     ``buckets``: the stage's gradients are averaged over its replicas in buckets, each whole from
     its first gradient (runtime/buckets.py; DDP replicas, ``sharding`` ``None``).
+    ``sends_apart``: the sends of input gradients after their I's have moments of their own
+    (``input_sent_cold``/``input_sent_warm``, an interleaved rank's, :func:`rank_peak_bytes`).
 
     ``sharding`` (FSDP replicas, runtime/sharding.py): weights and optimizer state are ``1/w``
     shards; beside them the weights FSDP gathers: under ZeRO-3 the largest block's (under split
@@ -208,11 +211,18 @@ def stage_memory_terms(
     # At an I's end its send packs the input gradient beside everything the I kept, with the send's
     # own temporaries; where the microbatch keeps its whole input message for W, those are bounded
     # by one input more (tracked 0.9 KB above the rest on ZB-V's stages at 2 samples a microbatch).
-    send_bound = st.input_bytes if st.frees_graph_at_input_grad and not (first or st.captured_input_bytes) else 0
+    # Where the send has moments of its own (``input_sent_*``, an interleaved rank's: the receive
+    # it posts in their buffers), it holds what the I kept and the message, and the I its peak.
+    keeps_input = st.frees_graph_at_input_grad and not (first or st.captured_input_bytes or sends_apart)
+    send_bound = st.input_bytes if keeps_input else 0
     kept_at_input_grad = cap + st.undeferred_gradient_bytes + sent_gradient + send_bound
     split_ws = dropped + (
         root + max(st.input_grad_workspace_bytes, kept_at_input_grad) if st.frees_graph_at_input_grad else bws
     )
+    # The send's moments (a stage whose I keeps the graph for W has none: its I's moment counts it):
+    # the I has ended, and with it the output it ran from and that output's gradient.
+    sent_ws = kept_at_input_grad
+    sent_points = (held.input_sent_warm, held.input_sent_cold) if st.frees_graph_at_input_grad else ((), ())
     # Split backward under ZeRO-3: the most pending (the running one included) at an I that
     # gathers, and what a W's gather holds beyond the stage's weights (None: no W gathers).
     gathering_input_grads, gather_all = 0, None
@@ -283,6 +293,10 @@ def stage_memory_terms(
     input_grads = [
         (held.split_backwards, weights + grads, full_ws if first else split_ws, (0, per_held, 0, 0, one), 1),
         *_cold(held.input_cold, carried, early, split_ws, (0, per_held, 0, 0, one), 1),
+    ]
+    input_grads += [
+        (sent_points[0], weights + grads, sent_ws, (0, per_held, 0, 0, one), 1),
+        *_cold(sent_points[1], carried, early, sent_ws, (0, per_held, 0, 0, one), 1),
     ]
     if gathering_input_grads and not first:  # the points of an I that gathers, apart
         input_grads = [
@@ -556,6 +570,7 @@ _WARM = {
     "backward_first": "backward_warm",
     "input_cold": "backward_warm",
     "weight_first": "weight_warm",
+    "input_sent_cold": "input_sent_warm",
 }
 
 
@@ -625,6 +640,7 @@ def rank_peak_bytes(
     inputs = [st.input_bytes for st in stages]
 
     per_batch = earlier_batch_bytes(batch_bytes)
+    apart = any(kind.startswith("input_sent") for _, kind, _, _ in moments)
 
     def buffers(o: int, sent: tuple[int, ...]) -> int:
         if len(sent) <= 3:  # by kind only (:data:`Sent`): each at its stage's layout
@@ -650,6 +666,7 @@ def rank_peak_bytes(
                 handed=handed[c],
                 hands=hands[c],
                 buckets=buckets,
+                sends_apart=apart,
             )
             running[key] = int(sum(terms.values())) - terms["buffers"] - terms["batch"]
         total = running[key] + sum(buffers(o, point[2]) for o, point in enumerate(points))
