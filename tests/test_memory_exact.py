@@ -19,8 +19,10 @@ from typing import Any, Callable, Optional
 
 import pytest
 import torch
+from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
+from benchmarks.nonuniform import NonUniform
 from lightning_pipe import PipelinePlan, place
 from lightning_pipe.planning import predict
 from lightning_pipe.planning.profiler import profile_blocks
@@ -153,12 +155,30 @@ WIDE_PLANS = {
     ],
 }
 
+
+def user_tokens(n: int, seed: int = 0) -> tuple[Tensor, Tensor]:
+    """Tokens and targets for the user-path benchmark's chain (benchmarks/nonuniform.py's defaults:
+    a vocabulary of 256, sequences of 32)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, 32), generator=g), torch.randint(0, 256, (n, 32), generator=g)
+
+
+#: The user-path benchmark's chain in ZB-V with split backward, the narrowing Resize alone as
+#: stage 6: its LayerNorm keeps the whole input message for W, and the send after each I is a
+#: moment of its own (the receive it posts, what the I kept and the message), not an input more
+#: beside the I's peak.
+USER_PLANS = {
+    2: [],
+    4: [PipelinePlan(1, 4, 2, "zbv", True, partition=(1, 1, 1, 1, 1, 1, 1, 2), virtual_stages=2)],
+}
+
 #: Per model (a name, the microbatch size after a colon where not :data:`B`): the model, its
 #: data, and its plans per world size.
 MODELS = {
     "NonUniformChain": (NonUniformChain, token_data, PLANS),
     "NonUniformChain:8": (NonUniformChain, token_data, WIDE_PLANS),
     "LogitsChain": (LogitsChain, logits_data, LOGITS_PLANS),
+    "NonUniform": (NonUniform, user_tokens, USER_PLANS),
 }
 
 
