@@ -19,8 +19,10 @@ from typing import Any, Callable, Optional
 
 import pytest
 import torch
+from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
+from benchmarks.nonuniform import NonUniform
 from lightning_pipe import PipelinePlan, place
 from lightning_pipe.planning import predict
 from lightning_pipe.planning.profiler import profile_blocks
@@ -103,9 +105,17 @@ def _interleaved_two_bw() -> dict[int, list[PipelinePlan]]:
     }
 
 
+def _first_weight_gradient() -> list[PipelinePlan]:
+    """GPipe with split backward on 2 replicas at m = 4d: the last stage peaks at its first W,
+    which makes the replica bucket whole beside the gradients the running microbatch's I wrote of
+    the weights W does not defer (norms), and adds its products into it beside a bias's summed
+    gradient."""
+    return [PipelinePlan(2, 2, 8, "gpipe", True, partition=PARTITIONS[2])]
+
+
 PLANS = {
     2: _matrix(1, 2) + _interleaved() + _interleaved_two_bw()[2],
-    4: _matrix(1, 4) + _matrix(2, 2) + _interleaved_world4() + _interleaved_two_bw()[4],
+    4: _matrix(1, 4) + _matrix(2, 2) + _first_weight_gradient() + _interleaved_world4() + _interleaved_two_bw()[4],
 }
 
 #: Split backward on :class:`LogitsChain`, ZB-H1's placement and the drained one: the last stage's
@@ -129,7 +139,9 @@ LOGITS_PLANS = {
 #: narrow stage sends a wide output (``Resize``): the receive for its next gradient is posted in
 #: the window that reads it, not at the end of the one before. Looped BFS with split backward:
 #: a pending microbatch keeps its input message once, not its input and an input gradient
-#: (on the stage that narrows the width, whose input is three times its output).
+#: (on the stage that narrows the width, whose input is three times its output). Interleaved 2BW
+#: with replicas and split backward: a batch's bucket, which spans the rank's stages, exists from
+#: its first W on the rank, not from another stage's I of it (an I's gradients wait in its work).
 WIDE_PLANS = {
     2: [PipelinePlan(1, 2, 4, "2bw", partition=PARTITIONS[4], virtual_stages=2, placement="v")],
     4: [
@@ -139,7 +151,25 @@ WIDE_PLANS = {
         PipelinePlan(2, 2, 2, "2bw", partition=PARTITIONS[4], virtual_stages=2),
         PipelinePlan(1, 4, 4, "2bw", True, partition=(5, 1, 1, 3)),
         PipelinePlan(1, 4, 2, "looped_bfs", True, partition=PARTITIONS[8], virtual_stages=2),
+        PipelinePlan(2, 2, 2, "2bw", True, partition=PARTITIONS[4], virtual_stages=2),
     ],
+}
+
+
+def user_tokens(n: int, seed: int = 0) -> tuple[Tensor, Tensor]:
+    """Tokens and targets for the user-path benchmark's chain (benchmarks/nonuniform.py's defaults:
+    a vocabulary of 256, sequences of 32)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, 32), generator=g), torch.randint(0, 256, (n, 32), generator=g)
+
+
+#: The user-path benchmark's chain in ZB-V with split backward, the narrowing Resize alone as
+#: stage 6: its LayerNorm keeps the whole input message for W, and the send after each I is a
+#: moment of its own (the receive it posts, what the I kept and the message), not an input more
+#: beside the I's peak.
+USER_PLANS = {
+    2: [],
+    4: [PipelinePlan(1, 4, 2, "zbv", True, partition=(1, 1, 1, 1, 1, 1, 1, 2), virtual_stages=2)],
 }
 
 #: Per model (a name, the microbatch size after a colon where not :data:`B`): the model, its
@@ -148,6 +178,7 @@ MODELS = {
     "NonUniformChain": (NonUniformChain, token_data, PLANS),
     "NonUniformChain:8": (NonUniformChain, token_data, WIDE_PLANS),
     "LogitsChain": (LogitsChain, logits_data, LOGITS_PLANS),
+    "NonUniform": (NonUniform, user_tokens, USER_PLANS),
 }
 
 

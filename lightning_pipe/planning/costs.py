@@ -53,6 +53,9 @@ class StageCosts:
     input_grad_workspace_bytes: int = 0
     # a deferring I's other weights' gradients (norms, biases), all held at the end of its autograd call
     undeferred_gradient_bytes: int = 0
+    # a deferring W's temporaries beside the gradients it adds its products into: the largest block's
+    # (it runs the blocks' calls one after another)
+    weight_grad_workspace_bytes: int = 0
     # the stage's input and output hold a tensor that is not floating point: their gradients
     # travel in a message layout of their own (memory.message_templates)
     mixed_input: bool = False
@@ -320,6 +323,7 @@ def range_costs(
         optimizer_step_bytes=step_bytes(profile, states),
         input_grad_workspace_bytes=_input_grad_peak(mine, returned, kept),
         undeferred_gradient_bytes=sum(b.undeferred_gradient_bytes for b in states),
+        weight_grad_workspace_bytes=max(x.weight_grad_workspace_bytes for x in mine),
         mixed_input=first > 0 and profile.blocks[first - 1].mixed_output,
         captured_input_bytes=mine[0].captured_input_bytes,
         mixed_output=states[-1].mixed_output,

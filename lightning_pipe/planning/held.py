@@ -366,6 +366,9 @@ class HeldCounts:
         optimizer_step: at the optimizer step.
         weight_first: at the W (split backward) that creates the gradients.
         weight_warm: at any later W.
+        input_sent_cold: at the send of an input gradient that follows its I (an interleaved
+            rank's moments, :func:`rank_moments`), before any W created gradients.
+        input_sent_warm: at such a send once gradients exist.
     """
 
     forward_cold: tuple[Point, ...] = ()
@@ -376,6 +379,8 @@ class HeldCounts:
     optimizer_step: tuple[Point, ...] = ()
     weight_first: tuple[Point, ...] = ()
     weight_warm: tuple[Point, ...] = ()
+    input_sent_cold: tuple[Point, ...] = ()
+    input_sent_warm: tuple[Point, ...] = ()
 
     def __hash__(self) -> int:
         return self._hash
@@ -427,6 +432,8 @@ def _walk(
     streamed: int = 0,
     sent: Optional[np.ndarray] = None,
     lean: Optional[Sequence[bool]] = None,
+    shared: bool = False,
+    at_sends: Optional[dict[int, np.ndarray]] = None,
 ) -> Iterator[Moment]:
     """Every moment of a rank's program over ``count`` stages (``position``: a stage's index among
     them): a forward takes a microbatch in, a backward (or, under split backward, its W) lets it
@@ -436,10 +443,15 @@ def _walk(
     the rank's rows of :func:`unacknowledged` (``None``: none counted). ``lean``: per action,
     whether a warm forward or I finds its own batch's gradients alone (:func:`lone_gradients`):
     it is then counted as a cold one, which carries one batch's. With ``streamed`` each stage's
-    entry of the moment's gradients counts the batches whose gradients live there (:func:`live_sets`)."""
+    entry of the moment's gradients counts the batches whose gradients live there (:func:`live_sets`).
+    ``shared``: a batch's gradients live in replica buckets its rank's stages share, made whole by
+    the batch's first backward or W on any of them (runtime/buckets.py; an I's gradients wait in
+    its work for W): with ``streamed`` a moment is warm, and each stage's entry counts, as the rank's.
+    ``at_sends``: per I followed by the send of its input gradient, the rank's row of ``sent`` at
+    that send: a moment of its own follows the I's (``input_sent_cold``/``input_sent_warm``)."""
     held, pending, grads = [0] * count, [0] * count, [False] * count
-    batches: list[set[int]] = [set() for _ in range(count)]
-    live: list[set[int]] = [set() for _ in range(count)]
+    batches: list[set[int]] = [set()] * count if shared else [set() for _ in range(count)]
+    live: list[set[int]] = [set()] * count if shared else [set() for _ in range(count)]
     stepped = 0
     rows = sent.tolist() if sent is not None else None
     f, b, ig, w, o = (
@@ -462,6 +474,9 @@ def _walk(
             warm = warm and not (lean is not None and lean[i])
             sets = tuple(map(len, live)) if streamed else tuple(grads)
             yield c, _MOMENT_KINDS[k][warm], tuple(zip(held, pending, now)), sets
+            if at_sends is not None and i in at_sends:
+                row = tuple(map(tuple, at_sends[i].tolist()))
+                yield c, ("input_sent_warm" if warm else "input_sent_cold"), tuple(zip(held, pending, row)), sets
             if k is b or k is w:
                 grads[c], held[c], pending[c] = True, held[c] - 1, pending[c] - (k is w)
                 if streamed:
@@ -651,24 +666,49 @@ def _unique_rows(columns: Sequence[np.ndarray]) -> list[tuple[int, ...]]:
 
 
 def rank_moments(
-    actions: Sequence[Action], stages: Sequence[int], sent: Optional[np.ndarray] = None, streamed: int = 0
+    actions: Sequence[Action],
+    stages: Sequence[int],
+    sent: Optional[np.ndarray] = None,
+    streamed: int = 0,
+    shared: bool = False,
 ) -> tuple[Moment, ...]:
     """The distinct moments of one rank's program over its ``stages``, in program order (see
     :func:`_walk`; every stage's counts at each, where :func:`held_counts` keeps one stage's).
     ``streamed``: a 2BW stream's microbatches per batch (a moment is warm once its own batch has
-    gradients, see :func:`_walk`).
+    gradients, see :func:`_walk`; ``shared``: in replica buckets the rank's stages share, see there).
 
     ``sent``: the rank's rows of :func:`buffered_layouts` (or of :func:`buffered`); with the
     former each stage's counts end with its :func:`handed_gradients`, then (on the first
     position, in a 2BW stream) the rank's :func:`earlier_batches` alive."""
     index = {s: c for c, s in enumerate(stages)}
+    at_sends = None
     if sent is not None and sent.ndim == 3 and sent.shape[2] == 4 * len(stages):
-        sent = _posted_with_sends(actions, sent)
+        sent, sends = _posted_with_sends(actions, sent), _posted_at_input_grad_sends(actions, sent)
         earlier = np.zeros((len(actions), len(stages)), np.int64)
         if streamed:  # the rank's earlier batches alive, once: on its first position
             earlier[:, 0] = _earlier_batches_walk(actions, streamed)
-        sent = np.concatenate((sent, handed_gradients(actions, index)[:, :, None], earlier[:, :, None]), axis=2)
-    return tuple(dict.fromkeys(_walk(actions, index.__getitem__, len(stages), streamed, sent)))
+        tail = np.concatenate((handed_gradients(actions, index)[:, :, None], earlier[:, :, None]), axis=2)
+        sent = np.concatenate((sent, tail), axis=2)
+        at_sends = {i: np.concatenate((row, tail[i]), axis=1) for i, row in sends.items()}
+    walk = _walk(actions, index.__getitem__, len(stages), streamed, sent, shared=shared, at_sends=at_sends)
+    return tuple(dict.fromkeys(walk))
+
+
+def _posted_at_input_grad_sends(actions: Sequence[Action], rows: np.ndarray) -> dict[int, np.ndarray]:
+    """Per I followed by the send of its input gradient, a rank's :func:`buffered_layouts` row at
+    that send: an interleaved rank posts the receive of that neighbour's next message just before
+    the send (:func:`posted_receives`), beside the message the send packs (counted with the I,
+    ``memory.stage_memory_terms``), so the I's row gains what the send posts but the message."""
+    out = {}
+    kinds = np.arange(rows.shape[2]) % 4
+    for i in range(len(actions) - 1):
+        a, b = actions[i], actions[i + 1]
+        same = (b.stage, b.microbatch) == (a.stage, a.microbatch)
+        if a.kind is Kind.INPUT_GRAD and b.kind is Kind.SEND_GRAD and same:
+            posted = np.maximum(rows[i + 1] - rows[i], 0)
+            posted[:, kinds == SENT_GRADIENT] = 0
+            out[i] = rows[i] + posted
+    return out
 
 
 def _posted_with_sends(actions: Sequence[Action], rows: np.ndarray) -> np.ndarray:

@@ -96,6 +96,8 @@ def stage_memory_terms(
     handed: bool = False,
     hands: bool = False,
     sharding: Optional[Sharding] = None,
+    buckets: bool = False,
+    sends_apart: bool = False,
 ) -> dict[str, int]:
     """Peak tensor bytes of one stage, by term, at its worst moment (see :class:`HeldCounts`).
 
@@ -135,6 +137,11 @@ def stage_memory_terms(
     ``split``: every backward of the program is split (I and W). ``handed``/``hands``: the
     previous/next stage runs on the same rank (the V placement's turn): the input is that stage's
     output, the gradient that stage's input gradient, neither a message.
+
+    ``buckets``: the stage's gradients are averaged over its replicas in buckets, each whole from
+    its first gradient (runtime/buckets.py; DDP replicas, ``sharding`` ``None``).
+    ``sends_apart``: the sends of input gradients after their I's have moments of their own
+    (``input_sent_cold``/``input_sent_warm``, an interleaved rank's, :func:`rank_peak_bytes`).
 
     ``sharding`` (FSDP replicas, runtime/sharding.py): weights and optimizer state are ``1/w``
     shards; beside them the weights FSDP gathers: under ZeRO-3 the largest block's (under split
@@ -204,11 +211,18 @@ def stage_memory_terms(
     # At an I's end its send packs the input gradient beside everything the I kept, with the send's
     # own temporaries; where the microbatch keeps its whole input message for W, those are bounded
     # by one input more (tracked 0.9 KB above the rest on ZB-V's stages at 2 samples a microbatch).
-    send_bound = st.input_bytes if st.frees_graph_at_input_grad and not (first or st.captured_input_bytes) else 0
+    # Where the send has moments of its own (``input_sent_*``, an interleaved rank's: the receive
+    # it posts in their buffers), it holds what the I kept and the message, and the I its peak.
+    keeps_input = st.frees_graph_at_input_grad and not (first or st.captured_input_bytes or sends_apart)
+    send_bound = st.input_bytes if keeps_input else 0
     kept_at_input_grad = cap + st.undeferred_gradient_bytes + sent_gradient + send_bound
     split_ws = dropped + (
         root + max(st.input_grad_workspace_bytes, kept_at_input_grad) if st.frees_graph_at_input_grad else bws
     )
+    # The send's moments (a stage whose I keeps the graph for W has none: its I's moment counts it):
+    # the I has ended, and with it the output it ran from and that output's gradient.
+    sent_ws = kept_at_input_grad
+    sent_points = (held.input_sent_warm, held.input_sent_cold) if st.frees_graph_at_input_grad else ((), ())
     # Split backward under ZeRO-3: the most pending (the running one included) at an I that
     # gathers, and what a W's gather holds beyond the stage's weights (None: no W gathers).
     gathering_input_grads, gather_all = 0, None
@@ -246,15 +260,21 @@ def stage_memory_terms(
         )
     # Its W adds the products into the gradients (in place where they exist or sit in a bucket;
     # else they become the gradients, counted as state): the running microbatch holds what its I
-    # kept, ``cap`` over a held one, and nothing else of note (Zero Bubble's WeightGradStore).
+    # kept, ``cap`` over a held one, and W's temporaries beside the gradients (a bias's summed
+    # gradient before its add, ``weight_grad_workspace_bytes``; Zero Bubble's WeightGradStore).
     # Counting an I's workspace for W instead over-predicts (2% on tests/models.py's NonUniformChain).
-    weight_ws = cap if st.frees_graph_at_input_grad else bws
+    weight_ws = cap + st.weight_grad_workspace_bytes if st.frees_graph_at_input_grad else bws
     if gather_all is not None:
         weight_ws = max(weight_ws, (cap if st.frees_graph_at_input_grad else root) + gather_all)
     # At a cold moment with a microbatch pending beside the running one, that microbatch's I
     # already wrote the gradients of the weights W does not defer (W creates the rest): the state
     # holds them beside the batches' sets it carries (:func:`_cold`).
     early = st.undeferred_gradient_bytes
+    # With replica buckets the stage's first W makes its bucket whole (zeros) before it adds the
+    # gradients the running microbatch's I wrote of the weights W does not defer, which its work
+    # holds until W copies them in: they stand beside the bucket (without one W adopts them as
+    # the gradients, counted in the state).
+    first_weight_state = weights + grads + (early if buckets else 0)
     # The last number of each: whether one of the pending microbatches is the one running (its I
     # or W; its captured gradients are in the workspace), else every pending one waits with them
     # (a forward or the optimizer step between a microbatch's I and its W: Zero Bubble, 2BW).
@@ -273,6 +293,10 @@ def stage_memory_terms(
     input_grads = [
         (held.split_backwards, weights + grads, full_ws if first else split_ws, (0, per_held, 0, 0, one), 1),
         *_cold(held.input_cold, carried, early, split_ws, (0, per_held, 0, 0, one), 1),
+    ]
+    input_grads += [
+        (sent_points[0], weights + grads, sent_ws, (0, per_held, 0, 0, one), 1),
+        *_cold(sent_points[1], carried, early, sent_ws, (0, per_held, 0, 0, one), 1),
     ]
     if gathering_input_grads and not first:  # the points of an I that gathers, apart
         input_grads = [
@@ -303,7 +327,7 @@ def stage_memory_terms(
         # for it, and with recompute its rebuilt graph); elsewhere a W whose products become the gradients.
         (
             held.weight_first,
-            carried if first else weights + grads,
+            carried if first else first_weight_state,
             bws - st.backward_workspace_bytes if first else weight_ws,
             (received + st.first_backward_bytes + st.loss_bytes - one, 0, per_held, one, 0)
             if first
@@ -486,10 +510,21 @@ def stage_peak_bytes(
     gradient_sets: Optional[int] = None,
     split: bool = False,
     sharding: Optional[Sharding] = None,
+    buckets: bool = False,
 ) -> int:
     """Peak tensor bytes of one stage: the sum of :func:`stage_memory_terms`."""
     terms = stage_memory_terms(
-        st, held, versions, recompute, first, last, batch_bytes, gradient_sets, split, sharding=sharding
+        st,
+        held,
+        versions,
+        recompute,
+        first,
+        last,
+        batch_bytes,
+        gradient_sets,
+        split,
+        sharding=sharding,
+        buckets=buckets,
     )
     return int(sum(terms.values()))
 
@@ -535,6 +570,7 @@ _WARM = {
     "backward_first": "backward_warm",
     "input_cold": "backward_warm",
     "weight_first": "weight_warm",
+    "input_sent_cold": "input_sent_warm",
 }
 
 
@@ -546,11 +582,14 @@ def _bucketed_moment(kind: str, grads: tuple[bool, ...]) -> tuple[str, tuple[boo
     return kind, (True,) * len(grads) if kind.startswith(("backward", "weight")) else grads
 
 
-def _sets_now(running: int, kind: str, live: Sequence[int]) -> list[int]:
+def _sets_now(running: int, kind: str, live: Sequence[int], buckets: bool = False) -> list[int]:
     """Per stage, the gradient sets a moment's state counts from the batches whose gradients live
     there (``live``): at a cold moment of the running stage (its own batch without gradients yet)
-    one more, for the set its backward or W makes (:func:`stage_memory_terms` carries the others)."""
-    return [n + (o == running and kind in _WARM) for o, n in enumerate(live)]
+    one more, for the set its backward or W makes (:func:`stage_memory_terms` carries the others).
+    With ``buckets`` (shared by the rank's stages) the backward or W that makes its batch's bucket
+    makes every stage's part of it: one more on each."""
+    makes = buckets and kind in ("backward_first", "weight_first")
+    return [n + ((o == running or makes) and kind in _WARM) for o, n in enumerate(live)]
 
 
 def rank_peak_bytes(
@@ -582,10 +621,11 @@ def rank_peak_bytes(
     is handed over by the previous stage on this rank (its output to the next), the V placement's
     turn (:func:`stage_memory_terms`). ``versions``: weight versions of every stage (2 under
     interleaved 2BW, PipeDream-2BW paper, section 3.1); ``gradient_sets``: per stage, the
-    batches' gradients it holds at once (default one each), or with ``walked_sets`` (2BW without
-    shared buckets, each rank stepping where its program does) as each moment counts them: per
-    stage the batches whose gradients live there (:func:`~lightning_pipe.planning.held.live_sets`),
-    so a stage whose rank stepped the batch before holds its own batch's alone.
+    batches' gradients it holds at once (default one each), or with ``walked_sets`` (2BW, each
+    rank stepping where its program does) as each moment counts them: per stage the batches whose
+    gradients live there (:func:`~lightning_pipe.planning.held.live_sets`), so a stage whose rank
+    stepped the batch before holds its own batch's alone; with ``buckets`` the moments were walked
+    with the rank's shared buckets (``rank_moments``' ``shared``), which they count already.
 
     Each moment's buffers come by stage and by the layout their receive was posted for
     (:func:`~lightning_pipe.planning.held.buffered_layouts`, counted by :func:`layout_bytes`), or
@@ -600,6 +640,7 @@ def rank_peak_bytes(
     inputs = [st.input_bytes for st in stages]
 
     per_batch = earlier_batch_bytes(batch_bytes)
+    apart = any(kind.startswith("input_sent") for _, kind, _, _ in moments)
 
     def buffers(o: int, sent: tuple[int, ...]) -> int:
         if len(sent) <= 3:  # by kind only (:data:`Sent`): each at its stage's layout
@@ -607,9 +648,9 @@ def rank_peak_bytes(
         return layout_bytes(outputs, inputs, o, sent[:-1]) + per_batch * sent[-1]
 
     for c, kind, points, grads in moments:
-        if buckets:
+        if buckets and not walked_sets:  # walked: the moments count the rank's buckets already
             kind, grads = _bucketed_moment(kind, grads)
-        now = _sets_now(c, kind, grads) if walked_sets else sets
+        now = _sets_now(c, kind, grads, buckets) if walked_sets else sets
         key = (c, kind, points[c][:2], now[c])
         if key not in running:
             point = (*points[c][:2], NOTHING_SENT)
@@ -624,6 +665,8 @@ def rank_peak_bytes(
                 split=split,
                 handed=handed[c],
                 hands=hands[c],
+                buckets=buckets,
+                sends_apart=apart,
             )
             running[key] = int(sum(terms.values())) - terms["buffers"] - terms["batch"]
         total = running[key] + sum(buffers(o, point[2]) for o, point in enumerate(points))
@@ -631,6 +674,7 @@ def rank_peak_bytes(
             whole = sum(st.optimizer_step_bytes for st in stages) if step_bytes is None else step_bytes
             total += whole - stages[c].optimizer_step_bytes
         for o, (point, g) in enumerate(zip(points, grads)):
+            g = now[o] if walked_sets else g  # walked: the sets the moment counts there
             if o != c:
                 if (o, point[:2], g, now[o]) not in resting:
                     resting[o, point[:2], g, now[o]] = resting_bytes(

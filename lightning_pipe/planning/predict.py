@@ -181,6 +181,7 @@ def predict_memory(
             gradient_sets(profile, plan, s),
             _all_split(plan),
             sharding(profile, plan, s),
+            plan.width > 1 and plan.data_parallel != "fsdp",
         )
         + profile.device_bytes
         for s, st in enumerate(costs)
@@ -208,11 +209,10 @@ def _rank_gradient_sets(profile: Profile, plan: PipelinePlan, stage: int) -> int
 
 def _walked_sets(profile: Profile, plan: PipelinePlan) -> bool:
     """Whether an interleaved 2BW plan's moments count the gradient sets alive as its program
-    holds them (``memory.rank_peak_bytes``): without replicas, whose buckets span a rank's
-    stages, and with rank 0 stepping right after its all-reduce (no weights tied across stages)."""
-    return (
-        plan.spec.streams and plan.width == 1 and all(gradient_sets(profile, plan, s) == 1 for s in plan.stages_of(0))
-    )
+    holds them (``memory.rank_peak_bytes``; with replicas, whose buckets span a rank's stages, as
+    the rank holds them, :func:`moments`): with rank 0 stepping right after its all-reduce (no
+    weights tied across stages)."""
+    return plan.spec.streams and all(gradient_sets(profile, plan, s) == 1 for s in plan.stages_of(0))
 
 
 def sharding(profile: Profile, plan: PipelinePlan, stage: int) -> Optional[Sharding]:

@@ -27,8 +27,10 @@ class BlockSample:
     captured_bytes: int = 0  # gradients split backward's I captures for the block's W (held until W)
     captured_input_bytes: int = 0  # of those, the block's own input (a deferred call on it keeps it for W)
     input_grad_workspace_bytes: int = (
-        0  # peak temporaries of its I where it defers its weight gradients (see ``_input_grad_workspace``)
+        0  # peak temporaries of its I where it defers its weight gradients (see ``_split_workspaces``)
     )
+    # peak temporaries of its W where it defers its weight gradients, its gradients existing (see ``_split_workspaces``)
+    weight_grad_workspace_bytes: int = 0
     after_gradient_bytes: int = (
         0  # peak bytes alive from its backward's first weight-gradient accumulation on (see ``_workspace``)
     )
@@ -114,6 +116,7 @@ _FIELDS = (
     "block_after_gradient_bytes",
     "block_cold_backward_bytes",
     "input_grad_workspace_bytes",
+    "weight_grad_workspace_bytes",
 )
 
 

@@ -293,22 +293,33 @@ def _split_forward(
     return needing, deferred, out, roots
 
 
-def _input_grad_workspace(block: nn.Module, x: tuple[Tensor, ...], first: bool, loss: Loss) -> int:
-    """Bytes a block's I allocates beyond what its forward keeps, where split backward defers its
-    weight gradients (0 elsewhere): the input gradient, and the output gradients kept for W, which
-    build up while the graph is still being freed. On linear blocks a full backward's new weight
-    gradients take more; on convolutions, whose weights are small, this does (measured: two 1-D
-    convolution blocks, 114,688 bytes against a full backward's 32,768)."""
+def _split_workspaces(block: nn.Module, x: tuple[Tensor, ...], first: bool, loss: Loss) -> tuple[int, int]:
+    """Bytes a block's I and W allocate beyond what they keep, where split backward defers its
+    weight gradients (0 elsewhere).
+
+    I: the input gradient, and the output gradients kept for W, which build up while the graph is
+    still being freed. On linear blocks a full backward's new weight gradients take more; on
+    convolutions, whose weights are small, this does (measured: two 1-D convolution blocks,
+    114,688 bytes against a full backward's 32,768).
+
+    W, with every gradient of the block existing (a replica bucket's views, or an earlier
+    microbatch's gradients): it adds its products into them in place (``addmm_``), and what it
+    allocates beside them is its temporaries (a bias's gradient, summed over the rows, before it
+    is added)."""
     if not any(t.requires_grad for t in _inputs_for(x, first)) or not deferrable_weights_only(block.modules()):
-        return 0
+        return 0, 0
     with _Allocations() as mem:
         needing, deferred, _, (roots, grads) = _split_forward(block, x, first, loss)
         kept = mem.current
         mem.restart_peaks()
         _, work = split.input_grads(roots, grads, needing, deferred)
-    split.weight_grads(work)
+    for p in block.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    with _Allocations() as weight_mem:
+        split.weight_grads(work)
     block.zero_grad(set_to_none=True)
-    return max(mem.peak - kept, 0)
+    return max(mem.peak - kept, 0), weight_mem.peak
 
 
 def _loss_of(module: nn.Module, microbatch: Any, out: tuple[Tensor, ...]) -> Tensor:
@@ -426,7 +437,7 @@ def _profile_chain(
     else each block's backward right after its forward, one block's graph at a time."""
     runs: list[list[BlockSample]] = [[] for _ in blocks]
     workspace: list[tuple[int, int, tuple[int, ...], int]] = [(0, 0, (), 0)] * len(blocks)
-    input_grad_workspace = [0] * len(blocks)
+    split_workspace = [(0, 0)] * len(blocks)
     alone, losses = (0, 0, (), 0), (0, 0)  # the last block's workspace without the loss; the loss's bytes
     for run in range(repeats + 1):
         if sync is not None:
@@ -436,7 +447,7 @@ def _profile_chain(
             last = loss if i == len(blocks) - 1 else None
             if run == 0:
                 workspace[i] = _workspace(block, x, first and i == 0, last)
-                input_grad_workspace[i] = _input_grad_workspace(block, x, first and i == 0, last)
+                split_workspace[i] = _split_workspaces(block, x, first and i == 0, last)
                 if last is not None:
                     alone = _workspace(block, x, first and i == 0, None)
             forwarded, out = _timed_forward(block, x, first and i == 0, device, last, external)
@@ -462,8 +473,9 @@ def _profile_chain(
             gradient_moment_bytes=ag,
             cold_backward_bytes=cold,
             input_grad_workspace_bytes=iw,
+            weight_grad_workspace_bytes=ww,
         )
-        for measured, (fw, bw, ag, cold), iw in zip(runs, workspace, input_grad_workspace)
+        for measured, (fw, bw, ag, cold), (iw, ww) in zip(runs, workspace, split_workspace)
     ]
     if loss is not None:
         samples[-1] = dataclasses.replace(

@@ -121,14 +121,14 @@ def held(plan: PipelinePlan) -> list[HeldCounts]:
 
 
 @functools.lru_cache(maxsize=1024)
-def _moments(*key: Any) -> list[tuple[Moment, ...]]:
+def _moments(*key: Any, shared: bool = False) -> list[tuple[Moment, ...]]:
     depth, virtual, placement, program, flat = key[1], key[-2], key[-1], _program(*key), _flat(*key)
     # Interleaved 2BW's windows count as one program (a receive posted in one for the next is an
     # upper bound): a tracked V-placed stream holds one output message more at a window's end than
     # the rule of one program per window counts, by a cause not pinned down.
     sent, streamed = buffered_layouts(flat), key[2] if get(key[0]).streams else 0
     return [
-        rank_moments(actions, rank_stages(r, depth, virtual, placement), sent[flat.rank(r)], streamed)
+        rank_moments(actions, rank_stages(r, depth, virtual, placement), sent[flat.rank(r)], streamed, shared)
         for r, actions in enumerate(program)
     ]
 
@@ -143,8 +143,9 @@ def clear_caches() -> None:
 def moments(plan: PipelinePlan) -> list[tuple[Moment, ...]]:
     """Every pipeline rank's distinct moments over all its stages (:func:`~.held.rank_moments`; cached).
     Interleaved 2BW: over three windows and the drain, each moment warm once its own batch has
-    gradients (as :func:`held` walks one-stage 2BW)."""
-    return _moments(*program_key(plan, 3 if plan.spec.streams else 1))
+    gradients (as :func:`held` walks one-stage 2BW); with replicas once its rank's bucket of that
+    batch exists, which spans the rank's stages (:func:`~.held.rank_moments`, ``shared``)."""
+    return _moments(*program_key(plan, 3 if plan.spec.streams else 1), shared=plan.spec.streams and plan.width > 1)
 
 
 def gradient_sets(plan: PipelinePlan) -> list[int]:
