@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 import pytest
 
 from tests.launch import SCRIPTS, launch
+from tests.shared import ENDED
 
 LAUNCH_TIMEOUT = 900  # seconds for all scenarios of one world size; a hang fails every test that needs it
 
@@ -100,6 +101,9 @@ def run_shared(world: int, root: Path, started: Optional[Callable[[subprocess.Po
         proc = launch(args, timeout=LAUNCH_TIMEOUT, torchrun=world, check=False, started=started)
     except subprocess.TimeoutExpired as err:  # kept as the launch's outcome: each test then fails at once
         proc = subprocess.CompletedProcess(err.cmd, None, err.stdout or "", err.stderr or "")  # type: ignore[arg-type]
+    ended = root / f"world{world}" / ENDED
+    ended.parent.mkdir(parents=True, exist_ok=True)
+    ended.touch()  # a scenario of another launch waiting for one of this launch's stops waiting
     return Launch(world, root, proc, time.monotonic() - start)
 
 

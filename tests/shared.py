@@ -46,6 +46,9 @@ READERS: dict[int, set[str]] = {}
 #: How long :func:`saved` waits for another launch's scenario (a launch that hangs is killed sooner).
 SAVED_TIMEOUT = 600.0
 
+#: The file a launch's folder gets once the launch has ended (tests/conftest.py's ``run_shared``).
+ENDED = ".launch-ended"
+
 
 def scenario(
     world: int, name: str, fn: Callable[..., Any], *args: Any, reads: Optional[tuple[int, str]] = None
@@ -71,12 +74,15 @@ def saved(world: int, name: str, timeout: float = SAVED_TIMEOUT) -> Path:
     """The folder of scenario ``name`` of the ``world`` launch, once every rank of it has ended.
 
     Raises:
-        RuntimeError: that scenario failed on some rank, or did not end within ``timeout`` seconds.
+        RuntimeError: that scenario failed on some rank, its launch ended without it, or it did
+            not end within ``timeout`` seconds.
     """
     folder = launch_root() / f"world{world}" / name
     results = [folder / f"rank{rank}.pkl" for rank in range(world)]
-    deadline = time.monotonic() + timeout
+    ended, deadline = folder.parent / ENDED, time.monotonic() + timeout
     while not all(path.exists() for path in results):
+        if ended.exists() and not all(path.exists() for path in results):
+            raise RuntimeError(f"the launch of world {world} ended without scenario {name!r}")
         if time.monotonic() > deadline:
             raise RuntimeError(f"scenario {name!r} of world {world} did not end within {timeout:.0f} s")
         time.sleep(0.2)
