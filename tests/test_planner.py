@@ -1398,36 +1398,49 @@ def test_planner_cli_table_and_yaml_keep_the_split_placement() -> None:
     )
 
 
-def test_host_slowdown_is_the_time_together_over_the_time_alone() -> None:
-    # Two threads stand in for two ranks: the work takes 10 ms per worker running it at once
-    # (after 5 ms to meet), so together takes 25 ms and alone 15 ms.
+def test_host_slowdown_is_the_time_together_over_the_time_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two threads stand in for two ranks, on a clock of their own (no wall time): a timed run
+    # takes 10 ms per rank running at once. While a rank has passed its first barrier and not its
+    # second, both ranks time together (each run meets the other's); after that each rank times
+    # alone while the other waits at the barrier, which the timed run checks. So 20 ms / 10 ms.
     import threading
 
-    from lightning_pipe.planning.profiler import host_slowdown
+    from lightning_pipe.planning import profiler
 
-    barrier, lock, active = threading.Barrier(2), threading.Lock(), [0]
+    barrier, pair, lock = threading.Barrier(2, timeout=30), threading.Barrier(2, timeout=30), threading.Lock()
+    syncs, active, alone_overlaps = [0, 0], [0], [0]
+    rank_of = {}
 
-    def work() -> None:
+    def sync() -> None:
+        syncs[rank_of[threading.get_ident()]] += 1
+        barrier.wait()
+
+    def timed(fn: Any, device: torch.device) -> tuple[float, Any]:
+        if syncs[rank_of[threading.get_ident()]] == 1:  # between the first and second barrier
+            pair.wait()
+            return 0.020, fn()
         with lock:
             active[0] += 1
-        time.sleep(0.005)
-        with lock:
-            running = active[0]
-        time.sleep(0.01 * running)
+            alone_overlaps[0] += active[0] > 1
+        out = fn()
         with lock:
             active[0] -= 1
+        return 0.010, out
 
+    monkeypatch.setattr(profiler, "_timed", timed)
     found: list[float] = [0.0, 0.0]
 
     def rank(r: int) -> None:
-        found[r] = host_slowdown(work, barrier.wait, r, 2, repeats=3)
+        rank_of[threading.get_ident()] = r
+        found[r] = profiler.host_slowdown(lambda: None, sync, r, 2, repeats=3)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=60)
-    assert all(1.4 < f < 1.9 for f in found), found
+    assert found == [2.0, 2.0] and alone_overlaps == [0], (found, alone_overlaps)
+    assert syncs == [2 + 2, 2 + 2]  # before and after, and one per turn
 
 
 def test_a_profile_taken_together_becomes_a_rank_alone_on_effective_cores() -> None:
