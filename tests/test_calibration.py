@@ -298,3 +298,18 @@ def test_a_two_bw_plan_runs_and_is_tried_as_the_stream_the_model_prices() -> Non
 
     assert strategy_init_args(PipelinePlan(1, 2, 4, "2bw", partition=(2, 2)), 16)["loss"] == "previous"
     assert "loss" not in strategy_init_args(PipelinePlan(1, 2, 4, "1f1b", partition=(2, 2)), 16)
+
+
+def test_every_device_holds_the_logged_values_the_trials_measured_once_per_fit() -> None:
+    # Lightning keeps a copy of each logged value between steps: the most a trial's rank held is
+    # added to the bytes every device holds, so to every stage's predicted peak; a refit starts
+    # from the profile's own bytes (a second fit adds it once, not twice).
+    profile = dataclasses.replace(_profile(), device_bytes=1000)
+    plan = PipelinePlan(width=1, depth=2, microbatches=2, schedule="1f1b", partition=(2, 2))
+    trials = [dataclasses.replace(_traced(profile, plan, 1), logged_bytes=n) for n in (8, 4)]
+    fitted = calibrate(profile, trials)
+    assert fitted.device_bytes == 1008
+    assert calibrate(fitted, trials[1:]).device_bytes == 1004
+    before = predict.predict(profile, plan, 1).stage_memory
+    after = predict.predict(fitted, plan, 1).stage_memory
+    assert [a - b for a, b in zip(after, before, strict=True)] == [8, 8]

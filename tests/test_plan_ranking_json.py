@@ -71,3 +71,6 @@ def test_ranking_json_lists_every_ranked_plan_best_first(tmp_path, capsys) -> No
     assert [set(rank) for rank in trial["actions"]] == expected
     assert all(seconds >= 0 for rank in trial["actions"] for seconds in rank.values())
     assert fitted.compute_scale > 0 and fitted.compute_scale != 1.0
+    # The example logs its loss: every rank holds Lightning's copy of it, which every stage's peak counts.
+    assert trial["logged_bytes"] >= 4
+    assert fitted.device_bytes == fitted.meta["calibration"]["profiled_device_bytes"] + trial["logged_bytes"]

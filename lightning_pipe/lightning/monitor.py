@@ -223,6 +223,15 @@ def held_tensors(params: Sequence[Tensor], optimizers: Sequence[Any]) -> list[Te
     return list(params) + [p.grad for p in params if p.grad is not None] + state
 
 
+def logged_value_bytes(trainer: Trainer) -> int:
+    """Bytes of the values the module logged that Lightning holds between steps: its copy of each
+    (``callback_metrics``, ``logged_metrics``, ``progress_bar_metrics``), each storage once. They
+    stay alive through the next step until it logs them again, beside every other tensor."""
+    metrics = (trainer.callback_metrics, trainer.logged_metrics, trainer.progress_bar_metrics)
+    tensors = [v for values in metrics for v in values.values() if isinstance(v, Tensor)]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
 def stage_metrics(records: list[dict], engine: PipelineEngine) -> dict[str, float]:
     """Per-stage means over replicas, and the bubble of all ranks, from every rank's record."""
     bubbles, total = {}, []

@@ -23,6 +23,7 @@ import lightning as L
 import yaml
 
 from lightning_pipe.core.pipeline_plan import PipelinePlan
+from lightning_pipe.lightning.monitor import logged_value_bytes
 from lightning_pipe.planning.calibration import Trial, median_actions, trial_spread, trial_step
 
 
@@ -56,8 +57,9 @@ def strategy_init_args(plan: PipelinePlan, global_batch: int) -> dict[str, Any]:
 class TrialRecorder(L.Callback):
     """On every rank: each step's end time, then ``traced`` more steps with the executor's trace on.
 
-    At the end of training each rank writes ``rank<r>.json`` in ``out_dir``: its step ends and
-    every traced action's seconds (by its text form, one entry per traced step).
+    At the end of training each rank writes ``rank<r>.json`` in ``out_dir``: its step ends,
+    every traced action's seconds (by its text form, one entry per traced step) and the bytes of
+    the values its module logged that Lightning holds (:func:`~lightning_pipe.lightning.monitor.logged_value_bytes`).
 
     Args:
         out_dir: where the per-rank results go.
@@ -86,7 +88,12 @@ class TrialRecorder(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
         trainer.strategy.engine.record_trace = False
-        result = {"rank": trainer.global_rank, "ends": self.ends, "actions": self.actions}
+        result = {
+            "rank": trainer.global_rank,
+            "ends": self.ends,
+            "actions": self.actions,
+            "logged_bytes": logged_value_bytes(trainer),
+        }
         (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
@@ -172,6 +179,7 @@ def run_trial(
         trial_step([r["ends"] for r in ranks], TIMED_STEPS - 1),
         tuple(median_actions(r["actions"]) for r in ranks),
         trial_spread([r["ends"] for r in ranks], TIMED_STEPS - 1),
+        max(r["logged_bytes"] for r in ranks),
     )
 
 

@@ -37,6 +37,8 @@ class Trial:
         actions: per rank, each traced action's median seconds, keyed by its text form (``"0F1"``).
         spread: the relative standard error of ``step`` (:func:`trial_spread`): how far another
             measurement of this plan can fall from it.
+        logged_bytes: the bytes of the values the module logged that Lightning holds between
+            steps, on the rank that holds the most (0: not measured).
     """
 
     plan: PipelinePlan
@@ -44,6 +46,7 @@ class Trial:
     step: float
     actions: tuple[Mapping[str, float], ...]
     spread: float = 0.0
+    logged_bytes: int = 0
 
 
 def _fitted_scale(traced: float, modeled: float) -> float:
@@ -85,8 +88,9 @@ def send_seconds_per_byte(sends: Sequence[tuple[int, float]], posting: float) ->
 
 
 def unfitted(profile: Profile) -> Profile:
-    """``profile`` as profiled: no scale, no step overhead, and the executor's per-action and
-    per-send overheads its profile measured (a fit replaces them with the trials')."""
+    """``profile`` as profiled: no scale, no step overhead, the executor's per-action and
+    per-send overheads and the bytes every device holds that its profile measured (a fit replaces
+    them with the trials')."""
     profiled = profile.meta.get("calibration", {})
     return dataclasses.replace(
         profile,
@@ -99,6 +103,7 @@ def unfitted(profile: Profile) -> Profile:
         action_overhead=profiled.get("profiled_action_overhead", profile.action_overhead),
         send_overhead=profiled.get("profiled_send_overhead", profile.send_overhead),
         send_seconds_per_byte=0.0,
+        device_bytes=profiled.get("profiled_device_bytes", profile.device_bytes),
     )
 
 
@@ -124,6 +129,8 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
       one (:func:`send_seconds_per_byte`), so that the trials' large messages do not price the
       small ones of plans with many microbatches. Receives wait on their senders, so they are
       not fitted.
+    - Memory: every device also holds Lightning's copies of the values the module logs (the
+      most a trial's rank held, :attr:`Trial.logged_bytes`), added to ``device_bytes``.
     - Then the step overhead (measured minus predicted step, at least 0): per layout a trial ran
       (``width`` x ``depth``) the median over its trials (:func:`layout_overheads`), for any
       other the median over all trials. What a step costs beyond its program (the training
@@ -174,6 +181,7 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
         optimizer_scale=_fitted_scale(sum(y for _, y in optimizer), sum(x for x, _ in optimizer)),
         allreduce_scale=allreduce_scale,
         allreduce_latency=allreduce_latency,
+        device_bytes=base.device_bytes + max(t.logged_bytes for t in trials),
     )
     residuals = [t.step - predict_step(fitted, t.plan, t.microbatch_size)[0] for t in trials]
     overhead = max(statistics.median(residuals), 0.0)
@@ -186,6 +194,7 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
                 "microbatch_size": t.microbatch_size,
                 "step": t.step,
                 "actions": t.actions,
+                "logged_bytes": t.logged_bytes,
             }
             for t in trials
         ],
@@ -200,6 +209,7 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
         "layout_overheads": layouts,
         "profiled_action_overhead": base.action_overhead,
         "profiled_send_overhead": base.send_overhead,
+        "profiled_device_bytes": base.device_bytes,
     }
     return dataclasses.replace(fitted, step_overhead=overhead, layout_overheads=layouts, meta=meta)
 
