@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 import pytest
 
 from tests.launch import SCRIPTS, launch
-from tests.shared import ENDED
+from tests.shared import ENDED, launch_folder
 
 LAUNCH_TIMEOUT = 900  # seconds for all scenarios of one world size; a hang fails every test that needs it
 
@@ -26,7 +26,7 @@ class Launch:
     """Results of one shared launch: ``launch[name]`` is each rank's ``(status, value)``."""
 
     def __init__(self, world: int, root: Path, proc: Any, seconds: float) -> None:
-        self.world, self.folder, self.proc, self.seconds = world, root / f"world{world}", proc, seconds
+        self.world, self.folder, self.proc, self.seconds = world, launch_folder(root, world), proc, seconds
 
     def __getitem__(self, name: str) -> list[tuple[str, Any]]:
         files = [self.folder / name / f"rank{r}.pkl" for r in range(self.world)]
@@ -101,7 +101,7 @@ def run_shared(world: int, root: Path, started: Optional[Callable[[subprocess.Po
         proc = launch(args, timeout=LAUNCH_TIMEOUT, torchrun=world, check=False, started=started)
     except subprocess.TimeoutExpired as err:  # kept as the launch's outcome: each test then fails at once
         proc = subprocess.CompletedProcess(err.cmd, None, err.stdout or "", err.stderr or "")  # type: ignore[arg-type]
-    ended = root / f"world{world}" / ENDED
+    ended = launch_folder(root, world) / ENDED
     ended.parent.mkdir(parents=True, exist_ok=True)
     ended.touch()  # a scenario of another launch waiting for one of this launch's stops waiting
     return Launch(world, root, proc, time.monotonic() - start)

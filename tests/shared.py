@@ -70,6 +70,11 @@ def in_order(world: int) -> list[str]:
     return sorted(names, key=lambda name: name in READERS.get(world, set()))
 
 
+def launch_folder(root: Path, world: int) -> Path:
+    """Where the launch of ``world`` under ``root`` keeps its scenarios' folders."""
+    return root / f"world{world}"
+
+
 def saved(world: int, name: str, timeout: float = SAVED_TIMEOUT) -> Path:
     """The folder of scenario ``name`` of the ``world`` launch, once every rank of it has ended.
 
@@ -77,7 +82,7 @@ def saved(world: int, name: str, timeout: float = SAVED_TIMEOUT) -> Path:
         RuntimeError: that scenario failed on some rank, its launch ended without it, or it did
             not end within ``timeout`` seconds.
     """
-    folder = launch_root() / f"world{world}" / name
+    folder = launch_folder(launch_root(), world) / name
     results = [folder / f"rank{rank}.pkl" for rank in range(world)]
     ended, deadline = folder.parent / ENDED, time.monotonic() + timeout
     while not all(path.exists() for path in results):

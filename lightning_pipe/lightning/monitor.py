@@ -212,9 +212,14 @@ def memory_bytes(engine: PipelineEngine, optimizers: list[Any]) -> int:
         torch.cuda.reset_peak_memory_stats(engine.device)
         return int(peak)
     tensors = held_tensors([p for slot in engine.versions.slots for p in slot or ()], optimizers)
-    # An FSDP shard (a DTensor) by its local tensor: a DTensor's own storage is a zero-address stand-in.
-    storages = {local(t).untyped_storage().data_ptr(): local(t).untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values()) + engine.last_peak_stash_bytes
+    return storage_bytes(tensors) + engine.last_peak_stash_bytes
+
+
+def storage_bytes(tensors: Sequence[Tensor]) -> int:
+    """Bytes of the storages under ``tensors``, each once; an FSDP shard (a DTensor) by its local
+    tensor (a DTensor's own storage is a zero-address stand-in)."""
+    parts = [local(t) for t in tensors]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in parts}.values())
 
 
 def held_tensors(params: Sequence[Tensor], optimizers: Sequence[Any]) -> list[Tensor]:
@@ -228,8 +233,7 @@ def logged_value_bytes(trainer: Trainer) -> int:
     (``callback_metrics``, ``logged_metrics``, ``progress_bar_metrics``), each storage once. They
     stay alive through the next step until it logs them again, beside every other tensor."""
     metrics = (trainer.callback_metrics, trainer.logged_metrics, trainer.progress_bar_metrics)
-    tensors = [v for values in metrics for v in values.values() if isinstance(v, Tensor)]
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+    return storage_bytes([v for values in metrics for v in values.values() if isinstance(v, Tensor)])
 
 
 def stage_metrics(records: list[dict], engine: PipelineEngine) -> dict[str, float]:

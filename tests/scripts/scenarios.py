@@ -38,7 +38,7 @@ def main() -> None:
         if only and name not in only:
             continue
         fn, args = shared.SCENARIOS[world][name]
-        folder = root / f"world{world}" / name
+        folder = shared.launch_folder(root, world) / name
         folder.mkdir(parents=True, exist_ok=True)
         os.environ["SCENARIO_DIR"] = str(folder)
         start, cpu = time.monotonic(), time.process_time()
