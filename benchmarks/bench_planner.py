@@ -812,6 +812,9 @@ def _user_path_flags(parser: Any) -> None:
         "--measured", type=int, default=defaults.measured, help="the median is over the last MEASURED steps"
     )
     group.add_argument(
+        "--launches", type=int, default=defaults.launches, help="launches per layout, round-robin over the layouts"
+    )
+    group.add_argument(
         "--cli-runs", type=int, default=defaults.cli_runs, help="plan commands per process count (the first is trained)"
     )
     group.add_argument("--busy", action="store_true", help="keep one core busy through planning and training")
@@ -831,6 +834,7 @@ def _run_user_path(args: Any) -> None:
         plans=args.plans,
         steps=args.steps,
         measured=min(args.measured, args.steps - 1),
+        launches=args.launches,
         cli_runs=args.cli_runs,
         busy=args.busy,
         memory=args.memory,

@@ -5,13 +5,17 @@
 
 For each workload and process count the plan command runs as a subprocess, as a user runs it
 (``--config``, ``--script``, ``--devices``, ``--top``, ``--output``), and writes its whole ranking
-with ``--ranking-json``. After it has exited, each of the top plans trains in its own launch:
+with ``--ranking-json``. After it has exited, each of the top plans trains in launches of its own:
 the workload's script under ``fit``, with the user's config and the plan's strategy arguments
 (what ``--output`` would hold for that plan), through Lightning's own launcher. A callback on
 every rank records the wall time between consecutive training-step ends; a layout's measured
-step is the median, over the steps after warm-up, of the slowest rank's. One more step runs
-under a tracker of every CPU tensor storage (``PeakTensorBytes``, independent of the planner's
-accounting): each rank's peak tensor bytes, the largest over replicas per pipeline rank.
+step is the median, over the steps after warm-up of all its launches, of the slowest rank's.
+The launches go round-robin over the layouts (every layout once, then again), so that a slow
+minute of the host falls on one launch of several layouts, not on every launch of one (two
+launches of one layout can differ by as much as the planner's top plans do). Two more steps
+run under a tracker of every CPU tensor storage (``PeakTensorBytes``, independent of the
+planner's accounting): each rank's peak tensor bytes, the largest over replicas and launches per
+pipeline rank.
 
 ``--busy`` keeps one core busy with a spinning process through the plan commands and the
 training; ``--cli-runs N`` runs the plan command N times and reports whether its first choice
@@ -73,6 +77,8 @@ class Options:
     Args:
         plans: The top plans of the (first) ranking trained per workload and process count.
         steps: Timed training steps per launch.
+        launches: Launches per layout (round-robin over the layouts); its measured step is the
+            median over all of them.
         measured: The last ``measured`` step times give the median (the earlier ones warm up).
         cli_runs: Plan commands per workload and process count (the first one's ranking is trained).
         busy: Keep one core busy through the plan commands and the training.
@@ -84,8 +90,9 @@ class Options:
     """
 
     plans: int = 6
-    steps: int = 12
-    measured: int = 8
+    steps: int = 16
+    measured: int = 12
+    launches: int = 3
     cli_runs: int = 1
     busy: bool = False
     memory: Optional[str] = None
@@ -280,12 +287,12 @@ def fit_config(work: Workload, row: dict[str, Any], ranking: dict[str, Any], opt
     return short_run_config(work.config, init, ranking["devices"], out, recorder, opts.steps + 2)
 
 
-def measured_step(ranks: Sequence[dict[str, Any]], measured: int) -> float:
-    """The median over the last ``measured`` timed steps of the slowest rank's step (end to end)."""
+def measured_steps(ranks: Sequence[dict[str, Any]], measured: int) -> list[float]:
+    """The last ``measured`` timed steps, each the slowest rank's (end to end)."""
     timed = [r["ends"][:-2] for r in ranks]  # the last two ends close the tracked steps
     per_rank = [[b - a for a, b in zip(ends, ends[1:])] for ends in timed]
     slowest = [max(steps) for steps in zip(*per_rank)]
-    return statistics.median(slowest[-measured:])
+    return slowest[-measured:]
 
 
 def peaks_per_position(ranks: Sequence[dict[str, Any]], depth: int) -> list[int]:
@@ -294,7 +301,7 @@ def peaks_per_position(ranks: Sequence[dict[str, Any]], depth: int) -> list[int]
 
 
 def train(work: Workload, row: dict[str, Any], ranking: dict[str, Any], opts: Options, out: Path) -> dict[str, Any]:
-    """One plan trained in its own launch (``<script> fit --config``): measured step, peaks and launch seconds."""
+    """One plan trained in its own launch (``<script> fit --config``): measured steps, peaks and launch seconds."""
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("rank*.json"):
         old.unlink()
@@ -308,7 +315,7 @@ def train(work: Workload, row: dict[str, Any], ranking: dict[str, Any], opts: Op
             f"training {describe(row)} failed ({code}), see {out / 'fit.log'}:\n{_tail(out / 'fit.log')}"
         )
     return {
-        "step": measured_step(ranks, opts.measured),
+        "steps": measured_steps(ranks, opts.measured),
         "peaks": peaks_per_position(ranks, row["depth"]),
         "seconds": seconds,
         "threads": max(r["threads"] for r in ranks),
@@ -369,20 +376,36 @@ def measure_group(work: Workload, devices: int, opts: Options) -> dict[str, Any]
             f"first choice {describe(first)}, predicted {first['step_seconds']:.4f} s",
             flush=True,
         )
-    plans, layouts = to_train(rankings, opts.plans, opts.allow_stale), []
+    plans = to_train(rankings, opts.plans, opts.allow_stale)
+    launches: list[list[dict[str, Any]]] = [[] for _ in plans]
+    for k in range(opts.launches):
+        for i, row in enumerate(plans):
+            ran = train(work, row, rankings[0], opts, base / f"fit{i}" / f"launch{k}")
+            launches[i].append(ran)
+            print(
+                f"[{work.name} {devices}p] launch {k + 1}/{opts.launches} of layout {i + 1}/{len(plans)} "
+                f"({ran['seconds']:.0f} s, {ran['threads']} threads per rank): {describe(row)}: predicted "
+                f"{row['step_seconds']:.4f} s, measured {statistics.median(ran['steps']):.4f} s; peak per rank "
+                f"predicted / measured {_ratios(row['peak_bytes_per_rank'], ran['peaks'])}",
+                flush=True,
+            )
     order = [plan_key(p) for p in rankings[0]["plans"]]
-    for i, row in enumerate(plans):
-        ran = train(work, row, rankings[0], opts, base / f"fit{i}")
-        ranked = order.index(plan_key(row)) + 1 if plan_key(row) in order else "-"
-        layouts.append({"row": row, "ranked": ranked, **ran})
-        print(
-            f"[{work.name} {devices}p] layout {i + 1}/{len(plans)} ({ran['seconds']:.0f} s, {ran['threads']} threads "
-            f"per rank): {describe(row)}: predicted {row['step_seconds']:.4f} s, measured {ran['step']:.4f} s "
-            f"(x{row['step_seconds'] / ran['step']:.2f}); peak per rank predicted / measured "
-            f"{_ratios(row['peak_bytes_per_rank'], ran['peaks'])}",
-            flush=True,
-        )
+    layouts = [
+        {"row": row, "ranked": order.index(plan_key(row)) + 1 if plan_key(row) in order else "-", **pooled(ran)}
+        for row, ran in zip(plans, launches)
+    ]
     return {"workload": work.name, "devices": devices, "rankings": rankings, "layouts": layouts}
+
+
+def pooled(launches: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """A layout's launches as one measurement: the median of all their measured steps, each
+    launch's median, and per rank the largest tracked peak (the tracker counts the same storages
+    in every launch; the largest is the check that can fail)."""
+    return {
+        "step": statistics.median(t for ran in launches for t in ran["steps"]),
+        "launch_steps": [statistics.median(ran["steps"]) for ran in launches],
+        "peaks": [max(each) for each in zip(*(ran["peaks"] for ran in launches))],
+    }
 
 
 def _ratios(predicted: Sequence[int], measured: Sequence[int]) -> str:
@@ -452,6 +475,7 @@ def layout_table(group: dict[str, Any]) -> str:
             "trial" if x["row"].get("trial") else "layout's trial" if x["row"].get("layout_trial") else "model",
             f"{x['row']['step_seconds']:.4f}",
             f"{x['step']:.4f}",
+            ", ".join(f"{t:.4f}" for t in x["launch_steps"]),
             f"{x['row']['step_seconds'] / x['step']:.3f}",
             ", ".join(f"{b / 2**20:.2f}" for b in x["row"]["peak_bytes_per_rank"]),
             ", ".join(f"{b / 2**20:.2f}" for b in x["peaks"]),
@@ -460,7 +484,7 @@ def layout_table(group: dict[str, Any]) -> str:
         for x in group["layouts"]
     ]
     header = ["planner's rank", "plan", "step from", "predicted step (s)", "measured step (s)"]
-    header += ["predicted / measured step"]
+    header += ["each launch's median (s)", "predicted / measured step"]
     header += ["predicted peak per rank (MiB)", "measured peak per rank (MiB)", "predicted / measured peak"]
     return markdown_table(header, rows)
 
@@ -503,6 +527,22 @@ def choices_within_noise(rankings: Sequence[dict[str, Any]], keys: Sequence[tupl
     return True
 
 
+def launch_spread(group: dict[str, Any]) -> str:
+    """Where the choice is not the fastest layout: both layouts' launch medians, lowest to highest
+    (a first choice whose launches overlap the fastest's is within the host's noise of it)."""
+    ranking = group["rankings"][0]
+    first = plan_key(ranking["plans"][ranking.get("chosen") or 0])
+    chosen = next(x for x in group["layouts"] if plan_key(x["row"]) == first)
+    fastest = min(group["layouts"], key=lambda x: x["step"])
+    if fastest is chosen:
+        return ""
+    return (
+        f" (the fastest: {describe(fastest['row'])}; launch medians {min(fastest['launch_steps']):.4f} to "
+        f"{max(fastest['launch_steps']):.4f} s, the choice's {min(chosen['launch_steps']):.4f} to "
+        f"{max(chosen['launch_steps']):.4f} s)"
+    )
+
+
 def group_section(group: dict[str, Any]) -> tuple[str, str]:
     """A group's page section: the layout table, its headline numbers and the plan commands' stability."""
     s = summary(group)
@@ -510,7 +550,8 @@ def group_section(group: dict[str, Any]) -> tuple[str, str]:
         f"- Step error (predicted / measured - 1): median |error| {s['median_error']:.1%}, "
         f"worst {s['worst_error']:+.1%}; of the {s['model_layouts']} layouts no trial ran (the fitted model's "
         f"prediction): median |error| {s['model_median_error']:.1%}.",
-        f"- The first choice's measured step over the fastest measured layout's: {s['choice_over_fastest']:.3f}.",
+        f"- The first choice's measured step over the fastest measured layout's: {s['choice_over_fastest']:.3f}"
+        f"{launch_spread(group)}.",
         f"- Spearman rank correlation of predicted and measured steps: {s['spearman']:.2f}.",
         f"- Every memory prediction within {MEMORY_TOLERANCE:.0%} above the measured peak and never under: "
         f"{'yes' if s['memory_ok'] else 'no'}.",
@@ -589,10 +630,12 @@ def intro(opts: Options) -> str:
         f"runs, then, after it has exited, {opts.plans} of its plans (the top {opts.plans // 2} and the rest "
         "spread evenly over its ranking, plus its choice) trained through `Trainer.fit` in its own launch (the "
         "workload's script under `fit`, Lightning's launcher, the user's config with the plan's strategy "
-        f"arguments). Measured step: the slowest rank's wall time between consecutive step ends, median of the "
-        f"last {opts.measured} of {opts.steps} steps. Measured peak: two more steps under a tracker of every CPU "
+        f"arguments), {opts.launches} launches per plan, round-robin over the plans. Measured step: the slowest "
+        f"rank's wall time between consecutive step ends, median over the last {opts.measured} of {opts.steps} "
+        "steps of every launch. Measured peak: two more steps under a tracker of every CPU "
         "tensor storage on each rank (the second's peak, counting what the first left alive: a 2BW step starts "
-        "with the last one's microbatches in flight), the largest over replicas per pipeline rank. Workloads: `gpt` "
+        "with the last one's microbatches in flight), the largest over replicas and launches per pipeline rank. "
+        "Workloads: `gpt` "
         "(configs/gpt_1f1b.yaml with examples/gpt.py: 4 layers, width 128, context 64, global batch 32, AdamW) "
         "and `nonuniform` (benchmarks/nonuniform.yaml with benchmarks/nonuniform.py: about 1M parameters in "
         f"blocks of very different widths and costs, AdamW, generated tokens).{busy}{stale}"

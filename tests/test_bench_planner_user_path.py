@@ -11,10 +11,11 @@ from benchmarks.planner_user_path import (
     Options,
     choices_within_noise,
     fit_config,
-    measured_step,
+    measured_steps,
     memory_ok,
     peaks_per_position,
     plan_key,
+    pooled,
     spearman,
     stability,
     to_train,
@@ -50,13 +51,20 @@ def test_spearman_matches_known_orders_and_ties() -> None:
     assert math.isnan(spearman([1], [1])) and math.isnan(spearman([1, 1], [1, 2]))
 
 
-def test_measured_step_is_the_slowest_ranks_and_leaves_out_the_tracked_steps() -> None:
+def test_measured_steps_are_the_slowest_ranks_and_leaves_out_the_tracked_steps() -> None:
     fast = {"ends": [0, 1, 2, 3, 4, 100, 200], "position": 0, "peak": 5}
     slow = {"ends": [0, 1, 3, 4, 6, 100, 300], "position": 1, "peak": 7}
     # steps of the slowest rank per step: 1, 2, 1, 2; the last two ends (the tracked steps) are not timed
-    assert measured_step([fast, slow], 4) == 1.5 and measured_step([fast, slow], 2) == 1.5
-    assert measured_step([fast, slow], 1) == 2
+    assert measured_steps([fast, slow], 4) == [1, 2, 1, 2] and measured_steps([fast, slow], 1) == [2]
     assert peaks_per_position([fast, slow, {**fast, "peak": 9}], 2) == [9, 7]
+
+
+def test_pooled_launches_take_the_median_of_all_steps_and_the_largest_peak_per_rank() -> None:
+    launches = [{"steps": [1.0, 1.0, 5.0], "peaks": [10, 20]}, {"steps": [2.0, 2.0, 2.0], "peaks": [12, 18]}]
+    got = pooled(launches)
+    assert got["step"] == 2.0  # of 1, 1, 2, 2, 2, 5: not the mean of the launches' medians (1.5)
+    assert got["launch_steps"] == [1.0, 2.0]
+    assert got["peaks"] == [12, 20]
 
 
 def test_to_train_takes_the_top_plans_then_plans_spread_over_the_ranking_then_other_runs_choices() -> None:
