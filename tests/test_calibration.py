@@ -9,7 +9,15 @@ import pytest
 from lightning_pipe import PipelinePlan
 from lightning_pipe.lightning.plan_cli import choice_noise, layout, measured_first, prediction_spread, trial_ranking
 from lightning_pipe.planning import costs, predict, programs, search
-from lightning_pipe.planning.calibration import Trial, calibrate, fitted_line, fitted_scale, trial_spread, trial_step
+from lightning_pipe.planning.calibration import (
+    Trial,
+    calibrate,
+    fitted_line,
+    fitted_scale,
+    median_error,
+    slowest_steps,
+    trial_step,
+)
 from tests.test_planner import _uniform
 
 #: The job as it really runs: what the profile misses, to be recovered by the fit (the
@@ -159,7 +167,7 @@ def test_the_choice_trusts_a_measured_best_plan_to_its_trial_spread() -> None:
     assert choice_noise([], {}, {}) == 0.0
     ends = [[0.0, 1.0, 2.1, 3.0, 4.0], [0.0, 1.0, 2.0, 3.2, 7.2]]  # steps (1, 1.1, .9, 1) and (1, 1, 1.2, 4)
     # slowest: 1.0, 1.1, 1.2, 4.0: median 1.15, absolute deviations .15, .05, .05, 2.85 -> MAD 0.1
-    assert trial_spread(ends, 4) == pytest.approx(1.2533 * 1.4826 * 0.1 / 2 / 1.15)
+    assert median_error(slowest_steps(ends)[-4:]) == pytest.approx(1.2533 * 1.4826 * 0.1 / 2 / 1.15)
 
 
 def test_the_prediction_spread_is_its_medians_error_over_the_rounds_one_disturbed_round_aside() -> None:
@@ -313,3 +321,51 @@ def test_every_device_holds_the_logged_values_the_trials_measured_once_per_fit()
     before = predict.predict(profile, plan, 1).stage_memory
     after = predict.predict(fitted, plan, 1).stage_memory
     assert [a - b for a, b in zip(after, before, strict=True)] == [8, 8]
+
+
+def _launch_ranks(steps: list[float], actions: dict[str, list[float]], logged: int = 0) -> list[dict]:
+    """One trial launch's two ranks: rank 1 the slower by ``steps``, after a 9 s warm-up step."""
+    ends = [0.0, 9.0]
+    for s in steps:
+        ends.append(ends[-1] + s)
+    fast = [e * 0.5 for e in ends]
+    return [
+        {"rank": 0, "ends": fast, "actions": actions, "logged_bytes": 0},
+        {"rank": 1, "ends": ends, "actions": actions, "logged_bytes": logged},
+    ]
+
+
+def test_a_trial_launches_until_two_launches_agree_and_at_most_its_cap() -> None:
+    from lightning_pipe.lightning.trial import LAUNCHES_AGREE, TIMED_STEPS, until_stable
+
+    n = TIMED_STEPS - 1
+    medians = iter([1.0, 1.2, 1.1, 1.19, 5.0])  # the 4th agrees with the 2nd within 3%
+
+    def launch() -> list[dict]:
+        return _launch_ranks([next(medians)] * n, {})
+
+    assert LAUNCHES_AGREE == 0.03
+    assert len(until_stable(launch, (2, 6))) == 4
+    agreeing = iter([1.0, 1.02])
+    assert len(until_stable(lambda: _launch_ranks([next(agreeing)] * n, {}), (2, 6))) == 2
+    apart = iter([1.0, 2.0, 3.0, 4.0])
+    assert len(until_stable(lambda: _launch_ranks([next(apart)] * n, {}), (2, 3))) == 3  # the cap
+
+
+def test_a_trial_of_several_launches_takes_their_median_and_pools_the_traced_actions() -> None:
+    from lightning_pipe.lightning.trial import TIMED_STEPS, pooled_trial
+
+    n = TIMED_STEPS - 1
+    plan = PipelinePlan(1, 2, 2, "1f1b", partition=(3, 3))
+    launches = [
+        _launch_ranks([1.0] * n, {"0F0": [0.1, 0.1]}, logged=4),
+        _launch_ranks([1.1] * n, {"0F0": [0.3]}, logged=8),
+        _launch_ranks([3.0] * n, {"0F0": [0.2, 0.2]}),  # one odd launch of three does not move the step
+    ]
+    trial = pooled_trial(plan, 4, launches)
+    assert trial.step == pytest.approx(1.1)
+    assert trial.actions[0] == {"0F0": 0.2}  # the median of 0.1, 0.1, 0.3, 0.2, 0.2
+    assert trial.spread == pytest.approx((3.0 - 1.0) / 2 / 1.1)  # half the launches' range, over the step
+    assert trial.logged_bytes == 8
+    steady = pooled_trial(plan, 4, launches[:2])
+    assert steady.step == pytest.approx(1.05) and steady.spread == pytest.approx(0.05 / 1.05)

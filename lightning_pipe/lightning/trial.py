@@ -3,8 +3,8 @@
 A trial runs the way the job will: the user's LightningCLI script (or LightningCLI itself when
 the config names its classes), Lightning's launcher, the same processes and threads, the
 user's config with the plan's strategy arguments. :class:`TrialRecorder` times each step and
-traces the last few; :func:`run_trial` reads what every rank wrote into a
-:class:`~lightning_pipe.planning.calibration.Trial` for
+traces the last few; :func:`run_trial` launches the plan until two launches agree and reads what
+every rank wrote into a :class:`~lightning_pipe.planning.calibration.Trial` for
 :func:`~lightning_pipe.planning.calibration.calibrate`.
 """
 
@@ -12,19 +12,20 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import lightning as L
 import yaml
 
 from lightning_pipe.core.pipeline_plan import PipelinePlan
 from lightning_pipe.lightning.monitor import logged_value_bytes
-from lightning_pipe.planning.calibration import Trial, median_actions, trial_spread, trial_step
+from lightning_pipe.planning.calibration import Trial, median_actions, median_error, slowest_steps
 
 
 def strategy_init_args(plan: PipelinePlan, global_batch: int) -> dict[str, Any]:
@@ -97,8 +98,14 @@ class TrialRecorder(L.Callback):
         (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
-#: Steps of a trial: one warm-up, the timed ones, the traced ones.
+#: Steps of a trial launch: one warm-up, the timed ones, the traced ones.
 TIMED_STEPS, TRACED_STEPS = 6, 3
+#: Launches of a trial: at least ``TRIAL_LAUNCHES[0]``, more while no two launches' medians agree
+#: within :data:`LAUNCHES_AGREE`, at most ``TRIAL_LAUNCHES[1]``. Two launches of one plan on a
+#: loaded CPU host differ by several percent, as much as a ranking's top plans do, and a trial's
+#: step sets its whole layout's fitted overhead.
+TRIAL_LAUNCHES = (2, 4)
+LAUNCHES_AGREE = 0.03
 
 
 def short_run_config(
@@ -153,11 +160,18 @@ def run_trial(
     timeout: float = 600.0,
 ) -> Trial:
     """Train ``plan`` for a few steps through the user's script (``<script> fit --config``; without
-    a script LightningCLI itself, for a config that names its classes) and return its :class:`Trial`.
+    a script LightningCLI itself, for a config that names its classes), in launches until two agree
+    (:func:`until_stable`), and return their :class:`Trial` (:func:`pooled_trial`).
 
     Raises:
-        RuntimeError: if the run fails, times out or a rank wrote no result (with its output's tail).
+        RuntimeError: if a launch fails, times out or a rank wrote no result (with its output's tail).
     """
+    launches = until_stable(lambda: _launch(config, script, plan, global_batch, timeout), TRIAL_LAUNCHES)
+    return pooled_trial(plan, microbatch_size, launches)
+
+
+def _launch(config: Path, script: Optional[Path], plan: PipelinePlan, global_batch: int, timeout: float) -> list[dict]:
+    """One trial launch: every rank's result (:class:`TrialRecorder`), in rank order."""
     with tempfile.TemporaryDirectory(prefix="lightning_pipe_trial_") as tmp:
         out = Path(tmp)
         cfg = trial_config(config, plan, global_batch, out)
@@ -172,15 +186,47 @@ def run_trial(
         if done.returncode != 0 or len(ranks) != plan.world_size:
             tail = "\n".join((done.stdout + done.stderr).splitlines()[-15:])
             raise RuntimeError(f"trial of {plan.describe()} failed (exit {done.returncode}):\n{tail}")
-    ranks.sort(key=lambda r: r["rank"])
-    return Trial(
-        plan,
-        microbatch_size,
-        trial_step([r["ends"] for r in ranks], TIMED_STEPS - 1),
-        tuple(median_actions(r["actions"]) for r in ranks),
-        trial_spread([r["ends"] for r in ranks], TIMED_STEPS - 1),
-        max(r["logged_bytes"] for r in ranks),
-    )
+    return sorted(ranks, key=lambda r: r["rank"])
+
+
+def launch_steps(ranks: Sequence[dict]) -> list[float]:
+    """A launch's measured steps: the last ``TIMED_STEPS - 1`` of the slowest rank's."""
+    return slowest_steps([r["ends"] for r in ranks])[-(TIMED_STEPS - 1) :]
+
+
+def until_stable(launch: Callable[[], list[dict]], launches: tuple[int, int] = TRIAL_LAUNCHES) -> list[list[dict]]:
+    """Call ``launch`` ``launches[0]`` times, then again while no two launches' median steps lie
+    within :data:`LAUNCHES_AGREE` of each other, ``launches[1]`` times at most; every launch's ranks."""
+    done = [launch() for _ in range(launches[0])]
+    while len(done) < launches[1] and not _agree([statistics.median(launch_steps(r)) for r in done]):
+        done.append(launch())
+    return done
+
+
+def _agree(medians: Sequence[float]) -> bool:
+    """Whether two of ``medians`` lie within :data:`LAUNCHES_AGREE` of each other."""
+    ordered = sorted(medians)
+    return any(b <= a * (1 + LAUNCHES_AGREE) for a, b in zip(ordered, ordered[1:]))
+
+
+def pooled_trial(plan: PipelinePlan, microbatch_size: int, launches: Sequence[Sequence[dict]]) -> Trial:
+    """Trial launches of one plan as one :class:`Trial`: the median of the launches' median steps
+    (one odd launch of three cannot move it), each action's median over every launch's traced
+    steps, and a spread that is the larger of the median's standard error over all the measured
+    steps and half the launches' range (launches differ more than the steps of one launch)."""
+    medians = [statistics.median(launch_steps(ranks)) for ranks in launches]
+    step = statistics.median(medians)
+    pooled = [t for ranks in launches for t in launch_steps(ranks)]
+    spread = max(median_error(pooled), (max(medians) - min(medians)) / 2 / step)
+    actions = []
+    for rank in range(len(launches[0])):
+        traced: dict[str, list[float]] = {}
+        for ranks in launches:
+            for text, seconds in ranks[rank]["actions"].items():
+                traced.setdefault(text, []).extend(seconds)
+        actions.append(median_actions(traced))
+    logged = max(r["logged_bytes"] for ranks in launches for r in ranks)
+    return Trial(plan, microbatch_size, step, tuple(actions), spread, logged)
 
 
 def main() -> None:

@@ -35,8 +35,8 @@ class Trial:
         step: measured seconds of one step: the median over the timed steps of the slowest
             rank's time between consecutive step ends.
         actions: per rank, each traced action's median seconds, keyed by its text form (``"0F1"``).
-        spread: the relative standard error of ``step`` (:func:`trial_spread`): how far another
-            measurement of this plan can fall from it.
+        spread: how far another measurement of this plan can fall from ``step``, relative to it:
+            at least the standard error of its median (:func:`median_error`) over the measured steps.
         logged_bytes: the bytes of the values the module logged that Lightning holds between
             steps, on the rank that holds the most (0: not measured).
     """
@@ -237,21 +237,18 @@ def _category(action: Action) -> str | None:
     return None
 
 
-def trial_step(rank_ends: Sequence[Sequence[float]], measured: int) -> float:
-    """The median over the last ``measured`` steps of the slowest rank's step, from each rank's
-    step end times (one more end than steps)."""
+def slowest_steps(rank_ends: Sequence[Sequence[float]]) -> list[float]:
+    """Each step's seconds on the slowest rank, from each rank's step end times (one more end than steps)."""
     per_rank = [[b - a for a, b in zip(ends, ends[1:])] for ends in rank_ends]
     slowest = [max(steps) for steps in zip(*per_rank)]
     if not slowest:
         raise ValueError("a trial needs at least two step ends on every rank")
-    return statistics.median(slowest[-measured:])
+    return slowest
 
 
-def trial_spread(rank_ends: Sequence[Sequence[float]], measured: int) -> float:
-    """The standard error of :func:`trial_step`'s median, relative to it, over the last ``measured``
-    steps of the slowest rank (:func:`median_error`)."""
-    per_rank = [[b - a for a, b in zip(ends, ends[1:])] for ends in rank_ends]
-    return median_error([max(steps) for steps in zip(*per_rank)][-measured:])
+def trial_step(rank_ends: Sequence[Sequence[float]], measured: int) -> float:
+    """The median over the last ``measured`` steps of the slowest rank's step (:func:`slowest_steps`)."""
+    return statistics.median(slowest_steps(rank_ends)[-measured:])
 
 
 def median_error(values: Sequence[float]) -> float:
