@@ -174,10 +174,16 @@ def user_tokens(n: int, seed: int = 0) -> tuple[Tensor, Tensor]:
 #: The user-path benchmark's chain in ZB-V with split backward, the narrowing Resize alone as
 #: stage 6: its LayerNorm keeps the whole input message for W, and the send after each I is a
 #: moment of its own (the receive it posts, what the I kept and the message), not an input more
-#: beside the I's peak.
+#: beside the I's peak. 2BW in a V: a rank reads a neighbour's messages in the order it sent them,
+#: so a receive that waits for a later message (an activation of one stage behind a gradient of
+#: the other) takes the earlier one in first, kept whole until its own receive reads it (counted
+#: only until taken in, ranks 1 and 2 come out one message under); each window is its own program.
 USER_PLANS = {
     2: [],
-    4: [PipelinePlan(1, 4, 2, "zbv", True, partition=(1, 1, 1, 1, 1, 1, 1, 2), virtual_stages=2)],
+    4: [
+        PipelinePlan(1, 4, 2, "zbv", True, partition=(1, 1, 1, 1, 1, 1, 1, 2), virtual_stages=2),
+        PipelinePlan(1, 4, 8, "2bw", partition=(1, 1, 1, 1, 1, 1, 1, 2), virtual_stages=2, placement="v"),
+    ],
 }
 
 #: Per model (a name, the microbatch size after a colon where not :data:`B`): the model, its

@@ -97,8 +97,9 @@ def posted_receives(flat: FlatProgram, begins: Optional[np.ndarray] = None) -> n
     send to that neighbour after the previous message was read, where that send comes before
     the rank's next receive action from the neighbour; else as soon as the previous message was
     read (the first: when the program starts), and none beyond the program's last
-    (runtime/executor.py, ``Executor._post_ahead``). Messages from a neighbour are read in send
-    order, each by the first receive action that needs it or a later message. A receive is
+    (runtime/comm/mailbox.py, ``Mailbox._post_ahead``). Messages from a neighbour are read in send
+    order, each by the first receive action that needs it or a later message; one taken in for a
+    later message stays, whole, until the receive action that needs it reads it. A receive is
     sized for the link's last message of its kind; on a rank of several stages counting it at
     the size of the stage that reads it is exact when those stages' sizes agree.
 
@@ -219,11 +220,13 @@ def _posted_receives_by_layout(flat: FlatProgram, positions: int, begins: Option
             if len(numbered):
                 previous = _previous_of_kind(numbered, is_input[numbered].astype(np.int64))
                 posted[numbered] = own[numbered[previous]]
-            early = (posted_at < read_at) & known
+            # A message taken in before the action that needs it (a later one's read waited for it)
+            # is kept whole, as received, until that action reads it (``Mailbox.receive``).
+            early = (posted_at < readers) & known
             kind = np.where(is_input, POSTED_INPUT, POSTED_GRADIENT)
             index = (own[early], posted[early], kind[early])
             np.add.at(change, (posted_at[early], *index), 1)
-            np.add.at(change, (read_at[early], *index), -1)
+            np.add.at(change, (readers[early], *index), -1)
     return _cumsum_per_rank(change, flat.starts)
 
 
