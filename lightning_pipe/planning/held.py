@@ -54,8 +54,8 @@ Point = tuple[int, int, Sent]
 #: among the rank's stages, the kind of moment (a :class:`HeldCounts` field), and per stage of
 #: the rank its :data:`Point` and whether its gradients exist. Walked with
 #: :func:`buffered_layouts` (:func:`rank_moments`), a point's sends are counts by layout and kind,
-#: then the gradients handed over to it (see there) and the earlier batches alive
-#: (:func:`earlier_batches`), in place of a :data:`Sent`.
+#: then its output-sized tensors kept for the next stage on the rank (see there) and the earlier
+#: batches alive (:func:`earlier_batches`), in place of a :data:`Sent`.
 Moment = tuple[int, str, tuple[Point, ...], tuple[bool, ...]]
 
 
@@ -97,8 +97,9 @@ def posted_receives(flat: FlatProgram, begins: Optional[np.ndarray] = None) -> n
     send to that neighbour after the previous message was read, where that send comes before
     the rank's next receive action from the neighbour; else as soon as the previous message was
     read (the first: when the program starts), and none beyond the program's last
-    (runtime/executor.py, ``Executor._post_ahead``). Messages from a neighbour are read in send
-    order, each by the first receive action that needs it or a later message. A receive is
+    (runtime/comm/mailbox.py, ``Mailbox._post_ahead``). Messages from a neighbour are read in send
+    order, each by the first receive action that needs it or a later message; one taken in for a
+    later message stays, whole, until the receive action that needs it reads it. A receive is
     sized for the link's last message of its kind; on a rank of several stages counting it at
     the size of the stage that reads it is exact when those stages' sizes agree.
 
@@ -219,11 +220,13 @@ def _posted_receives_by_layout(flat: FlatProgram, positions: int, begins: Option
             if len(numbered):
                 previous = _previous_of_kind(numbered, is_input[numbered].astype(np.int64))
                 posted[numbered] = own[numbered[previous]]
-            early = (posted_at < read_at) & known
+            # A message taken in before the action that needs it (a later one's read waited for it)
+            # is kept whole, as received, until that action reads it (``Mailbox.receive``).
+            early = (posted_at < readers) & known
             kind = np.where(is_input, POSTED_INPUT, POSTED_GRADIENT)
             index = (own[early], posted[early], kind[early])
             np.add.at(change, (posted_at[early], *index), 1)
-            np.add.at(change, (read_at[early], *index), -1)
+            np.add.at(change, (readers[early], *index), -1)
     return _cumsum_per_rank(change, flat.starts)
 
 
@@ -678,8 +681,9 @@ def rank_moments(
     gradients, see :func:`_walk`; ``shared``: in replica buckets the rank's stages share, see there).
 
     ``sent``: the rank's rows of :func:`buffered_layouts` (or of :func:`buffered`); with the
-    former each stage's counts end with its :func:`handed_gradients`, then (on the first
-    position, in a 2BW stream) the rank's :func:`earlier_batches` alive."""
+    former each stage's counts end with its output-sized tensors kept for the next stage on the
+    rank (its :func:`handed_gradients` and :func:`outputs_kept_for_weight_grads`), then (on the
+    first position, in a 2BW stream) the rank's :func:`earlier_batches` alive."""
     index = {s: c for c, s in enumerate(stages)}
     at_sends = None
     if sent is not None and sent.ndim == 3 and sent.shape[2] == 4 * len(stages):
@@ -687,8 +691,10 @@ def rank_moments(
         earlier = np.zeros((len(actions), len(stages)), np.int64)
         if streamed:  # the rank's earlier batches alive, once: on its first position
             earlier[:, 0] = _earlier_batches_walk(actions, streamed)
-        tail = np.concatenate((handed_gradients(actions, index)[:, :, None], earlier[:, :, None]), axis=2)
-        sent = np.concatenate((sent, tail), axis=2)
+        handed, (during, after) = handed_gradients(actions, index), outputs_kept_for_weight_grads(actions, index)
+        sent = np.concatenate((sent, np.stack((handed + during, earlier), axis=2)), axis=2)
+        # At the send after an I that I has ended: its stage keeps its output only for the next stage's W.
+        tail = np.stack((handed + after, earlier), axis=2)
         at_sends = {i: np.concatenate((row, tail[i]), axis=1) for i, row in sends.items()}
     walk = _walk(actions, index.__getitem__, len(stages), streamed, sent, shared=shared, at_sends=at_sends)
     return tuple(dict.fromkeys(walk))
@@ -745,3 +751,34 @@ def handed_gradients(actions: Sequence[Action], index: dict[int, int]) -> np.nda
         if runs_backward and a.stage - 1 in index:
             waiting[index[a.stage - 1]] += 1
     return out
+
+
+def outputs_kept_for_weight_grads(actions: Sequence[Action], index: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """During and after each action of a rank's program, per stage position (``index``: a stage's
+    position among the rank's), the outputs of that stage that it no longer keeps but the next
+    stage, run by the same rank (the V placement's turn), still does: that stage's input is the
+    output itself, no message (runtime/executor.py, ``_roots``), and a microbatch whose I ran
+    there keeps it for its W (the input of a deferred call, or of a weight whose gradient I
+    computes: a LayerNorm's; an upper bound where its first block keeps none). The stage counts
+    its output until its I ends (on the first stage, whose I is empty, until its W; until a full
+    backward ends either way: ``memory.stage_memory_terms``); from then on the next stage's
+    pending microbatch keeps it, until its W ends. So a microbatch counts here from the end of its
+    stage's I (or W, or backward) to the end of the next stage's W, where that comes later."""
+    during = np.zeros((len(actions), len(index)), np.int64)
+    after = np.zeros_like(during)
+    if not any(s + 1 in index for s in index):  # no turn on this rank
+        return during, after
+    released: list[set[int]] = [set() for _ in index]  # per position, microbatches whose output it let go
+    waiting: list[set[int]] = [set() for _ in index]  # per position, microbatches the next stage's W still needs
+    for i, a in enumerate(actions):
+        during[i] = [len(r & w) for r, w in zip(released, waiting)]
+        own = index.get(a.stage)
+        if a.kind is Kind.INPUT_GRAD and a.stage - 1 in index:
+            waiting[index[a.stage - 1]].add(a.microbatch)
+        elif a.kind in (Kind.WEIGHT_GRAD, Kind.BACKWARD) and a.stage - 1 in index:
+            waiting[index[a.stage - 1]].discard(a.microbatch)
+        lets_go = Kind.WEIGHT_GRAD if a.stage == 0 else Kind.INPUT_GRAD
+        if own is not None and a.stage + 1 in index and a.kind in (lets_go, Kind.BACKWARD):
+            released[own].add(a.microbatch)
+        after[i] = [len(r & w) for r, w in zip(released, waiting)]
+    return during, after

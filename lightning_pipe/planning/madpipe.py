@@ -272,7 +272,8 @@ def _stage_held(plan: PipelinePlan) -> tuple[HeldCounts, ...]:
 def _as_sent(point: Point) -> Point:
     """A rank moment's point with its buffers as one stage's :data:`~.held.Sent` ``(output-sized,
     input-sized)``: a point walked with :func:`~.held.buffered_layouts` counts them by layout and
-    kind, then the gradients handed over to it (output-sized) and the rank's earlier batches alive
+    kind, then its output-sized tensors kept for the next stage on the rank (gradients handed
+    over, outputs kept for that stage's W) and the rank's earlier batches alive
     (2BW), which stay the point's third count; summed here, each at its own size."""
     held, pending, sends = point
     if len(sends) <= 3:

@@ -178,7 +178,7 @@ def stage_memory_terms(
     per_held = received + (0 if recompute else st.stash_bytes) + st.loss_bytes + loss_graph
     out = _kept_output_bytes(st, recompute, last)
     one = st.stash_bytes - loss_graph if recompute else 0  # recomputed for the backward that runs
-    cap = _after_input_grad_bytes(st, per_held + one, first, last)
+    cap = _after_input_grad_bytes(st, per_held + one, first, last, handed)
     # What a pending microbatch (its I done, its W not) drops of a held one's: its output, once I
     # has consumed it; on the first stage I is empty and the output is W's root (backward_split.py).
     dropped = 0 if first else out
@@ -388,7 +388,9 @@ def _cold(
     return [(waiting, carried + early, workspace, parts, runs), (rest, carried, workspace, parts, runs)]
 
 
-def _after_input_grad_bytes(st: "StageCosts", held: int, first: bool = False, last: bool = False) -> int:
+def _after_input_grad_bytes(
+    st: "StageCosts", held: int, first: bool = False, last: bool = False, handed: bool = False
+) -> int:
     """What a pending microbatch (its I done, its W not) holds beyond the ``held`` bytes of a held
     one: the gradients its I captured; on a stage whose I frees the graph (deferred linear and
     convolution weight gradients), those calls' inputs and output gradients in place of everything it held.
@@ -404,11 +406,19 @@ def _after_input_grad_bytes(st: "StageCosts", held: int, first: bool = False, la
     gradient I computes reads: its LayerNorm's; tracked at one input per pending microbatch on
     NonUniformChain's stages and the user path's). Unless the stage is last, the gradient
     received for its output is kept likewise, inside its message, where the last block's deferred
-    call takes it as its output gradient (a residual block's): a header more (an upper bound elsewhere)."""
+    call takes it as its output gradient (a residual block's): a header more (an upper bound elsewhere).
+
+    ``handed``: the previous stage runs on the same rank (the V's turn) and the input is its output,
+    no message: that stage counts it until its I ends, then its kept outputs do
+    (:func:`~lightning_pipe.planning.held.outputs_kept_for_weight_grads`), so a pending
+    microbatch keeps nothing more for it, and where the captured bytes hold it they count it once too many."""
     if first:
         return 0 if last else HEADER_BYTES + st.output_bytes
     if st.frees_graph_at_input_grad:
-        kept_input = HEADER_BYTES if st.captured_input_bytes else HEADER_BYTES + st.input_bytes
+        if handed:  # the previous stage's output, no message: counted there and in its kept outputs
+            kept_input = -st.captured_input_bytes
+        else:
+            kept_input = HEADER_BYTES if st.captured_input_bytes else HEADER_BYTES + st.input_bytes
         kept_gradient = 0 if last else HEADER_BYTES
         return st.captured_bytes + kept_input + kept_gradient - held
     return st.captured_bytes
@@ -452,8 +462,10 @@ def layout_bytes(outputs: Sequence[int], inputs: Sequence[int], own: int, counts
     """Bytes of the messages a rank's stage ``own`` keeps buffered, given the output and input
     bytes of each of the rank's stages and ``counts`` by ``posted * 4 + kind``
     (:func:`~lightning_pipe.planning.held.buffered_layouts`), then, if there, the gradients of
-    its outputs the next stage on the same rank handed over and that wait for its backward, each
-    its output's bytes (:func:`~lightning_pipe.planning.held.handed_gradients`).
+    its outputs the next stage on the same rank handed over and that wait for its backward
+    (:func:`~lightning_pipe.planning.held.handed_gradients`) and the outputs it let go of that the
+    next stage keeps for its W (:func:`~lightning_pipe.planning.held.outputs_kept_for_weight_grads`),
+    each its output's bytes.
 
     A link's messages of one kind take the layout of the previous one for granted: its receive
     is posted for that layout and its sender packs into it (runtime/comm/p2p.py,
@@ -559,7 +571,7 @@ def resting_bytes(
         + st.loss_bytes
         + _loss_graph_bytes(st, recompute, last, split)
     )
-    activations = h * kept + p * (one + _after_input_grad_bytes(st, kept + one, first, last))
+    activations = h * kept + p * (one + _after_input_grad_bytes(st, kept + one, first, last, handed))
     out = _kept_output_bytes(st, recompute, last)
     return state + activations + h * out - (0 if first else p * out)
 

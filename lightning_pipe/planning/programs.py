@@ -66,8 +66,8 @@ def _two_bw_part(
 @functools.lru_cache(maxsize=4)
 def _begins(*key: Any) -> Optional[np.ndarray]:
     """Per action of the flat program of ``key``, whether the executor starts a new program there:
-    each 2BW window and the drain of one stage per rank run as programs of their own (``None``:
-    one program per rank)."""
+    each 2BW window and the drain run as programs of their own, on one stage per rank and on
+    several (runtime/engine.py, ``_window``; ``None``: one program per rank)."""
     schedule, depth, m, split, _, _, steps, virtual, stage_placement = key
     if not get(schedule).streams:
         return None
@@ -123,10 +123,8 @@ def held(plan: PipelinePlan) -> list[HeldCounts]:
 @functools.lru_cache(maxsize=1024)
 def _moments(*key: Any, shared: bool = False) -> list[tuple[Moment, ...]]:
     depth, virtual, placement, program, flat = key[1], key[-2], key[-1], _program(*key), _flat(*key)
-    # Interleaved 2BW's windows count as one program (a receive posted in one for the next is an
-    # upper bound): a tracked V-placed stream holds one output message more at a window's end than
-    # the rule of one program per window counts, by a cause not pinned down.
-    sent, streamed = buffered_layouts(flat), key[2] if get(key[0]).streams else 0
+    # Interleaved 2BW: each window is a program of its own, which posts only the receives it reads.
+    sent, streamed = buffered_layouts(flat, _begins(*key)), key[2] if get(key[0]).streams else 0
     return [
         rank_moments(actions, rank_stages(r, depth, virtual, placement), sent[flat.rank(r)], streamed, shared)
         for r, actions in enumerate(program)
