@@ -365,7 +365,8 @@ def test_a_trial_of_several_launches_takes_their_median_and_pools_the_traced_act
     trial = pooled_trial(plan, 4, launches)
     assert trial.step == pytest.approx(1.1)
     assert trial.actions[0] == {"0F0": 0.2}  # the median of 0.1, 0.1, 0.3, 0.2, 0.2
-    assert trial.spread == pytest.approx((3.0 - 1.0) / 2 / 1.1)  # half the launches' range, over the step
-    assert trial.logged_bytes == 8
-    steady = pooled_trial(plan, 4, launches[:2])
+    # The launches' median absolute deviation (0.1 of 1.1, the odd launch aside), scaled to a sigma.
+    assert trial.spread == pytest.approx(1.4826 * 0.1 / 1.1)
+    assert trial.logged_bytes == 8 and trial.launches == pytest.approx((1.0, 1.1, 3.0))
+    steady = pooled_trial(plan, 4, launches[:2])  # two launches: half their difference
     assert steady.step == pytest.approx(1.05) and steady.spread == pytest.approx(0.05 / 1.05)

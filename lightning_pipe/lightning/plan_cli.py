@@ -577,7 +577,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         def trained(p: predict.Prediction) -> Trial:
             print(f"trial run: {p.plan.describe()}, microbatch size {p.microbatch_size} ...", flush=True)
-            return run_trial(args.config, args.script, p.plan, p.microbatch_size, global_batch)
+            trial = run_trial(args.config, args.script, p.plan, p.microbatch_size, global_batch)
+            launches = ", ".join(f"{t:.4f}" for t in trial.launches)
+            print(f"  step {trial.step:.4f} s ±{trial.spread:.1%} (each launch's median: {launches} s)", flush=True)
+            return trial
 
         profile, ranked, trials, trial_spreads = trial_ranking(profile, ranked, ranking, trained, args.trials)
         print(calibration_note(profile), flush=True)

@@ -213,11 +213,14 @@ def pooled_trial(plan: PipelinePlan, microbatch_size: int, launches: Sequence[Se
     """Trial launches of one plan as one :class:`Trial`: the median of the launches' median steps
     (one odd launch of three cannot move it), each action's median over every launch's traced
     steps, and a spread that is the larger of the median's standard error over all the measured
-    steps and half the launches' range (launches differ more than the steps of one launch)."""
+    steps and the launches' own: their medians' median absolute deviation, scaled to a normal
+    sigma, relative to the step (half the difference of two launches; one odd launch of three
+    does not set it, as one that ran beside a stray process would)."""
     medians = [statistics.median(launch_steps(ranks)) for ranks in launches]
     step = statistics.median(medians)
     pooled = [t for ranks in launches for t in launch_steps(ranks)]
-    spread = max(median_error(pooled), (max(medians) - min(medians)) / 2 / step)
+    between = statistics.median(abs(m - step) for m in medians) / step
+    spread = max(median_error(pooled), (1.4826 if len(medians) > 2 else 1.0) * between)
     actions = []
     for rank in range(len(launches[0])):
         traced: dict[str, list[float]] = {}
@@ -226,7 +229,7 @@ def pooled_trial(plan: PipelinePlan, microbatch_size: int, launches: Sequence[Se
                 traced.setdefault(text, []).extend(seconds)
         actions.append(median_actions(traced))
     logged = max(r["logged_bytes"] for ranks in launches for r in ranks)
-    return Trial(plan, microbatch_size, step, tuple(actions), spread, logged)
+    return Trial(plan, microbatch_size, step, tuple(actions), spread, logged, tuple(medians))
 
 
 def main() -> None:

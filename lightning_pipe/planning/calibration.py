@@ -39,6 +39,7 @@ class Trial:
             at least the standard error of its median (:func:`median_error`) over the measured steps.
         logged_bytes: the bytes of the values the module logged that Lightning holds between
             steps, on the rank that holds the most (0: not measured).
+        launches: each launch's median step, where the trial ran in several.
     """
 
     plan: PipelinePlan
@@ -47,6 +48,7 @@ class Trial:
     actions: tuple[Mapping[str, float], ...]
     spread: float = 0.0
     logged_bytes: int = 0
+    launches: tuple[float, ...] = ()
 
 
 def _fitted_scale(traced: float, modeled: float) -> float:
@@ -195,6 +197,7 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
                 "step": t.step,
                 "actions": t.actions,
                 "logged_bytes": t.logged_bytes,
+                "launches": list(t.launches),
             }
             for t in trials
         ],
