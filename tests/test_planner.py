@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
+import statistics
 import time
 import weakref
 from typing import Any, Optional
@@ -1474,3 +1475,12 @@ def test_the_plan_command_profiles_one_sample_the_largest_microbatch_and_their_g
     assert profiled_sizes(32, 4) == [1, 3, 8]
     assert profiled_sizes(8, 8) == [1]
     assert profiled_sizes(2, 1) == [1, 2]
+
+
+def test_a_posting_is_read_from_its_fastest_rounds_not_those_another_rank_preempted() -> None:
+    from lightning_pipe.planning.links import unloaded
+
+    quiet, preempted = [0.2e-3] * 5, [2.6e-3] * 7  # most rounds preempted: the median is a preempted one
+    assert statistics.median(quiet + preempted) == 2.6e-3
+    assert unloaded(quiet + preempted) == pytest.approx(0.2e-3)
+    assert unloaded([1.0]) == 1.0 and unloaded([]) == 0.0
