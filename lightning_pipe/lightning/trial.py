@@ -221,6 +221,12 @@ def pooled_trial(plan: PipelinePlan, microbatch_size: int, launches: Sequence[Se
     pooled = [t for ranks in launches for t in launch_steps(ranks)]
     between = statistics.median(abs(m - step) for m in medians) / step
     spread = max(median_error(pooled), (1.4826 if len(medians) > 2 else 1.0) * between)
+    logged = max(r["logged_bytes"] for ranks in launches for r in ranks)
+    return Trial(plan, microbatch_size, step, _pooled_actions(launches), spread, logged, tuple(medians))
+
+
+def _pooled_actions(launches: Sequence[Sequence[dict]]) -> tuple[dict[str, float], ...]:
+    """Per rank, each traced action's median seconds over every launch's traced steps."""
     actions = []
     for rank in range(len(launches[0])):
         traced: dict[str, list[float]] = {}
@@ -228,8 +234,7 @@ def pooled_trial(plan: PipelinePlan, microbatch_size: int, launches: Sequence[Se
             for text, seconds in ranks[rank]["actions"].items():
                 traced.setdefault(text, []).extend(seconds)
         actions.append(median_actions(traced))
-    logged = max(r["logged_bytes"] for ranks in launches for r in ranks)
-    return Trial(plan, microbatch_size, step, tuple(actions), spread, logged, tuple(medians))
+    return tuple(actions)
 
 
 def main() -> None:
