@@ -47,6 +47,7 @@ if str(ROOT) not in sys.path:
 from benchmarks.results_page import markdown_table  # noqa: E402
 from lightning_pipe import PipelinePlan  # noqa: E402
 from lightning_pipe.lightning.trial import short_run_config, strategy_init_args  # noqa: E402
+from lightning_pipe.planning.calibration import slowest_steps  # noqa: E402
 
 #: The memory check: every predicted peak within this fraction above the measured one, never under.
 MEMORY_TOLERANCE = 0.02
@@ -289,10 +290,7 @@ def fit_config(work: Workload, row: dict[str, Any], ranking: dict[str, Any], opt
 
 def measured_steps(ranks: Sequence[dict[str, Any]], measured: int) -> list[float]:
     """The last ``measured`` timed steps, each the slowest rank's (end to end)."""
-    timed = [r["ends"][:-2] for r in ranks]  # the last two ends close the tracked steps
-    per_rank = [[b - a for a, b in zip(ends, ends[1:])] for ends in timed]
-    slowest = [max(steps) for steps in zip(*per_rank)]
-    return slowest[-measured:]
+    return slowest_steps([r["ends"][:-2] for r in ranks])[-measured:]  # the last two ends close the tracked steps
 
 
 def peaks_per_position(ranks: Sequence[dict[str, Any]], depth: int) -> list[int]:
@@ -444,13 +442,18 @@ def memory_ok(layout: dict[str, Any]) -> bool:
     return all(m <= p <= m * (1 + MEMORY_TOLERANCE) for p, m in pairs)
 
 
+def chosen_layout(group: dict[str, Any]) -> dict[str, Any]:
+    """The measured layout of the first plan command's chosen plan."""
+    ranking = group["rankings"][0]
+    first = plan_key(ranking["plans"][ranking.get("chosen") or 0])
+    return next(x for x in group["layouts"] if plan_key(x["row"]) == first)
+
+
 def summary(group: dict[str, Any]) -> dict[str, Any]:
     """A group's headline numbers: step errors, the first choice against the fastest, Spearman, memory."""
     layouts = group["layouts"]
     errors = [x["row"]["step_seconds"] / x["step"] - 1 for x in layouts]
-    ranking = group["rankings"][0]
-    first = plan_key(ranking["plans"][ranking.get("chosen") or 0])
-    chosen = next(x for x in layouts if plan_key(x["row"]) == first)
+    chosen = chosen_layout(group)
     top5 = [abs(e) <= TOP5_TOLERANCE for e in errors[: min(5, len(errors))]]
     modeled = [e for x, e in zip(layouts, errors) if not x["row"].get("trial")]
     return {
@@ -530,10 +533,7 @@ def choices_within_noise(rankings: Sequence[dict[str, Any]], keys: Sequence[tupl
 def launch_spread(group: dict[str, Any]) -> str:
     """Where the choice is not the fastest layout: both layouts' launch medians, lowest to highest
     (a first choice whose launches overlap the fastest's is within the host's noise of it)."""
-    ranking = group["rankings"][0]
-    first = plan_key(ranking["plans"][ranking.get("chosen") or 0])
-    chosen = next(x for x in group["layouts"] if plan_key(x["row"]) == first)
-    fastest = min(group["layouts"], key=lambda x: x["step"])
+    chosen, fastest = chosen_layout(group), min(group["layouts"], key=lambda x: x["step"])
     if fastest is chosen:
         return ""
     return (

@@ -194,11 +194,16 @@ def launch_steps(ranks: Sequence[dict]) -> list[float]:
     return slowest_steps([r["ends"] for r in ranks])[-(TIMED_STEPS - 1) :]
 
 
+def launch_median(ranks: Sequence[dict]) -> float:
+    """A launch's step: the median of its measured steps (:func:`launch_steps`)."""
+    return statistics.median(launch_steps(ranks))
+
+
 def until_stable(launch: Callable[[], list[dict]], launches: tuple[int, int] = TRIAL_LAUNCHES) -> list[list[dict]]:
     """Call ``launch`` ``launches[0]`` times, then again while no two launches' median steps lie
     within :data:`LAUNCHES_AGREE` of each other, ``launches[1]`` times at most; every launch's ranks."""
     done = [launch() for _ in range(launches[0])]
-    while len(done) < launches[1] and not _agree([statistics.median(launch_steps(r)) for r in done]):
+    while len(done) < launches[1] and not _agree([launch_median(r) for r in done]):
         done.append(launch())
     return done
 
@@ -216,7 +221,7 @@ def pooled_trial(plan: PipelinePlan, microbatch_size: int, launches: Sequence[Se
     steps and the launches' own: their medians' median absolute deviation, scaled to a normal
     sigma, relative to the step (half the difference of two launches; one odd launch of three
     does not set it, as one that ran beside a stray process would)."""
-    medians = [statistics.median(launch_steps(ranks)) for ranks in launches]
+    medians = [launch_median(ranks) for ranks in launches]
     step = statistics.median(medians)
     pooled = [t for ranks in launches for t in launch_steps(ranks)]
     between = statistics.median(abs(m - step) for m in medians) / step
