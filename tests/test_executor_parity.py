@@ -269,11 +269,11 @@ scenario(2, "executor_link_specs", _link_worker)
 
 def test_links_carrying_activations_and_gradients_post_receives_that_fit(launched) -> None:
     # Interleaved at d = 2 the two ranks send each other both kinds; ToyChain's activations are
-    # (hidden, mask), its gradients (hidden,). Expecting each message to look like the last one
-    # of its kind, every receive posted ahead fits (by the last message on the link alone, 12 of
-    # each rank's messages in steps 2 and 3 did not, and each sent a placeholder first: now a
-    # header padded to the size of the one message the receiver posted for).
-    # Once shapes are known every transfer is one message, header and tensors packed.
+    # (hidden, mask), its gradients (hidden,). Expecting each message to look like the message
+    # of its name in the step before, every receive posted ahead fits (by the last message on the
+    # link alone, 12 of each rank's messages in steps 2 and 3 would not, and each would go as a
+    # padded header and its tensors apart). Once shapes are known every transfer is one message,
+    # header and tensors packed.
     out = launched(2)["executor_link_specs"]
     assert all(
         status == "ok" and mismatched == 0 and posted == sends > 0 for status, (mismatched, posted, sends) in out

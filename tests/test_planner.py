@@ -1170,10 +1170,12 @@ def test_a_stage_holds_a_receive_exactly_while_the_model_says_it_is_posted(launc
 def _emulated_posts(program: list[list[Any]]) -> list[list[list[int]]]:
     """The executor's posting rule run literally over ``program``: per rank, at each compute
     action, per stage position of the rank [gradients posted for, activations posted for]. A
-    rank reads a neighbour's messages in the order the neighbour sends them; the next one's
-    receive is posted at the rank's first send to that neighbour after the previous was read,
-    if that send comes before the rank's next receive action from the neighbour; else as soon
-    as the previous one is read (the first: at the start)."""
+    rank reads a neighbour's messages in the order the neighbour sends them. When none is
+    posted, the next one's receive is posted at the rank's first send to that neighbour after
+    the previous was read, if that send comes before the rank's next receive action from the
+    neighbour; else as soon as the previous one is read (the first: at the start). With it go
+    the receives of the activations that follow it, up to the first message that is a gradient
+    or that the rank reads after its next backward (B, I or W)."""
     from lightning_pipe.schedules.actions import Action, Kind
 
     depth = len(program)
@@ -1194,27 +1196,41 @@ def _emulated_posts(program: list[list[Any]]) -> list[list[list[int]]]:
         later = [a for a in actions[i + 1 :] if peer(a) == q]
         return not later or later[0].kind in (Kind.RECV_ACT, Kind.RECV_GRAD)
 
+    def posting(actions: list[Any], i: int, coming: list[Any]) -> int:  # receives posted at action i
+        backward = (Kind.BACKWARD, Kind.INPUT_GRAD, Kind.WEIGHT_GRAD)
+        until = next((j for j, a in enumerate(actions) if j > i and a.kind in backward), len(actions))
+        count = 1
+        while count < len(coming) and coming[count].kind is Kind.RECV_ACT and actions.index(coming[count]) < until:
+            count += 1
+        return count
+
     out = []
     for r, actions in enumerate(program):
         read = {q: 0 for q in range(depth)}
-        posted = {q: bool(sent_to.get((q, r))) and ahead(actions, -1, q) for q in range(depth)}
+        posted = {q: 0 for q in range(depth)}
+        for q in range(depth):
+            if sent_to.get((q, r)) and ahead(actions, -1, q):
+                posted[q] = posting(actions, -1, sent_to[q, r])
         seen = []
         for i, a in enumerate(actions):
             if a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
                 q = peer(a)
-                posted[q] = posted[q] or read[q] < len(sent_to.get((q, r), []))
+                if not posted[q] and read[q] < len(sent_to.get((q, r), [])):
+                    posted[q] = posting(actions, i, sent_to[q, r][read[q] :])
             elif a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
                 q = peer(a)
                 while a in sent_to[q, r][read[q] :]:
-                    read[q] += 1
-                    posted[q] = read[q] < len(sent_to[q, r]) and ahead(actions, i, q)
+                    if not posted[q]:
+                        posted[q] = posting(actions, i, sent_to[q, r][read[q] :])
+                    read[q], posted[q] = read[q] + 1, posted[q] - 1
+                    if not posted[q] and read[q] < len(sent_to[q, r]) and ahead(actions, i, q):
+                        posted[q] = posting(actions, i, sent_to[q, r][read[q] :])
                     if sent_to[q, r][read[q] - 1] == a:
                         break
             elif a.kind is not Kind.ALL_REDUCE and a.kind is not Kind.VERSION:
                 counts = [[0, 0] for _ in range(positions)]
                 for q in range(depth):
-                    if posted[q]:
-                        nxt = sent_to[q, r][read[q]]
+                    for nxt in sent_to.get((q, r), [])[read[q] : read[q] + posted[q]]:
                         counts[nxt.stage // depth][nxt.kind is Kind.RECV_ACT] += 1
                 seen.append(counts)
         out.append(seen)
@@ -1230,6 +1246,8 @@ def _emulated_posts(program: list[list[Any]]) -> list[list[list[int]]]:
         ("1f1b", 2, 4, 2, False),
         ("1f1b", 4, 8, 2, False),
         ("1f1b", 3, 6, 2, True),
+        ("looped_bfs", 2, 8, 2, False),
+        ("gpipe", 4, 6, 1, True),
     ],
 )
 def test_posted_receives_follow_the_executor_rule(schedule: str, depth: int, m: int, virtual: int, split: bool) -> None:

@@ -97,11 +97,13 @@ def posted_receives(flat: FlatProgram, begins: Optional[np.ndarray] = None) -> n
     send to that neighbour after the previous message was read, where that send comes before
     the rank's next receive action from the neighbour; else as soon as the previous message was
     read (the first: when the program starts), and none beyond the program's last
-    (runtime/comm/mailbox.py, ``Mailbox._post_ahead``). Messages from a neighbour are read in send
-    order, each by the first receive action that needs it or a later message; one taken in for a
-    later message stays, whole, until the receive action that needs it reads it. A receive is
-    sized for the link's last message of its kind; on a rank of several stages counting it at
-    the size of the stage that reads it is exact when those stages' sizes agree.
+    (runtime/comm/mailbox.py, ``Mailbox._post_ahead``). With each, the receives of the
+    activations that follow it from that neighbour are posted too, up to the first gradient or
+    the first read after the rank's next backward (B, I or W) (``Mailbox.post_next``). Messages
+    from a neighbour are read in send order, each by the first receive action that needs it or a
+    later message; one taken in for a later message stays, whole, until the receive action that
+    needs it reads it. A receive is sized for the message of its name in the step before
+    (runtime/comm/p2p.py, ``Links``), which in steady training is its own size.
 
     ``begins``: per action, whether the executor starts a new program there (2BW's windows and
     drain, :func:`~lightning_pipe.planning.programs.program_begins`). A program posts only the
@@ -123,38 +125,20 @@ def buffered_layouts(flat: FlatProgram, begins: Optional[np.ndarray] = None) -> 
     """:func:`buffered` with the layout each message's buffer was made for: after each action,
     ``[action, position, posted * 4 + kind]``, counts of the rank's unacknowledged sends and
     posted receives by the position of the stage that sends or reads each, the position of the
-    stage that sent or read the link's previous message of its kind (``posted``: the layout its
-    receive is posted for, runtime/comm/p2p.py ``Incoming``; cyclic over the program, as in a
-    step after the first) and its kind (:data:`SENT_OUTPUT`, :data:`SENT_GRADIENT`,
-    :data:`POSTED_GRADIENT`, :data:`POSTED_INPUT`). On a rank of one stage (or stages whose
-    messages agree) ``posted`` is the stage itself; summed over it and read by kind, this is
-    :func:`buffered` (``begins``: see :func:`posted_receives`)."""
+    layout its buffer is made for (``posted``: a receive is posted for, and a send packed into,
+    the size the message of its name had in the step before, runtime/comm/p2p.py ``Links``: in
+    steady training the stage itself) and its kind (:data:`SENT_OUTPUT`, :data:`SENT_GRADIENT`,
+    :data:`POSTED_GRADIENT`, :data:`POSTED_INPUT`). Summed over ``posted`` and read by kind, this
+    is :func:`buffered` (``begins``: see :func:`posted_receives`)."""
     positions = _positions(flat)
     sends = _unacknowledged_by_layout(flat, positions)
     receives = _posted_receives_by_layout(flat, positions, begins)
     return (sends + receives).reshape(len(flat.kind), positions, positions * 4)
 
 
-def _previous_of_kind(order_key: np.ndarray, group: np.ndarray) -> np.ndarray:
-    """For items of ``group``s, each group ordered by ``order_key``: the index of each item's
-    previous one in its group, the group's last for its first (cyclic)."""
-    if not len(group):
-        return np.zeros(0, np.int64)
-    order = np.lexsort((order_key, group))
-    g = group[order]
-    first = np.concatenate(([True], g[1:] != g[:-1]))
-    last = np.concatenate((g[1:] != g[:-1], [True]))
-    previous = np.roll(order, 1)
-    starts, ends = np.flatnonzero(first), np.flatnonzero(last)
-    previous[starts] = order[ends]
-    out = np.empty_like(order)
-    out[order] = previous
-    return out
-
-
 def _unacknowledged_by_layout(flat: FlatProgram, positions: int) -> np.ndarray:
     """:func:`unacknowledged` by ``[action, position, posted, kind]`` (see :func:`buffered_layouts`):
-    a send's posted layout is the one of the previous send of its kind on its link."""
+    a send is packed for its own layout (the message of its name in the step before)."""
     ranks = flat.ranks
     comm, channel, is_send = _channels(flat)
     # What each send carries: how many messages its rank had taken in from the peer.
@@ -168,8 +152,7 @@ def _unacknowledged_by_layout(flat: FlatProgram, positions: int) -> np.ndarray:
     link_start = np.searchsorted(channel[is_send], channel)  # where each message's link begins among link_sends
     sender_position = flat.stage[link_sends] // ranks
     gradient = flat.kind[link_sends] == SEND_GRAD
-    previous = _previous_of_kind(link_sends, channel[is_send] * 2 + gradient)
-    posted_position = sender_position[previous]
+    posted_position = sender_position  # packed for the message of its name in the step before: its own layout
     state = np.zeros((len(comm), positions, positions, 4), np.int64)
     for o in range(positions):
         for q in range(positions):
@@ -186,7 +169,7 @@ def _unacknowledged_by_layout(flat: FlatProgram, positions: int) -> np.ndarray:
 
 def _posted_receives_by_layout(flat: FlatProgram, positions: int, begins: Optional[np.ndarray] = None) -> np.ndarray:
     """:func:`posted_receives` by ``[action, position, posted, kind]`` (see :func:`buffered_layouts`):
-    a receive is posted for the layout of the previous message of its kind from its peer."""
+    a receive is posted for its own layout (the message of its name in the step before)."""
     ranks = flat.ranks
     program_start = _program_starts(flat, begins)
     change = np.zeros((len(flat.kind), positions, positions, 4), np.int64)
@@ -194,6 +177,7 @@ def _posted_receives_by_layout(flat: FlatProgram, positions: int, begins: Option
     for r in range(ranks):
         lo, hi = int(flat.starts[r]), int(flat.starts[r + 1])
         peers = flat.peer[lo:hi]
+        backwards = np.append(lo + np.flatnonzero(np.isin(flat.kind[lo:hi], (BACKWARD, INPUT_GRAD, WEIGHT_GRAD))), hi)
         for peer in np.unique(peers[receive[lo:hi]]):
             reads = lo + np.flatnonzero(receive[lo:hi] & (peers == peer))
             numbers = flat.message[reads]
@@ -209,17 +193,17 @@ def _posted_receives_by_layout(flat: FlatProgram, positions: int, begins: Option
             sends = np.append(lo + np.flatnonzero(send[lo:hi] & (peers == peer)), hi)
             next_send = sends[np.searchsorted(sends, after, side="right")]
             next_read = np.append(reads, hi)[np.searchsorted(reads, after, side="right")]
-            posted_at = np.where(next_send < next_read, next_send, np.maximum(after, start))
+            beside_send = next_send < next_read
+            posted_at = np.where(beside_send, next_send, np.maximum(after, start))
             readers = np.where(reader < hi, reader, read_at)
             known = readers < hi  # every message the program reads
-            # Its receive is posted for the previous message of its kind (cyclic).
-            own = np.where(known, flat.stage[np.minimum(readers, hi - 1)] // ranks, 0)
             is_input = np.where(known, flat.kind[np.minimum(readers, hi - 1)] == RECV_ACT, False)
-            numbered = np.flatnonzero(known)
-            posted = own.copy()
-            if len(numbered):
-                previous = _previous_of_kind(numbered, is_input[numbered].astype(np.int64))
-                posted[numbered] = own[numbered[previous]]
+            anchor = np.where(beside_send, next_send, after)  # where the runtime looks ahead from
+            until = backwards[np.searchsorted(backwards, anchor, side="right")]
+            posted_at = _posted_with_activations_ahead(posted_at, until, readers, is_input & known, program_start)
+            # Its receive is posted for the message of its name in the step before: its own layout.
+            own = np.where(known, flat.stage[np.minimum(readers, hi - 1)] // ranks, 0)
+            posted = own
             # A message taken in before the action that needs it (a later one's read waited for it)
             # is kept whole, as received, until that action reads it (``Mailbox.receive``).
             early = (posted_at < readers) & known
@@ -228,6 +212,27 @@ def _posted_receives_by_layout(flat: FlatProgram, positions: int, begins: Option
             np.add.at(change, (posted_at[early], *index), 1)
             np.add.at(change, (readers[early], *index), -1)
     return _cumsum_per_rank(change, flat.starts)
+
+
+def _posted_with_activations_ahead(
+    posted_at: np.ndarray,
+    next_backward: np.ndarray,
+    readers: np.ndarray,
+    is_input: np.ndarray,
+    program_start: np.ndarray,
+) -> np.ndarray:
+    """When each message from one peer (in send order) is posted, where a receive posted one at a
+    time would be at ``posted_at``, with ``next_backward`` the rank's first backward (B, I or W)
+    after that posting: the activations that follow a posted receive, read before that backward
+    and in the same program, are posted with it (``Mailbox.post_next``)."""
+    out = posted_at.copy()
+    chain_at, chain_end = -1, -1
+    for k in range(len(out)):
+        if k and is_input[k] and readers[k] < chain_end and program_start[readers[k]] <= chain_at:
+            out[k] = chain_at
+        else:
+            chain_at, chain_end = int(posted_at[k]), int(next_backward[k])
+    return out
 
 
 def _program_starts(flat: FlatProgram, begins: Optional[np.ndarray]) -> np.ndarray:

@@ -467,16 +467,16 @@ def layout_bytes(outputs: Sequence[int], inputs: Sequence[int], own: int, counts
     next stage keeps for its W (:func:`~lightning_pipe.planning.held.outputs_kept_for_weight_grads`),
     each its output's bytes.
 
-    A link's messages of one kind take the layout of the previous one for granted: its receive
-    is posted for that layout and its sender packs into it (runtime/comm/p2p.py,
-    ``send_tensors`` and ``Incoming``). Where the layouts agree a message is one packed buffer,
-    its header and its tensors. Where they differ (interleaved stages of different widths
-    sharing a link) the sender posts the header padded to the posted layout's size and the
-    tensors apart, and the receiver fills the buffer posted for that layout with the header and
-    receives the tensors into new ones. So each message costs its header and the posted
-    layout's bytes; where they differ also its own bytes, on the receiving side (until it is
-    read; counted from the receive's posting, an upper bound) and for a sent input gradient,
-    which the send alone keeps (a sent output is the stage's own, kept for its backward).
+    A receive is posted for the layout the message of its name had in the step before, and its
+    sender packs into it (runtime/comm/p2p.py, ``Links``, ``send_tensors`` and ``Incoming``).
+    Where the layouts agree (every message of steady training) a message is one packed buffer,
+    its header and its tensors. Where they differ the sender posts the header padded to the
+    posted layout's size and the tensors apart, and the receiver fills the buffer posted for that
+    layout with the header and receives the tensors into new ones. So each message costs its
+    header and the posted layout's bytes; where they differ also its own bytes, on the receiving
+    side (until it is read; counted from the receive's posting, an upper bound) and for a sent
+    input gradient, which the send alone keeps (a sent output is the stage's own, kept for its
+    backward).
     Layouts are told apart by size: two of one size but different shapes count as one."""
     total = 0
     for index, count in enumerate(counts):

@@ -131,7 +131,7 @@ class PipelineEngine:
         # Record each step's trace (the AutoPlanner's calibration), and count the bytes held for
         # backward (the monitor): the counting's saved-tensor hooks make a GPT step 3-6% longer.
         self.record_trace, self.count_stash = False, False
-        self.links = p2p.Links()  # what each link last carried: payload receives are posted ahead
+        self.links = p2p.Links(plan.microbatches)  # what each message last carried: receives are posted for it
         self.loss_mode = loss
         self._loss_work: Any = None
         self._previous: Optional[tuple[Tensor, Any]] = None  # the last step's loss and its broadcast

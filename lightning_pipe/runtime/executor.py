@@ -435,31 +435,37 @@ class Executor:
             sharded.release()
 
     # -- communication ---------------------------------------------------------------------
-    def _send(self, tensors: Tensors, dst: Optional[int], st: StepState, kind: Kind) -> None:
-        """Post ``tensors`` to ``dst``, where a ``kind`` (RECV_ACT or RECV_GRAD) action reads them."""
+    def _send(self, a: Action, tensors: Tensors, st: StepState) -> None:
+        """Post ``tensors``, what send ``a`` delivers, to the rank whose receive reads them."""
+        dst = self._destination(a)
         assert dst is not None
-        self.mailbox.before_send(dst)
+        self.mailbox.before_send(dst, self._at)
         box = st.sent.get(dst) or st.sent.setdefault(dst, Outbox(self.channel.polls()))
+        name = self._delivered_name(a)
         transfer = p2p.send_tensors(
             tensors,
             dst,
             self.device,
             ack=st.received[dst],
-            posted=self.links.sent.get((dst, kind)),
+            posted=self.links.sent.get((dst, name)),
             channel=self.channel,
         )
         box.post(transfer)
         self._posted_at = self._at
-        self.links.sent[dst, kind] = transfer.specs
-        self.mailbox.after_send(dst)
+        self.links.sent[dst, name] = transfer.specs
+        self.mailbox.after_send(dst, self._at)
+
+    def _delivered_name(self, a: Action) -> tuple:
+        """The name (:class:`p2p.Links`) of the message send ``a`` delivers."""
+        kind, offset = DELIVERS[a.kind]
+        return self.links.name(kind, a.stage + offset, a.microbatch)  # type: ignore[arg-type]
 
     def _send_act(self, a: Action, st: StepState) -> None:
         key = (a.stage, a.microbatch)
-        outputs = st.outputs[key] if st.train else st.outputs.pop(key)
-        self._send(outputs, self._destination(a), st, Kind.RECV_ACT)
+        self._send(a, st.outputs[key] if st.train else st.outputs.pop(key), st)
 
     def _send_grad(self, a: Action, st: StepState) -> None:
-        self._send(st.input_grads.pop((a.stage, a.microbatch)), self._destination(a), st, Kind.RECV_GRAD)
+        self._send(a, st.input_grads.pop((a.stage, a.microbatch)), st)
 
     def _destination(self, a: Action) -> Optional[int]:
         position = self._position(a)
@@ -503,7 +509,7 @@ class Executor:
         notify_neighbours(
             failure_message(err, sorted(self._chunks)),
             peers,
-            self._next_send_kind,
+            self._next_send_name,
             self.links,  # type: ignore[arg-type]
             self.device,
             self.channel,
@@ -512,13 +518,13 @@ class Executor:
             getattr(err, "source_rank", None),
         )
 
-    def _next_send_kind(self, peer: int) -> Kind:
-        """What ``peer`` reads our next message as (so an abort notice fills the receives it
+    def _next_send_name(self, peer: int) -> Optional[tuple]:
+        """The name of our next message to ``peer`` (so an abort notice fills the receive it
         posted for it): our next send to it (the running action, if a send that failed before
         posting: a notice larger than the receive posted for it kills the peer under gloo), or
-        our program's first (the next program's)."""
+        our program's first (the next program's); ``None`` if this program sends it nothing."""
         start = self._at + 1 if self._posted_at == self._at else self._at
         for a in self._actions[start:] + self._actions:
             if a.kind in DELIVERS and self._destination(a) == peer:
-                return DELIVERS[a.kind][0]
-        return Kind.RECV_ACT
+                return self._delivered_name(a)
+        return None

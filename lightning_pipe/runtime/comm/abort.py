@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 from lightning_pipe.runtime.comm import p2p
-from lightning_pipe.schedules.actions import Kind
 
 _REPLIES: list[dist.Work] = []  # sends of replies to a notice, never waited on: kept, as gloo drops a freed one
 
@@ -30,7 +29,7 @@ def failure_message(err: BaseException, stages: list[int]) -> str:
 def notify_neighbours(
     message: str,
     peers: Iterable[int],
-    next_kind: Callable[[int], Kind],
+    next_name: Callable[[int], Optional[tuple]],
     links: p2p.Links,
     device: torch.device,
     channel: p2p.Channel,
@@ -48,7 +47,8 @@ def notify_neighbours(
     Args:
         message: the notice (:func:`failure_message`).
         peers: the neighbours to tell.
-        next_kind: what a peer reads our next message as, so the notice fills the receive it posted.
+        next_name: the name (:class:`p2p.Links`) of our next message to a peer, so the notice fills
+            the receive it posted for it.
         links: what each link last carried (the notice is sized to the receive posted for it).
         device: where the notice's tensors live.
         channel: where headers travel.
@@ -59,8 +59,8 @@ def notify_neighbours(
     posted = {}
     for peer in sorted(peers):
         try:
-            kind = next_kind(peer)
-            posted[peer] = p2p.send_abort(message, peer, device, links.sent.pop((peer, kind), None), channel)
+            name = next_name(peer)
+            posted[peer] = p2p.send_abort(message, peer, device, links.sent.pop((peer, name), None), channel)
         except Exception:  # noqa: BLE001 - the peer may already be gone; the original error matters
             pass
     if source in posted:

@@ -20,6 +20,10 @@ from torch import Tensor
 
 HEADER_LEN = 64
 HEADER_BYTES = HEADER_LEN * 8
+#: The tag of tensors that travel apart from their header (a message whose receive was posted for
+#: other shapes, an abort notice's text). Headers and packed messages go on tag 0, so that
+#: receives posted ahead for a peer's next messages take in only those, in send order.
+PAYLOAD_TAG = 1
 _ACK = 2  # the header field that carries the ack
 _OK, _ABORT, _PACKED = (
     1,
@@ -281,8 +285,8 @@ def send_tensors(
 ) -> Transfer:
     """Post the non-blocking sends of one tensor tuple, with its header (carrying ``ack``), to global rank ``dst``.
 
-    ``posted`` are the specs the receiver posted for before the header came (those of the
-    previous message of its kind on this link, see :class:`Incoming`). On a channel that packs,
+    ``posted`` are the specs the receiver posted for before the header came (those the previous
+    message of its name carried, :class:`Links`). On a channel that packs,
     tensors of those specs go with their header as one message (a copy, kept until delivered);
     others go after a header padded to the size that message would have had. On one that does
     not, placeholders of the posted specs go first when the tensors differ, and the receiver
@@ -313,13 +317,13 @@ def _header_first(
 
 def _send_payload(tensors: list[Tensor], dst: int, channel: Channel) -> list[dist.Work]:
     group = channel.payload_from(dist.get_rank(), dst)
-    return [dist.isend(_wire(t), dst, group=group) for t in tensors]
+    return [dist.isend(_wire(t), dst, group=group, tag=PAYLOAD_TAG) for t in tensors]
 
 
 class Incoming:
     """One tuple on its way from global rank ``src``, the receive of its first message posted at
-    once. Where ``expected`` says what the tuple will be (the specs of the previous message of
-    its kind on this link), that receive is sized for it: on a channel that packs, one message
+    once. Where ``expected`` says what the tuple will be (the specs the previous message of its
+    name carried, :class:`Links`), that receive is sized for it: on a channel that packs, one message
     with header and tensors; on one that does not, the header, with the payload receives
     posted beside it (a payload whose receive is posted only after its header arrived waits
     milliseconds longer under gloo). Otherwise, or when the header says the tuple differs, the
@@ -376,7 +380,7 @@ class Incoming:
 
     def _receive(self, buffers: list[Tensor]) -> list[dist.Work]:
         group = self.channel.payload_from(self.src, dist.get_rank())
-        return [dist.irecv(_wire(b), self.src, group=group) for b in buffers]
+        return [dist.irecv(_wire(b), self.src, group=group, tag=PAYLOAD_TAG) for b in buffers]
 
     def wait(self, timeout: Optional[float] = None) -> tuple[Tensor, ...]:
         """The received tuple; raise if ``src`` sent an abort notice instead.
@@ -423,13 +427,26 @@ def send_abort(
 
 @dataclass
 class Links:
-    """What each link of a rank last carried, so that a receive can be posted for the whole tuple
-    before its header arrives (one packed message, or the header and payload receives beside
-    it where headers take a side channel): the receiver expects the specs it last received from a peer for the kind
-    of message (activations or gradients: two ranks may exchange both, interleaved 1F1B at
-    d = 2) it reads next, and the sender knows them as the specs it last sent of that kind.
-    Keyed by (peer, the receiving action's kind). Both ends must keep (or reset) theirs
-    together: one per engine, new when the layout changes."""
+    """What each message of a rank's links carried last time, so that its receive can be posted
+    for the whole tuple before its header arrives (one packed message, or the header and payload
+    receives beside it where headers take a side channel), and its sender knows what that receive
+    was posted for.
 
+    A message is named by the receive that reads it: its kind, its stage and its microbatch's
+    place in the step (``microbatch % period``: 2BW numbers microbatches across steps). Both ends
+    know that name and the specs the previous message of the name had, whatever the timing:
+    a receive posted several messages ahead is sized as exactly as one posted after the message
+    before it arrived. Keyed by (peer, name). Both ends must keep (or reset) theirs together:
+    one per engine, new when the layout changes.
+
+    Args:
+        period: microbatches per step.
+    """
+
+    period: int = 1
     sent: dict[tuple[int, Any], Specs] = field(default_factory=dict)
     received: dict[tuple[int, Any], Specs] = field(default_factory=dict)
+
+    def name(self, kind: Any, stage: int, microbatch: int) -> tuple[Any, int, int]:
+        """The name of the message that the ``kind`` receive of ``stage`` reads for ``microbatch``."""
+        return kind, stage, microbatch % self.period
