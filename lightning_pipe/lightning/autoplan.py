@@ -268,7 +268,11 @@ class AutoPlanner(Callback):
         Blocks are profiled whole, as the planner models them: under FSDP replicas the job moves
         to the same plan with DDP replicas for the profile and back (exact moves, see
         :func:`~lightning_pipe.lightning.reconfigure.reconfigure`), since one replica cannot run a
-        sharded block alone (its all-gathers need every replica)."""
+        sharded block alone (its all-gathers need every replica). Where the ranks share fewer
+        CPU cores than there are ranks, they profile one at a time (:func:`_in_turn`): the
+        profile holds each block's times alone (:attr:`Profile.cores`), and the ratio of its
+        times at two microbatch sizes, which prices every other size, is not the ratio of how
+        many ranks happened to compute beside it at each."""
         strategy = trainer.strategy
         running = strategy.plan
         sharded = _sharded(running)
@@ -276,12 +280,13 @@ class AutoPlanner(Callback):
             strategy.reconfigure(running.replace(data_parallel="ddp", reshard_after_forward=True))
         try:
             engine = strategy.engine
-            if running.topology.replica_of(strategy.global_rank) != 0:
-                return []
-            return [
+            first = running.topology.replica_of(strategy.global_rank) == 0
+            profile = lambda: [  # noqa: E731
                 self._profile_one(trainer, module, st, position.is_last, running)
                 for st, position in zip(engine.stages, engine.positions)
+                if first
             ]
+            return _in_turn(profile, _host_shared(trainer))
         finally:
             if sharded:
                 strategy.reconfigure(running)
@@ -656,6 +661,25 @@ def _matmuls(a: Tensor, b: Tensor, times: int) -> None:
     """``times`` products of ``a`` with itself into ``b`` and back, allocating nothing."""
     for _ in range(times):
         torch.tanh(torch.mm(a, a, out=b), out=a)
+
+
+def _host_shared(trainer: Trainer) -> bool:
+    """Whether the job's ranks compute on fewer effective cores than there are ranks (:func:`_shared_cores`)."""
+    cores = _shared_cores(trainer)
+    return cores is not None and cores < dist.get_world_size()
+
+
+def _in_turn(work: Callable[[], Any], shared: bool) -> Any:
+    """``work()``'s result on this rank; where ``shared``, the ranks run it one at a time, rank 0
+    first, each while the others wait in a barrier (collective: every rank calls it)."""
+    if not shared:
+        return work()
+    result = None
+    for rank in range(dist.get_world_size()):
+        if rank == dist.get_rank():
+            result = work()
+        dist.barrier()
+    return result
 
 
 def _rows(batch: Any, start: int, size: int) -> Any:

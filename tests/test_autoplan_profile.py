@@ -1,0 +1,56 @@
+"""The AutoPlanner's in-job profile: who profiles when, and at which microbatch sizes (one process, dist faked)."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import pytest
+
+from lightning_pipe.lightning import autoplan
+
+
+def _threads_as_ranks(monkeypatch: pytest.MonkeyPatch, world: int) -> threading.local:
+    """``dist`` faked for ``world`` threads of this process, each a rank: its rank, the world, a barrier."""
+    local, barrier = threading.local(), threading.Barrier(world)
+    monkeypatch.setattr(autoplan.dist, "get_rank", lambda: local.rank)
+    monkeypatch.setattr(autoplan.dist, "get_world_size", lambda: world)
+    monkeypatch.setattr(autoplan.dist, "barrier", lambda: barrier.wait(timeout=30))
+    return local
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_ranks_sharing_a_hosts_cores_profile_one_at_a_time_and_each_keeps_its_own_result(
+    monkeypatch: pytest.MonkeyPatch, shared: bool
+) -> None:
+    world = 4
+    local = _threads_as_ranks(monkeypatch, world)
+    spans: dict[int, tuple[float, float]] = {}
+    results: dict[int, object] = {}
+    every_rank_inside = threading.Barrier(world)  # unshared: all ranks are inside at once
+
+    def work() -> str:
+        start = time.perf_counter()
+        if not shared:
+            every_rank_inside.wait(timeout=30)
+        time.sleep(0.01)
+        spans[local.rank] = (start, time.perf_counter())
+        return f"rank {local.rank}"
+
+    def rank(r: int) -> None:
+        local.rank = r
+        results[r] = autoplan._in_turn(work, shared)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {r: f"rank {r}" for r in range(world)}
+    overlapping = [(a, b) for a, b in itertools.combinations(range(world), 2) if _overlap(spans[a], spans[b])]
+    assert overlapping == ([] if shared else list(itertools.combinations(range(world), 2)))
+
+
+def _overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
