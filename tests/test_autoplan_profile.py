@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from lightning_pipe.lightning import autoplan
 
@@ -54,3 +55,26 @@ def test_ranks_sharing_a_hosts_cores_profile_one_at_a_time_and_each_keeps_its_ow
 
 def _overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:
     return a[0] < b[1] and b[0] < a[1]
+
+
+def _bent(size: int) -> float:
+    """A block's seconds at ``size`` samples: a per-call overhead and a line, bent upward by caches."""
+    return 1e-4 + 1e-3 * size + 1e-3 * size * size / 32
+
+
+@pytest.mark.parametrize("captured_size", [32, 12])
+def test_the_in_job_profile_prices_every_smaller_microbatch_by_interpolation(captured_size: int) -> None:
+    from lightning_pipe.planning.profile import BlockProfile, BlockSample
+    from lightning_pipe.runtime.microbatch import batch_size
+
+    captured = [(torch.arange(captured_size * 3.0).reshape(captured_size, 3),)]
+    inputs = autoplan._profile_inputs(captured)
+    sizes = [batch_size(x) for x in inputs]
+    assert sizes == sorted(set(sizes)) and sizes[0] == 1 and sizes[-1] == captured_size
+    for x, n in zip(inputs, sizes):  # the captured microbatch's first rows
+        assert torch.equal(x[0], captured[0][0][:n])
+    samples = [BlockSample(n, _bent(n), 2 * _bent(n), _bent(n), _bent(n), 100 * n, 10 * n) for n in sizes]
+    block = BlockProfile("bent", samples, 0, 0, 0)
+    for size in range(1, captured_size + 1):  # every microbatch a plan of the job can take
+        assert block.at(size).forward == pytest.approx(_bent(size), rel=0.1)
+        assert block.at(size).backward == pytest.approx(2 * _bent(size), rel=0.1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
 import statistics
 import time
 from collections import defaultdict
@@ -619,15 +620,20 @@ def _link_bytes(captured: list[tuple[Tensor, ...]], device: torch.device, most: 
 
 
 def _profile_inputs(captured: list[tuple[Tensor, ...]]) -> list[tuple[Tensor, ...]]:
-    """A stage's inputs at the two microbatch sizes its in-job profile times: the first half of
-    the captured microbatch and the whole of it (where a microbatch is one sample: the first of
-    two captured, and both concatenated). Profiling one block at a time at no more than a
-    microbatch holds no more than the step does, so the job stays within its budget (at twice
-    the microbatch, a recomputed stage's profile can peak above its plan's step)."""
+    """A stage's inputs at the microbatch sizes its in-job profile times: the first rows of the
+    captured microbatch at one sample, at the geometric middle of one and its size, at half its
+    size, and the whole of it (where a microbatch is one sample: the first of two captured, and
+    both concatenated). A block's time at any other size is interpolated between the nearest two
+    (:meth:`~lightning_pipe.planning.profile.BlockProfile.at`): a plan of smaller microbatches
+    than the profiled ones would be extrapolated along the line through the two smallest, which
+    per-operation overheads and caches bend (down to zero seconds, or below). Profiling one block at a
+    time at no more than a microbatch holds no more than the step does, so the job stays within
+    its budget (at twice the microbatch, a recomputed stage's profile can peak above its plan's step)."""
     first = captured[0]
     size = batch_size(first)
     if size > 1:
-        return [tuple(t[: size // 2] if t.dim() > 0 else t for t in first), first]
+        sizes = sorted({1, round(math.sqrt(size)), size // 2, size})
+        return [tuple(t[:n] if t.dim() > 0 else t for t in first) for n in sizes[:-1]] + [first]
     return captured[:1] + ([tuple(torch.cat(p) for p in zip(*captured))] if len(captured) > 1 else [])
 
 
