@@ -337,7 +337,7 @@ class AutoPlanner(Callback):
         ]
         large = _link_bytes(self._all_captured(), strategy.root_device)
         self._captured = {}  # the link measurement reuses their memory
-        measured = [_link_worker(strategy.global_rank, dist.get_world_size(), 1024, large, 3, strategy.root_device)]
+        measured = [_link_worker(strategy.global_rank, dist.get_world_size(), 1024, large, 5, strategy.root_device)]
         dist.broadcast_object_list(measured, src=0)  # rank 0's: every rank must plan on the same numbers
         links = measured[0]
         rows = self._batch
