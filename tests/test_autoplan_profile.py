@@ -78,3 +78,27 @@ def test_the_in_job_profile_prices_every_smaller_microbatch_by_interpolation(cap
     for size in range(1, captured_size + 1):  # every microbatch a plan of the job can take
         assert block.at(size).forward == pytest.approx(_bent(size), rel=0.1)
         assert block.at(size).backward == pytest.approx(2 * _bent(size), rel=0.1)
+
+
+@pytest.mark.parametrize(
+    ("captured", "others", "expected"),
+    [
+        # stage 0 gets token ids, the links carry activations: the smallest activation any rank receives
+        ({0: [(torch.zeros(32, 64, dtype=torch.int64),)]}, [32 * 64 * 96 * 4, 32 * 64 * 128 * 4], 32 * 64 * 96 * 4),
+        # a rank holding stages 0 and 3 (interleaved) reads stage 3's input only
+        ({0: [(torch.zeros(8, 4, dtype=torch.int64),)], 3: [(torch.zeros(8, 4, 512),)]}, [], 8 * 4 * 512 * 4),
+        # activations above 1 MiB are measured at 1 MiB
+        ({1: [(torch.zeros(64, 64, 128),)]}, [], 2**20),
+        # one stage: no link carries anything; the smallest input, at least 16 KiB
+        ({0: [(torch.zeros(4, 8, dtype=torch.int64),)]}, [], 2**14),
+    ],
+)
+def test_the_link_measurement_sends_what_the_links_carry_not_the_datas_token_ids(
+    monkeypatch: pytest.MonkeyPatch, captured: dict, others: list[int], expected: int
+) -> None:
+    def all_reduce(sizes: torch.Tensor, op: object) -> None:  # other ranks, each receiving one of ``others``
+        assert op == autoplan.dist.ReduceOp.MIN
+        sizes[0] = min([float(sizes[0])] + [float(n) for n in others])
+
+    monkeypatch.setattr(autoplan.dist, "all_reduce", all_reduce)
+    assert autoplan._link_bytes(captured, torch.device("cpu")) == expected

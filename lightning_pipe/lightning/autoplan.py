@@ -335,7 +335,7 @@ class AutoPlanner(Callback):
         self._state_bytes = [
             (b.parameter_bytes, b.gradient_bytes, b.optimizer_bytes, b.optimizer_step_bytes) for b in blocks
         ]
-        large = _link_bytes(self._all_captured(), strategy.root_device)
+        large = _link_bytes(self._captured, strategy.root_device)
         self._captured = {}  # the link measurement reuses their memory
         measured = [_link_worker(strategy.global_rank, dist.get_world_size(), 1024, large, 5, strategy.root_device)]
         dist.broadcast_object_list(measured, src=0)  # rank 0's: every rank must plan on the same numbers
@@ -609,14 +609,26 @@ def _check_steps(profile_steps: int, steps: Union[int, float], what: str = "Trai
         )
 
 
-def _link_bytes(captured: list[tuple[Tensor, ...]], device: torch.device, most: int = 2**20, least: int = 2**14) -> int:
-    """Size of the large message of the link measurement: one microbatch's stage input (the smallest
-    over ranks, so every rank agrees), at most ``most`` and at least ``least``: the messages the
-    plans send, in memory the captured inputs free (a fixed 1 MiB took a small job over its budget)."""
-    mine = sum(t.numel() * t.element_size() for t in captured[0]) if captured else most
-    size = torch.tensor([min(mine, most)], dtype=torch.float64, device=device)
-    dist.all_reduce(size, op=dist.ReduceOp.MIN)
-    return max(int(size.item()), least)
+def _link_bytes(
+    captured: dict[int, list[tuple[Tensor, ...]]], device: torch.device, most: int = 2**20, least: int = 2**14
+) -> int:
+    """Size of the large message of the link measurement: one microbatch's input of a stage after
+    the first, which a link carries (stage 0's comes from the data: token ids can be a hundredth
+    of an activation, and a bandwidth read off a message that small is its latency's noise); the
+    smallest over ranks, so every rank agrees, at most ``most`` and at least ``least``. Every
+    rank of a link holds such a message in its step (its output sent, or its input received), so
+    the measurement stays within the memory the captured inputs free (a fixed 1 MiB took a small
+    job over its budget). Where no stage after the first runs (one stage), the smallest input."""
+
+    def smallest(received: bool) -> float:
+        inputs = [kept[0] for stage, kept in captured.items() if kept and (stage > 0) == received]
+        return min((sum(t.numel() * t.element_size() for t in x) for x in inputs), default=math.inf)
+
+    sizes = torch.tensor([smallest(True), smallest(False)], dtype=torch.float64, device=device)
+    dist.all_reduce(sizes, op=dist.ReduceOp.MIN)
+    carried, data = sizes.tolist()
+    size = min(carried if carried < math.inf else data, most)
+    return max(int(size), least)
 
 
 def _profile_inputs(captured: list[tuple[Tensor, ...]]) -> list[tuple[Tensor, ...]]:
