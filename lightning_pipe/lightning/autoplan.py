@@ -638,9 +638,10 @@ def _profile_inputs(captured: list[tuple[Tensor, ...]]) -> list[tuple[Tensor, ..
     both concatenated). A block's time at any other size is interpolated between the nearest two
     (:meth:`~lightning_pipe.planning.profile.BlockProfile.at`): a plan of smaller microbatches
     than the profiled ones would be extrapolated along the line through the two smallest, which
-    per-operation overheads and caches bend (down to zero seconds, or below). Profiling one block at a
-    time at no more than a microbatch holds no more than the step does, so the job stays within
-    its budget (at twice the microbatch, a recomputed stage's profile can peak above its plan's step)."""
+    per-operation overheads and caches bend (down to zero seconds, or below). Profiling one block
+    at a time at no more than a microbatch holds no more than the step does, so the job stays
+    within its budget (at twice the microbatch, a recomputed stage's profile can peak above its
+    plan's step)."""
     first = captured[0]
     size = batch_size(first)
     if size > 1:
