@@ -282,11 +282,15 @@ class AutoPlanner(Callback):
         try:
             engine = strategy.engine
             first = running.topology.replica_of(strategy.global_rank) == 0
-            profile = lambda: [  # noqa: E731
-                self._profile_one(trainer, module, st, position.is_last, running)
-                for st, position in zip(engine.stages, engine.positions)
-                if first
-            ]
+
+            def profile() -> list[tuple[int, list[BlockProfile], float]]:  # a stage's first replica profiles it
+                if not first:
+                    return []
+                return [
+                    self._profile_one(trainer, module, st, position.is_last, running)
+                    for st, position in zip(engine.stages, engine.positions)
+                ]
+
             return _in_turn(profile, _host_shared(trainer))
         finally:
             if sharded:
