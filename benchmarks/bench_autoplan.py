@@ -3,24 +3,28 @@
     python benchmarks/bench_autoplan.py                          # writes docs/results/bench_autoplan.md
     python benchmarks/bench_autoplan.py --measured 6 --no-page   # a quick check
 
-One ``torchrun`` launch of 4 gloo processes runs, through ``Trainer.fit`` (the same harness for
-every row): a sweep of fixed 4-process plans of the GPT example (configs/gpt_auto.yaml's model
-and global batch of 32), then the AutoPlanner started ``--repeats`` times from the poor plan
-``(1,4)`` GPipe, uniform partition, one microbatch. Step time is the median wall time between consecutive training steps
-(data loading, Lightning and the step), after a warm-up. The AutoPlanner profiles for 5 steps,
-predicts every plan and switches to its choice; each run reports whether it switched and its
-measured over predicted step after the switch; the first run's throughput after the switch is
-compared with the best plan of the sweep, and the switch (drain, state move, rebuild) is counted
-in steps.
+Two ``torchrun`` launches of 4 gloo processes, each from fresh processes as a job starts (a
+process that has run other fits holds their threads, which disturb the AutoPlanner's measurement
+of how the ranks share the host's cores), through ``Trainer.fit`` (the same harness for every
+row): the AutoPlanner started ``--repeats`` times from the poor plan ``(1,4)`` GPipe, uniform
+partition, one microbatch; then a sweep of fixed 4-process plans of the GPT example
+(configs/gpt_auto.yaml's model and global batch of 32). Step time is the median wall time between
+consecutive training steps (data loading, Lightning and the step), after a warm-up. The
+AutoPlanner profiles for 5 steps, predicts every plan and switches to its choice; each run
+reports whether it switched and its measured over predicted step after the switch; the first
+run's throughput after the switch is compared with the best plan of the sweep, and the switch
+(drain, state move, rebuild) is counted in steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -101,58 +105,84 @@ def _arguments() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def _auto_runs(args: argparse.Namespace, say: Any) -> dict[str, Any]:
+    """The AutoPlanner ``args.repeats`` times from the poor start: each run's decision and measured step after it."""
+    runs = []
+    for r in range(max(args.repeats, 1)):
+        auto = AutoPlanner(profile_steps=5, min_gain=0.05)
+        clock, _ = _fit(POOR, 5 + 1 + WARMUP + args.measured, auto)
+        d = auto.decisions[0]
+        after = statistics.median(clock.steps(5 + WARMUP))
+        runs.append(
+            {
+                "reason": d["reason"],
+                "chosen": d["chosen"].plan.describe(),
+                "predicted": d["chosen"].step_time,
+                "after": after,
+                "switched": d["chosen"] is not d["current"] and not d["reverted"],
+                "current_predicted": d["current"].step_time,
+                "current_measured": d["current_measured_step_s"] or float("nan"),
+                "switch_seconds": d["switch_seconds"],
+                "before": statistics.median(clock.steps(1)[:4]),  # steps 2-5, on the poor plan
+            }
+        )
+        say(
+            f"[autoplanner {r + 1}/{args.repeats}] {'switched to' if runs[-1]['switched'] else 'kept'} "
+            f"{runs[-1]['chosen']}: predicted {d['chosen'].step_time:.4f} s, measured after "
+            f"{after:.4f} s (measured / predicted {after / d['chosen'].step_time:.2f})"
+        )
+    return {"runs": runs}
+
+
+def _sweep(args: argparse.Namespace, say: Any) -> dict[str, Any]:
+    """Each plan of :data:`SWEEP` trained as a fixed plan: its median step."""
+    measured = {}
+    for i, plan in enumerate(SWEEP):
+        clock, _ = _fit(plan, WARMUP + args.measured + 1)
+        measured[plan.describe()] = statistics.median(clock.steps(WARMUP))
+        say(f"[sweep {i + 1}/{len(SWEEP)}] {plan.describe()}: {measured[plan.describe()]:.4f} s per step")
+    return {"measured": measured}
+
+
 def worker() -> None:
-    """Runs on every rank under torchrun; rank 0 prints and writes the page."""
+    """Runs on every rank under torchrun, one part of the benchmark a launch; rank 0 writes its results as JSON."""
     import torch.distributed as dist
 
     args = _arguments()
-    measured_steps = args.measured
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank0 = dist.get_rank() == 0
     say = (lambda text: print(text, flush=True)) if rank0 else (lambda text: None)
-    measured = {}
-    for i, plan in enumerate([] if args.no_sweep else SWEEP):
-        clock, _ = _fit(plan, WARMUP + measured_steps + 1)
-        measured[plan.describe()] = statistics.median(clock.steps(WARMUP))
-        say(f"[sweep {i + 1}/{len(SWEEP)}] {plan.describe()}: {measured[plan.describe()]:.4f} s per step")
-    runs = []
-    for r in range(max(args.repeats, 1)):
-        auto = AutoPlanner(profile_steps=5, min_gain=0.05)
-        clock, trainer = _fit(POOR, 5 + 1 + WARMUP + measured_steps, auto)
-        decision = auto.decisions[0]
-        after_run = statistics.median(clock.steps(5 + WARMUP))
-        switched = decision["chosen"] is not decision["current"] and not decision["reverted"]
-        runs.append((decision, after_run, switched, auto, clock))
-        say(
-            f"[autoplanner {r + 1}/{args.repeats}] {'switched to' if switched else 'kept'} "
-            f"{decision['chosen'].plan.describe()}: predicted {decision['chosen'].step_time:.4f} s, measured after "
-            f"{after_run:.4f} s (measured / predicted {after_run / decision['chosen'].step_time:.2f})"
-        )
-    decision, after, _, auto, clock = runs[0]
-    before = statistics.median(clock.steps(1)[:4])  # steps 2-5, on the poor plan
-    ratios = [a / d["chosen"].step_time for d, a, *_ in runs]
+    part = _auto_runs if os.environ["BENCH_AUTOPLAN_WORKER"] == "auto" else _sweep
+    results = part(args, say)
+    if rank0:
+        Path(os.environ["BENCH_AUTOPLAN_OUT"]).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def _report(args: argparse.Namespace, runs: list[dict[str, Any]], measured: dict[str, float]) -> None:
+    """Prints the AutoPlanner's runs against the sweep and writes the page (unless ``--no-page``)."""
+    ratios = [run["after"] / run["predicted"] for run in runs]
     repeated = [
-        f"from {POOR.describe()}, {len(runs)} runs: switched in {sum(r[2] for r in runs)} of {len(runs)}; "
+        f"from {POOR.describe()}, {len(runs)} runs: switched in {sum(r['switched'] for r in runs)} of {len(runs)}; "
         f"measured / predicted step after the decision: {', '.join(f'{x:.2f}' for x in ratios)} "
         f"({sum(abs(x - 1) <= 0.25 for x in ratios)} of {len(runs)} within 25%)"
     ]
     repeated += [
-        f"run {i + 1}: {d['reason']}; chose {d['chosen'].plan.describe()}, predicted {d['chosen'].step_time:.4f} s, "
-        f"measured {a:.4f} s; running plan predicted {d['current'].step_time:.4f} s, measured "
-        f"{d['current_measured_step_s'] or float('nan'):.4f} s"
-        for i, (d, a, *_) in enumerate(runs)
+        f"run {i + 1}: {r['reason']}; chose {r['chosen']}, predicted {r['predicted']:.4f} s, "
+        f"measured {r['after']:.4f} s; running plan predicted {r['current_predicted']:.4f} s, measured "
+        f"{r['current_measured']:.4f} s"
+        for i, r in enumerate(runs)
     ]
-    say("\n" + "\n  ".join(repeated))
+    print("\n" + "\n  ".join(repeated), flush=True)
     if not measured:
-        dist.destroy_process_group()
         return
-    best_name = min(measured, key=measured.get)
-    chosen = decision["chosen"].plan.describe()
+    first, best_name = runs[0], min(measured, key=measured.get)
+    after, before = first["after"], first["before"]
     lines = [
-        f"AutoPlanner from {POOR.describe()}: chose {chosen} ({decision['reason']})",
+        f"AutoPlanner from {POOR.describe()}: chose {first['chosen']} ({first['reason']})",
         (
-            f"predicted step {decision['chosen'].step_time:.4f} s, measured after the switch {after:.4f} s "
+            f"predicted step {first['predicted']:.4f} s, measured after the switch {after:.4f} s "
             f"(poor plan before it: {before:.4f} s)"
         ),
         (
@@ -161,55 +191,54 @@ def worker() -> None:
             f"{measured[best_name] / after:.3f}"
         ),
     ]
-    if chosen in measured:
-        lines.append(f"the chosen plan in the sweep: {measured[chosen]:.4f} s")
+    if first["chosen"] in measured:
+        lines.append(f"the chosen plan in the sweep: {measured[first['chosen']]:.4f} s")
     lines.append(
-        f"switch (drain, state move, rebuild): {decision['switch_seconds']:.3f} s = "
-        f"{decision['switch_seconds'] / after:.2f} steps of the new plan, {decision['switch_seconds'] / before:.2f} "
+        f"switch (drain, state move, rebuild): {first['switch_seconds']:.3f} s = "
+        f"{first['switch_seconds'] / after:.2f} steps of the new plan, {first['switch_seconds'] / before:.2f} "
         "of the poor one"
     )
-    say("\n" + "\n  ".join(lines))
-    if rank0 and not args.no_page:
-        sweep = markdown_table(
-            ["plan", "step (s)", "throughput / best"],
-            [[f"`{name}`", f"{s:.4f}", f"{measured[best_name] / s:.3f}"] for name, s in measured.items()],
-        )
-        intro = (
-            f"4 gloo processes, one thread each, through `Trainer.fit` (the same harness for every row): the GPT "
-            f"example (4 layers, width 128, context 64), global batch {GLOBAL}. Step time is the median wall time "
-            f"between consecutive training steps over {measured_steps} steps after {WARMUP} warm-up steps."
-        )
-        sections = [
-            ("AutoPlanner from a poor start, repeated", "\n".join(f"- {line}" for line in repeated)),
-            ("AutoPlanner against the sweep (first run)", "\n".join(f"- {line}" for line in lines)),
-            ("Sweep of fixed plans", sweep),
-        ]
-        path = write_page(
-            "bench_autoplan",
-            "AutoPlanner: throughput after its switch against a sweep",
-            command_line(),
-            sections,
-            intro,
-        )
-        say(f"page: {path}")
-    dist.destroy_process_group()
+    print("\n" + "\n  ".join(lines), flush=True)
+    if args.no_page:
+        return
+    sweep = markdown_table(
+        ["plan", "step (s)", "throughput / best"],
+        [[f"`{name}`", f"{s:.4f}", f"{measured[best_name] / s:.3f}"] for name, s in measured.items()],
+    )
+    intro = (
+        f"4 gloo processes, one thread each, through `Trainer.fit` (the same harness for every row): the GPT "
+        f"example (4 layers, width 128, context 64), global batch {GLOBAL}. Step time is the median wall time "
+        f"between consecutive training steps over {args.measured} steps after {WARMUP} warm-up steps. The "
+        "AutoPlanner's runs and the sweep run in two launches, each from fresh processes, as a job starts: "
+        "a process that has run other fits holds their threads, which disturb the AutoPlanner's measurement "
+        "of how the ranks share the host's cores."
+    )
+    sections = [
+        ("AutoPlanner from a poor start, repeated", "\n".join(f"- {line}" for line in repeated)),
+        ("AutoPlanner against the sweep (first run)", "\n".join(f"- {line}" for line in lines)),
+        ("Sweep of fixed plans", sweep),
+    ]
+    path = write_page(
+        "bench_autoplan", "AutoPlanner: throughput after its switch against a sweep", command_line(), sections, intro
+    )
+    print(f"page: {path}", flush=True)
+
+
+def _launch(part: str, out: Path) -> dict[str, Any]:
+    """One ``torchrun`` launch of 4 processes running ``part`` of the benchmark; its results."""
+    env = {**os.environ, "BENCH_AUTOPLAN_WORKER": part, "BENCH_AUTOPLAN_OUT": str(out)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", __file__]
+    subprocess.run(cmd + sys.argv[1:], env=env, check=True)
+    return json.loads(out.read_text())
 
 
 def main() -> None:
-    _arguments()  # --help, and unknown flags fail here, before the launch
+    args = _arguments()  # --help, and unknown flags fail here, before the launch
     print(f"torch {torch.__version__}, 4 gloo processes", flush=True)
-    env = {**os.environ, "BENCH_AUTOPLAN_WORKER": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "4",
-        __file__,
-        *sys.argv[1:],
-    ]
-    subprocess.run(cmd, env=env, check=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = _launch("auto", Path(tmp) / "auto.json")["runs"]
+        measured = {} if args.no_sweep else _launch("sweep", Path(tmp) / "sweep.json")["measured"]
+    _report(args, runs, measured)
 
 
 if __name__ == "__main__":

@@ -1495,6 +1495,35 @@ def test_the_plan_command_profiles_one_sample_the_largest_microbatch_and_their_g
     assert profiled_sizes(2, 1) == [1, 2]
 
 
+def test_the_link_bandwidth_is_read_from_rounds_no_other_process_preempted(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    from lightning_pipe.planning import links
+
+    latency, bandwidth, small, large = 1e-4, 1e9, 1024, 2**20
+    preempted = {2, 4, 5}  # three of five timed rounds of the large message, after a warm-up round
+    clock = {"now": 0.0, "round": 0, "size": 0}
+
+    def transfer(tensor, peer):  # a send or receive of rank 0's round trip
+        clock["size"] = tensor.numel() * 4
+        clock["now"] += latency + clock["size"] / bandwidth
+        if clock["size"] == large and clock["round"] in preempted:
+            clock["now"] += 0.02  # another process held the core
+
+    def barrier():
+        clock["round"] += 1
+
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "send", transfer)
+    monkeypatch.setattr(dist, "recv", transfer)
+    monkeypatch.setattr(dist, "barrier", barrier)
+    monkeypatch.setattr(links.time, "perf_counter", lambda: clock["now"])
+    t_small = links._ping(small, 5, torch.device("cpu"))
+    clock["round"] = 0
+    t_large = links._ping(large, 5, torch.device("cpu"))
+    assert (large - small) / (t_large - t_small) == pytest.approx(bandwidth, rel=0.01)
+
+
 def test_a_posting_is_read_from_its_fastest_rounds_not_those_another_rank_preempted() -> None:
     from lightning_pipe.planning.links import unloaded
 

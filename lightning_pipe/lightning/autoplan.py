@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
 import statistics
 import time
 from collections import defaultdict
@@ -268,7 +269,11 @@ class AutoPlanner(Callback):
         Blocks are profiled whole, as the planner models them: under FSDP replicas the job moves
         to the same plan with DDP replicas for the profile and back (exact moves, see
         :func:`~lightning_pipe.lightning.reconfigure.reconfigure`), since one replica cannot run a
-        sharded block alone (its all-gathers need every replica)."""
+        sharded block alone (its all-gathers need every replica). Where the ranks share fewer
+        CPU cores than there are ranks, they profile one at a time (:func:`_in_turn`): the
+        profile holds each block's times alone (:attr:`Profile.cores`), and the ratio of its
+        times at two microbatch sizes, which prices every other size, is not the ratio of how
+        many ranks happened to compute beside it at each."""
         strategy = trainer.strategy
         running = strategy.plan
         sharded = _sharded(running)
@@ -276,12 +281,17 @@ class AutoPlanner(Callback):
             strategy.reconfigure(running.replace(data_parallel="ddp", reshard_after_forward=True))
         try:
             engine = strategy.engine
-            if running.topology.replica_of(strategy.global_rank) != 0:
-                return []
-            return [
-                self._profile_one(trainer, module, st, position.is_last, running)
-                for st, position in zip(engine.stages, engine.positions)
-            ]
+            first = running.topology.replica_of(strategy.global_rank) == 0
+
+            def profile() -> list[tuple[int, list[BlockProfile], float]]:  # a stage's first replica profiles it
+                if not first:
+                    return []
+                return [
+                    self._profile_one(trainer, module, st, position.is_last, running)
+                    for st, position in zip(engine.stages, engine.positions)
+                ]
+
+            return _in_turn(profile, _host_shared(trainer))
         finally:
             if sharded:
                 strategy.reconfigure(running)
@@ -329,9 +339,9 @@ class AutoPlanner(Callback):
         self._state_bytes = [
             (b.parameter_bytes, b.gradient_bytes, b.optimizer_bytes, b.optimizer_step_bytes) for b in blocks
         ]
-        large = _link_bytes(self._all_captured(), strategy.root_device)
+        large = _link_bytes(self._captured, strategy.root_device)
         self._captured = {}  # the link measurement reuses their memory
-        measured = [_link_worker(strategy.global_rank, dist.get_world_size(), 1024, large, 3, strategy.root_device)]
+        measured = [_link_worker(strategy.global_rank, dist.get_world_size(), 1024, large, 5, strategy.root_device)]
         dist.broadcast_object_list(measured, src=0)  # rank 0's: every rank must plan on the same numbers
         links = measured[0]
         rows = self._batch
@@ -603,26 +613,44 @@ def _check_steps(profile_steps: int, steps: Union[int, float], what: str = "Trai
         )
 
 
-def _link_bytes(captured: list[tuple[Tensor, ...]], device: torch.device, most: int = 2**20, least: int = 2**14) -> int:
-    """Size of the large message of the link measurement: one microbatch's stage input (the smallest
-    over ranks, so every rank agrees), at most ``most`` and at least ``least``: the messages the
-    plans send, in memory the captured inputs free (a fixed 1 MiB took a small job over its budget)."""
-    mine = sum(t.numel() * t.element_size() for t in captured[0]) if captured else most
-    size = torch.tensor([min(mine, most)], dtype=torch.float64, device=device)
-    dist.all_reduce(size, op=dist.ReduceOp.MIN)
-    return max(int(size.item()), least)
+def _link_bytes(
+    captured: dict[int, list[tuple[Tensor, ...]]], device: torch.device, most: int = 2**20, least: int = 2**14
+) -> int:
+    """Size of the large message of the link measurement: one microbatch's input of a stage after
+    the first, which a link carries (stage 0's comes from the data: token ids can be a hundredth
+    of an activation, and a bandwidth read off a message that small is its latency's noise); the
+    smallest over ranks, so every rank agrees, at most ``most`` and at least ``least``. Every
+    rank of a link holds such a message in its step (its output sent, or its input received), so
+    the measurement stays within the memory the captured inputs free (a fixed 1 MiB took a small
+    job over its budget). Where no stage after the first runs (one stage), the smallest input."""
+
+    def smallest(received: bool) -> float:
+        inputs = [kept[0] for stage, kept in captured.items() if kept and (stage > 0) == received]
+        return min((sum(t.numel() * t.element_size() for t in x) for x in inputs), default=math.inf)
+
+    sizes = torch.tensor([smallest(True), smallest(False)], dtype=torch.float64, device=device)
+    dist.all_reduce(sizes, op=dist.ReduceOp.MIN)
+    carried, data = sizes.tolist()
+    size = min(carried if carried < math.inf else data, most)
+    return max(int(size), least)
 
 
 def _profile_inputs(captured: list[tuple[Tensor, ...]]) -> list[tuple[Tensor, ...]]:
-    """A stage's inputs at the two microbatch sizes its in-job profile times: the first half of
-    the captured microbatch and the whole of it (where a microbatch is one sample: the first of
-    two captured, and both concatenated). Profiling one block at a time at no more than a
-    microbatch holds no more than the step does, so the job stays within its budget (at twice
-    the microbatch, a recomputed stage's profile can peak above its plan's step)."""
+    """A stage's inputs at the microbatch sizes its in-job profile times: the first rows of the
+    captured microbatch at one sample, at the geometric middle of one and its size, at half its
+    size, and the whole of it (where a microbatch is one sample: the first of two captured, and
+    both concatenated). A block's time at any other size is interpolated between the nearest two
+    (:meth:`~lightning_pipe.planning.profile.BlockProfile.at`): a plan of smaller microbatches
+    than the profiled ones would be extrapolated along the line through the two smallest, which
+    per-operation overheads and caches bend (down to zero seconds, or below). Profiling one block
+    at a time at no more than a microbatch holds no more than the step does, so the job stays
+    within its budget (at twice the microbatch, a recomputed stage's profile can peak above its
+    plan's step)."""
     first = captured[0]
     size = batch_size(first)
     if size > 1:
-        return [tuple(t[: size // 2] if t.dim() > 0 else t for t in first), first]
+        sizes = sorted({1, round(math.sqrt(size)), size // 2, size})
+        return [tuple(t[:n] if t.dim() > 0 else t for t in first) for n in sizes[:-1]] + [first]
     return captured[:1] + ([tuple(torch.cat(p) for p in zip(*captured))] if len(captured) > 1 else [])
 
 
@@ -656,6 +684,25 @@ def _matmuls(a: Tensor, b: Tensor, times: int) -> None:
     """``times`` products of ``a`` with itself into ``b`` and back, allocating nothing."""
     for _ in range(times):
         torch.tanh(torch.mm(a, a, out=b), out=a)
+
+
+def _host_shared(trainer: Trainer) -> bool:
+    """Whether the job's ranks compute on fewer effective cores than there are ranks (:func:`_shared_cores`)."""
+    cores = _shared_cores(trainer)
+    return cores is not None and cores < dist.get_world_size()
+
+
+def _in_turn(work: Callable[[], Any], shared: bool) -> Any:
+    """``work()``'s result on this rank; where ``shared``, the ranks run it one at a time, rank 0
+    first, each while the others wait in a barrier (collective: every rank calls it)."""
+    if not shared:
+        return work()
+    result = None
+    for rank in range(dist.get_world_size()):
+        if rank == dist.get_rank():
+            result = work()
+        dist.barrier()
+    return result
 
 
 def _rows(batch: Any, start: int, size: int) -> Any:

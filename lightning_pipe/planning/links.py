@@ -16,7 +16,9 @@ def _synchronize(device: torch.device) -> None:
 
 
 def _ping(nbytes: int, repeats: int, device: torch.device) -> float:
-    """Median seconds of one transfer between ranks 0 and 1 (half a round trip)."""
+    """Seconds of one transfer between ranks 0 and 1 (half a round trip), in its rounds unloaded
+    by other processes (:func:`unloaded`): bandwidth is the slope from a small message's to a
+    large one's, which one preempted round of either would swing by orders of magnitude."""
     import torch.distributed as dist
 
     t = torch.zeros(max(nbytes // 4, 1), device=device)
@@ -33,7 +35,7 @@ def _ping(nbytes: int, repeats: int, device: torch.device) -> float:
         _synchronize(device)
         times.append((time.perf_counter() - start) / 2)
         dist.barrier()
-    return statistics.median(times[1:])
+    return unloaded(times[1:])
 
 
 LOADED_GAP = 0.005  # seconds of compute between two transfers in the loaded link measurement
