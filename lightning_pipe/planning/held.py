@@ -53,13 +53,13 @@ Point = tuple[int, int, Sent]
 #: One moment of a rank that runs several stages (interleaved 1F1B): the running stage's index
 #: among the rank's stages, the kind of moment (a :class:`HeldCounts` field), and per stage of
 #: the rank its :data:`Point` and whether its gradients exist. Walked with
-#: :func:`buffered_layouts` (:func:`rank_moments`), a point's sends are counts by layout and kind,
+#: :func:`buffered_by_kind` (:func:`rank_moments`), a point's sends are counts by kind,
 #: then its output-sized tensors kept for the next stage on the rank (see there) and the earlier
 #: batches alive (:func:`earlier_batches`), in place of a :data:`Sent`.
 Moment = tuple[int, str, tuple[Point, ...], tuple[bool, ...]]
 
 
-#: The kinds of message :func:`buffered_layouts` tells apart, by where a rank keeps it: an output
+#: The kinds of message :func:`buffered_by_kind` tells apart, by where a rank keeps it: an output
 #: sent, an input gradient sent, a gradient received for an output, an input received.
 SENT_OUTPUT, SENT_GRADIENT, POSTED_GRADIENT, POSTED_INPUT = range(4)
 
@@ -82,8 +82,7 @@ def unacknowledged(flat: FlatProgram) -> np.ndarray:
     taken in from a peer only grows, so does the count its messages carry: after a receive, the
     sends acknowledged are the first ones the newest message taken in so far counts.
     """
-    by_layout = _unacknowledged_by_layout(flat, _positions(flat))
-    return by_layout.sum(axis=2)[..., [SENT_OUTPUT, SENT_GRADIENT]]
+    return _unacknowledged_by_kind(flat, _positions(flat))[..., [SENT_OUTPUT, SENT_GRADIENT]]
 
 
 def posted_receives(flat: FlatProgram, begins: Optional[np.ndarray] = None) -> np.ndarray:
@@ -109,8 +108,7 @@ def posted_receives(flat: FlatProgram, begins: Optional[np.ndarray] = None) -> n
     drain, :func:`~lightning_pipe.planning.programs.program_begins`). A program posts only the
     receives it reads (``Mailbox``), so a message read in a later program than the one before it
     is posted no earlier than its own program's start (as a rank's first message is)."""
-    by_layout = _posted_receives_by_layout(flat, _positions(flat), begins)
-    return by_layout.sum(axis=2)[..., [POSTED_GRADIENT, POSTED_INPUT]]
+    return _posted_receives_by_kind(flat, _positions(flat), begins)[..., [POSTED_GRADIENT, POSTED_INPUT]]
 
 
 def buffered(flat: FlatProgram, begins: Optional[np.ndarray] = None) -> np.ndarray:
@@ -121,24 +119,20 @@ def buffered(flat: FlatProgram, begins: Optional[np.ndarray] = None) -> np.ndarr
     return unacknowledged(flat) + posted_receives(flat, begins)
 
 
-def buffered_layouts(flat: FlatProgram, begins: Optional[np.ndarray] = None) -> np.ndarray:
-    """:func:`buffered` with the layout each message's buffer was made for: after each action,
-    ``[action, position, posted * 4 + kind]``, counts of the rank's unacknowledged sends and
-    posted receives by the position of the stage that sends or reads each, the position of the
-    layout its buffer is made for (``posted``: a receive is posted for, and a send packed into,
-    the size the message of its name had in the step before, runtime/comm/p2p.py ``Links``: in
-    steady training the stage itself) and its kind (:data:`SENT_OUTPUT`, :data:`SENT_GRADIENT`,
-    :data:`POSTED_GRADIENT`, :data:`POSTED_INPUT`). Summed over ``posted`` and read by kind, this
-    is :func:`buffered` (``begins``: see :func:`posted_receives`)."""
+def buffered_by_kind(flat: FlatProgram, begins: Optional[np.ndarray] = None) -> np.ndarray:
+    """:func:`buffered` by kind of message: after each action, ``[action, position, kind]``,
+    counts of the rank's unacknowledged sends and posted receives by the position of the stage
+    that sends or reads each and its kind (:data:`SENT_OUTPUT`, :data:`SENT_GRADIENT`,
+    :data:`POSTED_GRADIENT`, :data:`POSTED_INPUT`; ``begins``: see :func:`posted_receives`).
+    Each buffer is its own message's size: a receive is posted for, and a send packed into, the
+    size the message of its name had in the step before (runtime/comm/p2p.py ``Links``), which in
+    steady training is its own."""
     positions = _positions(flat)
-    sends = _unacknowledged_by_layout(flat, positions)
-    receives = _posted_receives_by_layout(flat, positions, begins)
-    return (sends + receives).reshape(len(flat.kind), positions, positions * 4)
+    return _unacknowledged_by_kind(flat, positions) + _posted_receives_by_kind(flat, positions, begins)
 
 
-def _unacknowledged_by_layout(flat: FlatProgram, positions: int) -> np.ndarray:
-    """:func:`unacknowledged` by ``[action, position, posted, kind]`` (see :func:`buffered_layouts`):
-    a send is packed for its own layout (the message of its name in the step before)."""
+def _unacknowledged_by_kind(flat: FlatProgram, positions: int) -> np.ndarray:
+    """:func:`unacknowledged` by ``[action, position, kind]`` (see :func:`buffered_by_kind`)."""
     ranks = flat.ranks
     comm, channel, is_send = _channels(flat)
     # What each send carries: how many messages its rank had taken in from the peer.
@@ -146,33 +140,30 @@ def _unacknowledged_by_layout(flat: FlatProgram, positions: int) -> np.ndarray:
     carries[comm] = _grouped_cummax(np.where(is_send, 0, flat.message[comm] + 1), channel)
     issued = _grouped_cumsum(is_send, channel)
     acked = _grouped_cummax(np.where(is_send, 0, carries[flat.source[comm]]), channel)
-    # Each link's sends in send order, counted per sending stage's position, posted layout and
-    # kind: the unacknowledged ones after a message are those numbered from acked to issued.
+    # Each link's sends in send order, counted per sending stage's position and kind: the
+    # unacknowledged ones after a message are those numbered from acked to issued.
     link_sends = comm[is_send]
     link_start = np.searchsorted(channel[is_send], channel)  # where each message's link begins among link_sends
     sender_position = flat.stage[link_sends] // ranks
     gradient = flat.kind[link_sends] == SEND_GRAD
-    posted_position = sender_position  # packed for the message of its name in the step before: its own layout
-    state = np.zeros((len(comm), positions, positions, 4), np.int64)
+    state = np.zeros((len(comm), positions, 4), np.int64)
     for o in range(positions):
-        for q in range(positions):
-            for kind, is_gradient in ((SENT_OUTPUT, False), (SENT_GRADIENT, True)):
-                counted = (sender_position == o) & (posted_position == q) & (gradient == is_gradient)
-                prefix = np.concatenate(([0], np.cumsum(counted)))
-                state[:, o, q, kind] = prefix[link_start + issued] - prefix[link_start + acked]
+        for kind, is_gradient in ((SENT_OUTPUT, False), (SENT_GRADIENT, True)):
+            counted = (sender_position == o) & (gradient == is_gradient)
+            prefix = np.concatenate(([0], np.cumsum(counted)))
+            state[:, o, kind] = prefix[link_start + issued] - prefix[link_start + acked]
     # As changes after each action, summed along each rank's program.
-    change = np.zeros((len(flat.kind), positions, positions, 4), np.int64)
+    change = np.zeros((len(flat.kind), positions, 4), np.int64)
     first = np.concatenate(([True], channel[1:] != channel[:-1]))
-    change[comm] = state - np.where(first[:, None, None, None], 0, np.roll(state, 1, axis=0))
+    change[comm] = state - np.where(first[:, None, None], 0, np.roll(state, 1, axis=0))
     return _cumsum_per_rank(change, flat.starts)
 
 
-def _posted_receives_by_layout(flat: FlatProgram, positions: int, begins: Optional[np.ndarray] = None) -> np.ndarray:
-    """:func:`posted_receives` by ``[action, position, posted, kind]`` (see :func:`buffered_layouts`):
-    a receive is posted for its own layout (the message of its name in the step before)."""
+def _posted_receives_by_kind(flat: FlatProgram, positions: int, begins: Optional[np.ndarray] = None) -> np.ndarray:
+    """:func:`posted_receives` by ``[action, position, kind]`` (see :func:`buffered_by_kind`)."""
     ranks = flat.ranks
     program_start = _program_starts(flat, begins)
-    change = np.zeros((len(flat.kind), positions, positions, 4), np.int64)
+    change = np.zeros((len(flat.kind), positions, 4), np.int64)
     receive, send = flat.source >= 0, (flat.kind == SEND_ACT) | (flat.kind == SEND_GRAD)
     for r in range(ranks):
         lo, hi = int(flat.starts[r]), int(flat.starts[r + 1])
@@ -201,14 +192,12 @@ def _posted_receives_by_layout(flat: FlatProgram, positions: int, begins: Option
             anchor = np.where(beside_send, next_send, after)  # where the runtime looks ahead from
             until = backwards[np.searchsorted(backwards, anchor, side="right")]
             posted_at = _posted_with_activations_ahead(posted_at, until, readers, is_input & known, program_start)
-            # Its receive is posted for the message of its name in the step before: its own layout.
             own = np.where(known, flat.stage[np.minimum(readers, hi - 1)] // ranks, 0)
-            posted = own
             # A message taken in before the action that needs it (a later one's read waited for it)
             # is kept whole, as received, until that action reads it (``Mailbox.receive``).
             early = (posted_at < readers) & known
             kind = np.where(is_input, POSTED_INPUT, POSTED_GRADIENT)
-            index = (own[early], posted[early], kind[early])
+            index = (own[early], kind[early])
             np.add.at(change, (posted_at[early], *index), 1)
             np.add.at(change, (readers[early], *index), -1)
     return _cumsum_per_rank(change, flat.starts)
@@ -685,13 +674,13 @@ def rank_moments(
     ``streamed``: a 2BW stream's microbatches per batch (a moment is warm once its own batch has
     gradients, see :func:`_walk`; ``shared``: in replica buckets the rank's stages share, see there).
 
-    ``sent``: the rank's rows of :func:`buffered_layouts` (or of :func:`buffered`); with the
+    ``sent``: the rank's rows of :func:`buffered_by_kind` (or of :func:`buffered`); with the
     former each stage's counts end with its output-sized tensors kept for the next stage on the
     rank (its :func:`handed_gradients` and :func:`outputs_kept_for_weight_grads`), then (on the
     first position, in a 2BW stream) the rank's :func:`earlier_batches` alive."""
     index = {s: c for c, s in enumerate(stages)}
     at_sends = None
-    if sent is not None and sent.ndim == 3 and sent.shape[2] == 4 * len(stages):
+    if sent is not None and sent.ndim == 3 and sent.shape[2] == 4:  # by kind (buffered_by_kind)
         sent, sends = _posted_with_sends(actions, sent), _posted_at_input_grad_sends(actions, sent)
         earlier = np.zeros((len(actions), len(stages)), np.int64)
         if streamed:  # the rank's earlier batches alive, once: on its first position
@@ -706,12 +695,12 @@ def rank_moments(
 
 
 def _posted_at_input_grad_sends(actions: Sequence[Action], rows: np.ndarray) -> dict[int, np.ndarray]:
-    """Per I followed by the send of its input gradient, a rank's :func:`buffered_layouts` row at
+    """Per I followed by the send of its input gradient, a rank's :func:`buffered_by_kind` row at
     that send: an interleaved rank posts the receive of that neighbour's next message just before
     the send (:func:`posted_receives`), beside the message the send packs (counted with the I,
     ``memory.stage_memory_terms``), so the I's row gains what the send posts but the message."""
     out = {}
-    kinds = np.arange(rows.shape[2]) % 4
+    kinds = np.arange(rows.shape[2])
     for i in range(len(actions) - 1):
         a, b = actions[i], actions[i + 1]
         same = (b.stage, b.microbatch) == (a.stage, a.microbatch)
@@ -723,13 +712,13 @@ def _posted_at_input_grad_sends(actions: Sequence[Action], rows: np.ndarray) -> 
 
 
 def _posted_with_sends(actions: Sequence[Action], rows: np.ndarray) -> np.ndarray:
-    """A rank's :func:`buffered_layouts` rows, a forward's moment taken at the send of its output
+    """A rank's :func:`buffered_by_kind` rows, a forward's moment taken at the send of its output
     that follows it: there an interleaved rank posts the receive of that neighbour's next message
     just before the send (:func:`posted_receives`), beside the message the send packs (counted
     with the forward, ``memory.stage_memory_terms``), so the forward's row gains what the send
     posts but the output it sends."""
     out = rows.copy()
-    kinds = np.arange(rows.shape[2]) % 4
+    kinds = np.arange(rows.shape[2])
     for i in range(len(actions) - 1):
         a, b = actions[i], actions[i + 1]
         if a.kind is Kind.FORWARD and b.kind is Kind.SEND_ACT and (b.stage, b.microbatch) == (a.stage, a.microbatch):

@@ -271,7 +271,7 @@ def _stage_held(plan: PipelinePlan) -> tuple[HeldCounts, ...]:
 
 def _as_sent(point: Point) -> Point:
     """A rank moment's point with its buffers as one stage's :data:`~.held.Sent` ``(output-sized,
-    input-sized)``: a point walked with :func:`~.held.buffered_layouts` counts them by layout and
+    input-sized)``: a point walked with :func:`~.held.buffered_by_kind` counts them by
     kind, then its output-sized tensors kept for the next stage on the rank (gradients handed
     over, outputs kept for that stage's W) and the rank's earlier batches alive
     (2BW), which stay the point's third count; summed here, each at its own size."""
@@ -279,8 +279,8 @@ def _as_sent(point: Point) -> Point:
     if len(sends) <= 3:
         return point
     counts, handed, earlier = sends[:-2], sends[-2], sends[-1]
-    outputs = sum(n for k, n in enumerate(counts) if k % 4 in (SENT_OUTPUT, POSTED_GRADIENT)) + handed
-    inputs = sum(n for k, n in enumerate(counts) if k % 4 in (SENT_GRADIENT, POSTED_INPUT))
+    outputs = sum(n for k, n in enumerate(counts) if k in (SENT_OUTPUT, POSTED_GRADIENT)) + handed
+    inputs = sum(n for k, n in enumerate(counts) if k in (SENT_GRADIENT, POSTED_INPUT))
     return held, pending, (outputs, inputs, earlier) if earlier else (outputs, inputs)
 
 

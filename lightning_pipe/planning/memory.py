@@ -458,37 +458,23 @@ def sent_bytes(st: "StageCosts", sent: Sent) -> int:
     return outputs * (HEADER_BYTES + st.output_bytes) + gradients * (HEADER_BYTES + st.input_bytes)
 
 
-def layout_bytes(outputs: Sequence[int], inputs: Sequence[int], own: int, counts: Sequence[int]) -> int:
-    """Bytes of the messages a rank's stage ``own`` keeps buffered, given the output and input
-    bytes of each of the rank's stages and ``counts`` by ``posted * 4 + kind``
-    (:func:`~lightning_pipe.planning.held.buffered_layouts`), then, if there, the gradients of
-    its outputs the next stage on the same rank handed over and that wait for its backward
-    (:func:`~lightning_pipe.planning.held.handed_gradients`) and the outputs it let go of that the
-    next stage keeps for its W (:func:`~lightning_pipe.planning.held.outputs_kept_for_weight_grads`),
-    each its output's bytes.
-
-    A receive is posted for the layout the message of its name had in the step before, and its
-    sender packs into it (runtime/comm/p2p.py, ``Links``, ``send_tensors`` and ``Incoming``).
-    Where the layouts agree (every message of steady training) a message is one packed buffer,
-    its header and its tensors. Where they differ the sender posts the header padded to the
-    posted layout's size and the tensors apart, and the receiver fills the buffer posted for that
-    layout with the header and receives the tensors into new ones. So each message costs its
-    header and the posted layout's bytes; where they differ also its own bytes, on the receiving
-    side (until it is read; counted from the receive's posting, an upper bound) and for a sent
-    input gradient, which the send alone keeps (a sent output is the stage's own, kept for its
-    backward).
-    Layouts are told apart by size: two of one size but different shapes count as one."""
+def kind_bytes(output_bytes: int, input_bytes: int, counts: Sequence[int]) -> int:
+    """Bytes of the messages a stage keeps buffered, given its output and input bytes and
+    ``counts`` by kind (:func:`~lightning_pipe.planning.held.buffered_by_kind`), then, if there,
+    the gradients of its outputs the next stage on the same rank handed over and that wait for
+    its backward (:func:`~lightning_pipe.planning.held.handed_gradients`) and the outputs it let
+    go of that the next stage keeps for its W
+    (:func:`~lightning_pipe.planning.held.outputs_kept_for_weight_grads`), each its output's
+    bytes. Each message is one packed buffer, its header and its tensors (runtime/comm/p2p.py):
+    a sent output and a received gradient of the output's size, a sent input gradient and a
+    received input of the input's."""
     total = 0
-    for index, count in enumerate(counts):
-        if not count:
-            continue
-        if index == 4 * len(outputs):  # handed over by the next stage on this rank, no message
-            total += count * outputs[own]
-            continue
-        posted, kind = divmod(index, 4)
-        sizes = outputs if kind in (SENT_OUTPUT, POSTED_GRADIENT) else inputs
-        mine = sizes[own] if sizes[own] != sizes[posted] and kind != SENT_OUTPUT else 0
-        total += count * (HEADER_BYTES + sizes[posted] + mine)
+    for kind, count in enumerate(counts):
+        if kind == 4:  # handed over by the next stage on this rank, no message
+            total += count * output_bytes
+        else:
+            sized = output_bytes if kind in (SENT_OUTPUT, POSTED_GRADIENT) else input_bytes
+            total += count * (HEADER_BYTES + sized)
     return total
 
 
@@ -639,8 +625,8 @@ def rank_peak_bytes(
     stepped the batch before holds its own batch's alone; with ``buckets`` the moments were walked
     with the rank's shared buckets (``rank_moments``' ``shared``), which they count already.
 
-    Each moment's buffers come by stage and by the layout their receive was posted for
-    (:func:`~lightning_pipe.planning.held.buffered_layouts`, counted by :func:`layout_bytes`), or
+    Each moment's buffers come by stage and by kind
+    (:func:`~lightning_pipe.planning.held.buffered_by_kind`, counted by :func:`kind_bytes`), or
     by stage alone (:data:`Sent`, each at its stage's sizes); the former end with the rank's
     batches before the newest still alive (2BW, :func:`~lightning_pipe.planning.held.earlier_batches`)."""
     handed, hands = handed or [False] * len(stages), hands or [False] * len(stages)
@@ -648,16 +634,13 @@ def rank_peak_bytes(
     running: dict[tuple[int, str, tuple[int, int], int], int] = {}
     resting: dict[tuple[int, tuple[int, int], bool, int], int] = {}
     best = 0
-    outputs = [st.output_bytes for st in stages]
-    inputs = [st.input_bytes for st in stages]
-
     per_batch = earlier_batch_bytes(batch_bytes)
     apart = any(kind.startswith("input_sent") for _, kind, _, _ in moments)
 
     def buffers(o: int, sent: tuple[int, ...]) -> int:
-        if len(sent) <= 3:  # by kind only (:data:`Sent`): each at its stage's layout
+        if len(sent) <= 3:  # output-sized and input-sized (:data:`Sent`)
             return sent_bytes(stages[o], sent) + per_batch * sum(sent[2:])
-        return layout_bytes(outputs, inputs, o, sent[:-1]) + per_batch * sent[-1]
+        return kind_bytes(stages[o].output_bytes, stages[o].input_bytes, sent[:-1]) + per_batch * sent[-1]
 
     for c, kind, points, grads in moments:
         if buckets and not walked_sets:  # walked: the moments count the rank's buckets already

@@ -10,7 +10,7 @@ from typing import Any, Optional
 import numpy as np
 
 from lightning_pipe.core.pipeline_plan import PipelinePlan
-from lightning_pipe.planning.held import HeldCounts, Moment, buffered_layouts, program_held_counts, rank_moments
+from lightning_pipe.planning.held import HeldCounts, Moment, buffered_by_kind, program_held_counts, rank_moments
 from lightning_pipe.schedules import Action, Kind, build_schedule, two_bw_drain, two_bw_window
 from lightning_pipe.schedules.flat import FlatProgram, flatten
 from lightning_pipe.schedules.layout import rank_stages
@@ -124,7 +124,7 @@ def held(plan: PipelinePlan) -> list[HeldCounts]:
 def _moments(*key: Any, shared: bool = False) -> list[tuple[Moment, ...]]:
     depth, virtual, placement, program, flat = key[1], key[-2], key[-1], _program(*key), _flat(*key)
     # Interleaved 2BW: each window is a program of its own, which posts only the receives it reads.
-    sent, streamed = buffered_layouts(flat, _begins(*key)), key[2] if get(key[0]).streams else 0
+    sent, streamed = buffered_by_kind(flat, _begins(*key)), key[2] if get(key[0]).streams else 0
     return [
         rank_moments(actions, rank_stages(r, depth, virtual, placement), sent[flat.rank(r)], streamed, shared)
         for r, actions in enumerate(program)
