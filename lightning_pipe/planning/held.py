@@ -64,6 +64,16 @@ Moment = tuple[int, str, tuple[Point, ...], tuple[bool, ...]]
 SENT_OUTPUT, SENT_GRADIENT, POSTED_GRADIENT, POSTED_INPUT = range(4)
 
 
+def by_size(counts: Sequence[int]) -> Sent:
+    """Counts by kind (:data:`SENT_OUTPUT`, ...; :func:`buffered_by_kind`) as a stage's
+    :data:`Sent`: its output-sized messages (sent outputs, received gradients) and its input-sized
+    ones (sent input gradients, received inputs)."""
+    return (
+        counts[SENT_OUTPUT] + counts[POSTED_GRADIENT],
+        counts[SENT_GRADIENT] + counts[POSTED_INPUT],
+    )
+
+
 def _positions(flat: FlatProgram) -> int:
     """Stages per rank of a program: positions ``stage // ranks``."""
     return int(flat.stage.max(initial=0)) // flat.ranks + 1

@@ -34,13 +34,10 @@ from lightning_pipe.planning.costs import (
     weight_versions,
 )
 from lightning_pipe.planning.held import (
-    POSTED_GRADIENT,
-    POSTED_INPUT,
-    SENT_GRADIENT,
-    SENT_OUTPUT,
     HeldCounts,
     Point,
     _dominant,
+    by_size,
 )
 from lightning_pipe.planning.memory import _bucketed_moment, stage_peak_bytes
 from lightning_pipe.planning.profile import BlockSample, Profile
@@ -279,8 +276,8 @@ def _as_sent(point: Point) -> Point:
     if len(sends) <= 3:
         return point
     counts, handed, earlier = sends[:-2], sends[-2], sends[-1]
-    outputs = sum(n for k, n in enumerate(counts) if k in (SENT_OUTPUT, POSTED_GRADIENT)) + handed
-    inputs = sum(n for k, n in enumerate(counts) if k in (SENT_GRADIENT, POSTED_INPUT))
+    outputs, inputs = by_size(counts)
+    outputs += handed
     return held, pending, (outputs, inputs, earlier) if earlier else (outputs, inputs)
 
 

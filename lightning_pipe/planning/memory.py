@@ -8,12 +8,11 @@ from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 from lightning_pipe.planning.costs import STEP_LOSS_BYTES
 from lightning_pipe.planning.held import (
     NOTHING_SENT,
-    POSTED_GRADIENT,
-    SENT_OUTPUT,
     HeldCounts,
     Moment,
     Point,
     Sent,
+    by_size,
 )
 from lightning_pipe.runtime.comm.p2p import HEADER_BYTES
 
@@ -458,24 +457,16 @@ def sent_bytes(st: "StageCosts", sent: Sent) -> int:
     return outputs * (HEADER_BYTES + st.output_bytes) + gradients * (HEADER_BYTES + st.input_bytes)
 
 
-def kind_bytes(output_bytes: int, input_bytes: int, counts: Sequence[int]) -> int:
-    """Bytes of the messages a stage keeps buffered, given its output and input bytes and
-    ``counts`` by kind (:func:`~lightning_pipe.planning.held.buffered_by_kind`), then, if there,
-    the gradients of its outputs the next stage on the same rank handed over and that wait for
-    its backward (:func:`~lightning_pipe.planning.held.handed_gradients`) and the outputs it let
-    go of that the next stage keeps for its W
-    (:func:`~lightning_pipe.planning.held.outputs_kept_for_weight_grads`), each its output's
-    bytes. Each message is one packed buffer, its header and its tensors (runtime/comm/p2p.py):
-    a sent output and a received gradient of the output's size, a sent input gradient and a
-    received input of the input's."""
-    total = 0
-    for kind, count in enumerate(counts):
-        if kind == 4:  # handed over by the next stage on this rank, no message
-            total += count * output_bytes
-        else:
-            sized = output_bytes if kind in (SENT_OUTPUT, POSTED_GRADIENT) else input_bytes
-            total += count * (HEADER_BYTES + sized)
-    return total
+def kind_bytes(st: "StageCosts", counts: Sequence[int]) -> int:
+    """Bytes of the messages a stage keeps buffered, given ``counts`` by kind
+    (:func:`~lightning_pipe.planning.held.buffered_by_kind`, each message one packed buffer of its
+    own size, :func:`sent_bytes`), then, if there, the gradients of its outputs the next stage on
+    the same rank handed over and that wait for its backward
+    (:func:`~lightning_pipe.planning.held.handed_gradients`) and the outputs it let go of that the
+    next stage keeps for its W (:func:`~lightning_pipe.planning.held.outputs_kept_for_weight_grads`),
+    each its output's bytes, no message."""
+    handed = sum(counts[4:])
+    return sent_bytes(st, by_size(counts)) + handed * st.output_bytes
 
 
 def received_input_bytes(st: "StageCosts", first: bool, handed: bool = False) -> int:
@@ -640,7 +631,7 @@ def rank_peak_bytes(
     def buffers(o: int, sent: tuple[int, ...]) -> int:
         if len(sent) <= 3:  # output-sized and input-sized (:data:`Sent`)
             return sent_bytes(stages[o], sent) + per_batch * sum(sent[2:])
-        return kind_bytes(stages[o].output_bytes, stages[o].input_bytes, sent[:-1]) + per_batch * sent[-1]
+        return kind_bytes(stages[o], sent[:-1]) + per_batch * sent[-1]
 
     for c, kind, points, grads in moments:
         if buckets and not walked_sets:  # walked: the moments count the rank's buckets already
