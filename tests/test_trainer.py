@@ -247,7 +247,7 @@ def _check_run(
         for rank in ranks:
             assert rank["test_loss"] == pytest.approx(float(F.cross_entropy(model(xt), yt)), rel=1e-5)
         # Predict: each rank returns its replica's shard of outputs, computed through the pipeline.
-        xp, _ = make_data(8 * width, 7)
+        xp, _ = make_data(10 * width, 7)
         for r, rank in enumerate(ranks):
             replica = r // depth
             got = torch.cat(rank["predictions"])

@@ -15,7 +15,7 @@ from lightning_pipe.runtime.buckets import DEFAULT_BUCKET_BYTES
 from lightning_pipe.runtime.comm import p2p
 from lightning_pipe.runtime.comm.groups import PipelineGroups
 from lightning_pipe.runtime.executor import Executor, Hooks, Position, StepState
-from lightning_pipe.runtime.microbatch import split_batch
+from lightning_pipe.runtime.microbatch import batch_size, split_batch
 from lightning_pipe.runtime.replica_buffers import BufferBroadcast
 from lightning_pipe.runtime.sharding import ShardedGradients
 from lightning_pipe.runtime.stage import Stage
@@ -462,9 +462,14 @@ class PipelineEngine:
 
     def forward(self, batch: Any, with_loss: bool = False, first: Optional[int] = None) -> Any:
         """Forward-only pass; returns the model output (or mean loss) on every stage of the pipeline.
-        ``first``: run only the batch's first ``first`` microbatches (their output, their share of the loss)."""
+        ``first``: run only the batch's first ``first`` microbatches (their output, their share of the loss).
+
+        A batch smaller than ``microbatches`` (a short last validation batch, or a validation loader
+        smaller than the plan's microbatches) runs as one microbatch per sample: without gradients no
+        step depends on the count.
+        """
         self.drain()
-        microbatches, shares = split_batch(batch, self.microbatches)
+        microbatches, shares = split_batch(batch, min(self.microbatches, max(batch_size(batch), 1)))
         microbatches, shares = microbatches[:first], shares[:first]
         state = StepState({}, {}, train=False)
         state.add_batch(0, microbatches, shares)

@@ -134,7 +134,8 @@ def fit_toy(
     trainer.fit(model, train, val)
     fit_metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     progress_bar = {k: float(v) for k, v in trainer.progress_bar_metrics.items()}
-    predictions = trainer.predict(model, DataLoader(Indexed(8 * width, 7), batch_size=8))
+    # each replica predicts 10 samples: a batch of 8, then one of 2, fewer than the microbatches
+    predictions = trainer.predict(model, DataLoader(Indexed(10 * width, 7), batch_size=8))
     tested = trainer.test(model, DataLoader(Indexed(8 * width * 2, 5), batch_size=8), verbose=False)
     return {
         "grads": recorder.grads,
