@@ -7,7 +7,14 @@ import dataclasses
 import pytest
 
 from lightning_pipe import PipelinePlan
-from lightning_pipe.lightning.plan_cli import choice_noise, layout, measured_first, prediction_spread, trial_ranking
+from lightning_pipe.lightning.plan_cli import (
+    choice_noise,
+    confirmed,
+    layout,
+    measured_first,
+    prediction_spread,
+    trial_ranking,
+)
 from lightning_pipe.planning import costs, predict, programs, search
 from lightning_pipe.planning.calibration import (
     Trial,
@@ -143,6 +150,36 @@ def test_trials_run_the_best_plan_and_another_width_then_the_fitted_best_until_o
     # The loop stops once the fitted best has run (or the budget is spent).
     assert ranked[0].plan in ran or len(ran) == 4
     assert [p.plan for p in measured_first(ranked, {})] == [p.plan for p in ranked]
+
+
+def test_a_plan_taken_for_its_memory_runs_a_trial_first_and_is_kept_out_unless_measured() -> None:
+    profile = _profile()
+    job = dataclasses.replace(profile, **TRUE)
+
+    def ranking(p):
+        return search.search(p, 4, 8, virtual_stages=(1,))
+
+    def memory_pick(ranked, spreads):  # a noise so wide that a plan of less memory is always in it
+        return search.choose(ranked, 1.0)
+
+    ran: list[PipelinePlan] = []
+
+    def trained(p: predict.Prediction) -> Trial:
+        ran.append(p.plan)
+        return _traced(job, p.plan, p.microbatch_size)
+
+    first = ranking(profile)
+    _, ranked, _, spreads = trial_ranking(profile, first, ranking, trained, 6, memory_pick)
+    pick = memory_pick(ranked, spreads)
+    assert pick.plan is not ranked[0].plan and max(pick.stage_memory) < max(ranked[0].stage_memory)
+    assert pick.plan in ran and (pick.plan, pick.microbatch_size) in spreads  # measured before it is taken
+    assert search.choose(confirmed(ranked, spreads), 1.0) is pick
+    # Without the confirming trial (the budget spent first), the choice keeps the measured best.
+    ran.clear()
+    _, ranked, _, spreads = trial_ranking(profile, first, ranking, trained, 1, memory_pick)
+    pick = memory_pick(ranked, spreads)
+    assert pick.plan not in ran and search.choose(confirmed(ranked, spreads), 1.0) is ranked[0]
+    assert confirmed(ranked, {}) == ranked  # no trial ran: every plan is the model's alike
 
 
 def test_a_two_bw_step_copies_the_newest_weights_before_stepping_and_a_flushed_one_does_not() -> None:

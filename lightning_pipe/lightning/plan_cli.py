@@ -212,6 +212,7 @@ def trial_ranking(
     ranking: Callable[[Profile], list[predict.Prediction]],
     trained: Callable[[predict.Prediction], Trial],
     budget: int,
+    choice: Optional[Callable[[list[predict.Prediction], dict[tuple[PipelinePlan, int], float]], Any]] = None,
 ) -> tuple[
     Profile, list[predict.Prediction], dict[tuple[PipelinePlan, int], float], dict[tuple[PipelinePlan, int], float]
 ]:
@@ -224,8 +225,10 @@ def trial_ranking(
     The first trials run the best plan (and the best with DDP replicas where the best shards
     them: the fit reads DDP trials) and the best DDP plan of another data-parallel width
     (programs that differ in all-reduce and compute, for the fit); then, refitted after each trial, the
-    best plan that has not run, while it is predicted faster than every measured one, until
-    ``budget`` trials have run. A trial that fails is reported and left out.
+    best plan that has not run, while it is predicted faster than every measured one, then the
+    plan ``choice`` would take (given the ranking and the trials' spreads: a plan within the noise
+    that needs less memory) while no trial has measured it, until ``budget`` trials have run. A
+    trial that fails is reported and left out.
     """
     ran: dict[tuple[PipelinePlan, int], Trial] = {}
     tried: set[tuple[PipelinePlan, int]] = set()
@@ -247,17 +250,46 @@ def trial_ranking(
         fitted = calibrate(profile, list(ran.values()))
         modeled = ranking(fitted)
         ranked = measured_first(modeled, ran)
-        measured = [t.step for t in ran.values()]
-        fresh = next((p for p in ranked if p.feasible and (p.plan, p.microbatch_size) not in tried), None)
-        if len(tried) >= budget or fresh is None or (measured and fresh.step_time >= min(measured)):
+        spreads = {key: t.spread for key, t in ran.items()}
+        fresh = _next_trial(ranked, ran, tried, choice(ranked, spreads) if choice else None)
+        if len(tried) >= budget or fresh is None:
             layouts = layout_ratios(modeled, ran)
             steps = {
                 (p.plan, p.microbatch_size): p.step_time
                 for p in modeled
                 if (p.plan, p.microbatch_size) in ran or layout(p.plan, p.microbatch_size) in layouts
             }
-            return fitted, ranked, steps, {key: t.spread for key, t in ran.items()}
+            return fitted, ranked, steps, spreads
         attempt(fresh)
+
+
+def _next_trial(
+    ranked: Sequence[predict.Prediction],
+    ran: dict[tuple[PipelinePlan, int], Trial],
+    tried: set[tuple[PipelinePlan, int]],
+    chosen: Optional[predict.Prediction],
+) -> Optional[predict.Prediction]:
+    """The plan to try next (:func:`trial_ranking`): the best untried feasible plan if it is
+    predicted faster than every measured one (or none was measured), else ``chosen`` if untried."""
+    fresh = next((p for p in ranked if p.feasible and (p.plan, p.microbatch_size) not in tried), None)
+    measured = [t.step for t in ran.values()]
+    if fresh is not None and (not measured or fresh.step_time < min(measured)):
+        return fresh
+    if chosen is not None and (chosen.plan, chosen.microbatch_size) not in tried:
+        return chosen
+    return None
+
+
+def confirmed(
+    ranked: Sequence[predict.Prediction], trial_spreads: dict[tuple[PipelinePlan, int], float]
+) -> list[predict.Prediction]:
+    """The plans :func:`~lightning_pipe.planning.search.choose` may take where trials ran: the best
+    feasible one and those a trial measured. A plan predicted within the noise of a measured best
+    is only a model's guess until it runs; it is not taken for its memory unconfirmed."""
+    if not trial_spreads:
+        return list(ranked)
+    best = next((p for p in ranked if p.feasible), None)
+    return [p for p in ranked if p is best or (p.plan, p.microbatch_size) in trial_spreads]
 
 
 def measured_first(
@@ -582,14 +614,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"  step {trial.step:.4f} s ±{trial.spread:.1%} (each launch's median: {launches} s)", flush=True)
             return trial
 
-        profile, ranked, trials, trial_spreads = trial_ranking(profile, ranked, ranking, trained, args.trials)
+        def memory_pick(ranked: list[predict.Prediction], spreads: dict) -> Optional[predict.Prediction]:
+            shown = prediction_spread(profiles, ranked[: args.top], args.memory)
+            return search.choose(ranked, choice_noise(ranked, shown, spreads))
+
+        profile, ranked, trials, trial_spreads = trial_ranking(
+            profile, ranked, ranking, trained, args.trials, memory_pick
+        )
         print(calibration_note(profile), flush=True)
     if args.profile_json is not None:
         args.profile_json.write_text(profile.to_json())
     noise = prediction_spread(profiles, ranked[: args.top], args.memory)
     print(table(ranked, args.top, noise, trials, trial_spreads))
     top_noise = choice_noise(ranked, noise, trial_spreads)
-    best = search.choose(ranked, top_noise)
+    best = search.choose(confirmed(ranked, trial_spreads), top_noise)
     close = search.within_noise(ranked, top_noise)
     if len(close) > 1:
         print(
@@ -603,6 +641,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if best is None:
         print("no plan fits the memory budget", file=sys.stderr)
         return 1
+    unconfirmed = search.choose(ranked, top_noise)
+    if unconfirmed is not None and unconfirmed is not best:
+        print(
+            f"\n{unconfirmed.plan.describe()} needs less memory and is predicted within the noise of the best, "
+            "but no trial measured it (the trial budget is spent): keeping the measured plan"
+        )
     if best is not ranked[0]:
         print(
             f"\nthe best plans are within the noise of the best one's step (±{top_noise:.1%}): "
