@@ -25,6 +25,7 @@ from lightning_pipe.planning.calibration import (
     slowest_steps,
     trial_step,
 )
+from lightning_pipe.schedules import Action, Kind
 from tests.test_planner import _uniform
 
 #: The job as it really runs: what the profile misses, to be recovered by the fit (the
@@ -180,6 +181,24 @@ def test_a_plan_taken_for_its_memory_runs_a_trial_first_and_is_kept_out_unless_m
     pick = memory_pick(ranked, spreads)
     assert pick.plan not in ran and search.choose(confirmed(ranked, spreads), 1.0) is ranked[0]
     assert confirmed(ranked, {}) == ranked  # no trial ran: every plan is the model's alike
+
+
+def test_every_action_the_executor_takes_costs_its_overhead_and_messages_share_the_cores() -> None:
+    profile = dataclasses.replace(_profile(), link_latency=0.001, link_bandwidth=1e6, send_seconds_per_byte=1e-9)
+    plan = PipelinePlan(1, 2, 2, "gpipe", partition=(2, 2))
+    stages = costs.stage_costs(profile, plan, 1)
+    cost = costs.action_cost(profile, plan, stages)
+    out = stages[0].output_bytes  # stage 0's activation: what it sends and stage 1 receives
+    overhead, posting = profile.action_overhead, profile.send_overhead
+    assert cost(Action(0, Kind.FORWARD, 0)) == pytest.approx(stages[0].forward + overhead)
+    assert cost(Action(0, Kind.SEND_ACT, 0)) == pytest.approx(posting + out * 1e-9 + overhead)
+    assert cost(Action(1, Kind.RECV_ACT, 0)) == pytest.approx(0.001 + out / 1e6 + overhead)
+    assert cost(Action(1, Kind.RECV_GRAD, 0)) == pytest.approx(0.001 + stages[1].output_bytes / 1e6 + overhead)
+    # Two ranks on one core: stage 0's second send runs while stage 1 computes, so it takes longer
+    # than alone; on a core each, as long as alone.
+    shared = predict.slowdowns(dataclasses.replace(profile, cores=1), plan, cost)
+    assert shared[(0, Kind.SEND_ACT)] > 1.0 and shared[(1, Kind.SEND_GRAD)] > 1.0
+    assert set(predict.slowdowns(dataclasses.replace(profile, cores=2), plan, cost).values()) == {1.0}
 
 
 def test_a_two_bw_step_copies_the_newest_weights_before_stepping_and_a_flushed_one_does_not() -> None:

@@ -126,8 +126,10 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
       norm the step reads joins every stage, so each waits there for the last to arrive, which
       waits least. The all-reduce is a line through its actions' ``(model, traced)`` points
       (:func:`fitted_line`): a latency each and a scale of the ring's seconds.
-    - Sends: the profiled posting of a small message is the intercept; each traced send's
-      seconds beyond it over its payload's bytes gives a cost per byte, their median the fitted
+    - Sends: the profiled posting of a small message and the executor's overhead per action are
+      the intercept, as the model charges a send both; each traced send's
+      seconds (divided by the slowdown the simulator finds for it, its rank sharing the host's
+      cores) beyond it over its payload's bytes gives a cost per byte, their median the fitted
       one (:func:`send_seconds_per_byte`), so that the trials' large messages do not price the
       small ones of plans with many microbatches. Receives wait on their senders, so they are
       not fitted.
@@ -168,7 +170,8 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
                     compute.append(((cost(action) - base.action_overhead - gather) * slower, seconds - gather))
                 elif key == "send":
                     st = stages[action.stage]
-                    sends.append((st.output_bytes if action.kind is Kind.SEND_ACT else st.input_bytes, seconds))
+                    payload = st.output_bytes if action.kind is Kind.SEND_ACT else st.input_bytes
+                    sends.append((payload, seconds / slower))  # as it would take alone, as the model charges it
                 elif key is not None and cost(action) > 0:
                     seen = fastest.get(text)
                     fastest[text] = (key, cost(action) * slower, min(seconds, seen[2]) if seen else seconds)
@@ -179,7 +182,7 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
     fitted = dataclasses.replace(
         base,
         compute_scale=fitted_scale(compute, base.action_overhead),
-        send_seconds_per_byte=send_seconds_per_byte(sends, base.send_overhead),
+        send_seconds_per_byte=send_seconds_per_byte(sends, base.send_overhead + base.action_overhead),
         optimizer_scale=_fitted_scale(sum(y for _, y in optimizer), sum(x for x, _ in optimizer)),
         allreduce_scale=allreduce_scale,
         allreduce_latency=allreduce_latency,

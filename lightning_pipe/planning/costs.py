@@ -480,10 +480,11 @@ def sharded_seconds(profile: Profile, plan: PipelinePlan, st: StageCosts, a: Act
 
 
 def action_cost(profile: Profile, plan: PipelinePlan, stages: Sequence[StageCosts]) -> Callable[[Action], float]:
-    """Seconds of each action of ``plan``'s program: compute from the profile (plus the executor's
-    measured overhead per action), sends the time to post them, receives from the link
-    (latency + bytes / bandwidth), the all-reduce from the replicas' ring, the step by weight share;
-    compute, all-reduce and step scaled as the profile's trial runs fitted them.
+    """Seconds of each action of ``plan``'s program: compute from the profile, sends the time to
+    post them, receives from the link (latency + bytes / bandwidth), each of them plus the
+    executor's measured overhead per action (its loop and bookkeeping run around every action it
+    takes, a message's as a block's); the all-reduce from the replicas' ring, the step by weight
+    share; compute, all-reduce and step scaled as the profile's trial runs fitted them.
 
     FSDP replicas (``data_parallel="fsdp"``, :func:`sharded_seconds`): the AR action is a
     reduce-scatter, half the ring all-reduce; the forwards and backwards that gather a stage's
@@ -508,11 +509,11 @@ def action_cost(profile: Profile, plan: PipelinePlan, stages: Sequence[StageCost
             return seconds + sharded_seconds(profile, plan, st, a) if fsdp else seconds
         if a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
             payload = st.output_bytes if a.kind is Kind.SEND_ACT else st.input_bytes
-            return profile.send_overhead + payload * profile.send_seconds_per_byte
+            return profile.send_overhead + payload * profile.send_seconds_per_byte + profile.action_overhead
         if a.kind is Kind.RECV_ACT:
-            return _transfer(profile, st.input_bytes)
+            return _transfer(profile, st.input_bytes) + profile.action_overhead
         if a.kind is Kind.RECV_GRAD:
-            return _transfer(profile, st.output_bytes)
+            return _transfer(profile, st.output_bytes) + profile.action_overhead
         if a.kind is Kind.ALL_REDUCE and fsdp:
             return sharded_seconds(profile, plan, st, a)
         if a.kind is Kind.ALL_REDUCE and plan.width > 1 and profile.allreduce_bandwidth:

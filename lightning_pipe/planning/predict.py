@@ -27,8 +27,23 @@ from lightning_pipe.planning.programs import gradient_sets as program_gradient_s
 from lightning_pipe.schedules import Action, Kind
 from lightning_pipe.schedules.simulate import CompiledProgram, Exchange, SharedCores, shared_run
 
-#: What keeps a CPU core busy: compute and the optimizer step.
-_CPU_KINDS = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.INPUT_GRAD, Kind.WEIGHT_GRAD, Kind.OPTIMIZER_STEP})
+#: What keeps a rank on a core of a host whose cores the ranks share: compute, the optimizer step,
+#: and moving messages (a send packs and copies its tensors, a receive's bytes are copied on the
+#: CPU, and the executor runs its own work around each). A receive's waiting is no action's: the
+#: simulator starts it when its message arrives.
+_CPU_KINDS = frozenset(
+    {
+        Kind.FORWARD,
+        Kind.BACKWARD,
+        Kind.INPUT_GRAD,
+        Kind.WEIGHT_GRAD,
+        Kind.OPTIMIZER_STEP,
+        Kind.SEND_ACT,
+        Kind.SEND_GRAD,
+        Kind.RECV_ACT,
+        Kind.RECV_GRAD,
+    }
+)
 
 
 def exchange(profile: Profile) -> Optional[Exchange]:
