@@ -1486,13 +1486,21 @@ def test_the_plan_says_the_conditions_and_the_measured_sharing_its_times_hold_fo
     assert "2.50x slower with all at once than alone, so the ranks share 1.60 effective cores" in note
 
 
-def test_the_plan_command_profiles_one_sample_the_largest_microbatch_and_their_geometric_middle() -> None:
+def test_the_plan_command_profiles_one_sample_the_largest_microbatches_and_their_geometric_middle() -> None:
     from lightning_pipe.lightning.plan_cli import profiled_sizes
 
-    assert profiled_sizes(32, 2) == [1, 4, 16]
-    assert profiled_sizes(32, 4) == [1, 3, 8]
-    assert profiled_sizes(8, 8) == [1]
+    # 1, the geometric middle, a replica's batch with every device a replica, the whole global batch
+    assert profiled_sizes(32, 2) == [1, 4, 16, 32]
+    assert profiled_sizes(32, 4) == [1, 3, 8, 32]
+    assert profiled_sizes(32, 4, held=16) == [1, 3, 8, 16]  # as far as the data's batch reaches
+    assert profiled_sizes(32, 4, held=8) == [1, 3, 8]
+    assert profiled_sizes(32, 4, whole=False) == [1, 3, 8]  # on a GPU
+    assert profiled_sizes(8, 8) == [1, 8]
     assert profiled_sizes(2, 1) == [1, 2]
+    # Every microbatch size the search offers lies within the profiled ones: none extrapolated.
+    for devices in (2, 4):
+        offered = {c.microbatch_size for c in search.candidates(_uniform(6), devices, 32)}
+        assert max(offered) == max(profiled_sizes(32, devices))
 
 
 def test_the_link_bandwidth_is_read_from_rounds_no_other_process_preempted(monkeypatch: pytest.MonkeyPatch) -> None:

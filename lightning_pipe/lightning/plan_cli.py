@@ -115,14 +115,20 @@ def _global_batch(cfg: dict[str, Any], data: Any) -> int:
     return int(init.get("global_batch_size") or getattr(data, "batch_size") * (devices // depth))
 
 
-def profiled_sizes(global_batch: int, devices: int) -> list[int]:
+def profiled_sizes(global_batch: int, devices: int, held: Optional[int] = None, whole: bool = True) -> list[int]:
     """The microbatch sizes the plan command profiles: 1, the largest a replica gets with every
-    device a replica, and between them their geometric middle. Time is interpolated linearly
-    between the nearest two (:meth:`~lightning_pipe.planning.profile.BlockProfile.at`); a block's
-    time is not linear in the size from one sample to many (per-op overheads, then caches), and
-    a middle sample halves the span a line must cover. Bytes are linear in it."""
+    device a replica, between them their geometric middle, and the whole global batch (one
+    microbatch of one replica: the largest any plan runs), as far as the data's batch (``held``
+    samples; ``None``: all of them) reaches, unless ``whole`` is false. Time is interpolated
+    linearly between the nearest two (:meth:`~lightning_pipe.planning.profile.BlockProfile.at`);
+    a block's time is not linear in the size from one sample to many (per-op overheads, then
+    caches), a middle sample halves the span a line must cover, and a line is not stretched
+    past the samples it was drawn through. Bytes are linear in it."""
     largest = max(global_batch // devices, 1)
-    return sorted({1, max(round(largest**0.5), 1), largest})
+    sizes = {1, max(round(largest**0.5), 1), largest}
+    if whole:
+        sizes.add(max(min(global_batch, held if held is not None else global_batch), largest))
+    return sorted(sizes)
 
 
 def job_conditions(devices: int, ranks_per_node: Optional[int], device_type: str) -> tuple[int, int]:
@@ -570,7 +576,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cfg = yaml.safe_load(args.config.read_text()) or {}
     model, data = _build(args.config, args.script)
     global_batch = args.global_batch or _global_batch(cfg, data)
-    sizes = profiled_sizes(global_batch, args.devices)
+    data.setup("fit")
+    held = batch_size(next(iter(data.train_dataloader())))
+    # A GPU may not hold one block's activations of the whole global batch (plans that would need
+    # them do not fit it either): there the largest profiled size stays a replica's batch.
+    sizes = profiled_sizes(global_batch, args.devices, held, whole=not torch.cuda.is_available())
     processes, threads = job_conditions(
         args.devices, args.ranks_per_node, "cuda" if torch.cuda.is_available() else "cpu"
     )
