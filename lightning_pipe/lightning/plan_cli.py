@@ -655,7 +655,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if unconfirmed is not None and unconfirmed is not best:
         print(
             f"\n{unconfirmed.plan.describe()} needs less memory and is predicted within the noise of the best, "
-            "but no trial measured it (the trial budget is spent): keeping the measured plan"
+            f"but no trial measured it (none left in the budget, or it failed): keeping {best.plan.describe()}"
         )
     if best is not ranked[0]:
         print(
