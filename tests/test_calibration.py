@@ -13,6 +13,7 @@ from lightning_pipe.lightning.plan_cli import (
     layout,
     measured_first,
     prediction_spread,
+    same_run,
     trial_ranking,
 )
 from lightning_pipe.planning import costs, predict, programs, search
@@ -199,6 +200,33 @@ def test_every_action_the_executor_takes_costs_its_overhead_and_messages_share_t
     shared = predict.slowdowns(dataclasses.replace(profile, cores=1), plan, cost)
     assert shared[(0, Kind.SEND_ACT)] > 1.0 and shared[(1, Kind.SEND_GRAD)] > 1.0
     assert set(predict.slowdowns(dataclasses.replace(profile, cores=2), plan, cost).values()) == {1.0}
+
+
+def test_a_trial_measures_every_plan_that_runs_the_same_program_under_another_name() -> None:
+    # With one microbatch GPipe and 1F1B are the same action lists (written out): a trial of one
+    # is the other's measured step, not a layout ratio's estimate.
+    gpipe, one_f_one_b = (PipelinePlan(1, 2, 1, s, partition=(2, 2)) for s in ("gpipe", "1f1b"))
+    assert [[str(a) for a in rank] for rank in programs.program(gpipe)] == [
+        ["0F0", "0SF0", "0RB0", "0B0", "0AR", "0OPT"],
+        ["1RF0", "1F0", "1B0", "1SB0", "1AR", "1OPT"],
+    ]
+    assert programs.program(one_f_one_b) == programs.program(gpipe) and same_run(one_f_one_b, gpipe)
+    two = PipelinePlan(1, 2, 2, "1f1b", partition=(2, 2))
+    assert not same_run(two, PipelinePlan(1, 2, 2, "gpipe", partition=(2, 2)))  # F F B B against F B F B
+    assert not same_run(two, PipelinePlan(1, 2, 2, "2bw", partition=(2, 2)))  # another weight rule
+    # A layout that ran two trials (with and without split backward) charges its other plans one
+    # trial's ratio; the plan that runs the same program as a trial is charged that trial's step.
+    split = PipelinePlan(1, 2, 1, "gpipe", split_backward=True, partition=(2, 2))
+    profile = _profile()
+    plans = (gpipe, one_f_one_b, two, split)
+    ranked = search.rank(search.evaluate(profile, search.Candidate(p, 8 // p.microbatches)) for p in plans)
+    trials = {(gpipe, 8): Trial(gpipe, 8, 9.0, ()), (split, 8): Trial(split, 8, 5.0, ())}
+    charged = {
+        (p.plan.schedule, p.plan.microbatches, p.plan.split_backward): p.step_time
+        for p in measured_first(ranked, trials)
+    }
+    assert charged[("gpipe", 1, False)] == charged[("1f1b", 1, False)] == 9.0
+    assert charged[("gpipe", 1, True)] == 5.0 and charged[("1f1b", 2, False)] not in (5.0, 9.0)
 
 
 def test_a_two_bw_step_copies_the_newest_weights_before_stepping_and_a_flushed_one_does_not() -> None:

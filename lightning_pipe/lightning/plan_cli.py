@@ -22,7 +22,7 @@ from tqdm import tqdm
 from lightning_pipe.core.pipeline_plan import PipelinePlan
 from lightning_pipe.core.sizes import parse_size
 from lightning_pipe.lightning.trial import run_trial, strategy_init_args
-from lightning_pipe.planning import predict, search
+from lightning_pipe.planning import predict, programs, search
 from lightning_pipe.planning.calibration import Trial, calibrate, median_error
 from lightning_pipe.planning.links import profile_links
 from lightning_pipe.planning.profile import Profile, median_profile
@@ -301,17 +301,31 @@ def confirmed(
 def measured_first(
     ranked: Sequence[predict.Prediction], ran: dict[tuple[PipelinePlan, int], Trial]
 ) -> list[predict.Prediction]:
-    """``ranked`` with each plan that ran a trial charged its measured step, and each plan of a
+    """``ranked`` with each plan that ran a trial (or runs the same job as one, :func:`same_run`)
+    charged its measured step, and each plan of a
     trial's layout (:func:`layout`: the same blocks on the same ranks at the same microbatch
     size, another schedule, split or recompute) its model step times that trial's measured over
     model step (:func:`layout_ratios`); ranked again."""
     ratios = layout_ratios(ranked, ran)
     charged = []
     for p in ranked:
-        key = (p.plan, p.microbatch_size)
-        step = ran[key].step if key in ran else p.step_time * ratios.get(layout(p.plan, p.microbatch_size), 1.0)
+        trial = next((t for (q, b), t in ran.items() if b == p.microbatch_size and same_run(p.plan, q)), None)
+        step = trial.step if trial else p.step_time * ratios.get(layout(p.plan, p.microbatch_size), 1.0)
         charged.append(dataclasses.replace(p, step_time=step))
     return search.rank(charged)
+
+
+def same_run(a: PipelinePlan, b: PipelinePlan) -> bool:
+    """Whether two plans run the same job: equal but for their schedules' names, which keep as
+    many weight versions and stream alike, and whose programs are the same action lists (GPipe
+    and 1F1B with one microbatch). A trial of one measures the other."""
+    if a == b:
+        return True
+    if any(getattr(a, f.name) != getattr(b, f.name) for f in dataclasses.fields(a) if f.name != "schedule"):
+        return False
+    if (a.spec.streams, a.spec.weight_versions) != (b.spec.streams, b.spec.weight_versions):
+        return False
+    return programs.program(a) == programs.program(b)
 
 
 def layout(plan: PipelinePlan, microbatch_size: int) -> tuple:
