@@ -479,6 +479,22 @@ def sharded_seconds(profile: Profile, plan: PipelinePlan, st: StageCosts, a: Act
     return nbytes / profile.allreduce_bandwidth * profile.allreduce_scale
 
 
+#: The actions the executor's measured overhead per action is charged to: its loop and
+#: bookkeeping run around a message as around a block.
+_PAYS_OVERHEAD = frozenset(
+    {
+        Kind.FORWARD,
+        Kind.BACKWARD,
+        Kind.INPUT_GRAD,
+        Kind.WEIGHT_GRAD,
+        Kind.SEND_ACT,
+        Kind.SEND_GRAD,
+        Kind.RECV_ACT,
+        Kind.RECV_GRAD,
+    }
+)
+
+
 def action_cost(profile: Profile, plan: PipelinePlan, stages: Sequence[StageCosts]) -> Callable[[Action], float]:
     """Seconds of each action of ``plan``'s program: compute from the profile, sends the time to
     post them, receives from the link (latency + bytes / bandwidth), each of them plus the
@@ -503,17 +519,20 @@ def action_cost(profile: Profile, plan: PipelinePlan, stages: Sequence[StageCost
     }
 
     def cost(a: Action) -> float:
+        return own(a) + (profile.action_overhead if a.kind in _PAYS_OVERHEAD else 0.0)
+
+    def own(a: Action) -> float:
         st = stages[a.stage]
         if a.kind in compute:
-            seconds = getattr(st, compute[a.kind]) * profile.compute_scale + profile.action_overhead
+            seconds = getattr(st, compute[a.kind]) * profile.compute_scale
             return seconds + sharded_seconds(profile, plan, st, a) if fsdp else seconds
         if a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
             payload = st.output_bytes if a.kind is Kind.SEND_ACT else st.input_bytes
-            return profile.send_overhead + payload * profile.send_seconds_per_byte + profile.action_overhead
+            return profile.send_overhead + payload * profile.send_seconds_per_byte
         if a.kind is Kind.RECV_ACT:
-            return _transfer(profile, st.input_bytes) + profile.action_overhead
+            return _transfer(profile, st.input_bytes)
         if a.kind is Kind.RECV_GRAD:
-            return _transfer(profile, st.output_bytes) + profile.action_overhead
+            return _transfer(profile, st.output_bytes)
         if a.kind is Kind.ALL_REDUCE and fsdp:
             return sharded_seconds(profile, plan, st, a)
         if a.kind is Kind.ALL_REDUCE and plan.width > 1 and profile.allreduce_bandwidth:

@@ -205,8 +205,11 @@ class Mailbox:
     def incoming_from(self, src: int, key: Action) -> p2p.Incoming:
         """The message from ``src`` that receive ``key`` reads, its receive posted for the specs
         the message of its name last had (:class:`p2p.Links`)."""
-        name = self.links.name(key.kind, key.stage, key.microbatch)  # type: ignore[arg-type]
-        return p2p.Incoming(src, self.device, self.links.received.get((src, name)), self.channel)
+        return p2p.Incoming(src, self.device, self.links.received.get((src, self._name(key))), self.channel)
+
+    def _name(self, key: Action) -> tuple:
+        """The name (:class:`p2p.Links`) of the message receive ``key`` reads."""
+        return self.links.name(key.kind, key.stage, key.microbatch)  # type: ignore[arg-type]
 
     def take_incoming(self, src: int) -> p2p.Incoming:
         """The posted receive of the next message from ``src`` (posted now if it was not), no longer kept here."""
@@ -233,7 +236,7 @@ class Mailbox:
     def _next_message(self, src: int, at: int, delivered: Callable[[int, int], None]) -> Tensors:
         """Wait for the next message from ``src`` (its receive posted); post the one after it where that goes ahead."""
         incoming, key = self._incoming[src].popleft(), self._expected[src][0]
-        name = self.links.name(key.kind, key.stage, key.microbatch)  # type: ignore[arg-type]
+        name = self._name(key)
         start = time.monotonic()
         try:
             received = incoming.wait()
