@@ -245,8 +245,10 @@ def test_the_choice_trusts_a_measured_best_plan_to_its_trial_spread() -> None:
     profile = _profile()
     ranked = search.search(profile, 4, 8, virtual_stages=(1,))
     top = ranked[0]
-    # Profiled in rounds the best plan's prediction moved 30%; measured in its trial, 2%.
-    assert choice_noise(ranked, {top.plan: 0.3}, {(top.plan, top.microbatch_size): 0.02}) == 0.02
+    # Profiled in rounds the best plan's prediction moved 30%; measured in its trial, 2%: another
+    # step measured as closely can differ from it by sqrt(0.02**2 + 0.02**2) and not be told apart.
+    measured = choice_noise(ranked, {top.plan: 0.3}, {(top.plan, top.microbatch_size): 0.02})
+    assert measured == pytest.approx((0.02**2 + 0.02**2) ** 0.5)
     assert choice_noise(ranked, {top.plan: 0.3}, {}) == 0.3
     assert choice_noise([], {}, {}) == 0.0
     ends = [[0.0, 1.0, 2.1, 3.0, 4.0], [0.0, 1.0, 2.0, 3.2, 7.2]]  # steps (1, 1.1, .9, 1) and (1, 1, 1.2, 4)
@@ -454,3 +456,23 @@ def test_a_trial_of_several_launches_takes_their_median_and_pools_the_traced_act
     assert trial.logged_bytes == 8 and trial.launches == pytest.approx((1.0, 1.1, 3.0))
     steady = pooled_trial(plan, 4, launches[:2])  # two launches: half their difference
     assert steady.step == pytest.approx(1.05) and steady.spread == pytest.approx(0.05 / 1.05)
+
+
+def test_every_trial_reads_the_launch_noise_pooled_over_the_plan_commands_trials() -> None:
+    from lightning_pipe.planning.calibration import host_launch_sigma, measured_spreads
+
+    a, b, c = (PipelinePlan(1, 2, m, "1f1b", partition=(3, 3)) for m in (1, 2, 4))
+    trials = [
+        Trial(a, 8, 1.0, ({},), spread=0.005, launches=(0.98, 1.02)),  # agreed at once: 2% apart
+        Trial(b, 4, 2.0, ({},), spread=0.01, launches=(1.8, 2.2, 2.0)),  # 10% apart, then a third
+        Trial(c, 2, 3.0, ({},), spread=0.2),  # one launch: no degree of freedom, its own spread stays
+    ]
+    # Squared relative deviations about each trial's mean over the degrees of freedom (1 + 2).
+    squares = (0.02**2 + 0.02**2) + (0.1**2 + 0.1**2 + 0.0)
+    sigma = (squares / 3) ** 0.5
+    assert host_launch_sigma(trials) == pytest.approx(sigma)
+    spreads = measured_spreads(trials)
+    assert spreads[(a, 8)] == pytest.approx(sigma / 2**0.5)  # the mean of two launches
+    assert spreads[(b, 4)] == pytest.approx(1.2533 * sigma / 3**0.5)  # the median of three
+    assert spreads[(c, 2)] == 0.2  # its own, larger than the host's one-launch error
+    assert host_launch_sigma(trials[2:]) == 0.0 and measured_spreads(trials[2:]) == {(c, 2): 0.2}

@@ -42,6 +42,15 @@ def test_the_ranking_json_marks_the_plans_within_the_noise_of_the_best() -> None
     assert [p["within_noise"] for p in json.loads(ranking_json(ranked, 4, 32))["plans"]] == [True, False, False]
 
 
+def test_plans_of_equal_peak_within_the_noise_yield_to_the_one_with_less_memory_on_its_other_ranks() -> None:
+    plan = PipelinePlan(depth=2, microbatches=1, partition=[1, 1])
+    split = Prediction(dataclasses.replace(plan, split_backward=True), 1, 1.00, (300, 200), 1e12)
+    plain = Prediction(plan, 1, 1.02, (300, 150), 1e12)
+    ranked = search.rank([split, plain])
+    assert search.choose(ranked, 0.05) is plain  # same peak, 50 bytes less on the second rank
+    assert search.choose(ranked, 0.01) is split  # 2% apart is told apart: the faster
+
+
 def test_a_plan_that_does_not_fit_is_never_chosen() -> None:
     ranked = search.rank([_prediction(1, 1.00, 300, limit=200), _prediction(2, 1.02, 100, limit=200)])
     assert search.choose(ranked, 0.05).plan.depth == 2

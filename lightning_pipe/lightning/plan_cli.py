@@ -8,6 +8,7 @@ import functools
 import importlib.util
 import inspect
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -23,7 +24,7 @@ from lightning_pipe.core.pipeline_plan import PipelinePlan
 from lightning_pipe.core.sizes import parse_size
 from lightning_pipe.lightning.trial import run_trial, strategy_init_args
 from lightning_pipe.planning import predict, programs, search
-from lightning_pipe.planning.calibration import Trial, calibrate, median_error
+from lightning_pipe.planning.calibration import Trial, calibrate, measured_spreads, median_error
 from lightning_pipe.planning.links import profile_links
 from lightning_pipe.planning.profile import Profile, median_profile
 from lightning_pipe.planning.profiler import profile_concurrently
@@ -225,8 +226,9 @@ def trial_ranking(
     """The profile fitted to trial runs (:func:`~lightning_pipe.planning.calibration.calibrate`),
     the plans ranked again (:func:`measured_first`: each plan that ran charged its measured step,
     each of a trial's layout its model step scaled by the trial), and, by plan and microbatch
-    size, the fitted model's step of each plan charged so, and the measured steps' spread of
-    each plan that ran.
+    size, the fitted model's step of each plan charged so, and the measured step's spread of
+    each plan that ran (:func:`~lightning_pipe.planning.calibration.measured_spreads`: with the
+    host's launch noise pooled over the trials).
 
     The first trials run the best plan (and the best with DDP replicas where the best shards
     them: the fit reads DDP trials) and the best DDP plan of another data-parallel width
@@ -256,7 +258,7 @@ def trial_ranking(
         fitted = calibrate(profile, list(ran.values()))
         modeled = ranking(fitted)
         ranked = measured_first(modeled, ran)
-        spreads = {key: t.spread for key, t in ran.items()}
+        spreads = measured_spreads(list(ran.values()))
         fresh = _next_trial(ranked, ran, tried, choice(ranked, spreads) if choice else None)
         if len(tried) >= budget or fresh is None:
             layouts = layout_ratios(modeled, ran)
@@ -363,13 +365,18 @@ def choice_noise(
     spread: dict[PipelinePlan, float],
     trial_spreads: dict[tuple[PipelinePlan, int], float],
 ) -> float:
-    """How far the best plan's step can be off, for :func:`~lightning_pipe.planning.search.choose`:
-    the spread of its trial's measured steps if it ran one, else its prediction's spread over
-    the rounds of profiling (0 without either)."""
+    """How far another plan's step can lie from the best's before the measurements tell them apart,
+    for :func:`~lightning_pipe.planning.search.choose`. If the best ran a trial: ``sqrt(2)`` times
+    its trial's spread, the standard error of the difference of two steps each measured as
+    closely (the others are measured, or scaled by a trial, on the same host). Else the best's
+    prediction's spread over the rounds of profiling, which every plan's prediction shares
+    (0 without either)."""
     if not ranked:
         return 0.0
     key = (ranked[0].plan, ranked[0].microbatch_size)
-    return max(trial_spreads[key] if key in trial_spreads else spread.get(ranked[0].plan, 0.0), 0.0)
+    if key in trial_spreads:
+        return max(math.sqrt(2) * trial_spreads[key], 0.0)
+    return max(spread.get(ranked[0].plan, 0.0), 0.0)
 
 
 def calibration_note(profile: Profile) -> str:

@@ -268,6 +268,36 @@ def median_error(values: Sequence[float]) -> float:
     return 1.2533 * 1.4826 * mad / len(values) ** 0.5 / median
 
 
+def host_launch_sigma(trials: Sequence[Trial]) -> float:
+    """The host's launch-to-launch noise: the relative standard deviation of one launch's median
+    step about its trial's mean, pooled over every trial of several launches (the sum of their
+    squared relative deviations over their degrees of freedom, ``launches - 1`` each); 0 without
+    such a trial. Every trial of one plan command runs on the same host under the same load, so
+    this reads the host's noise from all of them rather than from the two or three launches of one."""
+    squares, freedom = 0.0, 0
+    for trial in trials:
+        if len(trial.launches) > 1:
+            mean = statistics.fmean(trial.launches)
+            squares += sum((m / mean - 1) ** 2 for m in trial.launches)
+            freedom += len(trial.launches) - 1
+    return (squares / freedom) ** 0.5 if freedom else 0.0
+
+
+def measured_spreads(trials: Sequence[Trial]) -> dict[tuple[PipelinePlan, int], float]:
+    """Each trial's spread, by plan and microbatch size: the larger of its own
+    (:attr:`Trial.spread`) and the standard error of its step with the host's launch noise
+    (:func:`host_launch_sigma`) over its launches, ``sigma / sqrt(n)`` for the mean of two and
+    ``1.2533 * sigma / sqrt(n)`` for the median of more. A trial launches until two launches
+    agree (:func:`~lightning_pipe.lightning.trial.until_stable`), so its own launches alone
+    read its spread low on a noisy host."""
+    sigma = host_launch_sigma(trials)
+    spreads = {}
+    for t in trials:
+        n = max(len(t.launches), 1)
+        spreads[(t.plan, t.microbatch_size)] = max(t.spread, (1.2533 if n > 2 else 1.0) * sigma / n**0.5)
+    return spreads
+
+
 def median_actions(traced: Mapping[str, Sequence[float]]) -> dict[str, float]:
     """Each action's median seconds over the traced steps."""
     return {text: statistics.median(seconds) for text, seconds in traced.items() if seconds}

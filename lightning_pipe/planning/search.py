@@ -175,13 +175,22 @@ def within_noise(ranked: Sequence[Prediction], noise: float) -> list[Prediction]
 
 def choose(ranked: Sequence[Prediction], noise: float = 0.0) -> Optional[Prediction]:
     """The plan to run: the best feasible one, or among the plans within ``noise`` of it (which the
-    measurements cannot tell apart) the one with the least peak memory, DDP replicas before
-    FSDP ones (FSDP's time model leaves out each collective's latency and FSDP's hooks, so a
-    plan that only ties a DDP one is not taken for its memory); ``None`` if none fits."""
+    measurements cannot tell apart) the one with the least peak memory, then the least memory
+    over all its ranks, DDP replicas before FSDP ones (FSDP's time model leaves out each
+    collective's latency and FSDP's hooks, so a plan that only ties a DDP one is not taken for
+    its memory); ``None`` if none fits."""
     close = within_noise(ranked, noise)
     if not close:
         return None
-    return min(close, key=lambda p: (p.plan.data_parallel == "fsdp", max(p.stage_memory), -p.samples_per_second))
+    return min(
+        close,
+        key=lambda p: (
+            p.plan.data_parallel == "fsdp",
+            max(p.stage_memory),
+            sum(p.stage_memory),
+            -p.samples_per_second,
+        ),
+    )
 
 
 def search(
