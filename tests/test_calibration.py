@@ -227,6 +227,11 @@ def test_a_trial_measures_every_plan_that_runs_the_same_program_under_another_na
     }
     assert charged[("gpipe", 1, False)] == charged[("1f1b", 1, False)] == 9.0
     assert charged[("gpipe", 1, True)] == 5.0 and charged[("1f1b", 2, False)] not in (5.0, 9.0)
+    # With one microbatch a split backward's W runs right after its I wherever it is placed.
+    drained = PipelinePlan(1, 2, 1, "1f1b", split_backward=True, partition=(2, 2), split_placement="drain")
+    assert programs.program(drained) == programs.program(split) and same_run(drained, split)
+    drained_two = PipelinePlan(1, 2, 2, "1f1b", split_backward=True, partition=(2, 2), split_placement="drain")
+    assert not same_run(drained_two, PipelinePlan(1, 2, 2, "1f1b", split_backward=True, partition=(2, 2)))
 
 
 def test_a_two_bw_step_copies_the_newest_weights_before_stepping_and_a_flushed_one_does_not() -> None:
@@ -250,6 +255,16 @@ def test_the_choice_trusts_a_measured_best_plan_to_its_trial_spread() -> None:
     measured = choice_noise(ranked, {top.plan: 0.3}, {(top.plan, top.microbatch_size): 0.02})
     assert measured == pytest.approx((0.02**2 + 0.02**2) ** 0.5)
     assert choice_noise(ranked, {top.plan: 0.3}, {}) == 0.3
+    # A best plan no trial ran, charged by a trial of its layout (another schedule), is as
+    # uncertain as that trial's step.
+    other = next(
+        p
+        for p in ranked
+        if layout(p.plan, p.microbatch_size) == layout(top.plan, top.microbatch_size) and not same_run(p.plan, top.plan)
+    )
+    assert choice_noise(ranked, {top.plan: 0.3}, {(other.plan, other.microbatch_size): 0.02}) == pytest.approx(
+        2**0.5 * 0.02
+    )
     assert choice_noise([], {}, {}) == 0.0
     ends = [[0.0, 1.0, 2.1, 3.0, 4.0], [0.0, 1.0, 2.0, 3.2, 7.2]]  # steps (1, 1.1, .9, 1) and (1, 1, 1.2, 4)
     # slowest: 1.0, 1.1, 1.2, 4.0: median 1.15, absolute deviations .15, .05, .05, 2.85 -> MAD 0.1

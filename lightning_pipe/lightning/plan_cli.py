@@ -317,13 +317,19 @@ def measured_first(
     return search.rank(charged)
 
 
+#: The plan fields that only order a program's actions: plans that differ in them alone and
+#: build the same action lists run the same job.
+ORDER_FIELDS = frozenset({"schedule", "split_placement", "split_max_pending"})
+
+
 def same_run(a: PipelinePlan, b: PipelinePlan) -> bool:
-    """Whether two plans run the same job: equal but for their schedules' names, which keep as
-    many weight versions and stream alike, and whose programs are the same action lists (GPipe
-    and 1F1B with one microbatch). A trial of one measures the other."""
+    """Whether two plans run the same job: equal but for the fields that order their actions
+    (:data:`ORDER_FIELDS`), with schedules that keep as many weight versions and stream alike,
+    and programs that are the same action lists (GPipe and 1F1B with one microbatch, a split
+    backward's W placements with one microbatch). A trial of one measures the other."""
     if a == b:
         return True
-    if any(getattr(a, f.name) != getattr(b, f.name) for f in dataclasses.fields(a) if f.name != "schedule"):
+    if any(getattr(a, f.name) != getattr(b, f.name) for f in dataclasses.fields(a) if f.name not in ORDER_FIELDS):
         return False
     if (a.spec.streams, a.spec.weight_versions) != (b.spec.streams, b.spec.weight_versions):
         return False
@@ -366,17 +372,22 @@ def choice_noise(
     trial_spreads: dict[tuple[PipelinePlan, int], float],
 ) -> float:
     """How far another plan's step can lie from the best's before the measurements tell them apart,
-    for :func:`~lightning_pipe.planning.search.choose`. If the best ran a trial: ``sqrt(2)`` times
-    its trial's spread, the standard error of the difference of two steps each measured as
-    closely (the others are measured, or scaled by a trial, on the same host). Else the best's
-    prediction's spread over the rounds of profiling, which every plan's prediction shares
-    (0 without either)."""
+    for :func:`~lightning_pipe.planning.search.choose`. If a trial measured the best (it, a plan
+    of the same run, :func:`same_run`, or one of its :func:`layout`, whose measured step scales
+    the best's): ``sqrt(2)`` times that trial's spread, the standard error of the difference of
+    two steps each measured as closely (the others are measured, or scaled by a trial, on the
+    same host). Else the best's prediction's spread over the rounds of profiling, which every
+    plan's prediction shares (0 without either)."""
     if not ranked:
         return 0.0
-    key = (ranked[0].plan, ranked[0].microbatch_size)
-    if key in trial_spreads:
-        return max(math.sqrt(2) * trial_spreads[key], 0.0)
-    return max(spread.get(ranked[0].plan, 0.0), 0.0)
+    best = ranked[0]
+    measured = [s for (q, b), s in trial_spreads.items() if b == best.microbatch_size and same_run(best.plan, q)]
+    measured = measured or [
+        s for (q, b), s in trial_spreads.items() if layout(q, b) == layout(best.plan, best.microbatch_size)
+    ]
+    if measured:
+        return max(math.sqrt(2) * max(measured), 0.0)
+    return max(spread.get(best.plan, 0.0), 0.0)
 
 
 def calibration_note(profile: Profile) -> str:
