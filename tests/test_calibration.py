@@ -321,6 +321,37 @@ def test_a_trial_on_shared_cores_is_fitted_as_the_ranks_alone() -> None:
     assert blind.compute_scale > 1.3 * 1.2
 
 
+def test_a_layout_no_trial_ran_takes_the_step_overhead_of_the_fitted_layouts_of_its_kind() -> None:
+    fitted = dataclasses.replace(
+        _profile(), step_overhead=0.02, layout_overheads={"2x2": 0.04, "1x4": 0.03, "2x1": 0.005}
+    )
+    assert fitted.overhead_of(2, 2) == 0.04  # its own
+    assert fitted.overhead_of(4, 1) == 0.005  # data-parallel only: the one such layout fitted
+    assert fitted.overhead_of(1, 8) == pytest.approx((0.04 + 0.03) / 2)  # pipelined: their median
+    pipelines = dataclasses.replace(fitted, layout_overheads={"2x2": 0.04})
+    assert pipelines.overhead_of(4, 1) == 0.02  # no layout of its kind ran: over all trials
+
+
+def test_the_second_trial_runs_a_layout_of_the_other_kind_where_one_is_feasible() -> None:
+    # The best plan is a pipeline (2 x 2); a 1 x 4 pipeline ranks above every 4 x 1 plan, but the
+    # second trial runs the best data-parallel-only plan, whose step overhead differs.
+    profile = _profile()
+    job = dataclasses.replace(profile, **TRUE)
+    found = search.search(profile, 4, 8, virtual_stages=(1,))
+    by_layout = {
+        (w, d): [p for p in found if (p.plan.width, p.plan.depth) == (w, d)] for w, d in ((2, 2), (1, 4), (4, 1))
+    }
+    ranked = by_layout[(2, 2)][:1] + by_layout[(1, 4)][:1] + by_layout[(4, 1)][:1]
+    ran: list[PipelinePlan] = []
+
+    def trained(p: predict.Prediction) -> Trial:
+        ran.append(p.plan)
+        return _traced(job, p.plan, p.microbatch_size)
+
+    trial_ranking(profile, ranked, lambda p: ranked, trained, budget=2)
+    assert [(p.width, p.depth) for p in ran] == [(2, 2), (4, 1)]
+
+
 def test_fsdp_trials_are_left_out_of_the_fit_where_a_ddp_trial_ran() -> None:
     # An FSDP trial whose collectives take far more than the model prices (its hooks) must not
     # move the DDP plans' scales: the fit with it equals the fit of the DDP trial alone.

@@ -232,7 +232,9 @@ def trial_ranking(
 
     The first trials run the best plan (and the best with DDP replicas where the best shards
     them: the fit reads DDP trials) and the best DDP plan of another data-parallel width
-    (programs that differ in all-reduce and compute, for the fit); then, refitted after each trial, the
+    (programs that differ in all-reduce and compute, for the fit), of the other kind where one
+    is feasible (pipelined or data-parallel only: their step overheads differ,
+    :meth:`~lightning_pipe.planning.profile.Profile.overhead_of`); then, refitted after each trial, the
     best plan that has not run, while it is predicted faster than every measured one, then the
     plan ``choice`` would take (given the ranking and the trials' spreads: a plan within the noise
     that needs less memory) while no trial has measured it, until ``budget`` trials have run. A
@@ -251,7 +253,9 @@ def trial_ranking(
     feasible = [p for p in ranked if p.feasible]
     ddp = [p for p in feasible if p.plan.data_parallel != "fsdp"]  # the fit reads DDP trials (calibrate)
     first = feasible[:1] + (ddp[:1] if feasible and feasible[0].plan.data_parallel == "fsdp" else [])
-    first += [p for p in ddp if feasible and p.plan.width != feasible[0].plan.width and p not in first][:1]
+    others = [p for p in ddp if feasible and p.plan.width != feasible[0].plan.width and p not in first]
+    other_kind = [p for p in others if (p.plan.depth > 1) != (feasible[0].plan.depth > 1)]
+    first += (other_kind or others)[:1]
     for p in first[:budget]:
         attempt(p)
     while True:
@@ -386,7 +390,7 @@ def choice_noise(
         s for (q, b), s in trial_spreads.items() if layout(q, b) == layout(best.plan, best.microbatch_size)
     ]
     if measured:
-        return max(math.sqrt(2) * max(measured), 0.0)
+        return math.sqrt(2) * max(measured)
     return max(spread.get(best.plan, 0.0), 0.0)
 
 

@@ -137,7 +137,8 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
       most a trial's rank held, :attr:`Trial.logged_bytes`), added to ``device_bytes``.
     - Then the step overhead (measured minus predicted step, at least 0): per layout a trial ran
       (``width`` x ``depth``) the median over its trials (:func:`layout_overheads`), for any
-      other the median over all trials. What a step costs beyond its program (the training
+      other the median over the layouts of its kind that ran, pipelined or not
+      (:meth:`~lightning_pipe.planning.profile.Profile.overhead_of`), else over all trials. What a step costs beyond its program (the training
       loop, the loss broadcast, the processes sharing the host's cores while they run it)
       depends on the layout's processes: on a 2-core host a 4-process DDP step's residual
       measured about half a 2 x 2 pipeline's, and a 2-process DDP step's a fifth or less of a
