@@ -138,11 +138,11 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
     - Then the step overhead (measured minus predicted step, at least 0): per layout a trial ran
       (``width`` x ``depth``) the median over its trials (:func:`layout_overheads`), for any
       other the median over the layouts of its kind that ran, pipelined or not
-      (:meth:`~lightning_pipe.planning.profile.Profile.overhead_of`), else over all trials. What a step costs beyond its program (the training
-      loop, the loss broadcast, the processes sharing the host's cores while they run it)
-      depends on the layout's processes: on a 2-core host a 4-process DDP step's residual
-      measured about half a 2 x 2 pipeline's, and a 2-process DDP step's a fifth or less of a
-      1 x 2 pipeline's.
+      (:meth:`~lightning_pipe.planning.profile.Profile.overhead_of`), else over all trials.
+      What a step costs beyond its program (the training loop, the loss broadcast, the
+      processes sharing the host's cores while they run it) depends on the layout's
+      processes: on a 2-core host a 4-process DDP step's residual measured about half a 2 x 2
+      pipeline's, and a 2-process DDP step's a fifth or less of a 1 x 2 pipeline's.
 
     Where a trial with DDP replicas ran, trials with FSDP replicas are left out of the fit: FSDP's
     collectives run in its hooks, inside and around the actions, beyond what the model prices
