@@ -20,9 +20,7 @@ from lightning_pipe.planning.costs import action_cost, sharded, sharded_seconds,
 from lightning_pipe.planning.predict import predict_step, slowdowns
 from lightning_pipe.planning.profile import Profile, layout_key
 from lightning_pipe.schedules import Action, Kind
-
-#: The actions whose seconds are the blocks' compute.
-COMPUTE_KINDS = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.INPUT_GRAD, Kind.WEIGHT_GRAD})
+from lightning_pipe.schedules.actions import COMPUTE_KINDS
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from lightning_pipe.planning.profile import BlockProfile, BlockSample, Profile
 from lightning_pipe.planning.programs import _program, program_key
 from lightning_pipe.runtime.buckets import DEFAULT_BUCKET_BYTES
 from lightning_pipe.schedules import Action, Kind
+from lightning_pipe.schedules.actions import COMPUTE_KINDS, MESSAGE_KINDS
 
 
 @dataclass(frozen=True)
@@ -481,18 +482,7 @@ def sharded_seconds(profile: Profile, plan: PipelinePlan, st: StageCosts, a: Act
 
 #: The actions the executor's measured overhead per action is charged to: its loop and
 #: bookkeeping run around a message as around a block.
-_PAYS_OVERHEAD = frozenset(
-    {
-        Kind.FORWARD,
-        Kind.BACKWARD,
-        Kind.INPUT_GRAD,
-        Kind.WEIGHT_GRAD,
-        Kind.SEND_ACT,
-        Kind.SEND_GRAD,
-        Kind.RECV_ACT,
-        Kind.RECV_GRAD,
-    }
-)
+_PAYS_OVERHEAD = COMPUTE_KINDS | MESSAGE_KINDS
 
 
 def action_cost(profile: Profile, plan: PipelinePlan, stages: Sequence[StageCosts]) -> Callable[[Action], float]:

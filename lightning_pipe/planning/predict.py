@@ -25,25 +25,14 @@ from lightning_pipe.planning.profile import BlockSample, Profile
 from lightning_pipe.planning.programs import compiled_program, flat_program, held, moments, program_key
 from lightning_pipe.planning.programs import gradient_sets as program_gradient_sets
 from lightning_pipe.schedules import Action, Kind
+from lightning_pipe.schedules.actions import COMPUTE_KINDS, MESSAGE_KINDS
 from lightning_pipe.schedules.simulate import CompiledProgram, Exchange, SharedCores, shared_run
 
 #: What keeps a rank on a core of a host whose cores the ranks share: compute, the optimizer step,
 #: and moving messages (a send packs and copies its tensors, a receive's bytes are copied on the
 #: CPU, and the executor runs its own work around each). A receive's waiting is no action's: the
 #: simulator starts it when its message arrives.
-_CPU_KINDS = frozenset(
-    {
-        Kind.FORWARD,
-        Kind.BACKWARD,
-        Kind.INPUT_GRAD,
-        Kind.WEIGHT_GRAD,
-        Kind.OPTIMIZER_STEP,
-        Kind.SEND_ACT,
-        Kind.SEND_GRAD,
-        Kind.RECV_ACT,
-        Kind.RECV_GRAD,
-    }
-)
+_CPU_KINDS = COMPUTE_KINDS | MESSAGE_KINDS | {Kind.OPTIMIZER_STEP}
 
 
 def exchange(profile: Profile) -> Optional[Exchange]:
