@@ -139,8 +139,8 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
       (:meth:`~lightning_pipe.planning.profile.Profile.overhead_of`), else over all trials.
       What a step costs beyond its program (the training loop, the loss broadcast, the
       processes sharing the host's cores while they run it) depends on the layout's
-      processes: on a 2-core host a 4-process DDP step's residual measured about half a 2 x 2
-      pipeline's, and a 2-process DDP step's a fifth or less of a 1 x 2 pipeline's.
+      processes: on a 2-core host a DDP layout's residual measured a quarter to three quarters
+      of a pipeline's on as many processes.
 
     Where a trial with DDP replicas ran, trials with FSDP replicas are left out of the fit: FSDP's
     collectives run in its hooks, inside and around the actions, beyond what the model prices

@@ -260,8 +260,9 @@ class Profile:
         step costs outside its program depends on its layout's processes: which collectives they
         join, how many share the host's cores while each runs its own training loop. A pipeline's
         stages also wait for each other around the program (its first receive, the loss
-        broadcast): on a 2-core host a data-parallel layout's fitted overhead measured a fifth
-        to a half of a pipelined one's, in every workload of the planner's user-path benchmark."""
+        broadcast): on a 2-core host a data-parallel layout's fitted overhead measured a quarter
+        to three quarters of a pipelined one's, in every workload of the planner's user-path
+        benchmark."""
         fitted = self.layout_overheads.get(layout_key(width, depth))
         if fitted is not None:
             return fitted
