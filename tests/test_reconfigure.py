@@ -903,10 +903,10 @@ class HeavyChain(ToyChain):
 
 
 HEAVY_WIDTH, HEAVY_EPS = 1024, 1e-2
-#: Bytes per device, 510 kB after the AutoPlanner's 15% headroom: HeavyChain's plans at a global
-#: batch of 16 on 4 ranks were predicted to peak at 456 to 459 kB under FSDP (4, 1) (both ZeRO
-#: stages), 561 kB under FSDP (2, 2), and 680 to 695 kB under every DDP plan (the wide block's
-#: stage holds its weights, gradients and Adam state whole).
+#: Bytes per device, 498 KiB after the AutoPlanner's 15% headroom: HeavyChain's FSDP (4, 1) plans at a
+#: global batch of 16 are predicted to peak at about 460 to 475 KiB, FSDP (2, 2) plans at 545 KiB or
+#: more, and DDP plans at 665 KiB or more (the wide block's stage holds its weights, gradients and
+#: Adam state whole): only FSDP (4, 1) fits.
 HEAVY_MEMORY = 600_000
 HEAVY_STEPS = 4  # 2 profiled, 2 after the decision
 
