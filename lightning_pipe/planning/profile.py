@@ -299,7 +299,8 @@ def alone(profile: Profile, slowdown: float, processes: int) -> Profile:
     """A profile taken by ``processes`` ranks of one host computing at once, as each rank's times
     alone: every time over ``slowdown`` (how many times slower a rank computed while all did, see
     :func:`~lightning_pipe.planning.profiler.host_slowdown`), with ``processes / slowdown``
-    effective cores (:attr:`Profile.cores`)."""
+    effective cores (:attr:`Profile.cores`). The per-action overhead stays as measured: the
+    profiler times it in CPU time, which ranks sharing the cores do not inflate."""
     cores, slowdown = effective_cores(processes, slowdown), max(slowdown, 1.0)
     times = ("forward", "backward", "input_grad", "weight_grad")
     blocks = [
@@ -313,7 +314,6 @@ def alone(profile: Profile, slowdown: float, processes: int) -> Profile:
         blocks=blocks,
         optimizer_step=profile.optimizer_step / slowdown,
         version_copy=profile.version_copy / slowdown,
-        action_overhead=profile.action_overhead / slowdown,
         cores=cores,
         meta={**profile.meta, "slowdown": slowdown},
     )

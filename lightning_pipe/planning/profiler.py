@@ -675,20 +675,26 @@ def _action_overhead(
 ) -> float:
     """Seconds per F or B action that a one-stage executor run takes beyond the same work run plainly.
 
-    Each repetition runs the microbatches through the executor (1F1B on one stage: F and B
-    alternating) and then the same microbatches block by block in a plain loop, back to back.
-    Load on the host only ever adds time to a run, so the fastest run of each kind is the
-    nearest to the work itself, and their difference per action is the estimate: a busy host
-    cannot inflate it as it inflates a mean or a median (the blocks' own time, measured apart
-    from the run by the profile, would also let the host's drift in).
+    Pairs of short runs: a few microbatches of ``size`` samples through the executor (1F1B on one
+    stage: F and B alternating), and the same microbatches block by block in a plain loop, the
+    pair's order alternating. The estimate is the median over the pairs of their difference per
+    action: the overhead is a few percent of a run, so a difference of two separate minima (or
+    means) is mostly noise, while a pair's two runs see the same state of the host.
+
+    On a CPU the runs are timed in this process's CPU time (:func:`_cpu_timed`): another
+    process taking a core's time slices in one run of a pair and not in the other would add
+    whole milliseconds to a wall-clock difference, and ranks profiling at once or a busy host
+    would read as executor overhead. The estimate is then each rank's alone, as the profile's
+    :func:`~lightning_pipe.planning.profile.alone` keeps it.
     """
     from lightning_pipe.runtime.executor import Executor, Hooks, Position, StepState
     from lightning_pipe.runtime.stage import Stage
     from lightning_pipe.schedules import Kind, build_schedule
 
-    m = max(batch_size(batch) // size, 1)
-    microbatches, shares = split_batch(batch, m)
-    actions = [a for a in build_schedule("1f1b", 1, m)[0] if a.kind in (Kind.FORWARD, Kind.BACKWARD)]
+    microbatches, shares = split_batch(batch, max(batch_size(batch) // size, 1))
+    count = min(len(microbatches), _OVERHEAD_MICROBATCHES)
+    microbatches, shares = microbatches[:count], shares[:count]
+    actions = [a for a in build_schedule("1f1b", 1, count)[0] if a.kind in (Kind.FORWARD, Kind.BACKWARD)]
     executor = Executor(
         Stage(blocks, 0), Position(0, 1, None, None), device, Hooks(module.pipeline_inputs, module.pipeline_loss)
     )
@@ -698,14 +704,34 @@ def _action_overhead(
         state.add_batch(0, microbatches, shares)
         executor.run(actions, state)
 
-    executed, plain = [], []
-    for repeat in range(max(repeats, 5) + 1):  # the first pair warms up; the fastest of five or more
-        seconds, _ = _timed(through_executor, device)
-        executed += [seconds] if repeat else []
-        seconds, _ = _timed(lambda: _plain_run(module, blocks, microbatches, shares), device)
-        plain += [seconds] if repeat else []
+    def plainly() -> None:
+        _plain_run(module, blocks, microbatches, shares)
+
+    differences = []
+    for pair in range(_OVERHEAD_PAIRS_PER_REPEAT * max(repeats, 5) + 1):  # the first pair warms up
+        runs = (through_executor, plainly) if pair % 2 else (plainly, through_executor)
+        first, second = (_cpu_timed(run, device) for run in runs)
+        executed, plain = (first, second) if pair % 2 else (second, first)
+        differences += [executed - plain] if pair else []
     module.zero_grad(set_to_none=True)
-    return max(min(executed) - min(plain), 0.0) / (2 * m)
+    return max(statistics.median(differences), 0.0) / len(actions)
+
+
+#: Microbatches in each run of :func:`_action_overhead`'s pairs, and pairs per profiling repeat: runs
+#: short enough to time many pairs (the median's spread falls as their square root) in the time
+#: the blocks' own profile takes.
+_OVERHEAD_MICROBATCHES, _OVERHEAD_PAIRS_PER_REPEAT = 4, 4
+
+
+def _cpu_timed(fn: Callable[[], Any], device: torch.device) -> float:
+    """Seconds ``fn`` took: this process's CPU time on a CPU (every thread's, torch's intra-op
+    threads included), which other processes sharing the cores do not add to; wall time on an
+    accelerator, whose kernels run beside the host."""
+    if device.type != "cpu":
+        return _timed(fn, device)[0]
+    start = time.process_time()
+    fn()
+    return time.process_time() - start
 
 
 def _plain_run(module: nn.Module, blocks: list[nn.Module], microbatches: list[Any], shares: list[float]) -> None:
