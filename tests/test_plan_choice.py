@@ -22,6 +22,15 @@ def test_the_best_plan_is_chosen_when_the_noise_tells_the_plans_apart() -> None:
     assert search.choose(ranked, 0.05) is ranked[0]  # 10% apart: the faster plan, whatever its memory
 
 
+def test_plans_whose_throughputs_round_alike_are_ranked_by_step() -> None:
+    # Two steps 2 ulps apart whose throughputs (4 samples over the step) round to one float: the
+    # ranking is still in step order, the shorter first, whichever came first.
+    slower, faster = 0.013388073126706819, 0.013388073126706817
+    assert slower > faster and 4 / slower == 4 / faster
+    ranked = search.rank([_prediction(1, slower, 300), _prediction(2, faster, 300)])
+    assert [p.step_time for p in ranked] == [faster, slower]
+
+
 def test_plans_within_the_noise_yield_to_the_one_with_less_memory() -> None:
     ranked = search.rank([_prediction(1, 1.00, 300), _prediction(2, 1.03, 100), _prediction(4, 1.30, 50)])
     close = search.within_noise(ranked, 0.05)

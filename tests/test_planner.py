@@ -917,10 +917,12 @@ def test_the_action_overhead_is_what_the_executor_adds_to_the_blocks(monkeypatch
 
 def test_the_action_overhead_does_not_count_time_the_process_is_off_its_core(monkeypatch: pytest.MonkeyPatch) -> None:
     # Every forward of the executor sleeps 10 ms, as when another process takes this rank's core
-    # (a busy host, or ranks profiling together). A wall-clock difference would read 5 ms an
-    # action; the executor's own work adds nothing.
+    # (a busy host, or ranks profiling together). A wall-clock difference reads 5 ms an action.
+    # In CPU time only the work around each sleep counts: the sleep's own calls and the work right
+    # after it, on cold caches, which read 0.13 to 0.53 ms an action on a 2-core host beside the
+    # suite's other processes. Under 1.5 ms tells the two apart with that margin.
     profile = _profile_with_slower_forwards(monkeypatch, lambda: time.sleep(0.01))
-    assert profile.action_overhead < 0.0005, profile.action_overhead
+    assert profile.action_overhead < 0.0015, profile.action_overhead
 
 
 #: With replicas a stage's gradients live in all-reduce buckets made whole at their first

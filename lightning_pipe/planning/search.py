@@ -160,8 +160,10 @@ def evaluate(
 
 
 def rank(predictions: Iterable[Prediction]) -> list[Prediction]:
-    """Feasible plans first, by predicted throughput; infeasible ones after, also by throughput."""
-    return sorted(predictions, key=lambda p: (not p.feasible, -p.samples_per_second))
+    """Feasible plans first, by predicted throughput; infeasible ones after, also by throughput.
+    Plans whose throughputs round to the same float go by step time (two steps a few ulps apart
+    can give one quotient), so that a ranking of one global batch is in step order."""
+    return sorted(predictions, key=lambda p: (not p.feasible, -p.samples_per_second, p.step_time))
 
 
 def within_noise(ranked: Sequence[Prediction], noise: float) -> list[Prediction]:
