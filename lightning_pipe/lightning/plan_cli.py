@@ -12,7 +12,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Collection, Optional, Sequence
+from typing import Any, Callable, Collection, Optional, Sequence, TypeVar
 
 import lightning as L
 import torch
@@ -315,15 +315,24 @@ def measured_first(
     ratios = layout_ratios(ranked, ran)
     charged = []
     for p in ranked:
-        trial = next((t for (q, b), t in ran.items() if b == p.microbatch_size and same_run(p.plan, q)), None)
+        trial = next(iter(of_same_run(ran, p.plan, p.microbatch_size)), None)
         step = trial.step if trial else p.step_time * ratios.get(layout(p.plan, p.microbatch_size), 1.0)
         charged.append(dataclasses.replace(p, step_time=step))
     return search.rank(charged)
 
 
+_T = TypeVar("_T")
+
+
 #: The plan fields that only order a program's actions: plans that differ in them alone and
 #: build the same action lists run the same job.
 ORDER_FIELDS = frozenset({"schedule", "split_placement", "split_max_pending"})
+
+
+def of_same_run(entries: dict[tuple[PipelinePlan, int], _T], plan: PipelinePlan, microbatch_size: int) -> list[_T]:
+    """The values of ``entries`` (keyed by plan and microbatch size) whose plans run the same job
+    as ``plan`` at ``microbatch_size`` (:func:`same_run`)."""
+    return [v for (q, b), v in entries.items() if b == microbatch_size and same_run(plan, q)]
 
 
 def same_run(a: PipelinePlan, b: PipelinePlan) -> bool:
@@ -385,8 +394,7 @@ def choice_noise(
     if not ranked:
         return 0.0
     best = ranked[0]
-    measured = [s for (q, b), s in trial_spreads.items() if b == best.microbatch_size and same_run(best.plan, q)]
-    measured = measured or [
+    measured = of_same_run(trial_spreads, best.plan, best.microbatch_size) or [
         s for (q, b), s in trial_spreads.items() if layout(q, b) == layout(best.plan, best.microbatch_size)
     ]
     if measured:

@@ -665,6 +665,12 @@ def profile_concurrently(
     return alone(mean_profile(profiles), slowdown, processes)
 
 
+#: Microbatches in each run of :func:`_action_overhead`'s pairs, and pairs per profiling repeat: runs
+#: short enough to time many pairs (the median's spread falls as their square root) in the time
+#: the blocks' own profile takes.
+_OVERHEAD_MICROBATCHES, _OVERHEAD_PAIRS_PER_REPEAT = 4, 4
+
+
 def _action_overhead(
     module: nn.Module,
     blocks: list[nn.Module],
@@ -709,18 +715,11 @@ def _action_overhead(
 
     differences = []
     for pair in range(_OVERHEAD_PAIRS_PER_REPEAT * max(repeats, 5) + 1):  # the first pair warms up
-        runs = (through_executor, plainly) if pair % 2 else (plainly, through_executor)
-        first, second = (_cpu_timed(run, device) for run in runs)
-        executed, plain = (first, second) if pair % 2 else (second, first)
-        differences += [executed - plain] if pair else []
+        order = (through_executor, plainly) if pair % 2 else (plainly, through_executor)
+        seconds = {run: _cpu_timed(run, device) for run in order}
+        differences += [seconds[through_executor] - seconds[plainly]] if pair else []
     module.zero_grad(set_to_none=True)
     return max(statistics.median(differences), 0.0) / len(actions)
-
-
-#: Microbatches in each run of :func:`_action_overhead`'s pairs, and pairs per profiling repeat: runs
-#: short enough to time many pairs (the median's spread falls as their square root) in the time
-#: the blocks' own profile takes.
-_OVERHEAD_MICROBATCHES, _OVERHEAD_PAIRS_PER_REPEAT = 4, 4
 
 
 def _cpu_timed(fn: Callable[[], Any], device: torch.device) -> float:
