@@ -23,10 +23,13 @@ from lightning_pipe.planning.calibration import (
     fitted_line,
     fitted_scale,
     median_error,
+    message_stall,
     slowest_steps,
+    traced_stalls,
     trial_step,
 )
 from lightning_pipe.schedules import Action, Kind
+from lightning_pipe.schedules.actions import MESSAGE_KINDS
 from tests.test_planner import _uniform
 
 #: The job as it really runs: what the profile misses, to be recovered by the fit (the
@@ -37,6 +40,7 @@ TRUE = {
     "optimizer_scale": 0.8,
     "allreduce_scale": 3.0,
     "step_overhead": 0.005,
+    "message_stall": 0.0003,  # each send and receive, beyond the medians the traces hold
 }
 
 
@@ -51,10 +55,16 @@ def _profile():
 
 
 def _traced(job, plan: PipelinePlan, b: int) -> Trial:
-    """What a trial of ``plan`` would record in ``job``: every action at its cost, the step simulated."""
-    cost = costs.action_cost(job, plan, costs.stage_costs(job, plan, b))
-    actions = tuple({str(a): cost(a) for a in rank} for rank in programs.program(plan))
-    return Trial(plan, b, predict.predict_step(job, plan, b)[0], actions)
+    """What a trial of ``plan`` would record in ``job``: every action's median at its cost without
+    the message stalls, which each rank's stalls hold (its messages times the job's stall), the
+    step simulated."""
+    typical = dataclasses.replace(job, message_stall=0.0)
+    cost = costs.action_cost(typical, plan, costs.stage_costs(typical, plan, b))
+    program = programs.program(plan)
+    actions = tuple({str(a): cost(a) for a in rank} for rank in program)
+    messages = [sum(a.kind in MESSAGE_KINDS for a in rank) for rank in program]
+    stalls = tuple((job.message_stall * n, n) for n in messages)
+    return Trial(plan, b, predict.predict_step(job, plan, b)[0], actions, stalls=stalls)
 
 
 def test_calibration_recovers_the_scales_and_overhead_that_made_the_traces() -> None:
@@ -108,6 +118,24 @@ def test_the_step_overhead_is_fitted_per_layout_and_elsewhere_is_the_median_over
         )
     # A profile written and read back keeps them.
     assert type(fitted).from_json(fitted.to_json()).layout_overheads == fitted.layout_overheads
+
+
+def test_a_steps_stalls_are_its_actions_means_beyond_their_medians_and_counted_per_message() -> None:
+    ms = 1e-3
+    traced = {
+        "0F0": [1 * ms, 1 * ms, 1 * ms, 5 * ms],  # a 4 ms slice lost in one of 4 steps
+        "0SF0": [0.1 * ms, 0.1 * ms, 4.1 * ms, 0.1 * ms],  # and another
+        "1RB0": [0.2 * ms] * 4,
+        "0F1": [9 * ms],  # traced once: no median to stand beyond
+    }
+    beyond, messages = traced_stalls(traced, microbatches=2)
+    assert beyond == pytest.approx((4 + 4) * ms / 4) and messages == 2
+    # A PipeDream-2BW window numbers its microbatches on: microbatch 2 of m=2 is microbatch 0 again.
+    windows = {"0SF0": [0.1 * ms], "0SF2": [2.1 * ms], "0SF4": [0.1 * ms], "0SF6": [0.1 * ms]}
+    assert traced_stalls(windows, microbatches=2) == (pytest.approx(2 * ms / 4), 1)
+    # The stall per message pools the ranks that send or receive; one that does not adds nothing.
+    assert message_stall([(2 * ms, 4), (1 * ms, 6), (5 * ms, 0)]) == pytest.approx(3 * ms / 10)
+    assert message_stall([(5 * ms, 0)]) == 0.0 and message_stall([]) == 0.0
 
 
 def test_the_compute_scale_is_the_least_squares_slope_through_the_measured_overhead() -> None:
@@ -500,6 +528,9 @@ def test_a_trial_of_several_launches_takes_their_median_and_pools_the_traced_act
     # The launches' median absolute deviation (0.1 of 1.1, the odd launch aside), scaled to a sigma.
     assert trial.spread == pytest.approx(1.4826 * 0.1 / 1.1)
     assert trial.logged_bytes == 8 and trial.launches == pytest.approx((1.0, 1.1, 3.0))
+    # Stalls over every launch's traced steps: their mean 0.18 less their median 0.2 (a rank's
+    # may read below 0; the fit pools them over the ranks and keeps the whole at least 0).
+    assert trial.stalls[0] == (pytest.approx(0.18 - 0.2), 0)
     steady = pooled_trial(plan, 4, launches[:2])  # two launches: half their difference
     assert steady.step == pytest.approx(1.05) and steady.spread == pytest.approx(0.05 / 1.05)
 

@@ -22,7 +22,7 @@ from lightning_pipe.core.pipeline_plan import PipelinePlan
 from lightning_pipe.core.sizes import parse_size
 from lightning_pipe.lightning.monitor import held_tensors, logged_value_bytes
 from lightning_pipe.planning import predict, search
-from lightning_pipe.planning.calibration import Trial, calibrate, median_actions, trial_step
+from lightning_pipe.planning.calibration import Trial, calibrate, median_actions, traced_stalls, trial_step
 from lightning_pipe.planning.links import _link_worker
 from lightning_pipe.planning.profile import BlockProfile, BlockSample, Profile, effective_cores
 from lightning_pipe.planning.profiler import _loss_of, host_slowdown, profile_stage
@@ -372,7 +372,8 @@ class AutoPlanner(Callback):
         (:func:`~lightning_pipe.planning.calibration.calibrate`): its all-reduce, optimizer step and
         the time a step takes outside its program, from every rank's traced actions and step ends."""
         strategy, self._running_step = trainer.strategy, None
-        mine = (median_actions(self._actions), self._ends, logged_value_bytes(trainer))
+        stalls = traced_stalls(self._actions, strategy.plan.microbatches)
+        mine = (median_actions(self._actions), self._ends, logged_value_bytes(trainer), stalls)
         parts: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(parts, mine)
         ends = [part[1] for part in parts]
@@ -385,6 +386,7 @@ class AutoPlanner(Callback):
             trial_step([e[:-1] for e in ends], len(ends[0]) - 2),  # after the warm-up, before the capturing step
             tuple(part[0] for part in parts),
             logged_bytes=max(part[2] for part in parts),
+            stalls=tuple(part[3] for part in parts),
         )
         self._running_step = trial.step
         return calibrate(profile, [trial])

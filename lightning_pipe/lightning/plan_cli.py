@@ -412,6 +412,7 @@ def calibration_note(profile: Profile) -> str:
         f"{c['action_overhead'] * 1e3:.2f} ms an action, optimizer step "
         f"x{c['optimizer_scale']:.2f}, all-reduce x{c['allreduce_scale']:.2f} + "
         f"{c.get('allreduce_latency', 0.0) * 1e3:.2f} ms, "
+        f"{c.get('message_stall', 0.0) * 1e3:.2f} ms a message's stalls, "
         f"{c['step_overhead'] * 1e3:.1f} ms a step outside the program{_per_layout(c.get('layout_overheads', {}))}"
     )
 

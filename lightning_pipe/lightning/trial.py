@@ -25,7 +25,7 @@ import yaml
 
 from lightning_pipe.core.pipeline_plan import PipelinePlan
 from lightning_pipe.lightning.monitor import logged_value_bytes
-from lightning_pipe.planning.calibration import Trial, median_actions, median_error, slowest_steps
+from lightning_pipe.planning.calibration import Trial, median_actions, median_error, slowest_steps, traced_stalls
 
 
 def strategy_init_args(plan: PipelinePlan, global_batch: int) -> dict[str, Any]:
@@ -98,8 +98,9 @@ class TrialRecorder(L.Callback):
         (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
-#: Steps of a trial launch: one warm-up, the timed ones, the traced ones.
-TIMED_STEPS, TRACED_STEPS = 6, 3
+#: Steps of a trial launch: one warm-up, the timed ones, the traced ones (enough of them that a
+#: trial's message stalls, a scheduler slice in some steps and not in others, average out).
+TIMED_STEPS, TRACED_STEPS = 6, 6
 #: Launches of a trial: at least ``TRIAL_LAUNCHES[0]``, more while no two launches' medians agree
 #: within :data:`LAUNCHES_AGREE`, at most ``TRIAL_LAUNCHES[1]``. Two launches of one plan on a
 #: loaded CPU host differ by several percent, as much as a ranking's top plans do, and a trial's
@@ -220,26 +221,30 @@ def pooled_trial(plan: PipelinePlan, microbatch_size: int, launches: Sequence[Se
     steps, and a spread that is the larger of the median's standard error over all the measured
     steps and the launches' own: their medians' median absolute deviation, scaled to a normal
     sigma, relative to the step (half the difference of two launches; one odd launch of three
-    does not set it, as one that ran beside a stray process would)."""
+    does not set it, as one that ran beside a stray process would); and each rank's stalls over
+    every launch's traced steps (:func:`~lightning_pipe.planning.calibration.traced_stalls`)."""
     medians = [launch_median(ranks) for ranks in launches]
     step = statistics.median(medians)
     pooled = [t for ranks in launches for t in launch_steps(ranks)]
     between = statistics.median(abs(m - step) for m in medians) / step
     spread = max(median_error(pooled), (1.4826 if len(medians) > 2 else 1.0) * between)
     logged = max(r["logged_bytes"] for ranks in launches for r in ranks)
-    return Trial(plan, microbatch_size, step, _pooled_actions(launches), spread, logged, tuple(medians))
+    traced = _pooled_actions(launches)
+    actions = tuple(median_actions(rank) for rank in traced)
+    stalls = tuple(traced_stalls(rank, plan.microbatches) for rank in traced)
+    return Trial(plan, microbatch_size, step, actions, spread, logged, tuple(medians), stalls)
 
 
-def _pooled_actions(launches: Sequence[Sequence[dict]]) -> tuple[dict[str, float], ...]:
-    """Per rank, each traced action's median seconds over every launch's traced steps."""
-    actions = []
+def _pooled_actions(launches: Sequence[Sequence[dict]]) -> list[dict[str, list[float]]]:
+    """Per rank, each traced action's seconds in every launch's traced steps."""
+    pooled = []
     for rank in range(len(launches[0])):
         traced: dict[str, list[float]] = {}
         for ranks in launches:
             for text, seconds in ranks[rank]["actions"].items():
                 traced.setdefault(text, []).extend(seconds)
-        actions.append(median_actions(traced))
-    return tuple(actions)
+        pooled.append(traced)
+    return pooled
 
 
 def main() -> None:

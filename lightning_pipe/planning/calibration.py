@@ -4,8 +4,9 @@ Block times come from profiling each block alone; a job runs them inside its exe
 processes, its training loop. A trial run measures what that adds: each traced action's
 seconds against the model's, and each step's seconds against the simulated program: compute
 as a scale on the blocks' seconds, the optimizer step and the
-all-reduce as scales, the cost of posting a send, then one per-step overhead as the median
-residual of the trials' steps. The fitted profile predicts the plans no trial ran.
+all-reduce as scales, the cost of posting a send, the stalls each message brings beyond the
+actions' typical seconds, then one per-step overhead as the median residual of the trials'
+steps. The fitted profile predicts the plans no trial ran.
 """
 
 from __future__ import annotations
@@ -13,14 +14,14 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 from lightning_pipe.core.pipeline_plan import PipelinePlan
 from lightning_pipe.planning.costs import action_cost, sharded, sharded_seconds, stage_costs
 from lightning_pipe.planning.predict import predict_step, slowdowns
 from lightning_pipe.planning.profile import Profile, layout_key
 from lightning_pipe.schedules import Action, Kind
-from lightning_pipe.schedules.actions import COMPUTE_KINDS
+from lightning_pipe.schedules.actions import COMPUTE_KINDS, MESSAGE_KINDS
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,9 @@ class Trial:
         logged_bytes: the bytes of the values the module logged that Lightning holds between
             steps, on the rank that holds the most (0: not measured).
         launches: each launch's median step, where the trial ran in several.
+        stalls: per rank, the seconds a traced step spent beyond its actions' medians and the
+            messages it sent and received, over the actions traced in more than one step
+            (:func:`traced_stalls`; empty: not measured).
     """
 
     plan: PipelinePlan
@@ -47,6 +51,7 @@ class Trial:
     spread: float = 0.0
     logged_bytes: int = 0
     launches: tuple[float, ...] = ()
+    stalls: tuple[tuple[float, int], ...] = ()
 
 
 def _fitted_scale(traced: float, modeled: float) -> float:
@@ -87,6 +92,35 @@ def send_seconds_per_byte(sends: Sequence[tuple[int, float]], posting: float) ->
     return max(statistics.median(rates), 0.0) if rates else 0.0
 
 
+def traced_stalls(traced: Mapping[str, Sequence[float]], microbatches: int) -> tuple[float, int]:
+    """Seconds a traced step spends beyond its actions' medians (each action's mean over the
+    traced steps less its median, summed), and how many of those actions are messages; actions
+    are matched across steps by stage, kind and microbatch modulo ``microbatches`` (a
+    PipeDream-2BW window numbers its microbatches on from the last), and only those traced in
+    more than one step count.
+
+    A rank that waits for a core now and then (on a host whose cores the ranks share, a
+    message's arrival wakes a transport thread) loses a scheduler slice in some steps and not in
+    others: the medians leave those slices out, the mean step holds them."""
+    matched: dict[tuple[int, Kind, Optional[int]], list[float]] = {}
+    for text, seconds in traced.items():
+        a = Action.parse(text)
+        key = (a.stage, a.kind, None if a.microbatch is None else a.microbatch % microbatches)
+        matched.setdefault(key, []).extend(seconds)
+    repeated = {key: seconds for key, seconds in matched.items() if len(seconds) > 1}
+    steps = max(len(seconds) for seconds in repeated.values()) if repeated else 1
+    beyond = sum(len(s) * (statistics.fmean(s) - statistics.median(s)) for s in repeated.values()) / steps
+    return beyond, sum(1 for stage, kind, _ in repeated if kind in MESSAGE_KINDS)
+
+
+def message_stall(points: Sequence[tuple[float, int]]) -> float:
+    """Seconds each message costs its job beyond its actions' medians: the ranks' stalls over
+    their messages (``(seconds, messages)`` points, :func:`traced_stalls`, of ranks that send
+    or receive), at least 0; 0 without such a rank."""
+    seconds, messages = sum(s for s, n in points if n > 0), sum(n for _, n in points)
+    return max(seconds / messages, 0.0) if messages else 0.0
+
+
 def unfitted(profile: Profile) -> Profile:
     """``profile`` as profiled: no scale, no step overhead, the executor's per-action and
     per-send overheads and the bytes every device holds that its profile measured (a fit replaces
@@ -103,6 +137,7 @@ def unfitted(profile: Profile) -> Profile:
         action_overhead=profiled.get("profiled_action_overhead", profile.action_overhead),
         send_overhead=profiled.get("profiled_send_overhead", profile.send_overhead),
         send_seconds_per_byte=0.0,
+        message_stall=0.0,
         device_bytes=profiled.get("profiled_device_bytes", profile.device_bytes),
     )
 
@@ -131,6 +166,13 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
       one (:func:`send_seconds_per_byte`), so that the trials' large messages do not price the
       small ones of plans with many microbatches. Receives wait on their senders, so they are
       not fitted.
+    - Message stalls: each rank's traced seconds beyond its actions' medians over the messages it
+      sent and received (:func:`traced_stalls`, :func:`message_stall`; divided by the slowdown the
+      simulator finds for its messages), charged to every send and receive
+      (:attr:`~lightning_pipe.planning.profile.Profile.message_stall`). The medians fit the
+      compute; the stalls land on a few actions of a step, on any of them, and grow with its
+      messages: on a 2-core host 0.1-0.3 ms a message, a third of the step of a plan of 32
+      microbatches in 4 stages.
     - Memory: every device also holds Lightning's copies of the values the module logs (the
       most a trial's rank held, :attr:`Trial.logged_bytes`), added to ``device_bytes``.
     - Then the step overhead (measured minus predicted step, at least 0): per layout a trial ran
@@ -154,10 +196,12 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
     compute: list[tuple[float, float]] = []
     collectives: dict[str, list[tuple[float, float]]] = {"optimizer": [], "allreduce": []}  # (model, traced)
     sends: list[tuple[int, float]] = []
+    stalls: list[tuple[float, int]] = []
     for trial in trials:
         stages = stage_costs(base, trial.plan, trial.microbatch_size)
         cost = action_cost(base, trial.plan, stages)
         shared = slowdowns(base, trial.plan, cost)
+        stalls += [(s / _message_slowdown(rank, shared), n) for rank, (s, n) in zip(trial.actions, trial.stalls)]
         fastest: dict[str, tuple[str, float, float]] = {}  # per action: its model and fastest replica's seconds
         for rank in trial.actions:
             for text, seconds in rank.items():
@@ -185,6 +229,7 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
         optimizer_scale=_fitted_scale(sum(y for _, y in optimizer), sum(x for x, _ in optimizer)),
         allreduce_scale=allreduce_scale,
         allreduce_latency=allreduce_latency,
+        message_stall=message_stall(stalls),
         device_bytes=base.device_bytes + max(t.logged_bytes for t in trials),
     )
     residuals = [t.step - predict_step(fitted, t.plan, t.microbatch_size)[0] for t in trials]
@@ -200,6 +245,7 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
                 "actions": t.actions,
                 "logged_bytes": t.logged_bytes,
                 "launches": list(t.launches),
+                "stalls": [list(x) for x in t.stalls],
             }
             for t in trials
         ],
@@ -210,6 +256,7 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
         "optimizer_scale": fitted.optimizer_scale,
         "allreduce_scale": fitted.allreduce_scale,
         "allreduce_latency": fitted.allreduce_latency,
+        "message_stall": fitted.message_stall,
         "step_overhead": overhead,
         "layout_overheads": layouts,
         "profiled_action_overhead": base.action_overhead,
@@ -227,6 +274,12 @@ def layout_overheads(plans: Sequence[PipelinePlan], residuals: Sequence[float]) 
     for plan, residual in zip(plans, residuals):
         by_layout.setdefault(layout_key(plan.width, plan.depth), []).append(residual)
     return {key: max(statistics.median(values), 0.0) for key, values in by_layout.items()}
+
+
+def _message_slowdown(actions: Mapping[str, float], shared: Mapping[tuple[int, Kind], float]) -> float:
+    """The mean slowdown the simulator finds for a rank's traced messages (1 without messages)."""
+    kinds = [(a.stage, a.kind) for a in map(Action.parse, actions) if a.kind in MESSAGE_KINDS]
+    return statistics.fmean(shared.get(k, 1.0) for k in kinds) if kinds else 1.0
 
 
 def _category(action: Action) -> str | None:

@@ -489,7 +489,8 @@ def action_cost(profile: Profile, plan: PipelinePlan, stages: Sequence[StageCost
     """Seconds of each action of ``plan``'s program: compute from the profile, sends the time to
     post them, receives from the link (latency + bytes / bandwidth), each of them plus the
     executor's measured overhead per action (its loop and bookkeeping run around every action it
-    takes, a message's as a block's); the all-reduce from the replicas' ring, the step by weight
+    takes, a message's as a block's), and messages their fitted stall (:attr:`Profile.message_stall`);
+    the all-reduce from the replicas' ring, the step by weight
     share; compute, all-reduce and step scaled as the profile's trial runs fitted them.
 
     FSDP replicas (``data_parallel="fsdp"``, :func:`sharded_seconds`): the AR action is a
@@ -509,7 +510,8 @@ def action_cost(profile: Profile, plan: PipelinePlan, stages: Sequence[StageCost
     }
 
     def cost(a: Action) -> float:
-        return own(a) + (profile.action_overhead if a.kind in _PAYS_OVERHEAD else 0.0)
+        stall = profile.message_stall if a.kind in MESSAGE_KINDS else 0.0
+        return own(a) + stall + (profile.action_overhead if a.kind in _PAYS_OVERHEAD else 0.0)
 
     def own(a: Action) -> float:
         st = stages[a.stage]

@@ -191,6 +191,10 @@ class Profile:
         send_seconds_per_byte: seconds each byte of a send's payload adds to its posting (the
             transport takes part of a large payload in before the send returns), fitted from
             trial runs (:func:`~lightning_pipe.planning.calibration.calibrate`); 0: not fitted.
+        message_stall: seconds each send and receive costs its job beyond its typical seconds:
+            on a host whose cores the ranks share, a message's arrival wakes a transport thread,
+            and now and then a rank waits a scheduler slice for its core back; fitted from trial
+            runs' traces (:func:`~lightning_pipe.planning.calibration.traced_stalls`); 0: not fitted.
         loads_global_batch: every rank loads the whole global batch and trains on its replica's
             rows (``PipelineStrategy.enable_reconfiguration``), so holds all of it.
         cores: effective CPU cores the job's ranks share (CPU jobs on one host; ``None``: each rank
@@ -238,6 +242,7 @@ class Profile:
     send_overhead: float = 0.0
     send_seconds_per_byte: float = 0.0
     exchange_latency: float = 0.0
+    message_stall: float = 0.0
     loads_global_batch: bool = False
     cores: Optional[float] = None
     device: str = "cpu"
