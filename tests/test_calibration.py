@@ -18,6 +18,7 @@ from lightning_pipe.lightning.plan_cli import (
 )
 from lightning_pipe.planning import costs, predict, programs, search
 from lightning_pipe.planning.calibration import (
+    Stalls,
     Trial,
     calibrate,
     fitted_line,
@@ -62,9 +63,11 @@ def _traced(job, plan: PipelinePlan, b: int) -> Trial:
     cost = costs.action_cost(typical, plan, costs.stage_costs(typical, plan, b))
     program = programs.program(plan)
     actions = tuple({str(a): cost(a) for a in rank} for rank in program)
-    messages = [sum(a.kind in MESSAGE_KINDS for a in rank) for rank in program]
-    stalls = tuple((job.message_stall * n, n) for n in messages)
-    return Trial(plan, b, predict.predict_step(job, plan, b)[0], actions, stalls=stalls)
+    stalls = []
+    for rank, medians in zip(program, actions):
+        messages = sum(a.kind in MESSAGE_KINDS for a in rank)
+        stalls.append(Stalls(job.message_stall * messages, messages, sum(medians.values())))
+    return Trial(plan, b, predict.predict_step(job, plan, b)[0], actions, stalls=tuple(stalls))
 
 
 def test_calibration_recovers_the_scales_and_overhead_that_made_the_traces() -> None:
@@ -128,14 +131,30 @@ def test_a_steps_stalls_are_its_actions_means_beyond_their_medians_and_counted_p
         "1RB0": [0.2 * ms] * 4,
         "0F1": [9 * ms],  # traced once: no median to stand beyond
     }
-    beyond, messages = traced_stalls(traced, microbatches=2)
-    assert beyond == pytest.approx((4 + 4) * ms / 4) and messages == 2
+    assert traced_stalls(traced, microbatches=2) == Stalls(
+        pytest.approx((4 + 4) * ms / 4), 2, pytest.approx((1 + 0.1 + 0.2) * ms)
+    )
     # A PipeDream-2BW window numbers its microbatches on: microbatch 2 of m=2 is microbatch 0 again.
     windows = {"0SF0": [0.1 * ms], "0SF2": [2.1 * ms], "0SF4": [0.1 * ms], "0SF6": [0.1 * ms]}
-    assert traced_stalls(windows, microbatches=2) == (pytest.approx(2 * ms / 4), 1)
-    # The stall per message pools the ranks that send or receive; one that does not adds nothing.
-    assert message_stall([(2 * ms, 4), (1 * ms, 6), (5 * ms, 0)]) == pytest.approx(3 * ms / 10)
-    assert message_stall([(5 * ms, 0)]) == 0.0 and message_stall([]) == 0.0
+    assert traced_stalls(windows, microbatches=2) == Stalls(pytest.approx(2 * ms / 4), 1, pytest.approx(0.1 * ms))
+
+
+def test_the_stall_per_message_is_fitted_beside_a_share_of_the_steps_length() -> None:
+    ms = 1e-3
+
+    def rank(typical: float, messages: int, slowdown: float = 1.0) -> tuple[Stalls, float]:
+        """A rank that loses 2% of its step's length and 0.3 ms a message, times its slowdown."""
+        return Stalls(0.02 * typical + 0.3 * ms * slowdown * messages, messages, typical), slowdown
+
+    data_parallel = [rank(80 * ms, 0), rank(75 * ms, 0)]
+    pipelined = [rank(100 * ms, 4), rank(90 * ms, 4, slowdown=1.5), rank(120 * ms, 12)]
+    assert message_stall(data_parallel + pipelined) == pytest.approx(0.3 * ms)
+    # All slices read as the messages' would price a message nearly twice as much.
+    alone = sum(s.beyond for s, _ in pipelined) / sum(s.messages * w for s, w in pipelined)
+    assert alone > 1.8 * 0.3 * ms
+    # Ranks that send nothing price nothing; slices shorter than the medians price no stall.
+    assert message_stall(data_parallel) == 0.0 and message_stall([]) == 0.0
+    assert message_stall([(Stalls(-1 * ms, 4, 50 * ms), 1.0), (Stalls(0.0, 0, 40 * ms), 1.0)]) == 0.0
 
 
 def test_the_compute_scale_is_the_least_squares_slope_through_the_measured_overhead() -> None:
@@ -530,7 +549,7 @@ def test_a_trial_of_several_launches_takes_their_median_and_pools_the_traced_act
     assert trial.logged_bytes == 8 and trial.launches == pytest.approx((1.0, 1.1, 3.0))
     # Stalls over every launch's traced steps: their mean 0.18 less their median 0.2 (a rank's
     # may read below 0; the fit pools them over the ranks and keeps the whole at least 0).
-    assert trial.stalls[0] == (pytest.approx(0.18 - 0.2), 0)
+    assert trial.stalls[0] == Stalls(pytest.approx(0.18 - 0.2), 0, pytest.approx(0.2))
     steady = pooled_trial(plan, 4, launches[:2])  # two launches: half their difference
     assert steady.step == pytest.approx(1.05) and steady.spread == pytest.approx(0.05 / 1.05)
 

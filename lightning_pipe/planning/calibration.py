@@ -25,6 +25,21 @@ from lightning_pipe.schedules.actions import COMPUTE_KINDS, MESSAGE_KINDS
 
 
 @dataclass(frozen=True)
+class Stalls:
+    """What one rank's traced steps spent beyond its actions' typical seconds (:func:`traced_stalls`).
+
+    Args:
+        beyond: seconds a step spent beyond its actions' medians.
+        messages: the sends and receives of a step.
+        typical: seconds of a step's actions at their medians.
+    """
+
+    beyond: float
+    messages: int
+    typical: float
+
+
+@dataclass(frozen=True)
 class Trial:
     """One plan trained for a few steps the way the job will run, with its actions traced.
 
@@ -39,8 +54,7 @@ class Trial:
         logged_bytes: the bytes of the values the module logged that Lightning holds between
             steps, on the rank that holds the most (0: not measured).
         launches: each launch's median step, where the trial ran in several.
-        stalls: per rank, the seconds a traced step spent beyond its actions' medians and the
-            messages it sent and received, over the actions traced in more than one step
+        stalls: per rank, what its traced steps spent beyond its actions' medians
             (:func:`traced_stalls`; empty: not measured).
     """
 
@@ -51,7 +65,7 @@ class Trial:
     spread: float = 0.0
     logged_bytes: int = 0
     launches: tuple[float, ...] = ()
-    stalls: tuple[tuple[float, int], ...] = ()
+    stalls: tuple[Stalls, ...] = ()
 
 
 def _fitted_scale(traced: float, modeled: float) -> float:
@@ -92,33 +106,51 @@ def send_seconds_per_byte(sends: Sequence[tuple[int, float]], posting: float) ->
     return max(statistics.median(rates), 0.0) if rates else 0.0
 
 
-def traced_stalls(traced: Mapping[str, Sequence[float]], microbatches: int) -> tuple[float, int]:
-    """Seconds a traced step spends beyond its actions' medians (each action's mean over the
-    traced steps less its median, summed), and how many of those actions are messages; actions
-    are matched across steps by stage, kind and microbatch modulo ``microbatches`` (a
-    PipeDream-2BW window numbers its microbatches on from the last), and only those traced in
-    more than one step count.
+def traced_stalls(traced: Mapping[str, Sequence[float]], microbatches: int) -> Stalls:
+    """A rank's :class:`Stalls` from its traced actions' seconds, one per traced step: each
+    action's mean less its median, summed, its messages and its medians, summed, per step.
+    Actions are matched across steps by stage, kind and microbatch modulo ``microbatches`` (a
+    PipeDream-2BW window numbers its microbatches on from the last); those traced in one step
+    only are left out.
 
-    A rank that waits for a core now and then (on a host whose cores the ranks share, a
-    message's arrival wakes a transport thread) loses a scheduler slice in some steps and not in
-    others: the medians leave those slices out, the mean step holds them."""
+    A rank loses a scheduler slice (milliseconds) in some steps and not in others: on a host
+    whose cores the ranks share, to another rank, and where a message's arrival wakes a
+    transport thread. The medians leave those slices out; the mean step holds them."""
     matched: dict[tuple[int, Kind, Optional[int]], list[float]] = {}
     for text, seconds in traced.items():
         a = Action.parse(text)
         key = (a.stage, a.kind, None if a.microbatch is None else a.microbatch % microbatches)
         matched.setdefault(key, []).extend(seconds)
     repeated = {key: seconds for key, seconds in matched.items() if len(seconds) > 1}
-    steps = max(len(seconds) for seconds in repeated.values()) if repeated else 1
+    steps = max((len(seconds) for seconds in repeated.values()), default=1)
     beyond = sum(len(s) * (statistics.fmean(s) - statistics.median(s)) for s in repeated.values()) / steps
-    return beyond, sum(1 for stage, kind, _ in repeated if kind in MESSAGE_KINDS)
+    typical = sum(len(s) * statistics.median(s) for s in repeated.values()) / steps
+    return Stalls(beyond, sum(1 for _, kind, _ in repeated if kind in MESSAGE_KINDS), typical)
 
 
-def message_stall(points: Sequence[tuple[float, int]]) -> float:
-    """Seconds each message costs its job beyond its actions' medians: the ranks' stalls over
-    their messages (``(seconds, messages)`` points, :func:`traced_stalls`, of ranks that send
-    or receive), at least 0; 0 without such a rank."""
-    seconds, messages = sum(s for s, n in points if n > 0), sum(n for _, n in points)
-    return max(seconds / messages, 0.0) if messages else 0.0
+def message_stall(points: Sequence[tuple[Stalls, float]]) -> float:
+    """Seconds each message costs its job beyond its actions' medians, at least 0; 0 without a
+    rank that sends or receives.
+
+    ``points``: each rank's stalls and the slowdown of its messages on the host's shared cores
+    (1: none). A rank's steps lose slices in proportion to their length as well as to their
+    messages, so the seconds beyond the medians are fitted by least squares as
+    ``a * typical + stall * slowdown * messages``, both terms at least 0: the ranks that send
+    nothing (data-parallel layouts) and the lengths of the others' steps price the first term,
+    so that a trial of long actions and few messages does not read its slices as the messages'."""
+    rows = [(p.typical, slowdown * p.messages, p.beyond) for p, slowdown in points]
+    if not any(m > 0 for _, m, _ in rows):
+        return 0.0
+    stt, smm, stm = sum(t * t for t, _, _ in rows), sum(m * m for _, m, _ in rows), sum(t * m for t, m, _ in rows)
+    stb, smb = sum(t * b for t, _, b in rows), sum(m * b for _, m, b in rows)
+    det = stt * smm - stm * stm
+    if det > 1e-12 * stt * smm:
+        a, stall = (stb * smm - smb * stm) / det, (stt * smb - stm * stb) / det
+        if a >= 0:
+            return max(stall, 0.0)
+        if stall < 0:
+            return 0.0
+    return max(smb / smm, 0.0)  # the lengths price nothing: the messages alone
 
 
 def unfitted(profile: Profile) -> Profile:
@@ -166,13 +198,15 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
       one (:func:`send_seconds_per_byte`), so that the trials' large messages do not price the
       small ones of plans with many microbatches. Receives wait on their senders, so they are
       not fitted.
-    - Message stalls: each rank's traced seconds beyond its actions' medians over the messages it
-      sent and received (:func:`traced_stalls`, :func:`message_stall`; divided by the slowdown the
-      simulator finds for its messages), charged to every send and receive
+    - Message stalls: each rank's traced seconds beyond its actions' medians
+      (:func:`traced_stalls`), fitted as a share of its step's length plus a stall per message
+      it sent and received (:func:`message_stall`; times the slowdown the simulator finds for its
+      messages), the stall charged to every send and receive
       (:attr:`~lightning_pipe.planning.profile.Profile.message_stall`). The medians fit the
       compute; the stalls land on a few actions of a step, on any of them, and grow with its
-      messages: on a 2-core host 0.1-0.3 ms a message, a third of the step of a plan of 32
-      microbatches in 4 stages.
+      messages: on a 2-core host 0.1-0.4 ms a message, a third of the step of an interleaved
+      plan of 32 microbatches on 2 processes. The share of the length is left to the step
+      overhead, as before.
     - Memory: every device also holds Lightning's copies of the values the module logs (the
       most a trial's rank held, :attr:`Trial.logged_bytes`), added to ``device_bytes``.
     - Then the step overhead (measured minus predicted step, at least 0): per layout a trial ran
@@ -196,12 +230,12 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
     compute: list[tuple[float, float]] = []
     collectives: dict[str, list[tuple[float, float]]] = {"optimizer": [], "allreduce": []}  # (model, traced)
     sends: list[tuple[int, float]] = []
-    stalls: list[tuple[float, int]] = []
+    stalls: list[tuple[Stalls, float]] = []
     for trial in trials:
         stages = stage_costs(base, trial.plan, trial.microbatch_size)
         cost = action_cost(base, trial.plan, stages)
         shared = slowdowns(base, trial.plan, cost)
-        stalls += [(s / _message_slowdown(rank, shared), n) for rank, (s, n) in zip(trial.actions, trial.stalls)]
+        stalls += [(st, _message_slowdown(rank, shared)) for rank, st in zip(trial.actions, trial.stalls)]
         fastest: dict[str, tuple[str, float, float]] = {}  # per action: its model and fastest replica's seconds
         for rank in trial.actions:
             for text, seconds in rank.items():
@@ -245,7 +279,7 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
                 "actions": t.actions,
                 "logged_bytes": t.logged_bytes,
                 "launches": list(t.launches),
-                "stalls": [list(x) for x in t.stalls],
+                "stalls": [dataclasses.asdict(x) for x in t.stalls],
             }
             for t in trials
         ],
