@@ -21,7 +21,7 @@ from lightning_pipe.planning.costs import action_cost, sharded, sharded_seconds,
 from lightning_pipe.planning.predict import predict_step, slowdowns
 from lightning_pipe.planning.profile import Profile, layout_key
 from lightning_pipe.schedules import Action, Kind
-from lightning_pipe.schedules.actions import COMPUTE_KINDS, MESSAGE_KINDS
+from lightning_pipe.schedules.actions import COMPUTE_KINDS, MESSAGE_KINDS, SEND_KINDS
 
 
 @dataclass(frozen=True)
@@ -320,7 +320,7 @@ def _category(action: Action) -> str | None:
     """What an action's traced seconds fit: compute, send, optimizer, all-reduce, or nothing."""
     if action.kind in COMPUTE_KINDS:
         return "compute"
-    if action.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
+    if action.kind in SEND_KINDS:
         return "send"
     if action.kind is Kind.OPTIMIZER_STEP:
         return "optimizer"

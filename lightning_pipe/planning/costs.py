@@ -14,7 +14,7 @@ from lightning_pipe.planning.profile import BlockProfile, BlockSample, Profile
 from lightning_pipe.planning.programs import _program, program_key
 from lightning_pipe.runtime.buckets import DEFAULT_BUCKET_BYTES
 from lightning_pipe.schedules import Action, Kind
-from lightning_pipe.schedules.actions import COMPUTE_KINDS, MESSAGE_KINDS
+from lightning_pipe.schedules.actions import COMPUTE_KINDS, MESSAGE_KINDS, SEND_KINDS
 
 
 @dataclass(frozen=True)
@@ -518,7 +518,7 @@ def action_cost(profile: Profile, plan: PipelinePlan, stages: Sequence[StageCost
         if a.kind in compute:
             seconds = getattr(st, compute[a.kind]) * profile.compute_scale
             return seconds + sharded_seconds(profile, plan, st, a) if fsdp else seconds
-        if a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
+        if a.kind in SEND_KINDS:
             payload = st.output_bytes if a.kind is Kind.SEND_ACT else st.input_bytes
             return profile.send_overhead + payload * profile.send_seconds_per_byte
         if a.kind is Kind.RECV_ACT:

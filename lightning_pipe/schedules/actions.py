@@ -26,8 +26,12 @@ class Kind(str, Enum):
 
 #: Kinds that do model compute (the simulator charges them a cost).
 COMPUTE_KINDS = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.INPUT_GRAD, Kind.WEIGHT_GRAD})
+#: Kinds that post a message to another rank.
+SEND_KINDS = frozenset({Kind.SEND_ACT, Kind.SEND_GRAD})
+#: Kinds that take a message in from another rank.
+RECEIVE_KINDS = frozenset({Kind.RECV_ACT, Kind.RECV_GRAD})
 #: Kinds that move a message between ranks.
-MESSAGE_KINDS = frozenset({Kind.SEND_ACT, Kind.SEND_GRAD, Kind.RECV_ACT, Kind.RECV_GRAD})
+MESSAGE_KINDS = SEND_KINDS | RECEIVE_KINDS
 #: Kinds that act on the whole batch rather than on one microbatch.
 BATCH_KINDS = frozenset({Kind.ALL_REDUCE, Kind.OPTIMIZER_STEP})
 

@@ -6,7 +6,7 @@ from functools import lru_cache, partial
 from typing import Optional, Sequence
 
 from lightning_pipe.schedules import interleaved, two_bw
-from lightning_pipe.schedules.actions import Action, Kind, ScheduleError, action
+from lightning_pipe.schedules.actions import RECEIVE_KINDS, Action, Kind, ScheduleError, action
 from lightning_pipe.schedules.generators import forward_only
 from lightning_pipe.schedules.layout import owners, stage_ranks
 from lightning_pipe.schedules.registry import flushed_generator, get
@@ -321,5 +321,5 @@ def _arrivals(
         parts.append(two_bw_drain(depth, microbatches, step, False, early, virtual, placement))
     stream = [[a for part in parts for a in part[r]] for r in range(depth)]
     own = parts[-1][rank] if drain else parts[step - first][rank]
-    mine = {a for a in own if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD)}
+    mine = {a for a in own if a.kind in RECEIVE_KINDS}
     return {src: tuple(a for a in keys if a in mine) for src, keys in receive_order(stream, rank).items()}

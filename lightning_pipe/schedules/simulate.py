@@ -7,7 +7,7 @@ from typing import Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from lightning_pipe.schedules.actions import COMPUTE_KINDS, Action, Kind, ScheduleError, format_actions
+from lightning_pipe.schedules.actions import COMPUTE_KINDS, SEND_KINDS, Action, Kind, ScheduleError, format_actions
 from lightning_pipe.schedules.flat import CODES, SEND_ACT, SEND_GRAD, FlatProgram, flatten
 from lightning_pipe.schedules.layout import owners
 
@@ -165,7 +165,7 @@ def _advance(
             seconds += exchange.extra
         clock = start + seconds
         done[action] = clock
-        if action.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
+        if action.kind in SEND_KINDS:
             last_sent[rank, _peer(action, owner)] = clock
         out.append(Interval(rank, action, start, clock))
         ptr += 1

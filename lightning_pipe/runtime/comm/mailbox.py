@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from lightning_pipe.runtime.comm import p2p
 from lightning_pipe.runtime.stage import Tensors
-from lightning_pipe.schedules.actions import Action, Kind
+from lightning_pipe.schedules.actions import RECEIVE_KINDS, Action, Kind
 from lightning_pipe.schedules.passes import DELIVERS
 
 #: The actions that free what a forward holds: until the next, a rank's held memory only grows.
@@ -142,7 +142,7 @@ class Mailbox:
         for i, a in enumerate(actions):
             if a.kind in DELIVERS:
                 self._sends_to.setdefault(destination(a), []).append(i)  # type: ignore[arg-type]
-            elif a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
+            elif a.kind in RECEIVE_KINDS:
                 self._reads_from.setdefault(source(a), []).append(i)  # type: ignore[arg-type]
                 self._reader[a] = i
         if arrivals is None:
