@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Union
+from typing import TYPE_CHECKING, Iterable, Union
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 Size = Union[int, float, str]
 
@@ -59,3 +62,9 @@ def _number_of(text: str, name: str) -> float:
     mantissa, exponent, unit = match.groups()
     number = float(mantissa) * 10 ** int(exponent or 0)
     return number * UNITS[(unit or "").upper()]
+
+
+def storages(tensors: Iterable[Tensor]) -> dict[int, int]:
+    """Each storage under ``tensors`` once, by its address: its bytes (views and tensors that
+    share a storage count it once)."""
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}

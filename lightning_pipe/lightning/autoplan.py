@@ -19,7 +19,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_leaves, tree_map
 
 from lightning_pipe.core.pipeline_plan import PipelinePlan
-from lightning_pipe.core.sizes import parse_size
+from lightning_pipe.core.sizes import parse_size, storages
 from lightning_pipe.lightning.monitor import held_tensors, logged_value_bytes
 from lightning_pipe.planning import predict, search
 from lightning_pipe.planning.calibration import Trial, calibrate, median_actions, traced_stalls, trial_step
@@ -799,11 +799,7 @@ def _device_bytes(trainer: Trainer, extra: list[Tensor]) -> int:
         return 0
     engine = trainer.strategy.engine
     params = [p for slot in engine.versions.slots for p in slot or ()]
-    known = {
-        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-        for t in held_tensors(params, trainer.optimizers) + extra
-        if t.device == device
-    }
+    known = storages(t for t in held_tensors(params, trainer.optimizers) + extra if t.device == device)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, max(torch.cuda.memory_allocated(device) - sum(known.values()), 0))
     return int(max(gathered))

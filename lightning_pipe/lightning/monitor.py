@@ -13,6 +13,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
+from lightning_pipe.core.sizes import storages
 from lightning_pipe.lightning.strategy import PipelineStrategy
 from lightning_pipe.runtime.engine import PipelineEngine
 from lightning_pipe.runtime.sharding import local
@@ -218,8 +219,7 @@ def memory_bytes(engine: PipelineEngine, optimizers: list[Any]) -> int:
 def storage_bytes(tensors: Sequence[Tensor]) -> int:
     """Bytes of the storages under ``tensors``, each once; an FSDP shard (a DTensor) by its local
     tensor (a DTensor's own storage is a zero-address stand-in)."""
-    parts = [local(t) for t in tensors]
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in parts}.values())
+    return sum(storages(local(t) for t in tensors).values())
 
 
 def held_tensors(params: Sequence[Tensor], optimizers: Sequence[Any]) -> list[Tensor]:

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from lightning_pipe.core.sizes import storages
 from lightning_pipe.planning.profile import BlockProfile, BlockSample, Profile, alone, mean_profile, median_sample
 from lightning_pipe.runtime.autograd import backward_split as split
 from lightning_pipe.runtime.autograd.deferred_weights import (
@@ -151,13 +152,7 @@ def _block_sample(
     t_i, (found, work) = _timed(lambda: split.input_grads(roots, grads, needing, deferred), device)
     captured = _captured_bytes(work, found)
     mine = {t.untyped_storage().data_ptr() for t in needing}
-    captured_input = sum(
-        {
-            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-            for t in work.kept()
-            if t.untyped_storage().data_ptr() in mine
-        }.values()
-    )
+    captured_input = sum(n for key, n in storages(work.kept()).items() if key in mine)
     t_w, _ = _timed(lambda: split.weight_grads(work), device)
     block.zero_grad(set_to_none=True)
     sample = BlockSample(
@@ -190,8 +185,7 @@ def _loss_bytes(
 def _captured_bytes(work: split.WeightWork, input_grads: Sequence[Optional[Tensor]]) -> int:
     """Bytes of the gradients I captured for W, each storage once (the input gradients are sent on, not kept)."""
     sent = {g.untyped_storage().data_ptr() for g in input_grads if g is not None}
-    kept = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in work.kept()}
-    return sum(n for key, n in kept.items() if key not in sent)
+    return sum(n for key, n in storages(work.kept()).items() if key not in sent)
 
 
 def _forward(block: nn.Module, inputs: tuple[Tensor, ...], loss: Loss, name: str) -> tuple[tuple, tuple[list, list]]:

@@ -10,6 +10,7 @@ from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping, O
 import torch
 from torch import Tensor
 
+from lightning_pipe.core.sizes import storages
 from lightning_pipe.runtime.autograd import backward_split as split
 from lightning_pipe.runtime.autograd.deferred_weights import DeferredGrads, DeferWeightGrads, keeps_saved_tensors
 from lightning_pipe.runtime.comm import p2p
@@ -155,7 +156,7 @@ def saved_bytes(weights: Iterable[Tensor] = ()) -> Iterator[list[int]]:
 
 def _storage_bytes(tensors: Iterable[Tensor]) -> int:
     """Bytes of the storages under ``tensors``, each once (a deferred call's input may feed several)."""
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+    return sum(storages(tensors).values())
 
 
 def _unwrap(values: Tensors) -> Any:
