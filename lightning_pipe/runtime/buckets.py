@@ -112,8 +112,13 @@ class GradientBuckets:
         """Post the buckets not posted yet, wait for all, and average; the next batch starts afresh."""
         while self._next < len(self.buckets):
             self._post(self._next)
-        for work in self._works:
+        for work, flat in zip(self._works, self._flats):
             work.wait()
+            # The process group's thread can hold its finished work, and with it the tensor it
+            # reduced, a while after wait() returns (on a loaded CPU host past the next step's first
+            # gradient). Emptying that tensor leaves the buffer to the gradients' views alone, so it
+            # is freed when they are, as the memory model counts it.
+            flat.set_()  # type: ignore[union-attr]
         self._reset()
 
     def discard(self) -> None:
