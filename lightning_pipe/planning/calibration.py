@@ -204,7 +204,7 @@ def calibrate(profile: Profile, trials: Sequence[Trial]) -> Profile:
       messages), the stall charged to every send and receive
       (:attr:`~lightning_pipe.planning.profile.Profile.message_stall`). The medians fit the
       compute; the stalls land on a few actions of a step, on any of them, and grow with its
-      messages: on a 2-core host 0.1-0.4 ms a message, a third of the step of an interleaved
+      messages: on a 2-core host up to 0.4 ms a message, a third of the step of an interleaved
       plan of 32 microbatches on 2 processes. The share of the length is left to the step
       overhead, as before.
     - Memory: every device also holds Lightning's copies of the values the module logs (the
