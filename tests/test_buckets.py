@@ -99,3 +99,36 @@ def test_bucketed_overlapped_all_reduce_matches_single_process(launched, combo: 
         # Every bucket of every step was posted as soon as its gradients were final, none left
         # for the AR action (the toy chain uses every parameter in every microbatch).
         assert at_finish == 0 and during == STEPS * rank[combo]["buckets"] > 0, rank[combo]["posted"]
+
+
+def test_a_finished_buckets_buffer_lives_only_as_long_as_the_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    # gloo's thread can hold its finished all-reduce, and the tensor it reduced, after wait()
+    # returns (on a loaded host past the next step's first gradient). The works here are held
+    # throughout, as by that thread: the buffer must still go when the gradients do.
+    import weakref
+
+    held = []
+
+    class HeldWork:
+        def __init__(self, tensor: torch.Tensor) -> None:
+            self.tensor = tensor
+
+        def wait(self) -> None:
+            pass
+
+    def all_reduce(tensor: torch.Tensor, group: object = None, async_op: bool = False) -> HeldWork:
+        held.append(HeldWork(tensor))
+        return held[-1]
+
+    monkeypatch.setattr(buckets_module.dist, "all_reduce", all_reduce)
+    layer = torch.nn.Linear(4, 3)
+    buckets = buckets_module.GradientBuckets(list(layer.parameters()), None, 2, 1 << 20)
+    buckets.expected = 1
+    layer(torch.randn(2, 4)).sum().backward()
+    buckets.finish()
+    assert len(held) == 1  # one bucket, reduced once
+    buffer = weakref.ref(layer.weight.grad.untyped_storage())
+    layer.zero_grad(set_to_none=True)
+    alive = buffer() is not None
+    assert not alive, "the finished work still holds the bucket's buffer"
+    buckets.close()
