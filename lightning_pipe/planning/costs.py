@@ -490,8 +490,8 @@ def action_cost(profile: Profile, plan: PipelinePlan, stages: Sequence[StageCost
     post them, receives from the link (latency + bytes / bandwidth), each of them plus the
     executor's measured overhead per action (its loop and bookkeeping run around every action it
     takes, a message's as a block's), and messages their fitted stall (:attr:`Profile.message_stall`);
-    the all-reduce from the replicas' ring, the step by weight
-    share; compute, all-reduce and step scaled as the profile's trial runs fitted them.
+    the all-reduce from the replicas' ring, the step by weight share; compute, all-reduce and step
+    scaled as the profile's trial runs fitted them.
 
     FSDP replicas (``data_parallel="fsdp"``, :func:`sharded_seconds`): the AR action is a
     reduce-scatter, half the ring all-reduce; the forwards and backwards that gather a stage's
