@@ -293,15 +293,28 @@ def _next_trial(
 
 
 def confirmed(
-    ranked: Sequence[predict.Prediction], trial_spreads: dict[tuple[PipelinePlan, int], float]
+    ranked: Sequence[predict.Prediction], trial_spreads: dict[tuple[PipelinePlan, int], float], noise: float
 ) -> list[predict.Prediction]:
     """The plans :func:`~lightning_pipe.planning.search.choose` may take where trials ran: the best
-    feasible one and those a trial measured. A plan predicted within the noise of a measured best
-    is only a model's guess until it runs; it is not taken for its memory unconfirmed."""
+    feasible one and those a trial measured whose step, raised by their own spread, stays within
+    ``noise`` of the best's. A plan predicted within the noise of a measured best is only a
+    model's guess until it runs; it is not taken for its memory unconfirmed. A measured plan is
+    taken only where its measurements show it no slower than the noise allows (an equivalence
+    test: Schuirmann's two one-sided tests, at one standard error), not merely where a wide
+    spread fails to tell it from the best: on a busy host a trial of launches 7% apart read
+    within the noise of the best and ran 20% slower."""
     if not trial_spreads:
         return list(ranked)
     best = next((p for p in ranked if p.feasible), None)
-    return [p for p in ranked if p is best or (p.plan, p.microbatch_size) in trial_spreads]
+    if best is None:
+        return list(ranked)
+    limit = best.step_time * (1 + noise)
+
+    def equivalent(p: predict.Prediction) -> bool:
+        spread = trial_spreads.get((p.plan, p.microbatch_size))
+        return spread is not None and p.step_time * (1 + spread) <= limit
+
+    return [p for p in ranked if p is best or equivalent(p)]
 
 
 def measured_first(
@@ -682,7 +695,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     noise = prediction_spread(profiles, ranked[: args.top], args.memory)
     print(table(ranked, args.top, noise, trials, trial_spreads))
     top_noise = choice_noise(ranked, noise, trial_spreads)
-    best = search.choose(confirmed(ranked, trial_spreads), top_noise)
+    best = search.choose(confirmed(ranked, trial_spreads, top_noise), top_noise)
     close = search.within_noise(ranked, top_noise)
     if len(close) > 1:
         print(
@@ -698,9 +711,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 1
     unconfirmed = search.choose(ranked, top_noise)
     if unconfirmed is not None and unconfirmed is not best:
+        why = (
+            f"its trial's spread (±{trial_spreads[key]:.1%}) leaves it possibly slower than the noise allows"
+            if (key := (unconfirmed.plan, unconfirmed.microbatch_size)) in trial_spreads
+            else "no trial measured it (none left in the budget, or it failed)"
+        )
         print(
             f"\n{unconfirmed.plan.describe()} needs less memory and is predicted within the noise of the best, "
-            f"but no trial measured it (none left in the budget, or it failed): keeping {best.plan.describe()}"
+            f"but {why}: keeping {best.plan.describe()}"
         )
     if best is not ranked[0]:
         print(
