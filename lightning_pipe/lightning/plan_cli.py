@@ -301,8 +301,8 @@ def confirmed(
     model's guess until it runs; it is not taken for its memory unconfirmed. A measured plan is
     taken only where its measurements show it no slower than the noise allows (an equivalence
     test: Schuirmann's two one-sided tests, at one standard error), not merely where a wide
-    spread fails to tell it from the best: on a busy host a trial of launches 7% apart read
-    within the noise of the best and ran 20% slower."""
+    spread fails to tell it from the best: on a busy host plans whose trials read ±4% to ±8%
+    lay within the noise of the best and trained 19% to 23% slower."""
     if not trial_spreads:
         return list(ranked)
     best = next((p for p in ranked if p.feasible), None)
@@ -711,10 +711,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 1
     unconfirmed = search.choose(ranked, top_noise)
     if unconfirmed is not None and unconfirmed is not best:
+        spread = trial_spreads.get((unconfirmed.plan, unconfirmed.microbatch_size))
         why = (
-            f"its trial's spread (±{trial_spreads[key]:.1%}) leaves it possibly slower than the noise allows"
-            if (key := (unconfirmed.plan, unconfirmed.microbatch_size)) in trial_spreads
-            else "no trial measured it (none left in the budget, or it failed)"
+            "no trial measured it (none left in the budget, or it failed)"
+            if spread is None
+            else f"its trial's spread (±{spread:.1%}) leaves it possibly slower than the noise allows"
         )
         print(
             f"\n{unconfirmed.plan.describe()} needs less memory and is predicted within the noise of the best, "

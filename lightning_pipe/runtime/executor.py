@@ -154,11 +154,6 @@ def saved_bytes(weights: Iterable[Tensor] = ()) -> Iterator[list[int]]:
         yield counted
 
 
-def _storage_bytes(tensors: Iterable[Tensor]) -> int:
-    """Bytes of the storages under ``tensors``, each once (a deferred call's input may feed several)."""
-    return sum(storages(tensors).values())
-
-
 def _unwrap(values: Tensors) -> Any:
     return values[0] if len(values) == 1 else values
 
@@ -412,7 +407,7 @@ class Executor:
         st.weight_work[key] = work
         if self.account and deferred is not None and not work.roots:  # I freed the graph: W holds only what it kept
             st.release(key)
-            st.hold(key, _storage_bytes(work.kept()))
+            st.hold(key, sum(storages(work.kept()).values()))  # a deferred call's input may feed several
         elif self.account:
             st.hold(key, sum(g.numel() * g.element_size() for g in work.kept()))
 
