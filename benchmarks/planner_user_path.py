@@ -20,6 +20,10 @@ pipeline rank.
 ``--busy`` keeps one core busy with a spinning process through the plan commands and the
 training; ``--cli-runs N`` runs the plan command N times and reports whether its first choice
 held.
+
+Beside the planner's scores the page scores a repeat measurement (:func:`repeat_scores`): each
+layout's launches taken one at a time as the prediction of its others, the most a trial of each
+plan can tell on this host; and the plan command's trials against the same plans trained later.
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ from lightning_pipe.planning.calibration import slowest_steps  # noqa: E402
 MEMORY_TOLERANCE = 0.02
 #: The time check of ``--cli-runs``: the top 5 predictions within this fraction of the measured steps.
 TOP5_TOLERANCE = 0.25
+#: The step check on a quiet host: every layout's predicted step within this fraction of its measured one.
+STEP_TOLERANCE = 0.15
 
 
 class Workload(NamedTuple):
@@ -449,20 +455,57 @@ def chosen_layout(group: dict[str, Any]) -> dict[str, Any]:
     return next(x for x in group["layouts"] if plan_key(x["row"]) == first)
 
 
+def step_scores(predicted: Sequence[float], measured: Sequence[float]) -> dict[str, Any]:
+    """How ``predicted`` steps match ``measured`` ones, layout by layout: the median and the worst
+    relative error, the layouts within ``STEP_TOLERANCE``, Spearman's rank correlation, and the
+    measured step of the layout predicted fastest over the fastest measured."""
+    errors = [p / m - 1 for p, m in zip(predicted, measured)]
+    fastest = min(range(len(predicted)), key=predicted.__getitem__)
+    return {
+        "median_error": statistics.median(abs(e) for e in errors),
+        "worst_error": max(errors, key=abs),
+        "within": sum(abs(e) <= STEP_TOLERANCE for e in errors),
+        "spearman": spearman(predicted, measured),
+        "fastest_over_fastest": measured[fastest] / min(measured),
+    }
+
+
+def repeat_scores(group: dict[str, Any]) -> list[dict[str, Any]]:
+    """The host's own noise, scored as the planner is: per launch round ``k``, the
+    :func:`step_scores` of each layout's ``k``-th launch median taken as the prediction of the
+    median of its other launches' medians (empty with fewer than 2 launches).
+
+    This is what one more measurement of every plan predicts: the most a trial of each plan can
+    tell. A model of each plan's exact mean step would err by the measured median's noise alone,
+    one launch by its own noise as well."""
+    layouts = group["layouts"]
+    rounds = min(len(x["launch_steps"]) for x in layouts)
+    if rounds < 2:
+        return []
+    scores = []
+    for k in range(rounds):
+        predicted = [x["launch_steps"][k] for x in layouts]
+        measured = [statistics.median(x["launch_steps"][:k] + x["launch_steps"][k + 1 :]) for x in layouts]
+        scores.append(step_scores(predicted, measured))
+    return scores
+
+
 def summary(group: dict[str, Any]) -> dict[str, Any]:
     """A group's headline numbers: step errors, the first choice against the fastest, Spearman, memory."""
     layouts = group["layouts"]
-    errors = [x["row"]["step_seconds"] / x["step"] - 1 for x in layouts]
-    chosen = chosen_layout(group)
+    predicted, measured = [x["row"]["step_seconds"] for x in layouts], [x["step"] for x in layouts]
+    errors = [p / m - 1 for p, m in zip(predicted, measured)]
     top5 = [abs(e) <= TOP5_TOLERANCE for e in errors[: min(5, len(errors))]]
     modeled = [e for x, e in zip(layouts, errors) if not x["row"].get("trial")]
+    scores = step_scores(predicted, measured)
     return {
-        "median_error": statistics.median(abs(e) for e in errors),
+        "median_error": scores["median_error"],
         "model_median_error": statistics.median(abs(e) for e in modeled) if modeled else float("nan"),
         "model_layouts": len(modeled),
-        "worst_error": max(errors, key=abs),
-        "choice_over_fastest": chosen["step"] / min(x["step"] for x in layouts),
-        "spearman": spearman([x["row"]["step_seconds"] for x in layouts], [x["step"] for x in layouts]),
+        "worst_error": scores["worst_error"],
+        "within": scores["within"],
+        "choice_over_fastest": chosen_layout(group)["step"] / min(measured),
+        "spearman": scores["spearman"],
         "memory_ok": all(memory_ok(x) for x in layouts),
         "top5_within": sum(top5),
         "top5": len(top5),
@@ -548,8 +591,11 @@ def group_section(group: dict[str, Any]) -> tuple[str, str]:
     s = summary(group)
     lines = [
         f"- Step error (predicted / measured - 1): median |error| {s['median_error']:.1%}, "
-        f"worst {s['worst_error']:+.1%}; of the {s['model_layouts']} layouts no trial ran (the fitted model's "
-        f"prediction): median |error| {s['model_median_error']:.1%}.",
+        f"worst {s['worst_error']:+.1%}; within {STEP_TOLERANCE:.0%}: {s['within']} of {len(group['layouts'])}; "
+        f"of the {s['model_layouts']} layouts no trial ran (the fitted model's prediction): median |error| "
+        f"{s['model_median_error']:.1%}.",
+        *trial_drift(group),
+        *repeat_line(group),
         f"- The first choice's measured step over the fastest measured layout's: {s['choice_over_fastest']:.3f}"
         f"{launch_spread(group)}.",
         f"- Spearman rank correlation of predicted and measured steps: {s['spearman']:.2f}.",
@@ -583,6 +629,7 @@ def overview(groups: Sequence[dict[str, Any]]) -> str:
                 f"{s['median_error']:.1%}",
                 f"{s['model_median_error']:.1%} ({s['model_layouts']})",
                 f"{s['worst_error']:+.1%}",
+                f"{s['within']}/{len(g['layouts'])}",
                 f"{s['choice_over_fastest']:.3f}",
                 f"{s['spearman']:.2f}",
                 "yes" if s["memory_ok"] else "no",
@@ -591,7 +638,7 @@ def overview(groups: Sequence[dict[str, Any]]) -> str:
             ]
         )
     header = ["workload", "processes", "layouts", "median abs step error", "of layouts no trial ran"]
-    header += ["worst step error", "choice / fastest"]
+    header += ["worst step error", f"within {STEP_TOLERANCE:.0%}", "choice / fastest"]
     header += [
         "Spearman",
         f"memory within {MEMORY_TOLERANCE:.0%}, never under",
@@ -599,6 +646,74 @@ def overview(groups: Sequence[dict[str, Any]]) -> str:
         "same first choice",
     ]
     return markdown_table(header, rows)
+
+
+def repeat_overview(groups: Sequence[dict[str, Any]]) -> str:
+    """One row per group: the planner's step scores beside those of one launch of each layout
+    predicting its other launches (:func:`repeat_scores`, the range over the launch rounds)."""
+    rows = []
+    for g in groups:
+        s, rounds = summary(g), repeat_scores(g)
+        if not rounds:
+            continue
+        n = len(g["layouts"])
+        rows.append(
+            [
+                g["workload"],
+                g["devices"],
+                f"{s['within']} of {n}",
+                _span([r["within"] for r in rounds], "{}") + f" of {n}",
+                f"{s['median_error']:.1%}",
+                _span([r["median_error"] for r in rounds], "{:.1%}"),
+                f"{s['spearman']:.2f}",
+                _span([r["spearman"] for r in rounds], "{:.2f}"),
+                f"{s['choice_over_fastest']:.3f}",
+                _span([r["fastest_over_fastest"] for r in rounds], "{:.3f}"),
+            ]
+        )
+    header = ["workload", "processes", f"planner: within {STEP_TOLERANCE:.0%}", "one launch: within"]
+    header += ["planner: median abs error", "one launch: median abs error", "planner: Spearman"]
+    header += ["one launch: Spearman", "planner: choice / fastest", "one launch: its fastest / fastest"]
+    note = (
+        "How well a repeat measurement predicts the page's: each layout's launches taken one at a time as "
+        "the prediction of the median of its other launches (the range over the launch rounds). That is "
+        "the most a trial of each plan can tell, without the host's drift between planning and training "
+        "(each group's section lists the plan command's trials against the same plans trained later); a "
+        "model of each plan's exact mean step would err by the measurement's noise alone, somewhat less."
+    )
+    return note + "\n\n" + markdown_table(header, rows)
+
+
+def _span(values: Sequence[float], form: str) -> str:
+    """``values``' lowest and highest, as ``low to high`` (one value where they are equal)."""
+    low, high = form.format(min(values)), form.format(max(values))
+    return low if low == high else f"{low} to {high}"
+
+
+def trial_drift(group: dict[str, Any]) -> list[str]:
+    """A line on the layouts the plan command's trials ran: their trial's step against the same
+    plan trained later (the host's drift between planning and training, which the model inherits)."""
+    ran = [x for x in group["layouts"] if x["row"].get("trial")]
+    if not ran:
+        return []
+    drift = ", ".join(f"{x['row']['step_seconds'] / x['step'] - 1:+.1%}" for x in ran)
+    return [f"- The plan command's trials against the same plans trained later: {drift}."]
+
+
+def repeat_line(group: dict[str, Any]) -> list[str]:
+    """A line on :func:`repeat_scores`: how well one launch of each layout predicts its others."""
+    rounds = repeat_scores(group)
+    if not rounds:
+        return []
+    n = len(group["layouts"])
+    return [
+        f"- One launch of each layout as the prediction of its other launches' median ({len(rounds)} rounds): "
+        f"median |error| {_span([r['median_error'] for r in rounds], '{:.1%}')}, worst "
+        f"{max((r['worst_error'] for r in rounds), key=abs):+.1%}, within {STEP_TOLERANCE:.0%}: "
+        f"{_span([r['within'] for r in rounds], '{}')} of {n}, Spearman "
+        f"{_span([r['spearman'] for r in rounds], '{:.2f}')}, the layout it finds fastest measured at "
+        f"{_span([r['fastest_over_fastest'] for r in rounds], '{:.3f}')} the fastest."
+    ]
 
 
 def user_path(workloads: Sequence[str], devices: Sequence[int], opts: Options) -> list[tuple[str, str]]:
@@ -610,9 +725,10 @@ def user_path(workloads: Sequence[str], devices: Sequence[int], opts: Options) -
                 groups.append(measure_group(WORKLOADS[name], n, opts))
                 heading, body = group_section(groups[-1])
                 print(f"\n## {heading}\n\n{body}\n", flush=True)
-    table = overview(groups)
-    print(table, flush=True)
-    return [("User path: overview", table)] + [group_section(g) for g in groups]
+    table, repeat = overview(groups), repeat_overview(groups)
+    print(f"{table}\n\n{repeat}", flush=True)
+    sections = [("User path: overview", table), ("The planner against one more launch of each plan", repeat)]
+    return sections + [group_section(g) for g in groups]
 
 
 def intro(opts: Options) -> str:

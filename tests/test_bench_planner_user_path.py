@@ -16,8 +16,10 @@ from benchmarks.planner_user_path import (
     peaks_per_position,
     plan_key,
     pooled,
+    repeat_scores,
     spearman,
     stability,
+    step_scores,
     to_train,
 )
 from lightning_pipe import PipelineStrategy
@@ -157,3 +159,27 @@ def test_a_view_of_the_datasets_tensor_inside_the_tracked_steps_is_not_counted()
             rows = data[:4]
             made = rows * 2  # 1,024 bytes of its own
         assert tracker.peak == counted + made.untyped_storage().nbytes()
+
+
+def test_step_scores_are_the_errors_the_order_and_the_pick_of_the_layout_predicted_fastest() -> None:
+    got = step_scores([1.0, 1.2, 3.0], [1.5, 1.2, 2.0])
+    errors = [1.0 / 1.5 - 1, 0.0, 3.0 / 2.0 - 1]  # -33%, 0, +50%
+    assert math.isclose(got["median_error"], abs(errors[0])) and math.isclose(got["worst_error"], errors[2])
+    assert got["within"] == 1  # only the exact one within 15%
+    assert math.isclose(got["spearman"], spearman([1.0, 1.2, 3.0], [1.5, 1.2, 2.0]))
+    assert math.isclose(got["fastest_over_fastest"], 1.5 / 1.2)  # predicted fastest, measured 1.25x the fastest
+
+
+def test_repeat_scores_take_each_launch_as_the_prediction_of_the_median_of_the_others() -> None:
+    group = {"layouts": [{"launch_steps": [1.0, 1.2, 1.1]}, {"launch_steps": [2.0, 2.0, 2.6]}]}
+    rounds = repeat_scores(group)
+    assert len(rounds) == 3
+    # round 0: 1.0 against median(1.2, 1.1) = 1.15, 2.0 against median(2.0, 2.6) = 2.3
+    assert math.isclose(rounds[0]["median_error"], 1 - 1.0 / 1.15) and rounds[0]["within"] == 2
+    # round 2: 1.1 against median(1.0, 1.2) = 1.1 exactly, 2.6 against 2.0: 30% over
+    assert math.isclose(rounds[2]["worst_error"], 2.6 / 2.0 - 1) and rounds[2]["within"] == 1
+    assert all(r["spearman"] == 1.0 and r["fastest_over_fastest"] == 1.0 for r in rounds)
+    swapped = {"layouts": [{"launch_steps": [1.0, 1.5, 1.5]}, {"launch_steps": [1.2, 1.2, 1.2]}]}
+    first = repeat_scores(swapped)[0]  # one fast launch of the slower layout picks it
+    assert first["spearman"] == -1.0 and math.isclose(first["fastest_over_fastest"], 1.5 / 1.2)
+    assert repeat_scores({"layouts": [{"launch_steps": [1.0]}, {"launch_steps": [2.0, 2.1]}]}) == []
