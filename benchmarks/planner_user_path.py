@@ -456,12 +456,13 @@ def chosen_layout(group: dict[str, Any]) -> dict[str, Any]:
 
 
 def step_scores(predicted: Sequence[float], measured: Sequence[float]) -> dict[str, Any]:
-    """How ``predicted`` steps match ``measured`` ones, layout by layout: the median and the worst
-    relative error, the layouts within ``STEP_TOLERANCE``, Spearman's rank correlation, and the
+    """How ``predicted`` steps match ``measured`` ones, layout by layout: each relative error, their
+    median and worst, the layouts within ``STEP_TOLERANCE``, Spearman's rank correlation, and the
     measured step of the layout predicted fastest over the fastest measured."""
     errors = [p / m - 1 for p, m in zip(predicted, measured)]
     fastest = min(range(len(predicted)), key=predicted.__getitem__)
     return {
+        "errors": errors,
         "median_error": statistics.median(abs(e) for e in errors),
         "worst_error": max(errors, key=abs),
         "within": sum(abs(e) <= STEP_TOLERANCE for e in errors),
@@ -493,11 +494,11 @@ def repeat_scores(group: dict[str, Any]) -> list[dict[str, Any]]:
 def summary(group: dict[str, Any]) -> dict[str, Any]:
     """A group's headline numbers: step errors, the first choice against the fastest, Spearman, memory."""
     layouts = group["layouts"]
-    predicted, measured = [x["row"]["step_seconds"] for x in layouts], [x["step"] for x in layouts]
-    errors = [p / m - 1 for p, m in zip(predicted, measured)]
+    measured = [x["step"] for x in layouts]
+    scores = step_scores([x["row"]["step_seconds"] for x in layouts], measured)
+    errors = scores["errors"]
     top5 = [abs(e) <= TOP5_TOLERANCE for e in errors[: min(5, len(errors))]]
     modeled = [e for x, e in zip(layouts, errors) if not x["row"].get("trial")]
-    scores = step_scores(predicted, measured)
     return {
         "median_error": scores["median_error"],
         "model_median_error": statistics.median(abs(e) for e in modeled) if modeled else float("nan"),
